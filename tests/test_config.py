@@ -1,0 +1,29 @@
+import pytest
+
+from kvtier.config import ConfigError, KvtierConfig
+
+
+def test_defaults_and_values():
+    config = KvtierConfig.from_dict({"cpu_bytes": "1024", "chunk_tokens": 64, "disk_path": "/tmp/x"})
+    assert (config.cpu_bytes, config.chunk_tokens, config.disk_path) == (1024, 64, "/tmp/x")
+    assert KvtierConfig.from_dict(None).cpu_bytes >= 1 << 28
+
+
+@pytest.mark.parametrize(
+    "raw, key",
+    [
+        ({"cpu_byte": 1}, "'cpu_byte'"),
+        ({"chunk_tokens": 0}, "'chunk_tokens'"),
+        ({"chunk_tokens": "many"}, "'chunk_tokens'"),
+        ({"cpu_bytes": True}, "'cpu_bytes'"),
+        ({"disk_path": 3}, "'disk_path'"),
+    ],
+)
+def test_bad_settings_name_the_key(raw, key):
+    with pytest.raises(ConfigError, match=key):
+        KvtierConfig.from_dict(raw)
+
+
+def test_chunk_must_be_a_multiple_of_the_block_size():
+    with pytest.raises(ConfigError, match="'chunk_tokens' \\(48\\).*block size \\(32\\)"):
+        KvtierConfig.from_dict({"chunk_tokens": 48}).check_block_size(32)
