@@ -24,30 +24,6 @@ from kvtier.storage import ChunkBuffer, ChunkStore
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True, slots=True)
-class LoadJob:
-    """Load ``len(block_ids)`` blocks of a request from consecutive stored chunks.
-
-    ``keys``: chain keys of the chunks, in prompt order. ``first_block``: the block of the first
-    chunk where loading starts (non-zero when the engine already holds the start of that chunk).
-    ``block_ids``: engine blocks to fill, in order.
-    """
-
-    req_id: str
-    keys: tuple[bytes, ...]
-    first_block: int
-    block_ids: tuple[int, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class SaveJob:
-    """Save full chunks: ``block_ids`` holds ``len(keys) * chunk_blocks`` engine blocks in order."""
-
-    req_id: str
-    keys: tuple[bytes, ...]
-    block_ids: tuple[int, ...]
-
-
 @dataclass(slots=True)
 class TransferStats:
     """Counters since start (tokens, bytes, milliseconds)."""
@@ -130,6 +106,7 @@ class TierWorker:
             self._saving.update(keys)
         return [self._save_pool.submit(self._seal_and_put, keys, buffers)]
 
+    @torch.inference_mode()  # buffers may be inference tensors made on the engine's thread
     def _seal_and_put(self, keys: list[bytes], buffers: list[ChunkBuffer]) -> None:
         start = _now_ms()
         try:
@@ -152,6 +129,7 @@ class TierWorker:
         """Load in the background; the outcome is reported by :meth:`take_finished`."""
         return self._load_pool.submit(self._load_and_report, job)
 
+    @torch.inference_mode()
     def _load_and_report(self, job: LoadJob) -> None:
         try:
             failed = self.load(job)

