@@ -80,8 +80,9 @@ class SchedulerSide:
             tuple(block_ids[local // self.block_size : end // self.block_size]),
         )
         self._loads.append(job)
+        # Loaded chunks stay in the save plan: the worker skips the ones still stored, and a
+        # chunk whose load failed is recomputed and must be saved again.
         tracked.load_tiers = tiers[first_chunk:end_chunk]
-        tracked.saved_chunks = max(tracked.saved_chunks, end_chunk)
 
     def hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the planned load per tier name (``cpu`` / ``disk``)."""

@@ -1,0 +1,5 @@
+"""Benchmarks of kvtier's data path, run as ``kvtier-bench <name>`` (see :mod:`kvtier.bench.cli`).
+
+``reload`` (:mod:`kvtier.bench.reload`): save a prompt's KV from engine blocks into the tiers and
+reload it into other blocks, next to a raw memcpy and the naive per-block copy.
+"""

@@ -1,0 +1,153 @@
+"""``kvtier-bench``: command-line front end of kvtier's benchmarks.
+
+``kvtier-bench reload --prompt-len 32k`` saves a 32k-token prompt's KV (Llama-3-8B geometry by
+default) through kvtier's tiers, reloads it into other blocks, checks the bytes, and prints one
+table next to a raw memcpy and the naive per-block copy. Exit status: 0 measured and verified,
+1 the bench failed (verification included), 2 bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+import time
+
+DTYPES = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "fp16": "float16", "half": "float16",
+    "float32": "float32", "fp32": "float32",
+    "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
+}
+_TOKENS = re.compile(r"(\d+)([kKmM]?)")
+
+
+def parse_tokens(text: str) -> int:
+    """``32k`` / ``32K`` -> 32768, ``1m`` -> 1048576, ``4096`` -> 4096 (k = 1024 tokens)."""
+    match = _TOKENS.fullmatch(text.strip())
+    if not match or int(match[1]) == 0:
+        raise argparse.ArgumentTypeError(f"expected a positive token count like 32k, 4K or 32768, got {text!r}")
+    return int(match[1]) << {"": 0, "k": 10, "m": 20}[match[2].lower()]
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="kvtier-bench", description="Benchmarks of kvtier's KV offload and reload path.")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    reload = commands.add_parser(
+        "reload", help="save a prompt's KV to the tiers and reload it into other blocks",
+        description="Save a prompt's KV from engine blocks into kvtier's CPU tier (and disk with --disk), reload it "
+        "into other blocks, verify the bytes, and compare with a raw memcpy and naive per-block copies.",
+    )
+    reload.add_argument("--prompt-len", type=parse_tokens, default=32 << 10, metavar="TOKENS",
+                        help="prompt length in tokens: 32k, 32K, 32768, 4k ... (default 32k)")
+    reload.add_argument("--layers", type=_positive, default=32, help="layers (default 32, Llama-3-8B)")
+    reload.add_argument("--kv-heads", type=_positive, default=8, help="KV heads per layer (default 8)")
+    reload.add_argument("--head-dim", type=_positive, default=128, help="head dimension (default 128)")
+    reload.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="KV dtype (default bfloat16)")
+    reload.add_argument("--block-size", type=_positive, default=16, help="tokens per engine block (default 16)")
+    reload.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per stored chunk (default 256)")
+    reload.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    reload.add_argument("--backend", default="auto", help="ops backend: auto, torch, triton (CUDA), reference")
+    reload.add_argument("--disk", metavar="PATH", help="add a disk tier in PATH and also measure a cold disk reload")
+    reload.add_argument("--repeats", type=_positive, default=3, help="samples per path; the table shows the median (default 3)")
+    reload.add_argument("--seed", type=int, default=0, help="seed of the random KV bytes and block shuffle")
+    reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
+    reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
+    reload.set_defaults(run=_reload, parser=reload)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return args.run(args.parser, args)  # the subcommand's parser: its errors show its usage line
+
+
+def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    if args.chunk_tokens % args.block_size:
+        parser.error(f"argument --chunk-tokens: {args.chunk_tokens} is not a multiple of --block-size {args.block_size}.")
+    if args.prompt_len % args.chunk_tokens:
+        parser.error(f"argument --prompt-len: {args.prompt_len} tokens is not a whole number of chunks of "
+                     f"--chunk-tokens {args.chunk_tokens} (kvtier stores full chunks only).")
+
+    import psutil  # noqa: E402 - heavy imports only once the arguments are known to be good
+    import torch
+
+    from kvtier.bench import reload, report
+    from kvtier.layout import LayoutError
+    from kvtier.ops import backend_names
+    from kvtier.storage import StorageError
+
+    device = _device(parser, args.device, torch)
+    if args.backend != "auto" and args.backend not in backend_names():
+        parser.error(f"argument --backend: {args.backend!r} is not available here; choose auto or one of {', '.join(backend_names())}.")
+    geometry = reload.Geometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, DTYPES[args.dtype]), args.block_size)
+    spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats, args.seed)
+    device_bytes, host_bytes = spec.memory_needed()
+    available = psutil.virtual_memory().available
+    if host_bytes > 0.9 * available:
+        parser.error(f"argument --prompt-len: {args.prompt_len} tokens needs about {host_bytes / 2**30:.1f} GiB of host "
+                     f"memory (engine KV twice plus the CPU tier); {available / 2**30:.1f} GiB is available.")
+    if device_bytes and device_bytes > torch.cuda.mem_get_info(device)[0]:
+        parser.error(f"argument --prompt-len: {args.prompt_len} tokens needs {device_bytes / 2**30:.1f} GiB on {device}.")
+
+    progress = _Progress()
+    try:
+        result = reload.run(spec, progress)
+    except reload.VerifyError as exc:
+        print(f"\nkvtier-bench: VERIFICATION FAILED: {exc}\n", file=sys.stderr)
+        return 1
+    except (reload.BenchError, StorageError, LayoutError) as exc:
+        print(f"kvtier-bench: error: {exc}", file=sys.stderr)
+        return 1
+    print(report.format_table(result), flush=True)
+    if args.json:
+        report.write_json(result, args.json)
+        progress(f"wrote {args.json}")
+    if args.plot:
+        skipped = report.write_plot(result, args.plot)
+        progress(skipped or f"wrote {args.plot}")
+    return 0
+
+
+def _device(parser: argparse.ArgumentParser, name: str, torch):
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        parser.error(f"argument --device: {name!r} is not a device; use auto, cpu, cuda or cuda:N.")
+    if device.type not in ("cpu", "cuda"):
+        parser.error(f"argument --device: {name!r}: only cpu and cuda are supported.")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            parser.error("argument --device: CUDA is not available on this machine.")
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        if device.index >= torch.cuda.device_count():
+            parser.error(f"argument --device: {name!r}, but only {torch.cuda.device_count()} CUDA devices exist.")
+    return device
+
+
+class _Progress:
+    """Progress lines on stderr, each with the seconds since the bench started."""
+
+    def __init__(self):
+        self.start = time.perf_counter()
+
+    def __call__(self, message: str) -> None:
+        print(f"kvtier-bench [{time.perf_counter() - self.start:6.1f}s] {message}", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

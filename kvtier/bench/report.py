@@ -1,0 +1,176 @@
+"""The reload benchmark's outputs: the plain-text table, the JSON record and the bar chart.
+
+Every number is the median of the repeats (milliseconds); GB/s is the prompt's KV bytes over that
+time with 1 GB = 1e9 bytes; ``x raw`` is a path's GB/s over raw memcpy's GB/s in the same direction.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+
+from kvtier.bench.reload import ReloadResult
+
+STATISTIC = "median"
+
+
+def _gbps(nbytes: int, ms: float | None) -> float | None:
+    return None if ms is None or ms <= 0 else nbytes / (ms / 1e3) / 1e9
+
+
+def _numbers(result: ReloadResult) -> dict[str, dict]:
+    """Per path: median ms, GB/s and ratio to raw memcpy for save and reload (None where absent)."""
+    nbytes = result.spec.prompt_bytes
+    raw = result.paths.get("raw")
+    out = {}
+    for name, times in result.paths.items():
+        row: dict = {"label": times.label.strip(), "note": times.note}
+        for direction in ("save", "reload"):
+            ms = times.median(direction)
+            gbps = _gbps(nbytes, ms)
+            raw_gbps = _gbps(nbytes, raw.median(direction)) if raw else None
+            row[f"{direction}_ms"] = ms
+            row[f"{direction}_gbps"] = gbps
+            row[f"{direction}_vs_raw"] = gbps / raw_gbps if gbps and raw_gbps else None
+            row[f"{direction}_ms_samples"] = list(getattr(times, f"{direction}_ms"))
+        out[name] = row
+    return out
+
+
+def format_table(result: ReloadResult) -> str:
+    """The header lines, one aligned table (a row per path), verification, peak RSS and notes."""
+    spec, g = result.spec, result.spec.geometry
+    numbers = _numbers(result)
+    notes: list[str] = []
+    rows = []
+    for name, times in result.paths.items():
+        if name.count(".") and name.split(".")[0] != "kvtier":
+            continue  # sub-paths other than kvtier's breakdown go to the JSON only
+        label = times.label
+        if times.note and name != "raw":
+            notes.append(times.note)
+            label += f" [{len(notes)}]"
+        n = numbers[name]
+        rows.append([label] + [_fmt(n[k], d) for k, d in (
+            ("save_gbps", 2), ("save_ms", 1), ("reload_gbps", 2), ("reload_ms", 1), ("save_vs_raw", 2), ("reload_vs_raw", 2))])
+    head = ["path", "save GB/s", "save ms", "reload GB/s", "reload ms", "save x raw", "reload x raw"]
+    widths = [max(len(r[i]) for r in [head, *rows]) for i in range(len(head))]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    rule = "-" * len(line(head))
+    top = [
+        f"kvtier-bench reload on {spec.device} ({result.device_name}); ops backend {result.backend}; "
+        f"load average {result.load_avg:.2f} at start",
+        f"geometry: {g.layers} layers x {g.kv_heads} KV heads x head dim {g.head_dim}, {str(g.dtype).removeprefix('torch.')}, "
+        f"block {g.block_size} tokens, chunk {spec.chunk_tokens} tokens; {result.layout_kind} ({result.regions} regions)",
+        f"bytes: {spec.prompt_tokens} tokens = {spec.prompt_blocks} blocks = {spec.num_chunks} chunks = "
+        f"{spec.prompt_bytes} B ({_gib(spec.prompt_bytes)}); engine KV {2 * spec.prompt_blocks} blocks "
+        f"({_gib(2 * spec.prompt_bytes)}); CPU tier {_gib(result.cpu_tier_bytes)}"
+        + (f"; disk tier {spec.disk_path}" if spec.disk_path else ""),
+        f"{STATISTIC} of {spec.repeats} repeats; GB/s = bytes / time (1 GB = 1e9 B); x raw = GB/s / raw memcpy GB/s",
+    ]
+    bottom = [
+        "verified byte for byte (reloaded blocks == saved blocks): " + ", ".join(result.verified),
+        f"peak RSS {_gib(result.peak_rss_bytes)}; bench wall time {result.elapsed_s:.0f} s",
+        "kvtier save = TierWorker.save + drain (gather, checksum + header, put); "
+        "reload = TierWorker.load (get, checksum verify, scatter)",
+    ]
+    bottom += [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
+    return "\n".join([*top, rule, line(head), rule, *map(line, rows), rule, *bottom])
+
+
+def to_json(result: ReloadResult) -> dict:
+    spec, g = result.spec, result.spec.geometry
+    numbers = _numbers(result)
+    return {
+        "benchmark": "reload",
+        "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "device": {"type": spec.device.type, "name": result.device_name},
+        "backend": result.backend,
+        "geometry": {
+            "layers": g.layers, "kv_heads": g.kv_heads, "head_dim": g.head_dim,
+            "dtype": str(g.dtype).removeprefix("torch."), "block_size": g.block_size,
+            "chunk_tokens": spec.chunk_tokens, "prompt_tokens": spec.prompt_tokens,
+            "prompt_blocks": spec.prompt_blocks, "engine_blocks": 2 * spec.prompt_blocks,
+            "layout": result.layout_kind, "regions": result.regions,
+        },
+        "bytes": spec.prompt_bytes,
+        "cpu_tier_bytes": result.cpu_tier_bytes,
+        "disk_path": spec.disk_path,
+        "repeats": spec.repeats,
+        "statistic": STATISTIC,
+        "units": {"ms": "milliseconds", "gbps": "1e9 bytes per second", "vs_raw": "GB/s over raw memcpy GB/s"},
+        "results": numbers,
+        "verified": bool(result.verified) and "kvtier" in result.verified,
+        "verified_paths": result.verified,
+        "peak_rss_bytes": result.peak_rss_bytes,
+        "load_avg_at_start": result.load_avg,
+        "elapsed_s": result.elapsed_s,
+    }
+
+
+def write_json(result: ReloadResult, path: str) -> None:
+    _make_parent(path)
+    with open(path, "w") as f:
+        json.dump(to_json(result), f, indent=2)
+        f.write("\n")
+
+
+def write_plot(result: ReloadResult, path: str) -> str | None:
+    """Bar chart of GB/s per path (left) and kvtier's time breakdown (right) as a PNG.
+
+    Returns None, or the reason the plot was skipped (matplotlib missing).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed; skipped the plot (pip install matplotlib)."
+    numbers = _numbers(result)
+    main = [name for name in numbers if "." not in name]
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
+    width = 0.38
+    for offset, direction in ((-width / 2, "save"), (width / 2, "reload")):
+        values = [numbers[n][f"{direction}_gbps"] or 0.0 for n in main]
+        bars = left.bar([i + offset for i in range(len(main))], values, width, label=direction)
+        left.bar_label(bars, labels=[f"{v:.1f}" if v else "" for v in values], fontsize=8)
+    left.set_xticks(range(len(main)), [numbers[n]["label"].replace(", ", ",\n", 1) for n in main], fontsize=8)
+    left.set_ylabel(f"GB/s ({STATISTIC} of {result.spec.repeats})")
+    left.legend()
+    parts = [("kvtier.ops", "ops (gather/scatter)"), ("kvtier.storage", "store"), ("kvtier.rest", "checksum + rest")]
+    bottoms = [0.0, 0.0]
+    for name, label in parts:
+        values = [numbers[name]["save_ms"] or 0.0, numbers[name]["reload_ms"] or 0.0]
+        right.bar(["save", "reload"], values, 0.5, bottom=bottoms, label=label)
+        bottoms = [b + v for b, v in zip(bottoms, values)]
+    right.set_ylabel("ms")
+    right.set_title("kvtier, CPU tier: where the time goes", fontsize=10)
+    right.legend(fontsize=8)
+    spec, g = result.spec, result.spec.geometry
+    fig.suptitle(
+        f"kvtier reload, {spec.prompt_tokens} tokens ({_gib(spec.prompt_bytes)}), {g.layers}L x {g.kv_heads}H x {g.head_dim}, "
+        f"{str(g.dtype).removeprefix('torch.')} on {result.device_name}", fontsize=10,
+    )
+    fig.tight_layout()
+    _make_parent(path)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _fmt(value: float | None, digits: int) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def _gib(nbytes: int) -> str:
+    return f"{nbytes / (1 << 30):.2f} GiB"
+
+
+def _make_parent(path: str) -> None:
+    parent = os.path.dirname(os.path.abspath(path))
+    os.makedirs(parent, exist_ok=True)

@@ -1,0 +1,12 @@
+"""kvtier's chunk storage: a CPU LRU pool and an optional disk tier, over LMCache.
+
+This package is the only place in kvtier that imports LMCache; its public types hide every
+LMCache type. Sizes are in bytes.
+"""
+
+from __future__ import annotations
+
+from .types import ChunkBuffer, StorageError, StoreConfig, Tier
+from .store import ChunkStore  # noqa: E402  (imports LMCache; types above do not)
+
+__all__ = ["ChunkBuffer", "ChunkStore", "StorageError", "StoreConfig", "Tier"]

@@ -1,0 +1,289 @@
+"""ChunkStore: kvtier's CPU + disk chunk cache, one adapter over LMCache's StorageManager.
+
+Sizes are in bytes. A chunk is an opaque byte string under an opaque key. The CPU tier is an
+LRU pool; the disk tier is written through at put time (asynchronously, on LMCache's disk
+workers) and is rebuilt from its files when a store starts on an existing directory.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+import weakref
+import torch
+
+from . import _lmcache as lm
+from ._disk import DiskTier, check_writable_dir
+from .types import ChunkBuffer, StorageError, StoreConfig, Tier
+
+logger = logging.getLogger(__name__)
+
+_TIER_OF_BACKEND = {lm.CPU_BACKEND: Tier.CPU, lm.DISK_BACKEND: Tier.DISK}
+# How long allocate()/get() wait for in-flight disk writes to make CPU chunks evictable, and
+# remove() for a write of its own key. Writes take milliseconds; this only bounds a stuck disk.
+_WRITE_WAIT_S = 10.0
+
+
+class ChunkStore:
+    """Chunks by key in a CPU LRU pool with an optional write-through disk tier.
+
+    Thread-safe for concurrent calls, except that close() must not race other calls.
+    Use as a context manager or call close(): LMCache runs a non-daemon thread.
+    """
+
+    def __init__(self, config: StoreConfig) -> None:
+        self._config = config
+        if config.disk_path is not None:
+            problem = check_writable_dir(config.disk_path)
+            if problem is not None:
+                raise StorageError(f"disk_path '{config.disk_path}' is not writable ({problem}).")
+        try:
+            self._sm = lm.build_storage_manager(config)
+        except (RuntimeError, MemoryError, OSError) as exc:
+            raise StorageError(f"cpu_bytes={config.cpu_bytes} could not be allocated: {exc}") from exc
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._outstanding: weakref.WeakSet[ChunkBuffer] = weakref.WeakSet()
+        self._outstanding_lock = threading.Lock()
+        try:
+            self._cpu: lm.LocalCPUBackend = self._sm.storage_backends[lm.CPU_BACKEND]
+            pool = self._cpu.get_memory_allocator()
+            self._pool = pool.pin_allocator  # TensorMemoryAllocator: the byte accounting
+            self._align = int(pool.align_bytes)
+            backend = self._sm.storage_backends.get(lm.DISK_BACKEND)
+            self._disk = None if backend is None else DiskTier(backend, config, self._align)
+            if self._disk is not None:
+                self._disk.rebuild_index()
+        except BaseException:
+            self._sm.close()
+            raise
+
+    # ------------------------------------------------------------------ public API
+
+    def allocate(self, nbytes: int) -> ChunkBuffer | None:
+        """A fresh ``nbytes``-byte buffer from the CPU pool, evicting LRU chunks if needed.
+
+        Returns None, without evicting anything, if ``nbytes`` exceeds the whole pool, and None
+        if the pool cannot make room (every chunk held by a reader). Never blocks for long: at
+        most ~10 s waiting for in-flight disk writes, which hold their chunks unevictable.
+        The caller owns the buffer: release() it, or pass it to put().
+        """
+        self._check_open()
+        if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
+            raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
+        obj = self._alloc_obj(nbytes)
+        return None if obj is None else self._wrap(obj, Tier.CPU)
+
+    def put(self, keys: list[bytes], buffers: list[ChunkBuffer]) -> None:
+        """Store each buffer under its key in CPU and write it through to disk if configured.
+
+        Takes ownership of every buffer (do not release them afterwards). A key already stored
+        in any tier, or repeated in this call, is not stored again; its new buffer is released.
+        Disk write failures are logged and never raised; the CPU copy stays.
+        Raises ValueError, before taking anything, for mismatched lengths or a buffer that is
+        released or belongs to another store.
+        """
+        self._check_open()
+        if len(keys) != len(buffers):
+            raise ValueError(f"put got {len(keys)} keys but {len(buffers)} buffers")
+        eks = [lm.engine_key(k, self._config) for k in keys]
+        if len({id(b) for b in buffers}) != len(buffers):
+            raise ValueError("put got the same ChunkBuffer twice")
+        for b in buffers:
+            if b.released or b._on_release != self._forget:
+                raise ValueError(f"put got {b!r}, which is released or from another store")
+        objs = [b._detach() for b in buffers]
+
+        new_keys: list[lm.CacheEngineKey] = []
+        new_objs: list[lm.MemoryObj] = []
+        seen: set[lm.CacheEngineKey] = set()
+        for ek, obj in zip(eks, objs):
+            if ek in seen or self._sm.contains(ek) is not None:
+                obj.ref_count_down()
+                continue
+            seen.add(ek)
+            new_keys.append(ek)
+            new_objs.append(obj)
+        if not new_keys:
+            return
+        # The backends are called directly instead of StorageManager.batched_put so that a
+        # failing disk submit cannot skip the final release of the callers' references.
+        try:
+            # Each backend takes its own reference; a key stored meanwhile by another thread
+            # is skipped there and its buffer freed below.
+            self._cpu.batched_submit_put_task(new_keys, new_objs)
+            if self._disk is not None:
+                self._disk.submit(new_keys, new_objs)
+        finally:
+            for obj in new_objs:
+                obj.ref_count_down()
+
+    def contains(self, key: bytes) -> Tier | None:
+        """The fastest tier holding ``key``, or None."""
+        self._check_open()
+        name = self._sm.contains(lm.engine_key(key, self._config))
+        return None if name is None else _TIER_OF_BACKEND.get(name)
+
+    def prefix_hits(self, keys: list[bytes]) -> list[Tier]:
+        """Tiers of the leading run of stored keys; stops at the first key not stored.
+
+        Asked per key: StorageManager.batched_contains never returns to CPU after a disk run,
+        so [cpu, disk, cpu] would count as two hits there.
+        """
+        self._check_open()
+        tiers: list[Tier] = []
+        for key in keys:
+            tier = self.contains(key)
+            if tier is None:
+                break
+            tiers.append(tier)
+        return tiers
+
+    def get(self, key: bytes) -> ChunkBuffer | None:
+        """The chunk's bytes, from CPU if there (refreshing its LRU position), else from disk
+        (promoting it into CPU). None if it is gone (evicted after contains, its file vanished
+        or was truncated), or if a disk chunk cannot get CPU room. The caller must release()
+        the buffer and must not write to it (the memory is the cached chunk itself).
+        """
+        self._check_open()
+        ek = lm.engine_key(key, self._config)
+        obj = self._sm.get(ek, location=lm.CPU_BACKEND)  # +1 reference, ours to give away
+        if obj is not None:
+            # LMCache's get does not touch its LRU order, so a hot chunk would age out.
+            with self._cpu.cpu_lock:
+                if ek in self._cpu.hot_cache:
+                    self._cpu.cache_policy.update_on_hit(ek, self._cpu.hot_cache)
+            return self._wrap(obj, Tier.CPU)
+        if self._disk is None:
+            return None
+        obj = self._disk.read(ek, self._alloc_obj)
+        if obj is None:
+            return None
+        # Same promotion StorageManager.get does: the CPU tier takes its own reference
+        # (or skips it if another thread promoted or put the key meanwhile).
+        self._cpu.submit_put_task(ek, obj)
+        return self._wrap(obj, Tier.DISK)
+
+    def remove(self, key: bytes) -> None:
+        """Drop ``key`` from every tier and delete its disk file (e.g. found corrupt).
+
+        Buffers already handed out stay valid until released.
+        """
+        self._check_open()
+        ek = lm.engine_key(key, self._config)
+        disk = self._disk
+        if disk is not None:
+            # An in-flight write would index the key again right after we drop it.
+            disk.wait(lambda: not disk.write_pending(ek), _WRITE_WAIT_S)
+        self._sm.remove(ek, locations=[lm.CPU_BACKEND])
+        if disk is not None:
+            disk.drop(ek)
+
+    def cpu_bytes_used(self) -> int:
+        """Bytes allocated in the CPU pool (4 KiB-aligned chunk sizes): cached chunks plus
+        buffers held by callers. 0 after close() or once everything is released and removed."""
+        return int(self._pool.total_allocated_size)
+
+    def close(self) -> None:
+        """Stop LMCache's threads and free the pool; idempotent. Waits for in-flight disk writes
+        so the directory is complete for the next store. Buffers still held are released and
+        emptied (a warning says how many)."""
+        with self._close_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            with self._outstanding_lock:
+                held = list(self._outstanding)
+            for buf in held:
+                buf.release()
+                buf.data = torch.empty(0, dtype=torch.uint8)
+            if held:
+                logger.warning("ChunkStore closed with %d unreleased buffers; emptied them", len(held))
+            if self._disk is not None:
+                # StorageManager.close frees the CPU pool before closing the disk backend, whose
+                # queued writes still read from it; closing disk first drains them.
+                self._sm.close_backend(lm.DISK_BACKEND)
+        finally:
+            self._sm.close()
+            self._shutdown_loop()
+
+    def __enter__(self) -> ChunkStore:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ CPU pool
+
+    def _alloc_obj(self, nbytes: int) -> lm.MemoryObj | None:
+        aligned = -(-nbytes // self._align) * self._align
+        if aligned > self._pool.address_manager.get_heap_size():
+            # LMCache would evict every chunk before finding out it can never fit.
+            return None
+        shape = lm.chunk_shape(nbytes)
+        deadline = time.monotonic() + _WRITE_WAIT_S
+        disk = self._disk
+        while True:
+            seen = disk.writes_done if disk is not None else 0
+            obj = self._cpu.allocate(shape, lm.KEY_DTYPE, lm.KEY_FMT, eviction=False)
+            if obj is not None:
+                return obj
+            # A chunk with a disk write in flight holds a second reference, so LMCache's
+            # eviction would skip it and evict a newer chunk instead: wait for the LRU chunk's
+            # write to land so eviction stays in LRU order.
+            if not self._lru_write_pending():
+                # busy_loop=False: LMCache's busy loop sleeps forever when nothing is evictable.
+                obj = self._cpu.allocate(
+                    shape, lm.KEY_DTYPE, lm.KEY_FMT, eviction=True, busy_loop=False
+                )
+                if obj is not None:
+                    return obj
+                if disk is None or not disk.writes_pending():
+                    return None  # nothing will become evictable by waiting
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not disk.wait(lambda: disk.writes_done != seen, remaining):
+                return None
+
+    def _lru_write_pending(self) -> bool:
+        if self._disk is None:
+            return False
+        with self._cpu.cpu_lock:
+            lru = next(iter(self._cpu.hot_cache), None)
+        return lru is not None and self._disk.write_pending(lru)
+
+    def _flush(self, timeout: float = _WRITE_WAIT_S) -> bool:
+        """Wait until no disk write is in flight (for tests and benchmarks); True if drained."""
+        disk = self._disk
+        return disk is None or disk.wait(lambda: not disk.writes_pending(), timeout)
+
+    def _wrap(self, obj: lm.MemoryObj, tier: Tier) -> ChunkBuffer:
+        buf = ChunkBuffer(obj.tensor.view(-1), tier, obj, self._forget)
+        with self._outstanding_lock:
+            self._outstanding.add(buf)
+        return buf
+
+    def _forget(self, buf: ChunkBuffer) -> None:
+        with self._outstanding_lock:
+            self._outstanding.discard(buf)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError("ChunkStore is closed")
+
+    def _shutdown_loop(self) -> None:
+        # StorageManager.close stops its loop but leaves the loop's default executor thread
+        # (used for disk writes) alive until interpreter exit.
+        loop = self._sm.loop
+        try:
+            if not loop.is_running() and not loop.is_closed():
+                loop.run_until_complete(loop.shutdown_default_executor())
+                loop.close()
+        except Exception as exc:  # noqa: BLE001 - cleanup only
+            logger.debug("LMCache event loop cleanup: %s", exc)
+
+
