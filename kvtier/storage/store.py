@@ -8,7 +8,6 @@ workers) and is rebuilt from its files when a store starts on an existing direct
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 import weakref
@@ -58,6 +57,7 @@ class ChunkStore:
                 self._disk.rebuild_index()
         except BaseException:
             self._sm.close()
+            self._shutdown_loop()
             raise
 
     # ------------------------------------------------------------------ public API
@@ -66,8 +66,9 @@ class ChunkStore:
         """A fresh ``nbytes``-byte buffer from the CPU pool, evicting LRU chunks if needed.
 
         Returns None, without evicting anything, if ``nbytes`` exceeds the whole pool, and None
-        if the pool cannot make room (every chunk held by a reader). Never blocks for long: at
-        most ~10 s waiting for in-flight disk writes, which hold their chunks unevictable.
+        if the pool cannot make room because the chunks are held by readers (LMCache may have
+        evicted unheld chunks while trying). Never blocks for long: at most ~10 s waiting for
+        in-flight disk writes, which keep their chunks unevictable until they land.
         The caller owns the buffer: release() it, or pass it to put().
         """
         self._check_open()

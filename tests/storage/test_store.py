@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import threading
 from pathlib import Path
 
 import pytest
@@ -310,6 +311,51 @@ def test_chunk_too_big_for_disk_stays_in_cpu(open_store, tmp_path, caplog):
     assert store.contains(key(1)) is Tier.CPU and torch.equal(read(store, 1)[1], data)
     assert not chunk_files(tmp_path / "disk")
     assert sum("larger than disk_bytes" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_concurrent_use_keeps_bytes_and_accounting_straight(open_store, tmp_path):
+    disk = tmp_path / "disk"
+    store = open_store(cpu_bytes=6 * CHUNK, disk=disk, disk_bytes=12 * CHUNK)
+    errors: list[BaseException] = []
+
+    def worker(seed: int) -> None:
+        rng = torch.Generator().manual_seed(seed)
+        try:
+            for _ in range(250):
+                i, op = (int(v) for v in torch.randint(0, 30, (2,), generator=rng))
+                if op < 13:
+                    buf = store.allocate(CHUNK)
+                    if buf is not None:
+                        buf.data.fill_(i)
+                        store.put([key(i)], [buf])
+                elif op < 27:
+                    buf = store.get(key(i))
+                    if buf is not None:
+                        ok = bool((buf.data == i).all())
+                        buf.release()
+                        assert ok, f"chunk {i} came back with other bytes"
+                elif op < 29:
+                    store.remove(key(i))
+                else:
+                    store.prefix_hits([key(j) for j in range(i)])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=worker, args=(seed,)) for seed in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=45)
+    assert not any(t.is_alive() for t in threads), "deadlock"
+    assert not errors, errors[0]
+    assert store._flush()
+    in_cpu = sum(store.contains(key(i)) is Tier.CPU for i in range(30))
+    assert store.cpu_bytes_used() == in_cpu * CHUNK
+    indexed = store._disk.backend.dict
+    assert len(chunk_files(disk)) == len(indexed)
+    assert store._disk.backend.current_cache_size == len(indexed) * CHUNK
+    store.close()
+    assert store.cpu_bytes_used() == 0
 
 
 # ---------------------------------------------------------------- config and lifecycle
