@@ -92,9 +92,16 @@ class Bench:
         p = {"torch": (partial(torch_ops.gather, lay), partial(torch_ops.scatter, lay)),
              "naive": (partial(reference.gather, lay), partial(reference.scatter, lay))}
         for mode in dma_ops.MODES:
-            if dma_ops.available(mode):
-                p[f"dma-{mode}"] = (lambda s, m=mode: dma_ops.gather(lay, s, sums[: len(s)], mode=m),
-                                    lambda s, m=mode: self.ok(dma_ops.scatter(lay, s, expected(s), mode=m)))
+            if not dma_ops.available(mode):
+                continue
+            configs = self.args.staged if mode == "staged" else [("auto", None, dma_ops.SLOTS, dma_ops.DEFAULT_STAGE_BYTES >> 20)]
+            for kernel, ctas, slots, mib in configs:
+                kw = dict(mode=mode, kernel=kernel, max_ctas=ctas, slots=slots, stage_bytes=mib << 20)
+                name = f"dma-{mode}" + (f"-{kernel}-c{ctas}-{slots}x{mib // slots}M" if mode == "staged" else "")
+                p[name] = (lambda s, kw=kw: dma_ops.gather(lay, s, sums[: len(s)], **kw),
+                           lambda s, kw=kw: self.ok(dma_ops.scatter(lay, s, expected(s), **kw)))
+            if mode == "batch":  # the copy engines alone, no checksum pass
+                p["dma-batch-nosum"] = (lambda s: dma_ops.gather(lay, s, mode="batch"), lambda s: dma_ops.scatter(lay, s, mode="batch"))
         if triton_ops.available():
             for tile, warps in self.args.tiles:
                 for ctas in self.args.ctas:
@@ -103,7 +110,7 @@ class Bench:
                         lambda s, c=ctas, la=launch: triton_ops.run_copy(lay, s, la, gather=True, checksums_out=sums[: len(s)], max_ctas=c),
                         lambda s, c=ctas, la=launch: self.ok(triton_ops.run_copy(lay, s, la, gather=False, expected_checksums=expected(s), max_ctas=c)))
         if cuda_ops.available():
-            for ctas in self.args.ctas:
+            for ctas in self.args.cuda_ctas:
                 p[f"cuda-c{ctas}"] = (lambda s, c=ctas: cuda_ops.gather(lay, s, sums[: len(s)], max_ctas=c),
                                       lambda s, c=ctas: self.ok(cuda_ops.scatter(lay, s, expected(s), max_ctas=c)))
         return p
@@ -132,9 +139,17 @@ class Bench:
         self.raw_memcpy()
         for name, (save, load) in self.paths().items():
             spans = self.spans
-            t0 = time.perf_counter()
-            save(spans[:4])  # warm-up (compiles) and a time estimate on 4 chunks
-            torch.cuda.synchronize()
+            try:
+                save(spans[:4])  # warm-up: compiles, allocations
+                load(spans[:4])
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                save(spans[:4])  # a time estimate on 4 chunks
+                torch.cuda.synchronize()
+            except Exception as exc:  # noqa: BLE001 - report and go on with the other paths
+                print(f"{name}: FAILED {type(exc).__name__}: {exc}", flush=True)
+                self.result["idle"].append(dict(path=name, error=f"{type(exc).__name__}: {exc}"))
+                continue
             est = (time.perf_counter() - t0) * len(spans) / 4
             if name == "naive" or est > 0.6:  # slow path: a subset of ~0.6 s, timed once
                 spans = spans[: max(4, min(len(spans), int(len(spans) * 0.6 / max(est, 1e-9))))]
@@ -148,6 +163,22 @@ class Bench:
                 self.result["idle"].append(dict(path=name, error=f"{type(exc).__name__}: {exc}"))
                 continue
             self.add_idle(name, nbytes, s, l, f"{len(spans)} chunks" if len(spans) < len(self.spans) else "")
+
+    def small(self):
+        """Latency side: GB/s of batches of 1..16 chunks, for the default staged DMA and kernels."""
+        paths = self.paths()
+        rows = self.result.setdefault("small_batches", [])
+        for name in self.args.small:
+            if name not in paths:
+                continue
+            save, load = paths[name]
+            for n in (1, 2, 4, 16):
+                spans = self.spans[:n]
+                nbytes = self.chunk_payload * n
+                s, l = timed(lambda: save(spans), reps=5), timed(lambda: load(spans), reps=5)
+                rows.append(dict(path=name, chunks=n, save_gbps=nbytes / s / 1e9, load_gbps=nbytes / l / 1e9, save_ms=s * 1e3, load_ms=l * 1e3))
+                print(f"small {name:30s} {n:3d} chunks: save {rows[-1]['save_gbps']:6.2f} GB/s ({s * 1e3:6.2f} ms)  load {rows[-1]['load_gbps']:6.2f} GB/s ({l * 1e3:6.2f} ms)", flush=True)
+        self.save()
 
     def checks(self):
         """At scale: Triton and CUDA C++ agree on bytes and sums; checksum cost; a corrupt chunk is caught."""
@@ -209,8 +240,7 @@ class Bench:
         for name in self.args.interfere:
             if name not in paths:
                 continue
-            for prio in ([0, -1] if name.startswith("dma-staged") else [0]):
-                self.one_interference(f"{name}{' (high-prio stream)' if prio else ''}", *paths[name], sub, prio, alone)
+            self.one_interference(name, *paths[name], sub, 0, alone)
         self.result["gemm_alone_tflops"].append(self.gemm(self.args.gemm_iters))
         print(f"GEMM alone again: {self.result['gemm_alone_tflops'][-1]:.1f} TFLOP/s", flush=True)
         self.save()
@@ -273,6 +303,10 @@ class Bench:
         for x in r["interference"]:
             if "gemm_tflops" in x:
                 print(f"{x['path']:40s} {x['gemm_tflops']:9.1f} {x['slowdown_pct']:8.1f}% {x['copy_gbps']:9.2f} {x['save_gbps']:7.2f} {x['load_gbps']:7.2f}")
+        if r.get("small_batches"):
+            print("\n== small batches, idle GPU (GB/s save / load, ms) ==")
+            for x in r["small_batches"]:
+                print(f"{x['path']:34s} {x['chunks']:3d} chunks  {x['save_gbps']:6.2f} / {x['load_gbps']:6.2f} GB/s   {x['save_ms']:6.2f} / {x['load_ms']:6.2f} ms")
         print("checks:", json.dumps(r["checks"]), flush=True)
 
     def plot(self):
@@ -308,23 +342,28 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
     ap.add_argument("--tokens", type=int, default=32768)
-    ap.add_argument("--ctas", type=int, nargs="+", default=[8, 16, 32, 64, 132])
-    ap.add_argument("--tiles", default="8192:8,16384:16,32768:32", help="tile_bytes:num_warps,... for the Triton sweep")
+    ap.add_argument("--ctas", type=int, nargs="+", default=[2, 4, 8, 16, 32, 132], help="Triton CTA sweep")
+    ap.add_argument("--cuda-ctas", type=int, nargs="+", default=[1, 2, 4, 8, 16, 132], help="CUDA C++ CTA sweep")
+    ap.add_argument("--staged", nargs="+", default=["cuda:4:4:512", "triton:16:4:512", "cuda:8:4:512", "cuda:4:8:256"],
+                    help="dma-staged configs kernel:pack_ctas:slots:staging_MiB")
+    ap.add_argument("--tiles", default="16384:16", help="tile_bytes:num_warps,... for the Triton sweep")
     ap.add_argument("--gemm-iters", type=int, default=200)
-    ap.add_argument("--load-chunks", type=int, default=16, help="chunks per copy call in the interference run")
+    ap.add_argument("--load-chunks", type=int, default=32, help="chunks per copy call in the interference run")
     ap.add_argument("--interfere", nargs="+", default=[
-        "raw pinned memcpy", "torch", "dma-staged", "dma-batch",
-        "triton-c4-t16k-w16", "triton-c8-t16k-w16", "triton-c16-t16k-w16", "triton-c32-t16k-w16", "triton-c132-t16k-w16",
-        "triton-c8-t8k-w8", "triton-c16-t8k-w8", "triton-c8-t32k-w32", "cuda-c8", "cuda-c16", "cuda-c32"])
-    ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: idle checks interference")
+        "raw pinned memcpy", "torch", "dma-staged-cuda-c4-4x128M", "dma-staged-triton-c16-4x128M", "dma-staged-cuda-c8-4x128M",
+        "dma-staged-cuda-c4-8x32M", "dma-batch", "dma-batch-nosum", "triton-c4-t16k-w16", "triton-c8-t16k-w16",
+        "triton-c16-t16k-w16", "triton-c132-t16k-w16", "cuda-c1", "cuda-c2", "cuda-c8"])
+    ap.add_argument("--small", nargs="+", default=["dma-staged-cuda-c4-4x128M", "triton-c16-t16k-w16", "cuda-c8"], help="paths of the small-batch section")
+    ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: idle small checks interference")
     args = ap.parse_args()
     args.tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",")]
-    if 4 not in args.ctas:
-        args.ctas = sorted({*args.ctas, 4})
+    args.staged = [(k, int(c), int(n), int(m)) for k, c, n, m in (x.split(":") for x in args.staged)]
     b = Bench(args)
     print(f"{b.result['device']}: {b.nbytes / GiB:.2f} GiB in {len(b.spans)} chunks, {len(b.layout.regions)} regions", flush=True)
     if "idle" not in args.skip:
         b.idle()
+    if "small" not in args.skip:
+        b.small()
     if "checks" not in args.skip:
         b.checks()
     if "interference" not in args.skip:

@@ -4,8 +4,8 @@
 //   regions int64 [R, 4]: base, stride, size, prefix        (16-byte units; base from `anchor`)
 //   blocks  int64 [T, 5]: span, j, write, payload, n        (payload in 16-byte units from `anchor`)
 //   ids     int64 [T]   : engine block id per block row
-// A unit u < R*T is region u / T of block row u % T; a persistent grid of `ctas` CTAs strides
-// over units, so the copy occupies a bounded number of SMs.
+// A unit u < R*T is region u / T of block row u % T; the warps of a persistent grid of `ctas`
+// CTAs stride over units, so the copy occupies a bounded number of SMs.
 // Also: batched DMA of scattered blocks (cudaMemcpyBatchAsync) and a per-block cudaMemcpyAsync loop.
 
 #include <cuda_runtime.h>
@@ -18,7 +18,7 @@
 namespace kvtier {
 namespace {
 
-constexpr int kUnroll = 4;  // 16-byte vectors in flight per thread: 512 threads -> 32 KiB per CTA
+constexpr int kUnroll = 8;  // 16-byte vectors in flight per thread: 4 KiB per warp
 
 struct Unit {
   int64_t base, stride, vecs, prefix, span, j, write, payload, n, bid;
@@ -57,31 +57,21 @@ __device__ __forceinline__ uint64_t vec_terms(const uint4& v, uint32_t i) {
   return term(v.x, i) + term(v.y, i + 1) + term(v.z, i + 2) + term(v.w, i + 3);
 }
 
-// Sum of v over the CTA, valid in thread 0. blockDim.x must be a multiple of 32.
-__device__ __forceinline__ uint64_t block_sum(uint64_t v, uint64_t* smem) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) smem[warp] = v;
-  __syncthreads();
-  v = 0;
-  if (warp == 0) {
-    v = lane < static_cast<int>(blockDim.x >> 5) ? smem[lane] : 0;
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  }
-  __syncthreads();  // smem is reused by the next unit
-  return v;
-}
-
+// One warp per unit: each warp walks its own units, so a CTA keeps (warps x 32 x kUnroll x 16 B)
+// in flight (64 KiB at 512 threads) without any CTA-wide barrier, and a few fat CTAs (few SMs
+// taken from the model) can saturate PCIe or outrun the copy engines when packing for DMA.
 template <bool kGather, bool kChecksum>
-__global__ void __launch_bounds__(1024) kv_copy_kernel(uint4* anchor, const int64_t* __restrict__ regions,
+__global__ void __launch_bounds__(512) kv_copy_kernel(uint4* anchor, const int64_t* __restrict__ regions,
                                                        const int64_t* __restrict__ blocks, const int64_t* __restrict__ ids,
                                                        unsigned long long* sums, int64_t R, int64_t T) {
-  __shared__ uint64_t smem[32];
+  const int lane = threadIdx.x & 31;
+  const int64_t warps = blockDim.x >> 5;
+  const int64_t workers = gridDim.x * warps;
   const int64_t total = R * T;
-  int64_t u = blockIdx.x;
+  int64_t u = blockIdx.x * warps + (threadIdx.x >> 5);
   Unit cur = load_unit(regions, blocks, ids, u, T, total);
-  for (; u < total; u += gridDim.x) {
-    const Unit nxt = load_unit(regions, blocks, ids, u + gridDim.x, T, total);
+  for (; u < total; u += workers) {
+    const Unit nxt = load_unit(regions, blocks, ids, u + workers, T, total);
     const int64_t eng = cur.base + cur.bid * cur.stride;
     const int64_t pos = cur.n * cur.prefix + cur.j * cur.vecs;  // 16-byte units inside the payload
     const int64_t chk = cur.payload + pos;
@@ -90,16 +80,16 @@ __global__ void __launch_bounds__(1024) kv_copy_kernel(uint4* anchor, const int6
     const bool write = cur.write != 0;
     const int64_t nv = cur.vecs;
     uint64_t acc = 0;
-    for (int64_t i0 = threadIdx.x; i0 < nv; i0 += static_cast<int64_t>(blockDim.x) * kUnroll) {
+    for (int64_t i0 = lane; i0 < nv; i0 += 32 * kUnroll) {
       uint4 v[kUnroll];
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {  // all loads first: kUnroll * 16 B in flight per thread
-        const int64_t i = i0 + static_cast<int64_t>(k) * blockDim.x;
+        const int64_t i = i0 + 32 * k;
         v[k] = i < nv ? __ldcs(src + i) : make_uint4(0, 0, 0, 0);
       }
 #pragma unroll
       for (int k = 0; k < kUnroll; ++k) {
-        const int64_t i = i0 + static_cast<int64_t>(k) * blockDim.x;
+        const int64_t i = i0 + 32 * k;
         if (i < nv) {
           if (write) __stcs(dst + i, v[k]);
           if (kChecksum) acc += vec_terms(v[k], static_cast<uint32_t>((pos + i) * 4));
@@ -107,8 +97,8 @@ __global__ void __launch_bounds__(1024) kv_copy_kernel(uint4* anchor, const int6
       }
     }
     if (kChecksum) {
-      const uint64_t s = block_sum(acc, smem);
-      if (threadIdx.x == 0) atomicAdd(sums + cur.span, static_cast<unsigned long long>(s));
+      for (int o = 16; o > 0; o >>= 1) acc += __shfl_down_sync(0xffffffffu, acc, o);
+      if (lane == 0) atomicAdd(sums + cur.span, static_cast<unsigned long long>(acc));
     }
     cur = nxt;
   }
@@ -122,9 +112,10 @@ void check(cudaError_t err, const char* what) {
 
 void kv_copy(int64_t anchor, int64_t regions, int64_t blocks, int64_t ids, int64_t sums, int64_t R, int64_t T,
              bool gather, bool checksum, int64_t ctas, int64_t threads, int64_t stream) {
-  if (threads < 32 || threads > 1024 || threads % 32) throw std::invalid_argument("threads must be a multiple of 32 in [32, 1024]");
+  if (threads < 32 || threads > 512 || threads % 32) throw std::invalid_argument("threads must be a multiple of 32 in [32, 512]");
   if (R <= 0 || T <= 0) return;
-  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(ctas, R * T));
+  const int64_t warps = threads / 32;
+  const int64_t grid = std::max<int64_t>(1, std::min<int64_t>(ctas, (R * T + warps - 1) / warps));
   auto* a = reinterpret_cast<uint4*>(anchor);
   auto* rg = reinterpret_cast<const int64_t*>(regions);
   auto* bl = reinterpret_cast<const int64_t*>(blocks);

@@ -12,7 +12,8 @@ from kvtier.layout import FORMAT_VERSION, Layout
 
 MAGIC = b"KVTC"
 HEADER_BYTES = 64
-CHECKSUM_BLAKE3 = 1
+CHECKSUM_BLAKE3 = 1  # computed on the host, after a CPU gather
+CHECKSUM_KVSUM64 = 2  # computed by the CUDA copy kernels while they gather (kvtier.ops.checksum)
 _HEADER = struct.Struct("<4sHH16sIIQQ")
 
 
@@ -49,13 +50,20 @@ def checksum(payload: torch.Tensor) -> int:
     return int.from_bytes(blake3.blake3(memoryview(payload.numpy())).digest(8), "little")
 
 
-def write_header(buf: torch.Tensor, layout: Layout, num_blocks: int) -> None:
-    """Fill the header of chunk buffer ``buf`` (``uint8 [chunk_bytes]``, CPU) whose payload is written."""
+def write_header(buf: torch.Tensor, layout: Layout, num_blocks: int, kvsum64: int | None = None) -> None:
+    """Fill the header of chunk buffer ``buf`` (``uint8 [chunk_bytes]``, CPU) whose payload is written.
+
+    ``kvsum64``: the payload's KVSUM64 as a copy kernel computed it (unsigned); None computes
+    BLAKE3 here instead.
+    """
     payload_bytes = layout.payload_bytes(num_blocks)
     if buf.numel() < HEADER_BYTES + payload_bytes:
         raise ChunkError(f"chunk buffer holds {buf.numel()} B, needs {HEADER_BYTES + payload_bytes} B.")
-    digest = checksum(buf[HEADER_BYTES : HEADER_BYTES + payload_bytes])
-    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, CHECKSUM_BLAKE3, layout.fingerprint, num_blocks, 0, payload_bytes, digest)
+    if kvsum64 is None:
+        kind, digest = CHECKSUM_BLAKE3, checksum(buf[HEADER_BYTES : HEADER_BYTES + payload_bytes])
+    else:
+        kind, digest = CHECKSUM_KVSUM64, kvsum64
+    packed = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, layout.fingerprint, num_blocks, 0, payload_bytes, digest)
     buf[:HEADER_BYTES].zero_()
     buf[: len(packed)].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
 
@@ -72,11 +80,12 @@ def read_header(buf: torch.Tensor) -> ChunkHeader:
     return ChunkHeader(version, kind, fingerprint, blocks, payload_bytes, digest)
 
 
-def verify_chunk(buf: torch.Tensor, layout: Layout, num_blocks: int) -> ChunkHeader:
+def verify_chunk(buf: torch.Tensor, layout: Layout, num_blocks: int, payload: bool = True) -> ChunkHeader:
     """Check that ``buf`` is an intact chunk of ``num_blocks`` blocks written under ``layout``.
 
     Raises :class:`ChunkError` naming the first mismatch: magic, version, fingerprint, block count,
     size, or checksum. Only a chunk that passes may be scattered into the engine's blocks.
+    ``payload=False`` checks the header only: for a copy kernel that verifies the checksum itself.
     """
     header = read_header(buf)
     if header.version != FORMAT_VERSION:
@@ -90,8 +99,16 @@ def verify_chunk(buf: torch.Tensor, layout: Layout, num_blocks: int) -> ChunkHea
         )
     if buf.numel() < HEADER_BYTES + expected:
         raise ChunkError(f"chunk truncated: {buf.numel()} B of {HEADER_BYTES + expected} B.")
-    if header.checksum_kind != CHECKSUM_BLAKE3:
+    if header.checksum_kind not in (CHECKSUM_BLAKE3, CHECKSUM_KVSUM64):
         raise ChunkError(f"unknown checksum kind {header.checksum_kind}.")
-    if checksum(buf[HEADER_BYTES : HEADER_BYTES + expected]) != header.checksum:
+    if payload and _payload_checksum(buf[HEADER_BYTES : HEADER_BYTES + expected], header.checksum_kind) != header.checksum:
         raise ChunkError("chunk payload checksum mismatch (corrupt bytes).")
     return header
+
+
+def _payload_checksum(payload: torch.Tensor, kind: int) -> int:
+    if kind == CHECKSUM_BLAKE3:
+        return checksum(payload)
+    from kvtier.ops.checksum import payload_checksum  # the kernels' checksum; slow on a CPU
+
+    return payload_checksum(payload)

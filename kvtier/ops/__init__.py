@@ -4,7 +4,11 @@
 engine blocks (load). Both take a batch of :class:`ChunkSpan` so a backend can serve a whole
 batch with one launch. Backends: ``torch`` (``index_select`` / ``index_copy_``, any device),
 ``reference`` (one ``copy_`` per block and region: the naive baseline and the tests' oracle), and
-on CUDA ``triton`` (see :mod:`kvtier.ops.triton_ops`).
+on CUDA ``triton`` (zero-copy kernel over UVA), ``cuda`` (its CUDA C++ twin in ``csrc/``) and
+``dma`` (a device-side pack into staging memory, then the copy engines). The CUDA backends compute
+the chunk checksum (:mod:`kvtier.ops.checksum`) while they copy and verify it while they load.
+``auto`` on CUDA takes ``dma``: it alone keeps ≥ 40 GB/s beside a running model without slowing
+it (measurements and the full rule: :func:`kvtier.ops.dma_ops.choose_path`).
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ class ChunkSpan:
     block_ids: torch.Tensor
 
     def __post_init__(self) -> None:
-        if not 0 <= self.first and self.first + self.block_ids.numel() <= self.num_blocks:
+        if not (0 <= self.first and self.first + self.block_ids.numel() <= self.num_blocks):
             raise ValueError(
                 f"span of {self.block_ids.numel()} blocks from {self.first} exceeds a chunk of {self.num_blocks} blocks."
             )
@@ -47,11 +51,17 @@ def _backends() -> dict[str, tuple[Op, Op]]:
 
     table = {"torch": (torch_ops.gather, torch_ops.scatter), "reference": (reference.gather, reference.scatter)}
     if torch.cuda.is_available():
-        from kvtier.ops import triton_ops
+        from kvtier.ops import cuda_ops, dma_ops, triton_ops
 
-        if triton_ops.available():
-            table["triton"] = (triton_ops.gather, triton_ops.scatter)
+        for name, module in (("dma", dma_ops), ("triton", triton_ops), ("cuda", cuda_ops)):
+            if module.available():
+                table[name] = (module.gather, module.scatter)
     return table
+
+
+def checksums_in_kernel(name: str) -> bool:
+    """Whether backend ``name`` computes and verifies the KVSUM64 chunk checksum while copying."""
+    return name in ("dma", "triton", "cuda")
 
 
 def backend_names() -> list[str]:
@@ -59,14 +69,20 @@ def backend_names() -> list[str]:
     return list(_backends())
 
 
-def pick_backend(layout: Layout, name: str = "auto") -> tuple[Op, Op]:
-    """``(gather, scatter)`` of backend ``name``; ``auto`` takes the fastest one for the layout's device."""
+def resolve_backend(layout: Layout, name: str = "auto") -> str:
+    """The backend ``name`` stands for on this machine; ``auto``: ``dma`` > ``triton`` > ``cuda`` on CUDA, else ``torch``."""
     table = _backends()
     if name == "auto":
-        name = "triton" if layout.device.type == "cuda" and "triton" in table else "torch"
+        on_cuda = layout.device.type == "cuda"
+        name = next((n for n in ("dma", "triton", "cuda") if on_cuda and n in table), "torch")
     if name not in table:
         raise ValueError(f"ops backend {name!r} is not available here; choose one of {sorted(table)}.")
-    return table[name]
+    return name
+
+
+def pick_backend(layout: Layout, name: str = "auto") -> tuple[Op, Op]:
+    """``(gather, scatter)`` of backend ``name`` (see :func:`resolve_backend`)."""
+    return _backends()[resolve_backend(layout, name)]
 
 
 def gather(layout: Layout, spans: Sequence[ChunkSpan], backend: str = "auto") -> None:

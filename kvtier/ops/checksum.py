@@ -28,9 +28,6 @@ from __future__ import annotations
 
 import torch
 
-CHECKSUM_KVSUM64 = 2
-"""Proposed ``checksum_kind`` for :mod:`kvtier.codec` headers whose checksum is this function."""
-
 _K1 = 0x9E3779B1
 _K2 = 0x85EBCA6B
 _M32 = 0xFFFFFFFF

@@ -2,8 +2,8 @@
 
 Same :class:`~kvtier.ops.triton_ops.CopyPlan`, same semantics and checksum as
 :mod:`kvtier.ops.triton_ops`; the tests check both give identical bytes and sums. The extension
-is built on first use with ``torch.utils.cpp_extension.load`` (JIT, needs nvcc and ninja, ~30 s
-once per machine; cached under ``TORCH_EXTENSIONS_DIR``). It is optional: when CUDA, nvcc, the
+is built on first use with ``torch.utils.cpp_extension.load`` (JIT with nvcc and ninja, once per
+machine, cached under ``TORCH_EXTENSIONS_DIR``; the binding avoids torch headers to build fast). It is optional: when CUDA, nvcc, the
 ``csrc/`` sources or the build are missing, :func:`available` is False and :func:`build_error`
 says why. Importing this module builds nothing.
 """
@@ -23,8 +23,8 @@ from kvtier.ops import ChunkSpan
 from kvtier.ops.triton_ops import CopyPlan, run_copy
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"
-DEFAULT_MAX_CTAS = 32  # TODO(bench): set from bench/gpu_copy.py results
-DEFAULT_THREADS = 512  # x 4 vectors x 16 B = 32 KiB in flight per CTA
+DEFAULT_MAX_CTAS = 8  # idle H200: 64 KiB in flight per CTA, so 4-8 CTAs reach the PCIe plateau
+DEFAULT_THREADS = 512  # 16 warps x 32 lanes x 8 vectors x 16 B = 64 KiB in flight per CTA
 
 _lock = threading.Lock()
 _ext = None

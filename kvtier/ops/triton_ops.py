@@ -19,7 +19,7 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.codec import HEADER_BYTES, chunk_bytes
+from kvtier.codec import HEADER_BYTES
 from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 from kvtier.ops.checksum import to_signed
@@ -31,7 +31,7 @@ except Exception:  # noqa: BLE001 - any import failure just means "no Triton bac
     triton = None
 
 VEC = 16  # bytes per vector access; every address, stride and block size must be a multiple
-DEFAULT_MAX_CTAS = 32  # TODO(bench): set from bench/gpu_copy.py results
+DEFAULT_MAX_CTAS = 16  # idle H200: 16 CTAs reach the plateau (49.4 GB/s save, 48.4 load); 8 load only 43.8
 DEFAULT_TILE_BYTES = 16384  # bytes each CTA moves per loop step (32 B per thread at 16 warps)
 DEFAULT_NUM_WARPS = 16
 
@@ -51,7 +51,8 @@ class CopyPlan:
     sum of the sizes of the regions before it (the region's offset in a chunk of 1 block).
     ``blocks``: ``int64 [T, 5]`` per visited chunk block: span index, block index ``j`` in the
     chunk, write flag (0: read for the checksum only), chunk payload address, chunk block count.
-    ``ids``: ``int64 [T]`` engine block id of each visited block (0 for read-only rows).
+    ``ids``: ``int64 [T]`` engine block id of each visited block (0 for read-only rows). Rows
+    are grouped by span (its own blocks, then the rest of its chunk when ``complement``).
     A unit ``u < R*T`` is region ``u // T`` of block row ``u % T``.
     """
 
@@ -60,10 +61,16 @@ class CopyPlan:
     blocks: torch.Tensor
     ids: torch.Tensor
     num_spans: int
+    span_starts: tuple[int, ...] = (0,)  # block rows of span s: span_starts[s] .. span_starts[s + 1]
 
     @property
     def num_units(self) -> int:
         return self.regions.shape[0] * self.blocks.shape[0]
+
+    def spans_slice(self, s0: int, s1: int) -> CopyPlan:
+        """The plan of spans ``s0 .. s1 - 1`` alone (views; span indices, so sums, stay global)."""
+        r0, r1 = self.span_starts[s0], self.span_starts[s1]
+        return CopyPlan(self.anchor, self.regions, self.blocks[r0:r1], self.ids[r0:r1], self.num_spans, (0, r1 - r0))
 
 
 _anchors: dict[torch.device, torch.Tensor] = {}
@@ -81,16 +88,29 @@ def _units16(addr: int, anchor: int, what: str) -> int:
     return (addr - anchor) // VEC
 
 
-def _check_buffer(layout: Layout, span: ChunkSpan, index: int) -> None:
+def _check_buffer(layout: Layout, span: ChunkSpan, index: int, bytes_per_block: int | None = None, pinned: dict | None = None) -> None:
+    """Raise ValueError unless ``span`` is in range and its buffer is usable by the GPU kernels.
+
+    ``bytes_per_block`` and ``pinned`` (a memo of storages already checked) save the per-span
+    host work of large batches (128 spans x 64 regions).
+    """
     buf, n, k = span.buffer, span.num_blocks, span.block_ids.numel()
     if not (0 <= span.first and span.first + k <= n):
         raise ValueError(f"span {index}: {k} blocks from {span.first} exceed a chunk of {n} blocks.")
     if buf.dtype != torch.uint8 or buf.dim() != 1 or not buf.is_contiguous():
         raise ValueError(f"span {index}: chunk buffer must be a contiguous 1-D uint8 tensor.")
-    if buf.numel() < chunk_bytes(layout, n):
-        raise ValueError(f"span {index}: chunk buffer holds {buf.numel()} B, a {n}-block chunk needs {chunk_bytes(layout, n)} B.")
-    if layout.device.type == "cuda" and buf.device != layout.device and not (buf.device.type == "cpu" and buf.is_pinned()):
-        raise ValueError(f"span {index}: chunk buffer on {buf.device} is neither on {layout.device} nor pinned host memory.")
+    need = HEADER_BYTES + n * (bytes_per_block if bytes_per_block is not None else layout.bytes_per_block)
+    if buf.numel() < need:
+        raise ValueError(f"span {index}: chunk buffer holds {buf.numel()} B, a {n}-block chunk needs {need} B.")
+    if layout.device.type == "cuda" and buf.device != layout.device:
+        key = buf.untyped_storage().data_ptr()
+        ok = pinned.get(key) if pinned is not None else None
+        if ok is None:
+            ok = buf.device.type == "cpu" and buf.is_pinned()
+            if pinned is not None:
+                pinned[key] = ok
+        if not ok:
+            raise ValueError(f"span {index}: chunk buffer on {buf.device} is neither on {layout.device} nor pinned host memory.")
 
 
 def build_plan(
@@ -113,32 +133,42 @@ def build_plan(
         base = _units16(region.blocks.data_ptr(), a0, f"region {region.name!r}")
         regions[r] = (base, region.block_stride // VEC, region.block_bytes // VEC, prefix)
         prefix += region.block_bytes // VEC
-    rows, extra_rows, ids = [], [], []
+    # Per span: (first, k, n, payload); then all rows at once. A span's rows are contiguous (its
+    # own blocks, then the rest of its chunk) so CopyPlan.spans_slice() can launch a run of spans.
+    meta = np.zeros((len(spans), 4), dtype=np.int64)
+    ids, pinned = [], {}
+    zeros = torch.zeros(max((s.num_blocks for s in spans), default=0), dtype=torch.int64, device=device) if complement else None
     for s, span in enumerate(spans):
-        _check_buffer(layout, span, s)
+        _check_buffer(layout, span, s, prefix * VEC, pinned)
         n, k = span.num_blocks, span.block_ids.numel()
-        payload = _units16(span.buffer.data_ptr() + HEADER_BYTES, a0, f"span {s} payload")
+        meta[s] = (span.first, k, n, _units16(span.buffer.data_ptr() + HEADER_BYTES, a0, f"span {s} payload"))
         if span_rows and k:
-            j = np.arange(span.first, span.first + k, dtype=np.int64)
-            rows.append(np.stack([np.full(k, s), j, np.full(k, int(write)), np.full(k, payload), np.full(k, n)], axis=1))
-            ids.append(span.block_ids.to(device=device, dtype=torch.int64))
+            ids.append(span.block_ids.reshape(-1).to(device=device, dtype=torch.int64))
         if complement and k < n:
-            j = np.concatenate([np.arange(0, span.first), np.arange(span.first + k, n)]).astype(np.int64)
-            extra_rows.append(np.stack([np.full(j.size, s), j, np.zeros(j.size, np.int64), np.full(j.size, payload), np.full(j.size, n)], axis=1))
-    blocks = np.concatenate(rows + extra_rows) if rows or extra_rows else np.zeros((0, 5), dtype=np.int64)
-    num_extra = sum(len(x) for x in extra_rows)
-    if num_extra:
-        ids.append(torch.zeros(num_extra, dtype=torch.int64, device=device))
+            ids.append(zeros[: n - k])
+    first, k, n, payload = meta.T
+    counts = (k if span_rows else 0) + (n - k if complement else 0)
+    starts = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
+    span = np.repeat(np.arange(len(spans), dtype=np.int64), counts)
+    p = np.arange(starts[-1], dtype=np.int64) - starts[span]  # row index inside its span
+    own = (p < k[span]) if span_rows else np.zeros(p.size, dtype=bool)
+    q = p - (k[span] if span_rows else 0)  # index among the chunk's other blocks
+    j = np.where(own, first[span] + p, np.where(q < first[span], q, q + k[span]))
+    blocks = np.stack([span, j, own.astype(np.int64) * int(write), payload[span], n[span]], axis=1)
     if len(regions) * len(blocks) >= 2**31:
         raise ValueError(f"batch of {len(regions) * len(blocks)} units is too large for one launch; split it.")
-    host = torch.from_numpy(np.concatenate([regions.ravel(), blocks.ravel().astype(np.int64)]))
-    tables = host.to(device)  # one small host-to-device copy for both tables
+    host = torch.from_numpy(np.concatenate([regions.ravel(), blocks.ravel()]))
+    if device.type == "cuda":  # pinned + async: a pageable copy would make the host wait for the stream
+        tables = host.pin_memory().to(device, non_blocking=True)
+    else:
+        tables = host
     return CopyPlan(
         anchor=anchor,
         regions=tables[: regions.size].view(-1, 4),
         blocks=tables[regions.size :].view(-1, 5),
         ids=ids[0].contiguous() if len(ids) == 1 else torch.cat(ids) if ids else torch.zeros(0, dtype=torch.int64, device=device),
         num_spans=len(spans),
+        span_starts=tuple(starts.tolist()),
     )
 
 
@@ -204,7 +234,9 @@ if triton is not None:
         bid = tl.load(ids + b, mask=valid, other=0)
         return base, stride, vecs, prefix, span, j, write, payload, n, bid
 
-    @triton.jit(do_not_specialize=["R", "T"])  # one compile per (GATHER, CHECKSUM, TILE), not per size
+    # One compile per (GATHER, CHECKSUM, TILE): sizes and table addresses (views of one plan) are
+    # not specialized; only `anchor` is, since its 16-byte alignment is what enables 128-bit access.
+    @triton.jit(do_not_specialize=["regions", "blocks", "ids", "sums", "R", "T"])
     def _copy_kernel(anchor, regions, blocks, ids, sums, R, T, GATHER: tl.constexpr, CHECKSUM: tl.constexpr, TILE: tl.constexpr):
         # anchor: int32 pointer; every address is anchor + 4 * (16-byte units), so Triton can
         # prove 16-byte alignment and emits 128-bit loads and stores.

@@ -15,7 +15,7 @@ from kvtier.ops.checksum import payload_checksum, to_unsigned
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float32]
-BACKENDS = ["triton", "triton-tile512", "cuda", "dma-staged", "dma-batch", "dma-loop"]
+BACKENDS = ["triton", "triton-tile512", "cuda", "dma-staged", "dma-staged-triton", "dma-batch", "dma-loop"]
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
 
 
@@ -39,11 +39,11 @@ def ops(name: str, ctas: int):
         if not cuda_ops.available():
             pytest.skip(f"CUDA C++ extension unavailable: {cuda_ops.build_error()}")
         return partial(cuda_ops.gather, max_ctas=ctas), partial(cuda_ops.scatter, max_ctas=ctas)
-    mode = name.split("-")[1]
+    _, mode, *kernel = name.split("-")
     if not dma_ops.available(mode):
         pytest.skip(f"DMA mode {mode} unavailable")
-    # a small staging area forces several groups, so both halves are reused
-    kw = dict(mode=mode, max_ctas=ctas, stage_bytes=1 << 16)
+    # a small staging area forces several groups per slot ring, so slots are reused
+    kw = dict(mode=mode, max_ctas=ctas, stage_bytes=1 << 17, kernel=kernel[0] if kernel else "auto")
     return partial(dma_ops.gather, **kw), partial(dma_ops.scatter, **kw)
 
 
@@ -96,7 +96,9 @@ def make_spans(layout, plans, *, pinned=True):
 
 
 def clone_spans(spans):
-    return [ChunkSpan(s.buffer.clone(), s.num_blocks, s.first, s.block_ids) for s in spans]
+    """Copies of the spans' buffers, where they were (pinned host stays pinned)."""
+    copy = lambda b: b.clone().pin_memory() if b.is_pinned() else b.clone()  # noqa: E731
+    return [ChunkSpan(copy(s.buffer), s.num_blocks, s.first, s.block_ids) for s in spans]
 
 
 def span_checksum(layout, span) -> int:
@@ -167,6 +169,8 @@ def test_corrupted_chunk_is_reported(backend, data):
 
 
 def test_swapped_blocks_are_reported():
+    if not triton_ops.available():
+        pytest.skip("triton unavailable")
     alloc = torch.randn(2, 8, 16, 2, 64, device="cuda").to(torch.bfloat16)
     layout = build_layout({"l0": alloc}, 16, 8)
     span = make_spans(layout, [(4, 0, [5, 2, 7, 0])])[0]
@@ -183,6 +187,8 @@ def test_swapped_blocks_are_reported():
 def test_vllm_layouts_round_trip(dtype, split):
     """build_layout's real shapes (K/V split and one region per layer): gather then scatter into
     a fresh engine restores the blocks exactly, with verification on."""
+    if not triton_ops.available():
+        pytest.skip("triton unavailable")
     shape = (2, 32, 16, 8, 128) if split else (32, 16, 8, 256)
     src = {f"l{i}": torch.randint(0, 256, (*shape[:-1], shape[-1] * dtype.itemsize), dtype=torch.uint8, device="cuda").view(dtype) for i in range(3)}
     dst = {k: torch.zeros_like(v.view(torch.uint8)).view(dtype) for k, v in src.items()}
