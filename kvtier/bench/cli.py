@@ -59,11 +59,18 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     reload.add_argument("--backend", default="auto", help="ops backend: auto, torch, triton (CUDA), reference")
     reload.add_argument("--disk", metavar="PATH", help="add a disk tier in PATH and also measure a cold disk reload")
-    reload.add_argument("--repeats", type=_positive, default=3, help="samples per path; the table shows the median (default 3)")
+    reload.add_argument("--repeats", type=_positive, default=3, help="samples per path (default 3)")
+    reload.add_argument("--stat", choices=("best", "median"), default="best",
+                        help="which repeat the table shows: best (fastest; default, as interference on a shared "
+                        "machine only ever slows a run down) or median; the JSON keeps every sample")
     reload.add_argument("--seed", type=int, default=0, help="seed of the random KV bytes and block shuffle")
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
+    from kvtier.bench import executors, lookup  # noqa: E402 - light: their heavy imports wait for run
+
+    executors.add_parser(commands, _positive, parse_tokens)
+    lookup.add_parser(commands, _positive, parse_tokens)
     return parser
 
 
@@ -83,7 +90,8 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import psutil  # noqa: E402 - heavy imports only once the arguments are known to be good
     import torch
 
-    from kvtier.bench import reload, report
+    from kvtier.bench import BenchError, VerifyError, reload, report
+    from kvtier.bench.engine_kv import Geometry
     from kvtier.layout import LayoutError
     from kvtier.ops import backend_names
     from kvtier.storage import StorageError
@@ -91,7 +99,7 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     device = _device(parser, args.device, torch)
     if args.backend != "auto" and args.backend not in backend_names():
         parser.error(f"argument --backend: {args.backend!r} is not available here; choose auto or one of {', '.join(backend_names())}.")
-    geometry = reload.Geometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, DTYPES[args.dtype]), args.block_size)
+    geometry = Geometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, DTYPES[args.dtype]), args.block_size)
     spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats, args.seed)
     device_bytes, host_bytes = spec.memory_needed()
     available = psutil.virtual_memory().available
@@ -104,18 +112,18 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     progress = _Progress()
     try:
         result = reload.run(spec, progress)
-    except reload.VerifyError as exc:
+    except VerifyError as exc:
         print(f"\nkvtier-bench: VERIFICATION FAILED: {exc}\n", file=sys.stderr)
         return 1
-    except (reload.BenchError, StorageError, LayoutError) as exc:
+    except (BenchError, StorageError, LayoutError) as exc:
         print(f"kvtier-bench: error: {exc}", file=sys.stderr)
         return 1
-    print(report.format_table(result), flush=True)
+    print(report.format_table(result, args.stat), flush=True)
     if args.json:
-        report.write_json(result, args.json)
+        report.write_json(result, args.json, args.stat)
         progress(f"wrote {args.json}")
     if args.plot:
-        skipped = report.write_plot(result, args.plot)
+        skipped = report.write_plot(result, args.plot, args.stat)
         progress(skipped or f"wrote {args.plot}")
     return 0
 
