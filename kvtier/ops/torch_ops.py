@@ -11,28 +11,40 @@ from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 
 
+def _wide(rows: torch.Tensor) -> torch.Tensor:
+    """``rows`` as int64 words when alignment allows: torch moves uint8 rows byte by byte (~6x slower)."""
+    try:
+        return rows.view(torch.int64)
+    except RuntimeError:
+        return rows
+
+
 def _chunk_rows(layout: Layout, span: ChunkSpan):
-    """Yield ``(region, rows)``: the span's blocks of each region in the chunk, ``uint8 [k, block_bytes]``."""
+    """Yield ``(engine blocks, chunk rows)`` per region: ``[num_blocks, w]`` and ``[k, w]``, same word type."""
     k = span.block_ids.numel()
     for region, offset in zip(layout.regions, region_offsets(layout, span.num_blocks)):
         start = offset + span.first * region.block_bytes
-        yield region, span.buffer[start : start + k * region.block_bytes].view(k, region.block_bytes)
+        rows = span.buffer[start : start + k * region.block_bytes].view(k, region.block_bytes)
+        blocks, wide_rows = _wide(region.blocks), _wide(rows)
+        if blocks.dtype != wide_rows.dtype:
+            blocks, wide_rows = region.blocks, rows
+        yield blocks, wide_rows
 
 
 def gather(layout: Layout, spans: Sequence[ChunkSpan]) -> None:
     for span in spans:
-        for region, rows in _chunk_rows(layout, span):
-            if rows.device == region.blocks.device:
-                torch.index_select(region.blocks, 0, span.block_ids, out=rows)
+        for blocks, rows in _chunk_rows(layout, span):
+            if rows.device == blocks.device:
+                torch.index_select(blocks, 0, span.block_ids, out=rows)
             else:  # device blocks into a host chunk: gather on the device, then one copy
-                rows.copy_(region.blocks.index_select(0, span.block_ids), non_blocking=True)
+                rows.copy_(blocks.index_select(0, span.block_ids), non_blocking=True)
     if layout.device.type == "cuda":
         torch.cuda.current_stream(layout.device).synchronize()
 
 
 def scatter(layout: Layout, spans: Sequence[ChunkSpan]) -> None:
     for span in spans:
-        for region, rows in _chunk_rows(layout, span):
-            region.blocks.index_copy_(0, span.block_ids, rows.to(region.blocks.device, non_blocking=True))
+        for blocks, rows in _chunk_rows(layout, span):
+            blocks.index_copy_(0, span.block_ids, rows.to(blocks.device, non_blocking=True))
     if layout.device.type == "cuda":
         torch.cuda.current_stream(layout.device).synchronize()
