@@ -30,7 +30,14 @@ class KvtierConfig:
     disk_bytes: disk tier size in bytes. chunk_tokens: tokens per stored chunk, a multiple of the
     engine's block size. lookup_address: ZMQ endpoint of the lookup server (default: an IPC socket
     in the temp directory, private to the engine). lookup_timeout_ms: how long the scheduler waits
-    for a lookup before treating it as a miss.
+    for a lookup before treating it as a miss. min_load_tokens: smallest load worth planning, in
+    tokens beyond the engine's own prefix-cache hit (default: one chunk). unaligned: how a hit whose
+    local floor ends inside a chunk is loaded: ``partial`` (block by block from that chunk),
+    ``handoff`` (prefill to the next chunk boundary, then load; needs kvtier's scheduler_cls) or
+    ``auto`` (cheaper by the measured cost model). prefill_tokens_per_s: the engine's prefill rate
+    for the cost model (default: measured from step times). save_backlog_bytes: most bytes of
+    copied-out chunks waiting to be stored; beyond it the oldest are dropped and counted (default:
+    a quarter of cpu_bytes). disk_io: ``buffered`` or ``direct`` (O_DIRECT reads of disk chunks).
     """
 
     cpu_bytes: int = field(default_factory=_default_cpu_bytes)
@@ -39,6 +46,17 @@ class KvtierConfig:
     chunk_tokens: int = 256
     lookup_address: str | None = None
     lookup_timeout_ms: int = 2000
+    min_load_tokens: int | None = None
+    unaligned: str = "auto"
+    prefill_tokens_per_s: int | None = None
+    save_backlog_bytes: int | None = None
+    disk_io: str = "buffered"
+
+    def __post_init__(self) -> None:
+        if self.unaligned not in ("partial", "handoff", "auto"):
+            raise ConfigError(f"kvtier setting 'unaligned' must be 'partial', 'handoff' or 'auto', got {self.unaligned!r}.")
+        if self.disk_io not in ("buffered", "direct"):
+            raise ConfigError(f"kvtier setting 'disk_io' must be 'buffered' or 'direct', got {self.disk_io!r}.")
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> KvtierConfig:

@@ -1,37 +1,63 @@
-"""Load and save jobs, and the worker that runs them between engine blocks and the tiers.
+"""Load and save jobs run between engine blocks and the tiers, on two executors that share nothing.
 
 Engine-agnostic: the vLLM adapter turns its metadata into :class:`LoadJob` / :class:`SaveJob`;
-benches and GPU tests drive :class:`TierWorker` directly. Loads and saves run on separate
-single-thread executors, so a latency-critical load never queues behind a burst of saves.
+benches and GPU tests drive :class:`TierWorker` directly.
+
+* **Load executor** (latency-critical): one thread (and on CUDA its own stream) that fetches,
+  verifies and scatters a request's chunks, then reports it finished.
+* **Save executor** (background): ``save()`` copies the blocks out on the caller's thread (on
+  CUDA on a save stream the engine's stream then waits for), and one thread seals and stores
+  them, at a lower OS priority, and only while no load is running: saves yield to loads, never
+  the reverse. Its backlog is bounded in bytes: overflow drops the oldest pending chunks,
+  counted, instead of blocking the engine.
+
+The only lock the save side takes is its own (backlog bookkeeping, never held during a copy);
+the load side takes none of kvtier's (it only bumps a counter the save thread reads). Both reach
+the store, whose locks guard index updates only.
 """
 
 from __future__ import annotations
 
 import logging
+import os
+import queue
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable
 
 import torch
 
 from kvtier import codec
+from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
-from kvtier.ops import ChunkSpan, pick_backend
-from kvtier.storage import ChunkBuffer, ChunkStore
+from kvtier.ops import ChunkSpan, checksums_in_kernel, pick_backend, resolve_backend
+from kvtier.ops.checksum import to_unsigned
+from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 
 logger = logging.getLogger(__name__)
+
+HeldChanged = Callable[[list[bytes]], None]  # storage keys this worker stored, re-confirmed or promoted
+SAVE_NICE = 10  # the save thread's extra niceness: under CPU contention the load thread runs first
+_YIELD_S = 0.0005  # how often a save waiting for loads to finish looks again
+_EWMA = 0.2  # weight of the newest sample in the per-tier load cost
 
 
 @dataclass(slots=True)
 class TransferStats:
-    """Counters since start (tokens, bytes, milliseconds)."""
+    """Counters since start (tokens, KV payload bytes, milliseconds). Loads are counted on the load thread,
+    saves under the save side's lock; readers may see a snapshot a step old."""
 
     loaded_chunks: int = 0
     loaded_bytes: int = 0
     load_ms: float = 0.0
     failed_chunks: int = 0
+    cpu_hit_tokens: int = 0
+    disk_hit_tokens: int = 0
     saved_chunks: int = 0
     saved_bytes: int = 0
     save_ms: float = 0.0
@@ -40,30 +66,54 @@ class TransferStats:
 
 
 @dataclass(slots=True)
-class _Finished:
-    req_ids: set[str] = field(default_factory=set)
-    failed_block_ids: set[int] = field(default_factory=set)
+class _PendingSave:
+    """One gathered chunk waiting for the save thread. ``ready``: CUDA event of its gather."""
+
+    key: bytes
+    buffer: ChunkBuffer
+    ready: torch.cuda.Event | None
+    sums: torch.Tensor | None = None  # int64 [spans] KVSUM64s the copy kernel computed, if it does
+    index: int = 0  # this chunk's entry in ``sums``
 
 
 class TierWorker:
     """Runs load and save jobs for one worker's ``layout`` against ``store``.
 
     ``chunk_blocks``: engine blocks per chunk. ``backend``: ops backend name (``auto`` picks the
-    fastest for the layout's device).
+    fastest for the layout's device). ``save_backlog_bytes``: most bytes of gathered chunks
+    waiting to be stored (None: unbounded). ``on_held``: called with storage keys whose holding
+    this worker changed (stored, found already stored, promoted from disk), from any thread.
     """
 
-    def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto"):
+    def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
+                 save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
         self.chunk_bytes = codec.chunk_bytes(layout, chunk_blocks)
-        self._gather, self._scatter = pick_backend(layout, backend)
-        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-        self._save_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-save")
-        self._lock = threading.Lock()  # guards _finished and _saving only; never held during a copy
-        self._finished = _Finished()
-        self._saving: set[bytes] = set()
+        self.save_backlog_bytes = save_backlog_bytes
         self.stats = TransferStats()
+        self.backend = resolve_backend(layout, backend)
+        self._gather, self._scatter = pick_backend(layout, self.backend)
+        self._kernel_sums = checksums_in_kernel(self.backend)  # else BLAKE3 on the host
+        self._on_held = on_held or (lambda keys: None)
+        cuda = layout.device.type == "cuda"
+        self._load_stream = torch.cuda.Stream(layout.device) if cuda else None
+        self._save_stream = torch.cuda.Stream(layout.device) if cuda else None
+        # load side
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
+        self._fetch_ms: dict[str, float] = {}  # tier -> EWMA ms to fetch and verify one chunk
+        self._scatter_ms = 0.0  # EWMA ms to scatter one whole chunk
+        self._loads_running = 0  # written by the load thread only; the save thread yields while > 0
+        # save side: everything below is guarded by _cond
+        self._cond = threading.Condition()
+        self._backlog: deque[_PendingSave] = deque()
+        self._backlog_bytes = 0  # pending chunks plus the one being stored
+        self._saving: set[bytes] = set()
+        self._closing = False
+        self._save_thread = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
+        self._save_thread.start()
 
     def _skey(self, key: bytes) -> bytes:
         return storage_key(key, self.layout.fingerprint)
@@ -71,58 +121,135 @@ class TierWorker:
     def _ids(self, block_ids) -> torch.Tensor:
         return torch.tensor(block_ids, dtype=torch.int64, device=self.layout.device)
 
-    # ---- lookup -------------------------------------------------------------------------------
-    def prefix_tiers(self, keys: list[bytes]) -> list[str]:
-        """Tier names of the leading stored chunks of ``keys`` (what the lookup server answers)."""
-        return [tier.value for tier in self.store.prefix_hits([self._skey(k) for k in keys])]
-
     # ---- save ---------------------------------------------------------------------------------
-    def save(self, jobs: list[SaveJob]) -> list[Future]:
-        """Copy the jobs' blocks out now (the engine may reuse them after this returns); seal
-        and store them in the background. Chunks already stored or being stored are skipped."""
-        spans, keys, buffers = [], [], []
+    def save(self, jobs: list[SaveJob]) -> int:
+        """Copy the jobs' new chunks out now (the engine may reuse the blocks once this returns)
+        and queue them for storing; returns how many were queued. Never waits for storage.
+
+        Chunks already stored are not saved again (they are reported held again, so a chunk
+        withdrawn because another rank lost it becomes visible once that rank saves it anew).
+        Called from one thread (the engine's).
+        """
+        wanted: list[tuple[bytes, list[int]]] = []
+        stored: list[bytes] = []
+        with self._cond:
+            saving = set(self._saving)
         for job in jobs:
             for i, key in enumerate(job.keys):
                 skey = self._skey(key)
-                with self._lock:
-                    busy = skey in self._saving
-                if busy or self.store.contains(skey) is not None:
+                if skey in saving:
                     self.stats.skipped_saves += 1
-                    continue
-                buffer = self.store.allocate(self.chunk_bytes)
-                if buffer is None:
-                    self.stats.dropped_saves += 1
-                    continue
-                ids = job.block_ids[i * self.chunk_blocks : (i + 1) * self.chunk_blocks]
-                spans.append(ChunkSpan(buffer.data, self.chunk_blocks, 0, self._ids(ids)))
-                keys.append(skey)
-                buffers.append(buffer)
-        if not spans:
-            return []
+                elif self.store.contains(skey) is not None:
+                    self.stats.skipped_saves += 1
+                    stored.append(skey)
+                else:
+                    saving.add(skey)
+                    wanted.append((skey, list(job.block_ids[i * self.chunk_blocks : (i + 1) * self.chunk_blocks])))
+        if stored:
+            self._on_held(stored)
+        if not wanted:
+            return 0
+        wanted = self._make_room(wanted)
+        spans, pending = [], []
+        for skey, ids in wanted:
+            buffer = self.store.allocate(self.chunk_bytes, wait=False)
+            if buffer is None:
+                continue
+            spans.append(ChunkSpan(buffer.data, self.chunk_blocks, 0, self._ids(ids)))
+            pending.append(_PendingSave(skey, buffer, None, index=len(pending)))
         start = _now_ms()
-        self._gather(self.layout, spans)
-        self.stats.save_ms += _now_ms() - start
-        with self._lock:
-            self._saving.update(keys)
-        return [self._save_pool.submit(self._seal_and_put, keys, buffers)]
+        if spans:
+            sums = torch.empty(len(spans), dtype=torch.int64, device=self.layout.device) if self._kernel_sums else None
+            ready = self._gather_for_save(spans, sums)
+            for item in pending:
+                item.ready, item.sums = ready, sums
+        with self._cond:
+            unallocated = len(wanted) - len(pending)
+            self._backlog_bytes -= unallocated * self.chunk_bytes  # give back their reservation
+            self.stats.dropped_saves += unallocated
+            self.stats.save_ms += _now_ms() - start
+            self._backlog.extend(pending)
+            self._saving.update(item.key for item in pending)
+            self._cond.notify_all()
+        return len(pending)
+
+    def _make_room(self, wanted: list[tuple[bytes, list[int]]]) -> list[tuple[bytes, list[int]]]:
+        """Reserve backlog bytes for ``wanted``, dropping the oldest pending chunks to make room;
+        returns the part of ``wanted`` that may be gathered (its leading chunks: a chunk is only
+        reachable by lookups through the chunks before it)."""
+        limit = self.save_backlog_bytes
+        dropped: list[_PendingSave] = []
+        with self._cond:
+            if limit is not None:
+                need = len(wanted) * self.chunk_bytes
+                while self._backlog and self._backlog_bytes + need > limit:
+                    item = self._backlog.popleft()
+                    dropped.append(item)
+                    self._backlog_bytes -= self.chunk_bytes
+                    self._saving.discard(item.key)
+                # The chunk being stored right now cannot be dropped; what still won't fit is.
+                room = max(0, (limit - self._backlog_bytes) // self.chunk_bytes)
+                self.stats.dropped_saves += len(dropped) + max(0, len(wanted) - room)
+                wanted = wanted[:room]
+            self._backlog_bytes += len(wanted) * self.chunk_bytes
+        for item in dropped:
+            item.buffer.release()
+        return wanted
+
+    def _gather_for_save(self, spans: list[ChunkSpan], sums: torch.Tensor | None) -> torch.cuda.Event | None:
+        gather = self._gather if sums is None else partial(self._gather, checksums_out=sums)
+        if self._save_stream is None:
+            gather(self.layout, spans)
+            return None
+        engine = torch.cuda.current_stream(self.layout.device)
+        self._save_stream.wait_stream(engine)  # the forward that wrote the blocks comes first
+        with torch.cuda.stream(self._save_stream):
+            gather(self.layout, spans)
+        ready = torch.cuda.Event()
+        ready.record(self._save_stream)
+        engine.wait_event(ready)  # and a later step that reuses the blocks comes after
+        return ready
+
+    def _save_loop(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)  # this thread only
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._cond:
+                while not self._backlog and not self._closing:
+                    self._cond.wait()
+                if not self._backlog:
+                    return
+                item = self._backlog.popleft()
+            while self._loads_running and not self._closing:
+                time.sleep(_YIELD_S)  # a latency-critical load has the CPU and memory bandwidth
+            start = _now_ms()
+            stored = self._seal_and_put(item)
+            with self._cond:
+                self._backlog_bytes -= self.chunk_bytes
+                self._saving.discard(item.key)
+                self.stats.save_ms += _now_ms() - start
+                if stored:
+                    self.stats.saved_chunks += 1
+                    self.stats.saved_bytes += self.layout.payload_bytes(self.chunk_blocks)
+                self._cond.notify_all()
+            if stored:
+                self._on_held([item.key])
 
     @torch.inference_mode()  # buffers may be inference tensors made on the engine's thread
-    def _seal_and_put(self, keys: list[bytes], buffers: list[ChunkBuffer]) -> None:
-        start = _now_ms()
+    def _seal_and_put(self, item: _PendingSave) -> bool:
         try:
-            for buffer in buffers:
-                codec.write_header(buffer.data, self.layout, self.chunk_blocks)
-            self.store.put(keys, buffers)
-            self.stats.saved_chunks += len(keys)
-            self.stats.saved_bytes += len(keys) * self.chunk_bytes
+            if item.ready is not None:
+                item.ready.synchronize()
+            kvsum = None if item.sums is None else to_unsigned(int(item.sums[item.index]))
+            codec.write_header(item.buffer.data, self.layout, self.chunk_blocks, kvsum)
+            self.store.put([item.key], [item.buffer])
+            return True
         except Exception:
-            logger.exception("kvtier: saving %d chunks failed; they will be recomputed when needed", len(keys))
-            for buffer in buffers:
-                buffer.release()
-        finally:
-            self.stats.save_ms += _now_ms() - start
-            with self._lock:
-                self._saving.difference_update(keys)
+            logger.exception("kvtier: saving chunk %s failed; it will be recomputed when needed", item.key.hex())
+            item.buffer.release()
+            return False
 
     # ---- load ---------------------------------------------------------------------------------
     def submit_load(self, job: LoadJob) -> Future:
@@ -131,14 +258,20 @@ class TierWorker:
 
     @torch.inference_mode()
     def _load_and_report(self, job: LoadJob) -> None:
+        self._loads_running += 1
         try:
-            failed = self.load(job)
+            if self._load_stream is None:
+                failed = self.load(job)
+            else:
+                with torch.cuda.stream(self._load_stream):
+                    failed = self.load(job)
+                self._load_stream.synchronize()  # the blocks are whole before the request resumes
         except Exception:
             logger.exception("kvtier: load for request %s failed; its blocks will be recomputed", job.req_id)
             failed = set(job.block_ids)
-        with self._lock:
-            self._finished.req_ids.add(job.req_id)
-            self._finished.failed_block_ids.update(failed)
+        finally:
+            self._loads_running -= 1
+        self._finished.put((job.req_id, failed))
 
     def load(self, job: LoadJob) -> set[int]:
         """Load ``job`` now. Returns the engine block ids that were not loaded (empty on success).
@@ -148,63 +281,121 @@ class TierWorker:
         lookup offers it again.
         """
         start = _now_ms()
-        spans, buffers, done = [], [], 0
+        spans, buffers, sums, done = [], [], [], 0
+        tokens = {Tier.CPU: 0, Tier.DISK: 0}
         try:
             for i, key in enumerate(job.keys):
                 if done == len(job.block_ids):
                     break
                 first = job.first_block if i == 0 else 0
                 count = min(self.chunk_blocks - first, len(job.block_ids) - done)
-                buffer = self._fetch(key)
-                if buffer is None:
+                fetched = self._fetch(key)
+                if fetched is None:
                     break
+                buffer, checksum = fetched
                 buffers.append(buffer)
+                sums.append(checksum)
+                tokens[buffer.tier] += count * self.layout.block_size
                 ids = self._ids(job.block_ids[done : done + count])
                 spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids))
                 done += count
             if spans:
-                self._scatter(self.layout, spans)
+                begin = _now_ms()
+                if self._kernel_sums:
+                    done = self._scatter_verified(job, spans, buffers, sums, done)
+                else:
+                    self._scatter(self.layout, spans)
+                per_chunk = (_now_ms() - begin) * self.chunk_blocks / done
+                old = self._scatter_ms
+                self._scatter_ms = per_chunk if old == 0 else old + _EWMA * (per_chunk - old)
         finally:
             for buffer in buffers:
                 buffer.release()
-        self.stats.loaded_chunks += len(spans)
-        self.stats.loaded_bytes += done * self.layout.bytes_per_block
-        self.stats.load_ms += _now_ms() - start
+        stats = self.stats
+        stats.loaded_chunks += len(spans)
+        stats.loaded_bytes += done * self.layout.bytes_per_block
+        stats.cpu_hit_tokens += tokens[Tier.CPU]
+        stats.disk_hit_tokens += tokens[Tier.DISK]
+        stats.load_ms += _now_ms() - start
         if done < len(job.block_ids):
-            self.stats.failed_chunks += 1
+            stats.failed_chunks += 1
         return set(job.block_ids[done:])
 
-    def _fetch(self, key: bytes) -> ChunkBuffer | None:
-        """The verified stored chunk for chain key ``key``, or None (missing or corrupt)."""
+    def _scatter_verified(self, job: LoadJob, spans: list[ChunkSpan], buffers: list[ChunkBuffer],
+                          sums: list[int], done: int) -> int:
+        """Scatter with the kernel checking each chunk's KVSUM64; returns how many blocks loaded
+        intact. From the first bad chunk on, every block counts as failed: vLLM recomputes from
+        the first failed block, and the bad chunk's blocks hold garbage until then."""
+        ok = self._scatter(self.layout, spans, sums)
+        if all(ok):
+            return done
+        bad = ok.index(False)
+        skey = self._skey(job.keys[bad])
+        self.store.remove(skey)
+        logger.warning("kvtier: stored chunk %s is unusable (payload checksum mismatch in the copy kernel); "
+                       "removed it and recomputing.", job.keys[bad].hex())
+        return sum(span.block_ids.numel() for span in spans[:bad])
+
+    def _fetch(self, key: bytes) -> tuple[ChunkBuffer, int] | None:
+        """The stored chunk for chain key ``key`` and its header checksum, or None (missing or
+        corrupt). The payload is verified here unless the copy kernel verifies it while loading."""
         skey = self._skey(key)
+        start = _now_ms()
         buffer = self.store.get(skey)
         if buffer is None:
             logger.warning("kvtier: chunk %s was evicted before it could be loaded; recomputing.", key.hex())
             return None
         try:
-            codec.verify_chunk(buffer.data, self.layout, self.chunk_blocks)
+            header = codec.verify_chunk(buffer.data, self.layout, self.chunk_blocks, payload=not self._kernel_sums)
         except codec.ChunkError as exc:
             buffer.release()
-            self.store.remove(skey)
+            self.store.remove(skey)  # the store's watcher reports it gone
             logger.warning("kvtier: stored chunk %s is unusable (%s); removed it and recomputing.", key.hex(), exc)
             return None
-        return buffer
+        tier = buffer.tier.value
+        ms = _now_ms() - start
+        old = self._fetch_ms.get(tier)
+        self._fetch_ms[tier] = ms if old is None else old + _EWMA * (ms - old)
+        if buffer.tier is Tier.DISK:
+            self._on_held([skey])  # promoted into the CPU tier
+        return buffer, header.checksum
+
+    def chunk_load_ms(self) -> dict[str, float]:
+        """Measured ms to load one whole chunk from each tier (fetch, verify, scatter), as a
+        moving average; a tier appears once a load has used it. Safe from any thread."""
+        fetch = dict(self._fetch_ms)
+        return {tier: ms + self._scatter_ms for tier, ms in fetch.items()}
 
     def take_finished(self) -> tuple[set[str], set[int]]:
         """Requests whose loads ended since the last call, and the block ids that failed."""
-        with self._lock:
-            finished, self._finished = self._finished, _Finished()
-        return finished.req_ids, finished.failed_block_ids
+        req_ids: set[str] = set()
+        failed: set[int] = set()
+        while True:
+            try:
+                req_id, bad = self._finished.get_nowait()
+            except queue.Empty:
+                return req_ids, failed
+            req_ids.add(req_id)
+            failed |= bad
+
+    def pending_save_bytes(self) -> int:
+        """Bytes of chunks gathered and not stored yet."""
+        with self._cond:
+            return self._backlog_bytes
 
     def drain(self) -> None:
         """Wait for every submitted load and save."""
-        for pool in (self._load_pool, self._save_pool):
-            pool.submit(lambda: None).result()
+        self._load_pool.submit(lambda: None).result()
+        with self._cond:
+            self._cond.wait_for(lambda: self._backlog_bytes == 0)
 
     def close(self) -> None:
         """Finish pending work, then stop the executors. The store is closed by its owner."""
         self._load_pool.shutdown(wait=True)
-        self._save_pool.shutdown(wait=True)
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._save_thread.join()
 
 
 def _now_ms() -> float:

@@ -14,6 +14,7 @@ phase. The target: burst p99 <= 1.25 x idle p99.
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 import time
 import uuid
@@ -115,8 +116,9 @@ def run(spec: ExecutorsSpec, progress=lambda message: None) -> ExecutorsResult:
     src, burst_src, dst = kv.src[:reload_blocks], kv.src[reload_blocks:], kv.dst[:reload_blocks]
     chunk_bytes = codec.chunk_bytes(kv.layout, chunk_blocks)
     reload_chunks = reload_blocks // chunk_blocks
-    # Room for the prompt, the backlog and as much again of burst chunks before LRU eviction.
-    cpu_bytes = (reload_chunks + 4 * spec.backlog_chunks + 4 * spec.burst_chunks) * -(-chunk_bytes // 4096) * 4096
+    # Room for the prompt, the backlog, and 64 stored burst chunks before LRU eviction could reach
+    # the prompt (it is refreshed by every reload; far fewer are stored between two reloads).
+    cpu_bytes = (reload_chunks + spec.backlog_chunks + 64) * -(-chunk_bytes // 4096) * 4096
     config = StoreConfig(cpu_bytes=cpu_bytes, disk_path=spec.disk_path,
                          disk_bytes=4 * cpu_bytes if spec.disk_path else 0, namespace="kvtier-bench")
     result = ExecutorsResult(spec, str(device), reload_blocks * kv.layout.bytes_per_block)
@@ -161,20 +163,24 @@ def run(spec: ExecutorsSpec, progress=lambda message: None) -> ExecutorsResult:
             def engine() -> None:  # saves new chunks every step, like a prefill-heavy engine
                 ids = tuple(burst_src.tolist())
                 while not stop.is_set():
-                    keys = fresh_keys(spec.burst_chunks)
+                    # Chain keys come with the scheduler's metadata (computed in its process): any
+                    # fresh 16 bytes will do here.
+                    keys = [os.urandom(16) for _ in range(spec.burst_chunks)]
                     worker.save([SaveJob("burst", tuple(keys), ids)])
                     offered[0] += len(keys)
                     stop.wait(spec.step_ms / 1e3)
 
             before = (worker.stats.saved_chunks, worker.stats.dropped_saves)
-            saver = threading.Thread(target=engine, name="bench-engine")
+            saver = threading.Thread(target=engine, name="bench-engine", daemon=True)
             begin = time.perf_counter()
             saver.start()
-            time.sleep(0.2)  # let the backlog fill
-            progress(f"burst: {spec.samples} reloads while saving {spec.burst_chunks} chunks every {spec.step_ms} ms")
-            result.burst_ms = [reload_ms() for _ in range(spec.samples)]
-            stop.set()
-            saver.join()
+            try:
+                time.sleep(0.2)  # let the backlog fill
+                progress(f"burst: {spec.samples} reloads while saving {spec.burst_chunks} chunks every {spec.step_ms} ms")
+                result.burst_ms = [reload_ms() for _ in range(spec.samples)]
+            finally:
+                stop.set()
+                saver.join()
             result.burst_seconds = time.perf_counter() - begin
             result.burst_saved_chunks = worker.stats.saved_chunks - before[0]
             result.burst_dropped_chunks = worker.stats.dropped_saves - before[1]

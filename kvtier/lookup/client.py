@@ -7,13 +7,13 @@ import logging
 import msgspec
 import zmq
 
-from kvtier.lookup.protocol import MAX_MESSAGE_BYTES, VERSION, LookupRequest, decode_reply, encode
+from kvtier.lookup.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, VERSION, LookupReply, LookupRequest, decode_reply, encode
 
 logger = logging.getLogger(__name__)
 
 
 class LookupClient:
-    """``prefix_tiers(keys)`` asks the server at ``endpoint``; waits at most ``timeout_ms``."""
+    """``lookup(keys)`` / ``prefix_tiers(keys)`` ask the server at ``endpoint``; wait at most ``timeout_ms``."""
 
     def __init__(self, endpoint: str, timeout_ms: int = 2000):
         self.endpoint = endpoint
@@ -38,26 +38,32 @@ class LookupClient:
 
     def prefix_tiers(self, keys: list[bytes]) -> list[str]:
         """Tiers of the leading stored chunks of ``keys``; ``[]`` when the server cannot answer."""
+        reply = self.lookup(keys)
+        return [] if reply is None else reply.tiers
+
+    def lookup(self, keys: list[bytes]) -> LookupReply | None:
+        """The server's whole answer for chain ``keys`` (tiers of the leading stored chunks and
+        the measured per-chunk load cost of each tier); None when it cannot answer."""
         if not keys:
-            return []
+            return None
         socket = self._connect()
-        socket.send(encode(LookupRequest(VERSION, keys)))
+        socket.send(encode(LookupRequest(VERSION, keys[:MAX_KEYS])))
         if not socket.poll(self.timeout_ms, zmq.POLLIN):
             self._reset()
             if not self._warned:
                 logger.warning("kvtier lookup server %s did not answer in %d ms; treating as a miss.", self.endpoint, self.timeout_ms)
                 self._warned = True
-            return []
+            return None
         try:
             reply = decode_reply(socket.recv())
         except msgspec.DecodeError as exc:
             logger.warning("kvtier lookup: malformed reply from %s: %s", self.endpoint, exc)
-            return []
+            return None
         if reply.error:
             logger.warning("kvtier lookup refused: %s", reply.error)
-            return []
+            return None
         self._warned = False
-        return reply.tiers[: len(keys)]
+        return reply
 
     def close(self) -> None:
         self._reset()

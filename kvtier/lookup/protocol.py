@@ -1,31 +1,64 @@
-"""Lookup messages. Bump ``VERSION`` on any change; a peer speaking another version is refused."""
+"""Lookup messages. Bump ``VERSION`` on any change; a peer speaking another version is refused.
+
+Two messages travel to rank 0's server: a :class:`LookupRequest` from the scheduler (answered with
+a :class:`LookupReply`) and a :class:`HoldReport` from every worker rank (never answered). Keys are
+16 bytes: chain keys in a request, a rank's storage keys in a report.
+"""
 
 from __future__ import annotations
 
+from typing import Annotated, Literal, Union
+
 import msgspec
 
-VERSION = 1
-MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: ~65k chunk keys, a 16M-token prompt at 256 tokens a chunk
+VERSION = 2
+MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: ~40k keys, a 10M-token prompt at 256 tokens a chunk
+MAX_KEYS = 16384  # per message; reports are split to stay under it
+KEY_BYTES = 16
+
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+Keys = Annotated[list[Key], msgspec.Meta(max_length=MAX_KEYS)]
+HeldTier = Literal["cpu", "disk", ""]  # "" : the rank no longer holds the chunk
 
 
-class LookupRequest(msgspec.Struct, frozen=True):
-    """Chain keys of a prompt's full chunks, in order (16 bytes each)."""
+class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
+    """Chain keys of a prompt's full chunks, in order."""
 
     version: int
-    keys: list[bytes]
+    keys: Keys
+
+
+class HoldReport(msgspec.Struct, frozen=True, tag="hold"):
+    """What one worker rank holds now, for some of its storage keys.
+
+    ``fingerprint``: the rank's layout fingerprint; its storage key of chain key ``k`` is
+    ``kvtier.keys.storage_key(k, fingerprint)``. ``tiers[i]``: where ``keys[i]`` is now
+    (``"cpu"``, ``"disk"``) or ``""`` when the rank lost it (evicted, removed, never stored).
+    """
+
+    version: int
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    world_size: Annotated[int, msgspec.Meta(ge=1)]
+    fingerprint: Key
+    keys: Keys
+    tiers: Annotated[list[HeldTier], msgspec.Meta(max_length=MAX_KEYS)]
 
 
 class LookupReply(msgspec.Struct, frozen=True):
-    """Tier of each leading stored chunk (``"cpu"`` or ``"disk"``); stops at the first miss.
+    """Tier of each leading chunk every rank holds (``"disk"`` if any rank has it on disk only);
+    stops at the first chunk some rank lacks.
 
-    ``error`` is set, and ``tiers`` empty, when the request was refused.
+    ``chunk_load_ms``: measured milliseconds to load one chunk from each tier on rank 0 (fetch,
+    verify and copy into engine blocks; a tier appears once it has been measured). ``error`` is
+    set, and ``tiers`` empty, when the request was refused.
     """
 
     version: int
     tiers: list[str]
     error: str = ""
+    chunk_load_ms: dict[str, float] = {}
 
 
 encode = msgspec.msgpack.Encoder().encode
-decode_request = msgspec.msgpack.Decoder(LookupRequest).decode
+decode_message = msgspec.msgpack.Decoder(Union[LookupRequest, HoldReport]).decode
 decode_reply = msgspec.msgpack.Decoder(LookupReply).decode

@@ -1,4 +1,10 @@
-"""Worker-side lookup server: a REP socket served by one daemon thread."""
+"""Rank 0's lookup server: one ROUTER socket, served by one daemon thread that owns the index.
+
+Scheduler lookups (REQ) are answered from the :class:`HoldIndex`; worker hold reports (DEALER)
+update it and get no answer. Both arrive on the same socket, so a report sent before a lookup is
+applied before that lookup is answered. A bad message is logged and answered with an error;
+the server keeps serving.
+"""
 
 from __future__ import annotations
 
@@ -10,45 +16,58 @@ from typing import Callable
 import msgspec
 import zmq
 
-from kvtier.lookup.protocol import MAX_MESSAGE_BYTES, VERSION, LookupReply, decode_request, encode
+from kvtier.lookup.index import HoldIndex
+from kvtier.lookup.protocol import MAX_MESSAGE_BYTES, VERSION, HoldReport, LookupReply, decode_message, encode
 
 logger = logging.getLogger(__name__)
 
-Answer = Callable[[list[bytes]], list[str]]
+LoadCosts = Callable[[], dict[str, float]]
 
 
 class LookupServer:
-    """Answers :class:`LookupRequest` with ``answer(keys)``; bad messages get an error reply, never a crash.
+    """Serves lookups for a TP group of ``world_size`` ranks at ``endpoint``.
 
     ``endpoint``: a ZMQ endpoint to bind (``ipc://path`` or ``tcp://127.0.0.1:port``).
+    ``chunk_load_ms``: measured ms to load one chunk per tier, sent with every reply.
     """
 
-    def __init__(self, endpoint: str, answer: Answer):
+    def __init__(self, endpoint: str, world_size: int, chunk_load_ms: LoadCosts | None = None):
         self.endpoint = endpoint
-        self._answer = answer
+        self.index = HoldIndex(world_size)
+        self._chunk_load_ms = chunk_load_ms or dict
         self._ctx = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.REP)
+        self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
         self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE_BYTES)
-        if endpoint.startswith("ipc://") and os.path.exists(endpoint[6:]):
-            os.unlink(endpoint[6:])  # a socket file left by a process that died
+        path = endpoint[6:] if endpoint.startswith("ipc://") else None
+        if path and os.path.exists(path):
+            os.unlink(path)  # a socket file left by a process that died
         self._socket.bind(endpoint)
+        if path:
+            os.chmod(path, 0o600)  # only this user's processes may ask or report
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvtier-lookup", daemon=True)
         self._thread.start()
 
-    def _reply(self, message: bytes) -> LookupReply:
+    def _handle(self, message: bytes) -> LookupReply | None:
+        """The reply to ``message``; None for an accepted hold report."""
         try:
-            request = decode_request(message)
-        except msgspec.DecodeError as exc:
+            request = decode_message(message)
+        except msgspec.DecodeError as exc:  # ValidationError included
             logger.warning("kvtier lookup: rejected a malformed message (%d bytes): %s", len(message), exc)
-            return LookupReply(VERSION, [], error=f"malformed request: {exc}")
+            return LookupReply(VERSION, [], error=f"malformed message: {exc}")
         if request.version != VERSION:
             logger.warning("kvtier lookup: rejected protocol version %d (this is %d).", request.version, VERSION)
             return LookupReply(VERSION, [], error=f"protocol version {request.version} != {VERSION}")
         try:
-            return LookupReply(VERSION, self._answer(request.keys))
-        except Exception as exc:  # a lookup must never take the server down
+            if isinstance(request, HoldReport):
+                problem = self.index.apply(request)
+                if problem is None:
+                    return None
+                logger.warning("kvtier lookup: rejected a hold report: %s.", problem)
+                return LookupReply(VERSION, [], error=problem)
+            return LookupReply(VERSION, self.index.prefix_tiers(request.keys), chunk_load_ms=self._chunk_load_ms())
+        except Exception as exc:  # a bad message must never take the server down
             logger.exception("kvtier lookup failed")
             return LookupReply(VERSION, [], error=f"lookup failed: {exc}")
 
@@ -58,7 +77,13 @@ class LookupServer:
         while not self._stop.is_set():
             if not poller.poll(100):
                 continue
-            self._socket.send(encode(self._reply(self._socket.recv())))
+            # [peer identity, (empty delimiter of REQ and reporters,) payload]
+            frames = self._socket.recv_multipart()
+            if len(frames) < 2:
+                continue
+            reply = self._handle(frames[-1])
+            if reply is not None:
+                self._socket.send_multipart([*frames[:-1], encode(reply)])
         self._socket.close()
 
     def close(self) -> None:

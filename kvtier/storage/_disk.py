@@ -7,6 +7,7 @@ write_file) and are named by :func:`kvtier.storage._lmcache.file_name`.
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import threading
@@ -30,6 +31,9 @@ class DiskTier:
       drops the key from the index. Upstream would raise inside its worker and leak the chunk's
       CPU reference; the CPU copy is untouched either way.
     * Every finished write attempt is counted and signalled, so callers wait instead of poll.
+    * ``on_change(key)``, when set, hears of every key whose disk copy appeared or went (a write
+      landed or failed, an eviction, a drop). It runs on LMCache's threads, sometimes under the
+      disk lock: it must only record the key.
     """
 
     def __init__(self, backend: lm.LocalDiskBackend, config: StoreConfig, align: int) -> None:
@@ -39,15 +43,19 @@ class DiskTier:
         self._cond = threading.Condition()
         self.writes_done = 0  # only grows; read without the lock to snapshot progress
         self._warned_too_big = False
+        self._warned_no_direct = False
+        self.on_change: Callable[[Any], None] | None = None
         # LMCache's _key_to_path only receives the key; the size rides along in a thread-local,
         # which works because each write runs start to end on one worker thread.
         self._tls = threading.local()
         self._orig_key_to_path = backend._key_to_path
         self._orig_write_file = backend.write_file
         self._orig_save = backend.async_save_bytes_to_disk
+        self._orig_remove = backend.remove
         backend._key_to_path = self._key_to_path  # type: ignore[method-assign]
         backend.write_file = self._write_file  # type: ignore[method-assign]
         backend.async_save_bytes_to_disk = self._save  # type: ignore[method-assign]
+        backend.remove = self._remove  # type: ignore[method-assign]  (LMCache's own eviction)
 
     # ------------------------------------------------------------------ writes
 
@@ -104,6 +112,16 @@ class DiskTier:
             with self._cond:
                 self.writes_done += 1
                 self._cond.notify_all()
+            self._changed(key)
+
+    def _remove(self, key: Any, force: bool = True) -> Any:
+        removed = self._orig_remove(key, force)
+        self._changed(key)
+        return removed
+
+    def _changed(self, key: Any) -> None:
+        if self.on_change is not None:
+            self.on_change(key)
 
     # ------------------------------------------------------------------ reads and removal
 
@@ -132,7 +150,7 @@ class DiskTier:
                 obj = alloc(nbytes)
                 if obj is None:
                     return None
-                problem = _read_exact(meta.path, obj.byte_array)
+                problem = self._read_into(meta.path, obj.byte_array)
             if problem is None:
                 ok = True
                 return obj
@@ -171,7 +189,19 @@ class DiskTier:
                 pass
             except OSError as exc:
                 logger.warning("could not delete disk chunk %s: %s", meta.path, exc)
+        self._changed(ek)
         return True
+
+    def _read_into(self, path: str, buf: memoryview) -> str | None:
+        if self._config.o_direct:
+            problem = _read_direct(path, buf)
+            if problem != _NO_DIRECT:
+                return problem
+            if not self._warned_no_direct:
+                self._warned_no_direct = True
+                logger.warning("O_DIRECT reads are not supported under %s; reading through the page cache",
+                               self.backend.path)
+        return _read_exact(path, buf)
 
     # ------------------------------------------------------------------ restart
 
@@ -260,6 +290,52 @@ def _read_exact(path: str, buf: memoryview) -> str | None:
             return None
     except OSError as exc:
         return exc.strerror or type(exc).__name__
+
+
+_NO_DIRECT = "O_DIRECT refused"
+_DIRECT_ALIGN = 4096  # bytes; the CPU pool's buffers start on this boundary too
+
+
+def _read_direct(path: str, buf: memoryview) -> str | None:
+    """Like :func:`_read_exact`, but the block-aligned head bypasses the page cache (O_DIRECT);
+    the unaligned tail (a chunk's 64-byte header makes sizes unaligned) is read normally.
+    Returns ``_NO_DIRECT`` if the file system refuses O_DIRECT."""
+    head = len(buf) - len(buf) % _DIRECT_ALIGN
+    done = 0
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+    except OSError as exc:
+        if exc.errno == errno.EINVAL:
+            return _NO_DIRECT
+        return exc.strerror or type(exc).__name__
+    try:
+        size = os.fstat(fd).st_size
+        if size != len(buf):
+            return f"{size} bytes on disk, {len(buf)} expected"
+        while done < head:
+            n = os.readv(fd, [buf[done:head]])
+            if not n:
+                return "file ended early"
+            done += n
+    except OSError as exc:
+        if exc.errno == errno.EINVAL and done == 0:
+            return _NO_DIRECT
+        return exc.strerror or type(exc).__name__
+    finally:
+        os.close(fd)
+    if head == len(buf):
+        return None
+    try:
+        with open(path, "rb", buffering=0) as f:
+            f.seek(head)
+            while done < len(buf):
+                n = f.readinto(buf[done:])
+                if not n:
+                    return "file ended early"
+                done += n
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None
 
 
 def _unlink_quietly(path: str) -> None:

@@ -11,6 +11,8 @@ import logging
 import threading
 import time
 import weakref
+from typing import Callable
+
 import torch
 
 from . import _lmcache as lm
@@ -46,14 +48,18 @@ class ChunkStore:
         self._close_lock = threading.Lock()
         self._outstanding: weakref.WeakSet[ChunkBuffer] = weakref.WeakSet()
         self._outstanding_lock = threading.Lock()
+        self._watcher: Callable[[list[bytes]], None] | None = None
         try:
             self._cpu: lm.LocalCPUBackend = self._sm.storage_backends[lm.CPU_BACKEND]
+            self._cpu_remove = self._cpu.remove
+            self._cpu.remove = self._remove_from_cpu  # type: ignore[method-assign]  (evictions too)
             pool = self._cpu.get_memory_allocator()
             self._pool = pool.pin_allocator  # TensorMemoryAllocator: the byte accounting
             self._align = int(pool.align_bytes)
             backend = self._sm.storage_backends.get(lm.DISK_BACKEND)
             self._disk = None if backend is None else DiskTier(backend, config, self._align)
             if self._disk is not None:
+                self._disk.on_change = self._changed
                 self._disk.rebuild_index()
         except BaseException:
             self._sm.close()
@@ -62,19 +68,20 @@ class ChunkStore:
 
     # ------------------------------------------------------------------ public API
 
-    def allocate(self, nbytes: int) -> ChunkBuffer | None:
+    def allocate(self, nbytes: int, wait: bool = True) -> ChunkBuffer | None:
         """A fresh ``nbytes``-byte buffer from the CPU pool, evicting LRU chunks if needed.
 
         Returns None, without evicting anything, if ``nbytes`` exceeds the whole pool, and None
         if the pool cannot make room because the chunks are held by readers (LMCache may have
         evicted unheld chunks while trying). Never blocks for long: at most ~10 s waiting for
-        in-flight disk writes, which keep their chunks unevictable until they land.
+        in-flight disk writes, which keep their chunks unevictable until they land; with
+        ``wait=False`` not at all (None instead, for callers that must not stall).
         The caller owns the buffer: release() it, or pass it to put().
         """
         self._check_open()
         if isinstance(nbytes, bool) or not isinstance(nbytes, int) or nbytes <= 0:
             raise ValueError(f"nbytes must be a positive int, got {nbytes!r}")
-        obj = self._alloc_obj(nbytes)
+        obj = self._alloc_obj(nbytes, _WRITE_WAIT_S if wait else 0.0)
         return None if obj is None else self._wrap(obj, Tier.CPU)
 
     def put(self, keys: list[bytes], buffers: list[ChunkBuffer]) -> None:
@@ -182,6 +189,24 @@ class ChunkStore:
         if disk is not None:
             disk.drop(ek)
 
+    def keys(self) -> list[bytes]:
+        """Keys of every chunk stored now, in any tier (e.g. what a restarted disk tier holds)."""
+        self._check_open()
+        with self._cpu.cpu_lock:
+            found = list(self._cpu.hot_cache)
+        if self._disk is not None:
+            with self._disk.backend.disk_lock:
+                found += list(self._disk.backend.dict)
+        keys = (lm.key_bytes(ek) for ek in found)
+        return list(dict.fromkeys(k for k in keys if k is not None))
+
+    def watch(self, on_change: Callable[[list[bytes]], None] | None) -> None:
+        """Call ``on_change([key])`` whenever a chunk may have entered or left a tier outside
+        put/get: an LRU eviction, remove(), a disk write that landed or failed, a bad disk file.
+        It runs on whichever thread made the change, sometimes under a tier's lock: it must only
+        record the keys and look them up later (``contains``). None stops the calls."""
+        self._watcher = on_change
+
     def cpu_bytes_used(self) -> int:
         """Bytes allocated in the CPU pool (4 KiB-aligned chunk sizes): cached chunks plus
         buffers held by callers. 0 after close() or once everything is released and removed."""
@@ -219,13 +244,13 @@ class ChunkStore:
 
     # ------------------------------------------------------------------ CPU pool
 
-    def _alloc_obj(self, nbytes: int) -> lm.MemoryObj | None:
+    def _alloc_obj(self, nbytes: int, wait_s: float = _WRITE_WAIT_S) -> lm.MemoryObj | None:
         aligned = -(-nbytes // self._align) * self._align
         if aligned > self._pool.address_manager.get_heap_size():
             # LMCache would evict every chunk before finding out it can never fit.
             return None
         shape = lm.chunk_shape(nbytes)
-        deadline = time.monotonic() + _WRITE_WAIT_S
+        deadline = time.monotonic() + wait_s
         disk = self._disk
         while True:
             seen = disk.writes_done if disk is not None else 0
@@ -235,7 +260,7 @@ class ChunkStore:
             # A chunk with a disk write in flight holds a second reference, so LMCache's
             # eviction would skip it and evict a newer chunk instead: wait for the LRU chunk's
             # write to land so eviction stays in LRU order.
-            if not self._lru_write_pending():
+            if wait_s <= 0 or not self._lru_write_pending():
                 # busy_loop=False: LMCache's busy loop sleeps forever when nothing is evictable.
                 obj = self._cpu.allocate(
                     shape, lm.KEY_DTYPE, lm.KEY_FMT, eviction=True, busy_loop=False
@@ -259,6 +284,18 @@ class ChunkStore:
         """Wait until no disk write is in flight (for tests and benchmarks); True if drained."""
         disk = self._disk
         return disk is None or disk.wait(lambda: not disk.writes_pending(), timeout)
+
+    def _remove_from_cpu(self, key: lm.CacheEngineKey, force: bool = True) -> bool:
+        removed = self._cpu_remove(key, force)
+        if removed:
+            self._changed(key)
+        return removed
+
+    def _changed(self, ek: lm.CacheEngineKey) -> None:
+        watcher = self._watcher
+        key = lm.key_bytes(ek) if watcher is not None else None
+        if key is not None:
+            watcher([key])
 
     def _wrap(self, obj: lm.MemoryObj, tier: Tier) -> ChunkBuffer:
         buf = ChunkBuffer(obj.tensor.view(-1), tier, obj, self._forget)

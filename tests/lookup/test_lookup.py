@@ -1,79 +1,217 @@
-"""Real ZMQ sockets: answers, malformed messages, a dead server."""
+"""Real ZMQ sockets: the commit protocol end to end, malformed messages, a dead server."""
 
+import logging
+import time
 import uuid
 
 import msgspec
+import pytest
 import zmq
 from hypothesis import given, settings, strategies as st
 
-from kvtier.lookup import LookupClient, LookupServer
-from kvtier.lookup.protocol import MAX_MESSAGE_BYTES
+from kvtier.keys import storage_key
+from kvtier.lookup import HoldReporter, LookupClient, LookupServer
+from kvtier.lookup.protocol import MAX_MESSAGE_BYTES, VERSION, HoldReport, encode
+
+A, B, C = b"a" * 16, b"b" * 16, b"c" * 16
+FINGERPRINTS = [b"0" * 16, b"1" * 16]
 
 
 def endpoint(tmp_path):
     return f"ipc://{tmp_path}/{uuid.uuid4().hex[:8]}.sock"
 
 
-def test_answers_leading_hits(tmp_path):
-    stored = {b"a" * 16: "cpu", b"b" * 16: "disk"}
+class Rank:
+    """A worker rank's holdings (chain key -> tier) and its real reporter."""
 
-    def answer(keys):
-        out = []
-        for key in keys:
-            if key not in stored:
-                break
-            out.append(stored[key])
-        return out
+    def __init__(self, server: LookupServer, rank: int, world_size: int = 2):
+        self.fingerprint = FINGERPRINTS[rank]
+        self.tiers: dict[bytes, str] = {}  # by storage key
+        self.reporter = HoldReporter(server.endpoint, rank, world_size, self.fingerprint, self.tiers.get)
 
-    server = LookupServer(endpoint(tmp_path), answer)
+    def hold(self, key: bytes, tier: str | None) -> None:
+        skey = storage_key(key, self.fingerprint)
+        if tier is None:
+            self.tiers.pop(skey, None)
+        else:
+            self.tiers[skey] = tier
+        self.reporter.changed([skey])
+
+    def sync(self) -> None:
+        assert self.reporter.flush()
+
+
+def wait_for(client, keys, expected, tries=100):
+    """Reports travel asynchronously: poll until the lookup shows ``expected``."""
+    got = None
+    for _ in range(tries):
+        got = client.prefix_tiers(keys)
+        if got == expected:
+            return
+        zmq.select([], [], [], 0.01)
+    raise AssertionError(f"lookup {got} never became {expected}")
+
+
+def test_a_chunk_is_visible_only_while_every_rank_holds_it(tmp_path):
+    server = LookupServer(endpoint(tmp_path), 2, lambda: {"cpu": 1.5})
+    ranks = [Rank(server, 0), Rank(server, 1)]
     client = LookupClient(server.endpoint, 2000)
     try:
-        assert client.prefix_tiers([b"a" * 16, b"b" * 16, b"c" * 16, b"a" * 16]) == ["cpu", "disk"]
-        assert client.prefix_tiers([b"c" * 16]) == []
+        ranks[0].hold(A, "cpu")
+        ranks[0].hold(B, "cpu")
+        ranks[1].hold(A, "cpu")
+        wait_for(client, [A, B, C], ["cpu"])  # rank 1 never committed B
+        ranks[1].hold(B, "disk")
+        wait_for(client, [A, B, C], ["cpu", "disk"])  # the slowest rank's tier
+        assert client.lookup([A]).chunk_load_ms == {"cpu": 1.5}
+        ranks[1].hold(A, None)  # evicted on rank 1 only: withdrawn for everyone
+        wait_for(client, [A, B], [])
+        assert client.prefix_tiers([B]) == ["disk"]
     finally:
         client.close()
+        for rank in ranks:
+            rank.reporter.close()
+        server.close()
+
+
+def test_the_tier_is_read_when_the_report_is_sent_so_a_late_report_cannot_undo_an_eviction(tmp_path):
+    server = LookupServer(endpoint(tmp_path), 1)
+    rank = Rank(server, 0, world_size=1)
+    client = LookupClient(server.endpoint, 2000)
+    try:
+        skey = storage_key(A, rank.fingerprint)
+        rank.tiers[skey] = "cpu"
+        rank.reporter.changed([skey])  # "stored" ...
+        del rank.tiers[skey]
+        rank.reporter.changed([skey])  # ... then evicted before the reporter got to it
+        rank.hold(B, "cpu")  # reports from one rank are applied in order: once B shows, so has A
+        wait_for(client, [B], ["cpu"])
+        assert client.prefix_tiers([A]) == []
+    finally:
+        client.close()
+        rank.reporter.close()
+        server.close()
+
+
+def test_reports_from_another_world_size_are_refused_and_logged(tmp_path, caplog):
+    server = LookupServer(endpoint(tmp_path), 2)
+    stray = Rank(server, 0, world_size=1)
+    client = LookupClient(server.endpoint, 2000)
+    caplog.set_level(logging.WARNING)
+    try:
+        stray.hold(A, "cpu")
+        stray.sync()
+        deadline = time.monotonic() + 5
+        while "world size 1" not in caplog.text:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert client.prefix_tiers([A]) == []
+    finally:
+        client.close()
+        stray.reporter.close()
+        server.close()
+
+
+def test_other_protocol_versions_are_refused(tmp_path, caplog):
+    server = LookupServer(endpoint(tmp_path), 1)
+    sock = zmq.Context.instance().socket(zmq.REQ)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    try:
+        sock.send(msgspec.msgpack.encode({"type": "lookup", "version": VERSION + 1, "keys": [A]}))
+        assert sock.poll(2000)
+        assert b"protocol version" in sock.recv()
+    finally:
+        sock.close()
         server.close()
 
 
 def test_dead_server_is_a_miss_not_a_hang(tmp_path, caplog):
     client = LookupClient(endpoint(tmp_path), 200)
-    assert client.prefix_tiers([b"a" * 16]) == []
-    assert client.prefix_tiers([b"a" * 16]) == []  # the stuck REQ socket was replaced
+    assert client.prefix_tiers([A]) == []
+    assert client.lookup([A]) is None  # the stuck REQ socket was replaced
     assert "did not answer" in caplog.text
     client.close()
 
 
-@settings(max_examples=40, deadline=None)
-@given(st.one_of(st.binary(max_size=200), st.builds(lambda v, k: msgspec.msgpack.encode({"version": v, "keys": k}),
-                                                      st.integers(-5, 5), st.lists(st.binary(max_size=20), max_size=4))))
-def test_fuzzed_messages_are_rejected_and_the_server_keeps_serving(tmp_path_factory, message):
-    tmp = tmp_path_factory.mktemp("fuzz")
-    server = LookupServer(endpoint(tmp), lambda keys: ["cpu"] * len(keys))
+_keys = st.lists(st.binary(min_size=0, max_size=20), max_size=4)
+_messages = st.one_of(
+    st.binary(max_size=200),
+    st.builds(lambda v, k: msgspec.msgpack.encode({"type": "lookup", "version": v, "keys": k}),
+              st.integers(-5, 5), _keys),
+    st.builds(lambda v, r, w, f, k, t: msgspec.msgpack.encode(
+        {"type": "hold", "version": v, "rank": r, "world_size": w, "fingerprint": f, "keys": k, "tiers": t}),
+        st.sampled_from([VERSION, VERSION + 1]), st.integers(-2, 3), st.integers(-1, 3), st.binary(max_size=17),
+        _keys, st.lists(st.sampled_from(["cpu", "disk", "", "tape"]), max_size=4)),
+    st.builds(lambda d: msgspec.msgpack.encode(d), st.dictionaries(st.text(max_size=8), st.integers(-2**63, 2**63 - 1), max_size=3)),
+)
+
+
+@pytest.fixture(scope="module")
+def fuzzed_server(tmp_path_factory):
+    """One server takes every fuzzed message in turn: it must survive them all."""
+    server = LookupServer(endpoint(tmp_path_factory.mktemp("fuzz")), 1)
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(server.endpoint)
+    client = LookupClient(server.endpoint, 2000)
+    yield server, sock, client
+    client.close()
+    sock.close()
+    server.close()
+
+
+@settings(max_examples=150, deadline=None)
+@given(_messages)
+def test_fuzzed_messages_are_rejected_and_the_server_keeps_serving(fuzzed_server, message):
+    server, sock, client = fuzzed_server
+    sock.send_multipart([b"", message])
+    # Whatever it was (refused, or a report the index accepted), the server still answers.
+    assert client.lookup([A]) is not None
+
+
+def test_a_malformed_message_is_answered_with_an_error_and_logged(tmp_path, caplog):
+    caplog.set_level(logging.WARNING)
+    server = LookupServer(endpoint(tmp_path), 1)
     sock = zmq.Context.instance().socket(zmq.REQ)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.endpoint)
     try:
-        sock.send(message)
+        sock.send(msgspec.msgpack.encode({"type": "lookup", "version": VERSION, "keys": [b"short"]}))
         assert sock.poll(2000)
-        sock.recv()
-        client = LookupClient(server.endpoint, 2000)
-        assert client.prefix_tiers([b"k" * 16]) == ["cpu"]
-        client.close()
+        assert b"malformed" in sock.recv()
+        assert "rejected a malformed message" in caplog.text
     finally:
         sock.close()
         server.close()
 
 
 def test_oversized_message_is_dropped_and_server_survives(tmp_path):
-    server = LookupServer(endpoint(tmp_path), lambda keys: ["cpu"] * len(keys))
+    server = LookupServer(endpoint(tmp_path), 1)
+    server.index.apply(HoldReport(VERSION, 0, 1, FINGERPRINTS[0], [storage_key(A, FINGERPRINTS[0])], ["cpu"]))
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(server.endpoint)
     sock.send_multipart([b"", b"x" * (MAX_MESSAGE_BYTES + 1)])
     client = LookupClient(server.endpoint, 2000)
     try:
-        assert client.prefix_tiers([b"k" * 16]) == ["cpu"]
+        assert client.prefix_tiers([A]) == ["cpu"]
     finally:
         client.close()
         sock.close()
         server.close()
+
+
+def test_ipc_socket_is_private_to_its_user(tmp_path):
+    server = LookupServer(endpoint(tmp_path), 1)
+    try:
+        mode = (tmp_path / server.endpoint.rsplit("/", 1)[1]).stat().st_mode & 0o777
+        assert mode == 0o600
+    finally:
+        server.close()
+
+
+def test_request_encoding_is_stable():
+    # The wire format other processes (and other kvtier versions) parse: a tagged msgpack map.
+    assert msgspec.msgpack.decode(encode(HoldReport(VERSION, 1, 2, A, [B], ["disk"]))) == {
+        "type": "hold", "version": VERSION, "rank": 1, "world_size": 2, "fingerprint": A, "keys": [B], "tiers": ["disk"]}

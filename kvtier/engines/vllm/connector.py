@@ -21,13 +21,16 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
+from kvtier.engines.vllm.stats import build_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
 _SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
@@ -86,6 +89,14 @@ class KvtierConnector(KVConnectorBase_V1):
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.failed_blocks()
 
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        data = self._worker.take_stats() if self._worker is not None else None
+        return None if data is None else build_stats(data)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return build_stats(data)
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -97,9 +108,10 @@ class KvtierConnector(KVConnectorBase_V1):
         self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
-        n = self._scheduler.matched_tokens(
+        plan = self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens
         )
+        n = plan.external_tokens  # 0 for a handoff: admitted as a prefill, parked at its boundary
         return n, n > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
@@ -127,6 +139,17 @@ class KvtierConnector(KVConnectorBase_V1):
             )
         return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None]))
 
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        self._scheduler.loads_reported(set(connector_output.finished_recving or ()),
+                                       set(connector_output.invalid_block_ids or ()))
+
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        # Blocks may be freed now: saves are copied out inside the step that planned them, and
+        # vLLM itself holds a waiting request's blocks until its load reports.
         self._scheduler.finished(request.request_id)
         return False, None
+
+    @property
+    def scheduler_side(self) -> SchedulerSide | None:
+        """The scheduler half (None in worker processes); kvtier's scheduler drives its handoffs."""
+        return self._scheduler

