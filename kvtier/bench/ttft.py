@@ -144,7 +144,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--hidden", type=int, default=384, help="model width (default 384)")
     parser.add_argument("--layers", type=int, default=6, help="model depth (default 6)")
     parser.add_argument("--repeats", type=int, default=3, help="timed prompts per floor (default 3; median shown)")
-    parser.add_argument("--warmup", type=int, default=8, help="reloads before timing, for auto's cost model (default 8)")
+    parser.add_argument("--warmup", type=int, default=8,
+                        help="reloads before timing, for auto's cost model (default 8)")
     parser.add_argument("--kv-mib", type=int, default=512, help="engine KV cache MiB (default 512)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--json", metavar="FILE", help="write every number to FILE")
@@ -187,8 +188,9 @@ def summarize(args: argparse.Namespace, results: dict) -> dict:
                     per[kind] = per.get(kind, 0) + n
     base = tokens.get("recompute")
     identical = all(t == base for t in tokens.values()) if base is not None else True
-    lines = [f"TTFT (ms, median of {args.repeats}) for a {args.prompt_len}-token prompt stored in {args.chunk_tokens}-token "
-             f"chunks, local floor inside a chunk; block {args.block_size}, model {args.hidden}x{args.layers}",
+    lines = [f"TTFT (ms, median of {args.repeats}) for a {args.prompt_len}-token prompt stored in "
+             f"{args.chunk_tokens}-token chunks, local floor inside a chunk; block {args.block_size}, "
+             f"model {args.hidden}x{args.layers}",
              f"{'floor':>6} {'gap':>5} " + " ".join(f"{m:>10}" for m in ttft)]
     for floor in args.floor:
         gap = -floor % args.chunk_tokens

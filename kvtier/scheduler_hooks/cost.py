@@ -1,13 +1,16 @@
 """Cost model of a load versus recompute, fed by what kvtier measures while serving.
 
-Two straight lines, both in seconds: an engine step costs ``fixed_s + per_token_s * tokens``
-(measured from the engine's own step times, or a configured prefill rate), and a load from a
-tier costs ``fixed_s + per_token_s * tokens fetched``. The workers measure what a whole chunk
-costs to fetch, verify and scatter per tier and send it with every lookup reply; that gives the
-slope, and the fixed part is one engine step (a waiting request resumes only in the step after
-its load is reported). Without worker figures, the line is fitted from when a load is handed to
-the workers to when they report it. A line is trusted only after :data:`MIN_SAMPLES`
-observations; until then :meth:`CostModel.known` is False and the policy never vetoes a load.
+Two straight lines, both in seconds. An engine step costs ``fixed_s + per_token_s * tokens``,
+measured from the engine's own step times (or with a configured prefill rate): the fixed part
+is what small steps (decode-sized, at most :data:`SMALL_STEP_TOKENS`) take, the slope what
+larger steps take beyond it. A plain least-squares line would do worse: attention makes long
+prefills superlinear, which drives the fitted intercept to zero and makes an extra step look
+free. A load from a tier costs ``fixed_s + per_token_s * tokens fetched``, fitted from when a
+load is handed to the workers to when they report it: what the waiting request really waits.
+Until a tier has such samples, the workers' own per-chunk figure (sent with every lookup reply)
+gives its slope, with one engine step as the fixed part: enough to compare partial with handoff
+(:meth:`CostModel.known`), never enough to veto a load (:meth:`CostModel.measured`, after
+:data:`MIN_SAMPLES` measured loads).
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
 MIN_SAMPLES = 8
+SMALL_STEP_TOKENS = 64  # steps up to this many tokens measure the fixed cost of a step
 DECAY = 0.97  # each new sample down-weights the history, so the fit follows load changes
 
 
@@ -39,7 +43,13 @@ class CostModel:
     loads: Mapping[str, LinearCost] = field(default_factory=dict)
 
     def known(self, tiers: Iterable[str]) -> bool:
+        """Every cost is at least estimated (a worker's figure will do): enough to compare loads."""
         return self.step is not None and all(t in self.loads for t in tiers)
+
+    def measured(self, tiers: Iterable[str]) -> bool:
+        """Every tier's load line comes from loads that waiting requests really waited: enough to
+        veto a load in favour of recompute."""
+        return self.known(tiers) and all(self.loads[t].samples >= MIN_SAMPLES for t in tiers)
 
     def prefill_s(self, tokens: int) -> float:
         """Marginal seconds to prefill ``tokens`` inside a step that runs anyway."""
@@ -96,13 +106,45 @@ class LineMeter:
         return LinearCost(a, b, self.samples)
 
 
+class StepMeter:
+    """Engine steps: the fixed cost from small steps, the per-token cost from the rest (EWMAs)."""
+
+    def __init__(self) -> None:
+        self.small_samples = self.large_samples = 0
+        self._fixed = 0.0
+        self._per_token = 0.0
+
+    def add(self, tokens: int, seconds: float) -> None:
+        if tokens <= SMALL_STEP_TOKENS:
+            self._fixed = _ewma(self._fixed, seconds, self.small_samples)
+            self.small_samples += 1
+        else:
+            # Before any small step is seen, all of a large step counts per token (pessimistic
+            # for recompute, so it never vetoes a load it should not).
+            per_token = max(0.0, seconds - self._fixed) / tokens
+            self._per_token = _ewma(self._per_token, per_token, self.large_samples)
+            self.large_samples += 1
+
+    def line(self) -> LinearCost | None:
+        if self.small_samples + self.large_samples < MIN_SAMPLES or not self.large_samples:
+            return None
+        return LinearCost(self._fixed, self._per_token, self.small_samples + self.large_samples)
+
+
+def _ewma(old: float, new: float, samples: int) -> float:
+    if samples == 0:
+        return new
+    weight = max(1.0 - DECAY, 1.0 / (samples + 1))  # a plain mean while history is short
+    return old + weight * (new - old)
+
+
 class CostMeter:
     """Measured costs of one engine. ``prefill_tokens_per_s``: a configured prefill rate that
     replaces the measured per-token step cost (the measured fixed cost still applies)."""
 
     def __init__(self, prefill_tokens_per_s: float | None = None):
         self.prefill_tokens_per_s = prefill_tokens_per_s
-        self.steps = LineMeter()
+        self.steps = StepMeter()
         self.loads: dict[str, LineMeter] = {}
         self.chunk_s: dict[str, float] = {}  # the workers' seconds per token fetched, by tier
 
@@ -125,8 +167,10 @@ class CostMeter:
     def model(self) -> CostModel:
         step = self.steps.line()
         if self.prefill_tokens_per_s:
-            step = LinearCost(step.fixed_s if step else 0.0, 1.0 / self.prefill_tokens_per_s, step.samples if step else 0)
-        loads = {tier: line for tier, meter in self.loads.items() if (line := meter.line()) is not None}
-        if step is not None:  # the workers' figures, where they exist, are free of step granularity
-            loads.update({tier: LinearCost(step.fixed_s, per_token, MIN_SAMPLES) for tier, per_token in self.chunk_s.items()})
+            fixed, samples = (step.fixed_s, step.samples) if step else (0.0, 0)
+            step = LinearCost(fixed, 1.0 / self.prefill_tokens_per_s, samples)
+        loads = {}
+        if step is not None:  # the workers' figures: a prior until the tier has measured loads
+            loads = {tier: LinearCost(step.fixed_s, per_token, 0) for tier, per_token in self.chunk_s.items()}
+        loads.update({tier: line for tier, meter in self.loads.items() if (line := meter.line()) is not None})
         return CostModel(step, loads)

@@ -12,6 +12,10 @@ ends inside a chunk. Four answers:
   aligned chunks ``[boundary, hit)``. Costs one extra engine step and the gap's prefill.
 - ``REMOTE``: a P/D consumer loads everything past the floor from the producer's tier.
 
+``unaligned="auto"`` takes whichever of partial and handoff the cost model predicts sooner: a
+handoff saves fetching the floor's chunk but pays one engine step plus the gap's prefill, so it
+wins only on slow tiers with a small gap. While costs are unknown, auto is partial.
+
 ``NONE`` (recompute) whenever a load would not pay: the hit is below ``min_load_tokens``, it
 would write into a block that already holds computed tokens (LMCache #2206 corrupted output
 that way), or the cost model says recomputing is faster.
@@ -54,7 +58,8 @@ class Geometry:
 
     def __post_init__(self) -> None:
         if self.block_size <= 0 or self.chunk_tokens <= 0 or self.chunk_tokens % self.block_size:
-            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a positive multiple of block_size ({self.block_size})")
+            raise ValueError(f"chunk_tokens ({self.chunk_tokens}) must be a positive multiple of "
+                             f"block_size ({self.block_size})")
 
     @property
     def chunk_blocks(self) -> int:
@@ -157,7 +162,9 @@ def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostMod
     if hit - local < policy.min_load_tokens:
         return none(local, Skip.SMALL)
     known = costs is not None and costs.known(inp.tiers)
-    recompute_s = costs.prefill_s(hit - local) if known else None
+    # Only loads really measured may veto a load: an estimate that is wrong would never be
+    # corrected, since vetoed loads measure nothing.
+    recompute_s = costs.prefill_s(hit - local) if known and costs.measured(inp.tiers) else None
 
     if local % c == 0:
         plan = LoadPlan(PlanKind.LOAD, local, local, hit)
@@ -184,7 +191,7 @@ def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostMod
     if handoff is not None and policy.handoff_supported and handoff.load_tokens >= policy.min_load_tokens:
         options.append((_cost(handoff, geometry, inp.tiers, costs), 1, handoff))
     best_s, _, best = min(options, key=lambda o: (o[0], o[1]))
-    if best_s > recompute_s:
+    if recompute_s is not None and best_s > recompute_s:
         return none(local, Skip.SLOWER)
     return _with_cost(best, best_s)
 

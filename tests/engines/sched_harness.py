@@ -298,10 +298,12 @@ class Harness:
             if block.is_null:
                 continue
             if block.ref_cnt < 0:
-                raise InvariantError(f"block {block.block_id} freed more often than allocated (ref_cnt {block.ref_cnt})")
+                raise InvariantError(f"block {block.block_id} freed more often than allocated "
+                                     f"(ref_cnt {block.ref_cnt})")
             unreferenced += block.ref_cnt == 0
         if unreferenced != self.pool.get_num_free_blocks():
-            raise InvariantError(f"{self.pool.get_num_free_blocks()} free blocks queued but {unreferenced} unreferenced")
+            raise InvariantError(f"{self.pool.get_num_free_blocks()} free blocks queued but "
+                                 f"{unreferenced} unreferenced")
 
     def _ph(self, req_id: str) -> list:
         """Prefix hashes: ``ph[n]`` identifies the request's first ``n`` tokens (the KV of token n-1)."""
@@ -370,7 +372,8 @@ class Harness:
         if not 0 <= job.first_block < cb or not job.block_ids:
             raise InvariantError(f"{job.req_id}: load starts at block {job.first_block} of a {cb}-block chunk")
         if len(job.keys) != -(-(job.first_block + len(job.block_ids)) // cb):
-            raise InvariantError(f"{job.req_id}: {len(job.keys)} chunks for {len(job.block_ids)} blocks from {job.first_block}")
+            raise InvariantError(f"{job.req_id}: {len(job.keys)} chunks for {len(job.block_ids)} blocks "
+                                 f"from block {job.first_block}")
         keys = self.keys[job.req_id]
         k0 = keys.index(job.keys[0])
         if tuple(keys[k0 : k0 + len(job.keys)]) != job.keys:

@@ -38,6 +38,9 @@ def test_configured_prefill_rate_replaces_the_measured_slope():
     model = meter.model()
     assert model.step.per_token_s == pytest.approx(1e-4) and model.step.fixed_s == 0
     assert not model.known(["cpu"])
+    for tokens in (1, 512) * 4:
+        meter.record_step(tokens, 1e-3 + 1e-6 * tokens)
+    assert meter.model().step.per_token_s == pytest.approx(1e-4)  # configured beats measured
     for _ in range(MIN_SAMPLES):
         meter.record_load("cpu", 256, 1e-3)
     assert meter.model().known(["cpu"])
@@ -46,12 +49,42 @@ def test_configured_prefill_rate_replaces_the_measured_slope():
 def test_load_cost_pays_the_fixed_part_once():
     meter = CostMeter()
     for tokens in (64, 128, 256, 64, 128, 256, 64, 128):
-        meter.record_step(tokens, 1e-3 + 1e-5 * tokens)
         meter.record_load("cpu", tokens, 2e-3 + 1e-6 * tokens)
         meter.record_load("disk", tokens, 4e-3 + 1e-5 * tokens)
+    assert meter.model().loads == {"cpu": meter.loads["cpu"].line(), "disk": meter.loads["disk"].line()}
+    assert meter.model().load_s(["cpu", "disk"], 64) == pytest.approx(4e-3 + 64e-6 + 64e-5, rel=1e-6)
+
+
+def test_step_fixed_cost_comes_from_small_steps_and_the_slope_from_large_ones():
+    meter = CostMeter()
+    for tokens in (1, 4, 2048, 1, 1024, 2, 512, 1, 300):
+        # attention makes long prefills superlinear: a least-squares intercept would be ~0
+        meter.record_step(tokens, 2e-3 + 1e-4 * tokens + 1e-8 * tokens * tokens)
+    step = meter.model().step
+    assert step.fixed_s == pytest.approx(2e-3, rel=0.1)  # small steps still compute a token or few
+    assert 1e-4 < step.per_token_s < 1.3e-4
+
+
+def test_no_step_line_without_a_large_step():
+    meter = CostMeter()
+    for _ in range(20):
+        meter.record_step(1, 1e-3)
+    assert meter.model().step is None
+
+
+def test_workers_chunk_costs_are_a_prior_until_loads_are_measured():
+    meter = CostMeter()
+    meter.record_chunk_load_ms({"cpu": 2.56, "disk": 25.6}, 256)
+    assert meter.model().loads == {}  # no step line yet: nothing is known
+    for tokens in (1, 512, 1, 512, 1, 512, 1, 512):
+        meter.record_step(tokens, 1e-3 + 1e-5 * tokens)
     model = meter.model()
-    assert model.load_s(["cpu", "disk"], 64) == pytest.approx(4e-3 + 64e-6 + 64e-5, rel=1e-6)
-    assert model.step_s(100) == pytest.approx(2e-3, rel=1e-6)
+    assert model.loads["cpu"].per_token_s == pytest.approx(1e-5)
+    assert model.loads["disk"].per_token_s == pytest.approx(1e-4)
+    assert model.loads["cpu"].fixed_s == pytest.approx(1e-3 + 1e-5, rel=1e-6)
+    for tokens in (256, 512) * 4:
+        meter.record_load("cpu", tokens, 5e-3 + 1e-6 * tokens)  # what waiting requests saw wins
+    assert meter.model().loads["cpu"].per_token_s == pytest.approx(1e-6, rel=1e-6)
 
 
 def _sums(samples):
@@ -59,14 +92,3 @@ def _sums(samples):
     return (w, sum(x for x, _ in samples), sum(y for _, y in samples), sum(x * x for x, _ in samples),
             sum(x * y for x, y in samples))
 
-
-def test_workers_chunk_costs_set_the_slope_and_one_step_the_fixed_part():
-    meter = CostMeter()
-    meter.record_chunk_load_ms({"cpu": 2.56, "disk": 25.6}, 256)
-    assert meter.model().loads == {}  # no step line yet: nothing is known
-    for tokens in (64, 128, 256, 64, 128, 256, 64, 128):
-        meter.record_step(tokens, 1e-3 + 1e-5 * tokens)
-        meter.record_load("cpu", tokens, 1.0)  # the workers' figure wins over the fitted one
-    model = meter.model()
-    assert model.loads["cpu"].per_token_s == pytest.approx(1e-5) and model.loads["disk"].per_token_s == pytest.approx(1e-4)
-    assert model.loads["cpu"].fixed_s == pytest.approx(1e-3)

@@ -19,12 +19,13 @@ from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import chunk_keys, namespace
 from kvtier.lookup import LookupClient
 from kvtier.scheduler_hooks import (
-    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, advance, plan_load,
+    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, Skip, advance, plan_load,
 )
 
 logger = logging.getLogger(__name__)
 
 MAX_DISTRUSTED = 1 << 16  # chunk keys remembered as unloadable; the oldest are forgotten first
+PROBE_EVERY = 32  # after this many loads vetoed on cost in a row, one loads anyway to re-measure
 
 
 @dataclass(slots=True)
@@ -86,6 +87,7 @@ class SchedulerSide:
         self._completed = 0  # steps whose output came back
         self._warned_handoff = False
         self.counts: Counter[str] = Counter()  # admissions by committed plan kind (and skip reason)
+        self._vetoes = 0  # admissions committed to recompute on cost since the last load
 
     def enable_handoff(self) -> None:
         """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary."""
@@ -109,10 +111,15 @@ class SchedulerSide:
         if reply is not None and reply.chunk_load_ms:
             self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
         tiers = self._trusted(tracked.keys, reply.tiers if reply is not None else [])
-        plan = plan_load(PlanInput(len(prompt), local_tokens, tiers), self.geometry, self.policy, self.meter.model())
+        inp = PlanInput(len(prompt), local_tokens, tiers)
+        plan = plan_load(inp, self.geometry, self.policy, self.meter.model())
+        if plan.skip is Skip.SLOWER and self._vetoes >= PROBE_EVERY:
+            # Vetoed loads measure nothing: now and then one loads anyway, so a cost model
+            # that went wrong (or a tier that got faster) is corrected.
+            plan = plan_load(inp, self.geometry, self.policy, None)
         if self.config.unaligned == "handoff" and not self.policy.handoff_supported and not self._warned_handoff:
-            logger.warning("kvtier setting unaligned='handoff' needs scheduler_cls='%s'; loading partial chunks instead.",
-                           "kvtier.engines.vllm.scheduler.KvtierScheduler")
+            logger.warning("kvtier setting unaligned='handoff' needs scheduler_cls='%s'; "
+                           "loading partial chunks instead.", "kvtier.engines.vllm.scheduler.KvtierScheduler")
             self._warned_handoff = True
         tracked.plan, tracked.tiers = plan, tiers
         return plan
@@ -123,6 +130,7 @@ class SchedulerSide:
         if tracked is None or tracked.plan is None:
             return  # a second call, or a request resuming after its load (no lookup)
         plan, tracked.plan = tracked.plan, None
+        self._vetoes = self._vetoes + 1 if plan.skip is Skip.SLOWER else 0 if plan.skip is None else self._vetoes
         if external_tokens == 0:
             kind = plan.kind if plan.kind is PlanKind.HANDOFF else PlanKind.NONE
             self.counts[kind.value if plan.skip is None else f"none: {plan.skip.name.lower()}"] += 1
@@ -134,7 +142,8 @@ class SchedulerSide:
             return
         self.counts[plan.kind.value] += 1
         if plan.external_tokens == 0:
-            raise RuntimeError(f"kvtier: request {req_id} was given {external_tokens} external tokens without a load plan")
+            raise RuntimeError(f"kvtier: request {req_id} was given {external_tokens} external tokens "
+                               "without a load plan")
         # vLLM may trim the external count (never extend it): load what it counts, block-aligned.
         end = min(plan.load_end, plan.load_start + external_tokens)
         self._plan_job(req_id, tracked, plan.load_start, end - end % self.block_size, block_ids)
@@ -295,7 +304,8 @@ class SchedulerSide:
     def _plan_job(self, req_id: str, tracked: _Tracked, start: int, end: int, block_ids: list[int]) -> None:
         c, b = self.chunk_tokens, self.block_size
         first, last = start // c, -(-end // c)
-        job = LoadJob(req_id, tuple(tracked.keys[first:last]), (start % c) // b, tuple(block_ids[start // b : end // b]))
+        keys, blocks = tuple(tracked.keys[first:last]), tuple(block_ids[start // b : end // b])
+        job = LoadJob(req_id, keys, (start % c) // b, blocks)
         # Loaded chunks stay in the save plan: the worker skips the ones still stored, and a
         # chunk whose load failed is recomputed and must be saved again.
         tracked.load = _Load(job, tracked.tiers[first:last], start)
