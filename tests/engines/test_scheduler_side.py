@@ -1,0 +1,93 @@
+"""The scheduler half on its own: plan commits, cost-veto probes, distrust of failed chunks.
+
+The lookup client is replaced by a stub that answers from a list of tiers.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier.config import KvtierConfig  # noqa: E402
+from kvtier.engines.vllm.scheduler_side import PROBE_EVERY, SchedulerSide  # noqa: E402
+from kvtier.lookup.protocol import VERSION, LookupReply  # noqa: E402
+from kvtier.scheduler_hooks import PlanKind, ReqState, Skip  # noqa: E402
+
+BS, CHUNK = 16, 64
+PROMPT = list(range(3, 3 + 4 * CHUNK + 10))
+
+
+class StubClient:
+    def __init__(self, tiers):
+        self.tiers = tiers
+
+    def lookup(self, keys):
+        return LookupReply(VERSION, self.tiers[: len(keys)])
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def side():
+    s = SchedulerSide(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24), "model", BS, "ipc:///nonexistent")
+    s.client = StubClient(["cpu"] * 4)
+    yield s
+    s.close()
+
+
+def admit(side, req_id, local=0, blocks=None):
+    plan = side.matched_tokens(req_id, PROMPT, None, local)
+    side.allocated(req_id, blocks or list(range(100, 100 + len(PROMPT) // BS + 1)), plan.external_tokens)
+    return plan
+
+
+def slow_loads(side):
+    for tokens in (1, 512) * 4:
+        side.meter.record_step(tokens, 1e-3 + 1e-5 * tokens)  # recompute: 10 us a token
+    for tokens in (64, 256) * 4:
+        side.meter.record_load("cpu", tokens, 1.0)  # a load: a second
+
+
+def test_load_commits_once_and_a_second_alloc_changes_nothing(side):
+    plan = admit(side, "a")
+    assert plan.kind is PlanKind.LOAD and side.state("a") is ReqState.WAITING_FOR_KV
+    side.allocated("a", [1, 2, 3], plan.external_tokens)  # vLLM may call it twice
+    (job,) = side.take_plan([]).loads
+    assert len(job.keys) == 4 and job.first_block == 0 and len(job.block_ids) == 16
+
+
+def test_cost_vetoes_are_probed_every_so_often(side):
+    slow_loads(side)
+    kinds = [admit(side, f"r{i}").kind for i in range(PROBE_EVERY + 1)]
+    assert kinds[:PROBE_EVERY] == [PlanKind.NONE] * PROBE_EVERY
+    assert kinds[PROBE_EVERY] is PlanKind.LOAD  # measures the tier again
+    assert admit(side, "next").skip is Skip.SLOWER  # and the count starts over
+
+
+def test_a_failed_chunk_is_distrusted_until_saved_again(side):
+    admit(side, "a")
+    (job,) = side.take_plan([]).loads
+    side.loads_reported({"a"}, set(job.block_ids[8:]))  # chunk 2 failed
+    assert side.matched_tokens("b", PROMPT, None, 0).load_end == 2 * CHUNK  # stops before it
+    side.scheduled("a", list(range(200, 217)), True, 4 * CHUNK)  # a recomputes and re-saves it
+    assert side.matched_tokens("c", PROMPT, None, 0).load_end == 4 * CHUNK
+
+
+def test_a_load_failed_at_the_first_token_goes_back_to_lookup(side):
+    admit(side, "a")
+    (job,) = side.take_plan([]).loads
+    side.loads_reported({"a"}, set(job.block_ids))
+    assert side.state("a") is ReqState.LOOKUP  # vLLM frees the blocks and looks it up again
+    assert admit(side, "a").skip is Skip.NO_HIT  # its first chunk is distrusted: recompute
+    assert side.state("a") is ReqState.RUNNING
+
+
+def test_abort_while_waiting_is_done_only_after_the_report(side):
+    admit(side, "a")
+    side.take_plan([])
+    side.finished("a")
+    assert side.state("a") is ReqState.FINISHED_LOAD_PENDING
+    side.loads_reported({"a"}, set())
+    assert side.state("a") is None
