@@ -1,10 +1,10 @@
 """The real vLLM ``Scheduler`` (kvtier's subclass, kvtier's connector) driven in-process.
 
-No model runs: :class:`SimWorker` stands in for the workers. It "computes" scheduled tokens by
+No model runs: :meth:`Harness.step` stands in for the workers. It "computes" scheduled tokens by
 writing, per engine block, which token prefix each slot holds (a shadow of the KV bytes), runs
-the step's loads and saves against :attr:`Harness.index` (the stored chunks, reported to a
-real :class:`LookupServer` that answers the connector's lookups), and reports finished and failed loads through
-``ModelRunnerOutput(kv_connector_output=KVConnectorOutput(...))`` like the real worker half.
+the step's loads and saves against :attr:`Harness.index` (the stored chunks, reported to a real
+``LookupServer`` that answers the connector's lookups), and reports finished and failed loads
+through ``ModelRunnerOutput(kv_connector_output=KVConnectorOutput(...))`` like the worker half.
 
 Every check raises :class:`InvariantError` naming the request and block; a hypothesis state
 machine (``test_scheduler_machine.py``) and targeted tests (``test_scheduler.py``) use it.
@@ -13,19 +13,13 @@ machine (``test_scheduler_machine.py``) and targeted tests (``test_scheduler.py`
 from __future__ import annotations
 
 import itertools
-import logging
-import os
 import random
-import tempfile
-import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from functools import lru_cache
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+from sched_setup import VOCAB, Index, lookup_server, vllm_config  # first: quiets vLLM's logging
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
@@ -34,88 +28,17 @@ from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
-from kvtier.engines.vllm.plugin import register  # noqa: E402
-
-logging.getLogger("vllm").setLevel(logging.ERROR)
 from kvtier.engines.vllm.scheduler import KvtierScheduler  # noqa: E402
-from kvtier.keys import chunk_keys, namespace, storage_key  # noqa: E402
-from kvtier.lookup import LookupServer  # noqa: E402
+from kvtier.keys import chunk_keys, namespace  # noqa: E402
 from kvtier.lookup.index import HoldIndex  # noqa: E402
-from kvtier.lookup.protocol import VERSION, HoldReport  # noqa: E402
 
-VOCAB = 512
+__all__ = ["VOCAB", "Harness", "InvariantError"]
 STEP_FIXED_S = 1e-3  # simulated engine step: fixed cost ...
 STEP_TOKEN_S = 100e-6  # ... plus this per scheduled token (a 10k tokens/s prefill)
 
 
 class InvariantError(AssertionError):
     """A safety or liveness property of kvtier + vLLM does not hold."""
-
-
-@lru_cache(maxsize=1)
-def model_dir() -> str:
-    """A config-only Llama directory (the scheduler reads the config, never weights)."""
-    from transformers import LlamaConfig
-
-    path = tempfile.mkdtemp(prefix="kvtier-sched-model-")
-    LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=1, num_attention_heads=2,
-                num_key_value_heads=1, vocab_size=VOCAB, max_position_embeddings=4096).save_pretrained(path)
-    return path
-
-
-class _Index:
-    """The stored chunks. Every change is mirrored into the real lookup server's hold index, as
-    a single rank's hold report (the server thread reads it only while the test thread is
-    blocked in a lookup)."""
-
-    FINGERPRINT = b"kvtier-harness-0"
-
-    def __init__(self, server: LookupServer | None = None) -> None:
-        self.chunks: dict[bytes, tuple[str, tuple]] = {}  # chain key -> (tier, per-block shadow contents)
-        self._server = server
-
-    def put(self, key: bytes, tier: str, contents: tuple) -> None:
-        self.chunks[key] = (tier, contents)
-        self._report(key, tier)
-
-    def remove(self, key: bytes) -> None:
-        if self.chunks.pop(key, None) is not None:
-            self._report(key, "")
-
-    def _report(self, key: bytes, tier: str) -> None:
-        if self._server is not None:
-            report = HoldReport(VERSION, 0, 1, self.FINGERPRINT, [storage_key(key, self.FINGERPRINT)], [tier])
-            assert self._server.index.apply(report) is None
-
-    def clear(self) -> None:
-        for key in list(self.chunks):
-            self.remove(key)
-
-
-@lru_cache(maxsize=1)
-def _lookup() -> tuple[str, LookupServer]:
-    """One lookup server per process; each harness starts from an empty index."""
-    register()
-    endpoint = f"ipc://{tempfile.gettempdir()}/kvtier-harness-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
-    return endpoint, LookupServer(endpoint, 1)
-
-
-@lru_cache(maxsize=16)
-def _vllm_config(block_size: int, chunk_tokens: int, unaligned: str, min_load_tokens: int | None,
-                 max_num_seqs: int, max_batched: int, reserve_full: bool) -> VllmConfig:
-    endpoint, _ = _lookup()
-    extra = {"chunk_tokens": chunk_tokens, "lookup_address": endpoint, "unaligned": unaligned, "cpu_bytes": 1 << 24}
-    if min_load_tokens is not None:
-        extra["min_load_tokens"] = min_load_tokens
-    return VllmConfig(
-        scheduler_config=SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=max_batched,
-                                         max_model_len=2048, enable_chunked_prefill=True,
-                                         is_encoder_decoder=False, scheduler_reserve_full_isl=reserve_full),
-        model_config=ModelConfig(model=model_dir(), skip_tokenizer_init=True, dtype="float32", max_model_len=2048),
-        cache_config=CacheConfig(block_size=block_size, enable_prefix_caching=True),
-        kv_transfer_config=KVTransferConfig(kv_connector="kvtier", kv_role="kv_both",
-                                            kv_load_failure_policy="recompute", kv_connector_extra_config=extra),
-    )
 
 
 @dataclass
@@ -150,17 +73,17 @@ class Harness:
         self.block_size, self.chunk_tokens, self.num_blocks = block_size, chunk_tokens, num_blocks
         self.chunk_blocks = chunk_tokens // block_size
         self.store_chunks = store_chunks
-        vllm_config = _vllm_config(block_size, chunk_tokens, unaligned, min_load_tokens, max_num_seqs, max_batched,
-                                   reserve_full)
-        vllm_config.cache_config.num_gpu_blocks = num_blocks
+        config = vllm_config(block_size, chunk_tokens, unaligned, min_load_tokens, max_num_seqs, max_batched,
+                             reserve_full)
+        config.cache_config.num_gpu_blocks = num_blocks
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
             KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16,
                                                           dtype=torch.float32))])
-        _, server = _lookup()
+        _, server = lookup_server()
         server.index = HoldIndex(1)
-        self.index = _Index(server)
-        self.sched = scheduler_cls(vllm_config=vllm_config, kv_cache_config=kv_cache_config,
-                                   structured_output_manager=StructuredOutputManager(vllm_config),
+        self.index = Index(server)
+        self.sched = scheduler_cls(vllm_config=config, kv_cache_config=kv_cache_config,
+                                   structured_output_manager=StructuredOutputManager(config),
                                    block_size=block_size, log_stats=False)
         self.side = self.sched.connector.scheduler_side
         self.now = 0.0
@@ -172,10 +95,10 @@ class Harness:
             self.stats.plans[plan.skip.name if plan.skip else plan.kind.name] += 1
             return plan
         self.side.matched_tokens = counted
-        hash_fn = get_hash_fn_by_name(vllm_config.cache_config.prefix_caching_hash_algo)
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
         init_none_hash(hash_fn)
         self._hasher = get_request_block_hasher(block_size, hash_fn)
-        self._root = namespace(vllm_config.model_config.model, None)
+        self._root = namespace(config.model_config.model, None)
         self.pool = self.sched.kv_cache_manager.block_pool
         self.shadow: dict[int, tuple] = {}  # block id -> per-slot prefix hashes it holds
         self.pending: list[_Pending] = []
