@@ -330,11 +330,13 @@ class TierWorker:
         if all(ok):
             return done
         bad = ok.index(False)
-        skey = self._skey(job.keys[bad])
-        self.store.remove(skey)
-        logger.warning("kvtier: stored chunk %s is unusable (payload checksum mismatch in the copy kernel); "
-                       "removed it and recomputing.", job.keys[bad].hex())
+        self._discard(job.keys[bad], "payload checksum mismatch in the copy kernel")
         return sum(span.block_ids.numel() for span in spans[:bad])
+
+    def _discard(self, key: bytes, reason: str) -> None:
+        """Remove a corrupt chunk so no later lookup offers it (the store's watcher reports it gone)."""
+        self.store.remove(self._skey(key))
+        logger.warning("kvtier: stored chunk %s is unusable (%s); removed it and recomputing.", key.hex(), reason)
 
     def _fetch(self, key: bytes) -> tuple[ChunkBuffer, int] | None:
         """The stored chunk for chain key ``key`` and its header checksum, or None (missing or
@@ -349,8 +351,7 @@ class TierWorker:
             header = codec.verify_chunk(buffer.data, self.layout, self.chunk_blocks, payload=not self._kernel_sums)
         except codec.ChunkError as exc:
             buffer.release()
-            self.store.remove(skey)  # the store's watcher reports it gone
-            logger.warning("kvtier: stored chunk %s is unusable (%s); removed it and recomputing.", key.hex(), exc)
+            self._discard(key, str(exc))
             return None
         tier = buffer.tier.value
         ms = _now_ms() - start
