@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import socket
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +40,16 @@ class KvtierConfig:
     for the cost model (default: measured from step times). save_backlog_bytes: most bytes of
     copied-out chunks waiting to be stored; beyond it the oldest are dropped and counted (default:
     a quarter of cpu_bytes). disk_io: ``buffered`` or ``direct`` (O_DIRECT reads of disk chunks).
+
+    P/D (:mod:`kvtier.pd`): pd_bind: address the chunk server binds (loopback by default; any
+    other address needs pd_secret). pd_host: address advertised to decode engines (default: the
+    bind address, or this host's name when binding all interfaces). pd_port: port of rank 0's
+    chunk server, rank r uses pd_port + r (default 0: a free port per rank). pd_secret: shared
+    secret that authenticates every peer message (default: env ``KVTIER_PD_SECRET``).
+    pd_timeout_ms: a transfer that makes no progress for this long fails and is recomputed.
+    pd_hold_bytes: most bytes of published chunks a prefill engine pins for decode engines
+    (default: a quarter of cpu_bytes). pd_hold_s: how long a published request's chunks stay
+    pinned when no decode engine fetches them.
     """
 
     cpu_bytes: int = field(default_factory=_default_cpu_bytes)
@@ -51,12 +63,28 @@ class KvtierConfig:
     prefill_tokens_per_s: int | None = None
     save_backlog_bytes: int | None = None
     disk_io: str = "buffered"
+    pd_bind: str = "127.0.0.1"
+    pd_host: str | None = None
+    pd_port: int | None = None
+    pd_secret: str | None = None
+    pd_timeout_ms: int = 5000
+    pd_hold_bytes: int | None = None
+    pd_hold_s: int = 120
 
     def __post_init__(self) -> None:
         if self.unaligned not in ("partial", "handoff", "auto"):
             raise ConfigError(f"kvtier setting 'unaligned' must be 'partial', 'handoff' or 'auto', got {self.unaligned!r}.")
         if self.disk_io not in ("buffered", "direct"):
             raise ConfigError(f"kvtier setting 'disk_io' must be 'buffered' or 'direct', got {self.disk_io!r}.")
+        if not _is_loopback(self.pd_bind) and not self.secret:
+            raise ConfigError(f"kvtier setting 'pd_bind' is {self.pd_bind!r}, which is not a loopback address: "
+                              "set 'pd_secret' (or KVTIER_PD_SECRET) so that peers are authenticated.")
+
+    @property
+    def secret(self) -> bytes | None:
+        """The P/D shared secret (setting, else environment), as bytes; None when unset."""
+        secret = self.pd_secret or os.environ.get("KVTIER_PD_SECRET")
+        return secret.encode() if secret else None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> KvtierConfig:
@@ -94,3 +122,23 @@ class KvtierConfig:
         if self.lookup_address:
             return self.lookup_address
         return f"ipc://{os.path.join(tempfile.gettempdir(), f'kvtier-lookup-{engine_id}.sock')}"
+
+    def pd_endpoints(self, rank: int) -> tuple[str, str]:
+        """(bind, advertised) ZMQ endpoints of rank ``rank``'s chunk server; port 0 means any free port."""
+        port = 0 if self.pd_port is None else self.pd_port + rank
+        host = self.pd_host or (socket.gethostname() if self.pd_bind in ("0.0.0.0", "::", "*") else self.pd_bind)
+        bind = "*" if self.pd_bind in ("0.0.0.0", "*") else self.pd_bind
+        return f"tcp://{_bracket(bind)}:{port}", f"tcp://{_bracket(host)}:{port}"
+
+
+def _bracket(host: str) -> str:
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False

@@ -6,24 +6,53 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True, slots=True)
+class RemoteSource:
+    """Where a P/D consumer fetches chunks it lacks: the producer's chunk servers.
+
+    ``transfer_id``: what the producer published the prompt under. ``endpoints``: ZMQ endpoint
+    of each producer TP rank (rank r of the consumer fetches from rank r). ``first_chunk``: index
+    into the job's keys of the first chunk fetched from the producer (the ones before come from
+    the consumer's own tiers). ``wait``: the producer may still be computing the prompt (push: both
+    legs were sent at once), so chunks not yet published are waited for, not missed.
+    """
+
+    transfer_id: str
+    endpoints: tuple[str, ...]
+    first_chunk: int
+    wait: bool = False
+
+
+@dataclass(frozen=True, slots=True)
 class LoadJob:
     """Load ``len(block_ids)`` blocks of a request from consecutive stored chunks.
 
-    ``keys``: chain keys of the chunks, in prompt order. ``first_block``: the block of the first
-    chunk where loading starts (non-zero when the engine already holds the start of that chunk).
-    ``block_ids``: engine blocks to fill, in order.
+    ``keys``: chain keys of the chunks, in prompt order; each holds ``chunk_blocks`` blocks, but
+    the last one holds ``tail_blocks`` when non-zero (a prompt's trailing partial chunk, only
+    ever fetched from a P/D producer). ``first_block``: the block of the first chunk where loading
+    starts (non-zero when the engine already holds the start of that chunk). ``block_ids``: engine
+    blocks to fill, in order. ``remote``: set when some chunks come from a P/D producer.
     """
 
     req_id: str
     keys: tuple[bytes, ...]
     first_block: int
     block_ids: tuple[int, ...]
+    tail_blocks: int = 0
+    remote: RemoteSource | None = None
 
 
 @dataclass(frozen=True, slots=True)
 class SaveJob:
-    """Save full chunks: ``block_ids`` holds ``len(keys) * chunk_blocks`` engine blocks in order."""
+    """Save chunks: ``block_ids`` holds ``chunk_blocks`` engine blocks per key in order, except
+    that the last key may hold fewer (a trailing partial chunk, saved only when published).
+
+    ``publish``: transfer id of a P/D producer request; its chunks are pinned for the decode
+    engine. ``final``: this job carries the request's last chunk (the prompt is all published).
+    A job with no keys only says the published request is still being computed.
+    """
 
     req_id: str
     keys: tuple[bytes, ...]
     block_ids: tuple[int, ...]
+    publish: str | None = None
+    final: bool = False

@@ -31,6 +31,19 @@ def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, root: bytes) -> list
     return keys
 
 
+def tail_key(token_ids: Sequence[int], chunk_tokens: int, root: bytes, keys: Sequence[bytes]) -> bytes | None:
+    """Key of the trailing partial chunk of ``token_ids`` (None when there is none).
+
+    ``keys``: the full chunks' keys from :func:`chunk_keys`. Marked so that it can never equal
+    the key of a full chunk (a P/D producer publishes the whole prompt, tail included).
+    """
+    start = len(keys) * chunk_tokens
+    if start >= len(token_ids):
+        return None
+    tail = np.asarray(token_ids[start:], dtype="<i8").tobytes()
+    return blake3.blake3((keys[-1] if keys else root) + b"tail" + tail).digest(KEY_BYTES)
+
+
 def storage_key(key: bytes, fingerprint: bytes) -> bytes:
     """The key a chunk is stored under on a worker: chain key bound to the worker's layout."""
     return blake3.blake3(key + fingerprint).digest(KEY_BYTES)

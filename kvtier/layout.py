@@ -55,6 +55,7 @@ class Layout:
     regions: tuple[Region, ...]
     block_size: int
     fingerprint: bytes
+    description: str = ""  # the fingerprinted facts in words, for error messages
 
     @property
     def num_blocks(self) -> int:
@@ -135,4 +136,7 @@ def build_layout(
         raise LayoutError(f"KV tensors span several devices ({sorted(map(str, devices))}); one device per worker is supported.")
     text = "|".join([f"v{FORMAT_VERSION}", model, f"bs{block_size}", f"tp{tp_rank}/{tp_size}", *described])
     fingerprint = hashlib.blake2b(text.encode(), digest_size=16).digest()
-    return Layout(tuple(regions), block_size, fingerprint)
+    description = (f"[model {model or '?'}, block size {block_size}, TP rank {tp_rank}/{tp_size}, "
+                   f"{len(regions)} regions like {described[0]} (name:dtype:block shape:strides), "
+                   f"fingerprint {fingerprint.hex()[:12]}]")
+    return Layout(tuple(regions), block_size, fingerprint, description)

@@ -4,7 +4,10 @@ Engine-agnostic: the vLLM adapter turns its metadata into :class:`LoadJob` / :cl
 benches and GPU tests drive :class:`TierWorker` directly.
 
 * **Load executor** (latency-critical): one thread (and on CUDA its own stream) that fetches,
-  verifies and scatters a request's chunks, then reports it finished.
+  verifies and scatters a request's chunks, then reports it finished. Chunks a P/D producer
+  serves (``LoadJob.remote``) go through the same load, on a few threads of their own (a
+  transfer may wait for the producer's prefill; a reload must not wait behind it), scattered
+  one by one as they arrive while the next ones are on the wire, then kept in the CPU tier.
 * **Save executor** (background): ``save()`` copies the blocks out on the caller's thread (on
   CUDA on a save stream the engine's stream then waits for), and one thread seals and stores
   them, at a lower OS priority, and only while no load is running: saves yield to loads, never
@@ -27,7 +30,7 @@ from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from functools import partial
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 
@@ -42,6 +45,10 @@ from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 logger = logging.getLogger(__name__)
 
 HeldChanged = Callable[[list[bytes]], None]  # storage keys this worker stored, re-confirmed or promoted
+# (job, [(chain key, blocks)] of its producer's chunks) -> those chunks in order, in buffers the
+# caller owns; raises kvtier.pd.PeerError (after yielding what arrived) when the producer fails.
+FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]]], Iterator[ChunkBuffer]]
+REMOTE_THREADS = 4  # P/D transfers in flight at once
 SAVE_NICE = 10  # the save thread's extra niceness: under CPU contention the load thread runs first
 _YIELD_S = 0.0005  # how often a save waiting for loads to finish looks again
 _EWMA = 0.2  # weight of the newest sample in the per-tier load cost
@@ -58,6 +65,7 @@ class TransferStats:
     failed_chunks: int = 0
     cpu_hit_tokens: int = 0
     disk_hit_tokens: int = 0
+    remote_hit_tokens: int = 0
     saved_chunks: int = 0
     saved_bytes: int = 0
     save_ms: float = 0.0
@@ -71,6 +79,7 @@ class _PendingSave:
 
     key: bytes
     buffer: ChunkBuffer
+    num_blocks: int
     ready: torch.cuda.Event | None
     sums: torch.Tensor | None = None  # int64 [spans] KVSUM64s the copy kernel computed, if it does
     index: int = 0  # this chunk's entry in ``sums``
@@ -83,10 +92,12 @@ class TierWorker:
     fastest for the layout's device). ``save_backlog_bytes``: most bytes of gathered chunks
     waiting to be stored (None: unbounded). ``on_held``: called with storage keys whose holding
     this worker changed (stored, found already stored, promoted from disk), from any thread.
+    ``fetch_remote``: how chunks of a P/D producer are fetched (None: this worker never loads any).
     """
 
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
-                 save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None):
+                 save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
+                 fetch_remote: FetchRemote | None = None):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -102,6 +113,8 @@ class TierWorker:
         self._save_stream = torch.cuda.Stream(layout.device) if cuda else None
         # load side
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
+        self._fetch_remote = fetch_remote
         self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
         self._fetch_ms: dict[str, float] = {}  # tier -> EWMA ms to fetch and verify one chunk
         self._scatter_ms = 0.0  # EWMA ms to scatter one whole chunk
@@ -115,7 +128,7 @@ class TierWorker:
         self._save_thread = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
         self._save_thread.start()
 
-    def _skey(self, key: bytes) -> bytes:
+    def skey(self, key: bytes) -> bytes:
         return storage_key(key, self.layout.fingerprint)
 
     def _ids(self, block_ids) -> torch.Tensor:
@@ -130,13 +143,14 @@ class TierWorker:
         withdrawn because another rank lost it becomes visible once that rank saves it anew).
         Called from one thread (the engine's).
         """
+        cb = self.chunk_blocks
         wanted: list[tuple[bytes, list[int]]] = []
         stored: list[bytes] = []
         with self._cond:
             saving = set(self._saving)
         for job in jobs:
             for i, key in enumerate(job.keys):
-                skey = self._skey(key)
+                skey = self.skey(key)
                 if skey in saving:
                     self.stats.skipped_saves += 1
                 elif self.store.contains(skey) is not None:
@@ -144,19 +158,21 @@ class TierWorker:
                     stored.append(skey)
                 else:
                     saving.add(skey)
-                    wanted.append((skey, list(job.block_ids[i * self.chunk_blocks : (i + 1) * self.chunk_blocks])))
+                    wanted.append((skey, list(job.block_ids[i * cb : (i + 1) * cb])))
         if stored:
             self._on_held(stored)
         if not wanted:
             return 0
         wanted = self._make_room(wanted)
         spans, pending = [], []
+        unallocated = 0
         for skey, ids in wanted:
-            buffer = self.store.allocate(self.chunk_bytes, wait=False)
+            buffer = self.store.allocate(codec.chunk_bytes(self.layout, len(ids)), wait=False)
             if buffer is None:
+                unallocated += codec.chunk_bytes(self.layout, len(ids))
                 continue
-            spans.append(ChunkSpan(buffer.data, self.chunk_blocks, 0, self._ids(ids)))
-            pending.append(_PendingSave(skey, buffer, None, index=len(pending)))
+            spans.append(ChunkSpan(buffer.data, len(ids), 0, self._ids(ids)))
+            pending.append(_PendingSave(skey, buffer, len(ids), None, index=len(pending)))
         start = _now_ms()
         if spans:
             sums = torch.empty(len(spans), dtype=torch.int64, device=self.layout.device) if self._kernel_sums else None
@@ -164,9 +180,8 @@ class TierWorker:
             for item in pending:
                 item.ready, item.sums = ready, sums
         with self._cond:
-            unallocated = len(wanted) - len(pending)
-            self._backlog_bytes -= unallocated * self.chunk_bytes  # give back their reservation
-            self.stats.dropped_saves += unallocated
+            self._backlog_bytes -= unallocated  # give back their reservation
+            self.stats.dropped_saves += len(wanted) - len(pending)
             self.stats.save_ms += _now_ms() - start
             self._backlog.extend(pending)
             self._saving.update(item.key for item in pending)
@@ -178,20 +193,24 @@ class TierWorker:
         returns the part of ``wanted`` that may be gathered (its leading chunks: a chunk is only
         reachable by lookups through the chunks before it)."""
         limit = self.save_backlog_bytes
+        sizes = [codec.chunk_bytes(self.layout, len(ids)) for _, ids in wanted]
         dropped: list[_PendingSave] = []
         with self._cond:
             if limit is not None:
-                need = len(wanted) * self.chunk_bytes
+                need = sum(sizes)
                 while self._backlog and self._backlog_bytes + need > limit:
                     item = self._backlog.popleft()
                     dropped.append(item)
-                    self._backlog_bytes -= self.chunk_bytes
+                    self._backlog_bytes -= item.buffer.data.numel()
                     self._saving.discard(item.key)
                 # The chunk being stored right now cannot be dropped; what still won't fit is.
-                room = max(0, (limit - self._backlog_bytes) // self.chunk_bytes)
-                self.stats.dropped_saves += len(dropped) + max(0, len(wanted) - room)
-                wanted = wanted[:room]
-            self._backlog_bytes += len(wanted) * self.chunk_bytes
+                room, total = 0, self._backlog_bytes
+                while room < len(sizes) and total + sizes[room] <= limit:
+                    total += sizes[room]
+                    room += 1
+                self.stats.dropped_saves += len(dropped) + len(wanted) - room
+                wanted, sizes = wanted[:room], sizes[:room]
+            self._backlog_bytes += sum(sizes)
         for item in dropped:
             item.buffer.release()
         return wanted
@@ -227,12 +246,12 @@ class TierWorker:
             start = _now_ms()
             stored = self._seal_and_put(item)
             with self._cond:
-                self._backlog_bytes -= self.chunk_bytes
+                self._backlog_bytes -= codec.chunk_bytes(self.layout, item.num_blocks)
                 self._saving.discard(item.key)
                 self.stats.save_ms += _now_ms() - start
                 if stored:
                     self.stats.saved_chunks += 1
-                    self.stats.saved_bytes += self.layout.payload_bytes(self.chunk_blocks)
+                    self.stats.saved_bytes += self.layout.payload_bytes(item.num_blocks)
                 self._cond.notify_all()
             if stored:
                 self._on_held([item.key])
@@ -243,7 +262,7 @@ class TierWorker:
             if item.ready is not None:
                 item.ready.synchronize()
             kvsum = None if item.sums is None else to_unsigned(int(item.sums[item.index]))
-            codec.write_header(item.buffer.data, self.layout, self.chunk_blocks, kvsum)
+            codec.write_header(item.buffer.data, self.layout, item.num_blocks, kvsum)
             self.store.put([item.key], [item.buffer])
             return True
         except Exception:
@@ -254,11 +273,13 @@ class TierWorker:
     # ---- load ---------------------------------------------------------------------------------
     def submit_load(self, job: LoadJob) -> Future:
         """Load in the background; the outcome is reported by :meth:`take_finished`."""
-        return self._load_pool.submit(self._load_and_report, job)
+        pool = self._load_pool if job.remote is None else self._remote_pool
+        return pool.submit(self._load_and_report, job)
 
     @torch.inference_mode()
     def _load_and_report(self, job: LoadJob) -> None:
-        self._loads_running += 1
+        local = job.remote is None  # a transfer may wait on its producer: saves need not yield to it
+        self._loads_running += local
         try:
             if self._load_stream is None:
                 failed = self.load(job)
@@ -270,7 +291,7 @@ class TierWorker:
             logger.exception("kvtier: load for request %s failed; its blocks will be recomputed", job.req_id)
             failed = set(job.block_ids)
         finally:
-            self._loads_running -= 1
+            self._loads_running -= local
         self._finished.put((job.req_id, failed))
 
     def load(self, job: LoadJob) -> set[int]:
@@ -282,20 +303,20 @@ class TierWorker:
         """
         start = _now_ms()
         spans, buffers, sums, done = [], [], [], 0
-        tokens = {Tier.CPU: 0, Tier.DISK: 0}
+        tokens = {"cpu": 0, "disk": 0, "remote": 0}
+        local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
         try:
-            for i, key in enumerate(job.keys):
+            for i, key in enumerate(local):
                 if done == len(job.block_ids):
                     break
-                first = job.first_block if i == 0 else 0
-                count = min(self.chunk_blocks - first, len(job.block_ids) - done)
+                first, count = self._span(job, i, done)
                 fetched = self._fetch(key)
                 if fetched is None:
                     break
                 buffer, checksum = fetched
                 buffers.append(buffer)
                 sums.append(checksum)
-                tokens[buffer.tier] += count * self.layout.block_size
+                tokens[buffer.tier.value] += count * self.layout.block_size
                 ids = self._ids(job.block_ids[done : done + count])
                 spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids))
                 done += count
@@ -311,15 +332,75 @@ class TierWorker:
         finally:
             for buffer in buffers:
                 buffer.release()
+        loaded = len(spans)
+        if job.remote is not None and len(local) == loaded and done < len(job.block_ids):
+            done, remote_chunks = self._load_remote(job, done)
+            tokens["remote"] = (done - sum(s.block_ids.numel() for s in spans)) * self.layout.block_size
+            loaded += remote_chunks
         stats = self.stats
-        stats.loaded_chunks += len(spans)
+        stats.loaded_chunks += loaded
         stats.loaded_bytes += done * self.layout.bytes_per_block
-        stats.cpu_hit_tokens += tokens[Tier.CPU]
-        stats.disk_hit_tokens += tokens[Tier.DISK]
+        stats.cpu_hit_tokens += tokens["cpu"]
+        stats.disk_hit_tokens += tokens["disk"]
+        stats.remote_hit_tokens += tokens["remote"]
         stats.load_ms += _now_ms() - start
         if done < len(job.block_ids):
             stats.failed_chunks += 1
         return set(job.block_ids[done:])
+
+    def _span(self, job: LoadJob, i: int, done: int) -> tuple[int, int]:
+        """(first block within chunk ``i`` of ``job``, blocks loaded from it) when ``done`` are loaded."""
+        first = job.first_block if i == 0 else 0
+        return first, min(self._num_blocks(job, i) - first, len(job.block_ids) - done)
+
+    def _num_blocks(self, job: LoadJob, i: int) -> int:
+        return job.tail_blocks if job.tail_blocks and i == len(job.keys) - 1 else self.chunk_blocks
+
+    def _load_remote(self, job: LoadJob, done: int) -> tuple[int, int]:
+        """Fetch ``job``'s producer chunks and scatter each as it arrives (the next ones are on the
+        wire meanwhile); full chunks then stay in this worker's CPU tier for the next turn.
+        Returns (blocks loaded in all, chunks loaded from the producer). Verified on the host:
+        a producer's chunk may carry either checksum kind."""
+        remote = job.remote
+        first = remote.first_chunk
+        items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
+        held, count_chunks, chunks = [], 0, None
+        try:
+            chunks = self._fetch_remote(job, items)
+            for i, buffer in enumerate(chunks, start=first):
+                if done == len(job.block_ids):
+                    buffer.release()
+                    break
+                num_blocks = self._num_blocks(job, i)
+                try:
+                    codec.verify_chunk(buffer.data, self.layout, num_blocks)
+                except codec.ChunkError as exc:
+                    buffer.release()
+                    logger.warning("kvtier P/D: chunk %d of transfer %s from %s is unusable (%s); recomputing from there.",
+                                   i, remote.transfer_id, remote.endpoints[0], exc)
+                    break
+                block, count = self._span(job, i, done)
+                ids = self._ids(job.block_ids[done : done + count])
+                self._scatter(self.layout, [ChunkSpan(buffer.data, num_blocks, block, ids)])
+                if self._load_stream is not None:
+                    self._load_stream.synchronize()  # the buffer is stored or freed next
+                done += count
+                count_chunks += 1
+                if num_blocks == self.chunk_blocks:
+                    skey = self.skey(job.keys[i])
+                    self.store.put([skey], [buffer])  # takes the buffer; a key already stored is skipped
+                    held.append(skey)
+                else:
+                    buffer.release()  # a prompt's partial tail: no later prompt can look it up
+        except Exception as exc:  # kvtier.pd.PeerError, or the producer's socket failing under us
+            logger.warning("kvtier P/D: transfer %s failed after %d of %d chunks (%s); recomputing the rest.",
+                           remote.transfer_id, count_chunks, len(items), exc)
+        finally:
+            if chunks is not None:
+                chunks.close()
+        if held:
+            self._on_held(held)
+        return done, count_chunks
 
     def _scatter_verified(self, job: LoadJob, spans: list[ChunkSpan], buffers: list[ChunkBuffer],
                           sums: list[int], done: int) -> int:
@@ -335,13 +416,13 @@ class TierWorker:
 
     def _discard(self, key: bytes, reason: str) -> None:
         """Remove a corrupt chunk so no later lookup offers it (the store's watcher reports it gone)."""
-        self.store.remove(self._skey(key))
+        self.store.remove(self.skey(key))
         logger.warning("kvtier: stored chunk %s is unusable (%s); removed it and recomputing.", key.hex(), reason)
 
     def _fetch(self, key: bytes) -> tuple[ChunkBuffer, int] | None:
         """The stored chunk for chain key ``key`` and its header checksum, or None (missing or
         corrupt). The payload is verified here unless the copy kernel verifies it while loading."""
-        skey = self._skey(key)
+        skey = self.skey(key)
         start = _now_ms()
         buffer = self.store.get(skey)
         if buffer is None:
@@ -384,15 +465,23 @@ class TierWorker:
         with self._cond:
             return self._backlog_bytes
 
+    def saving(self, key: bytes) -> bool:
+        """A save of storage key ``key`` is queued or running. Safe from any thread."""
+        with self._cond:
+            return key in self._saving
+
     def drain(self) -> None:
         """Wait for every submitted load and save."""
         self._load_pool.submit(lambda: None).result()
+        self._remote_pool.shutdown(wait=True)
+        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
         with self._cond:
             self._cond.wait_for(lambda: self._backlog_bytes == 0)
 
     def close(self) -> None:
         """Finish pending work, then stop the executors. The store is closed by its owner."""
         self._load_pool.shutdown(wait=True)
+        self._remote_pool.shutdown(wait=True)
         with self._cond:
             self._closing = True
             self._cond.notify_all()

@@ -1,7 +1,8 @@
 """Lookup messages. Bump ``VERSION`` on any change; a peer speaking another version is refused.
 
-Two messages travel to rank 0's server: a :class:`LookupRequest` from the scheduler (answered with
-a :class:`LookupReply`) and a :class:`HoldReport` from every worker rank (never answered). Keys are
+Three messages travel to rank 0's server: a :class:`LookupRequest` from the scheduler (answered
+with a :class:`LookupReply`), a :class:`HoldReport` from every worker rank and, once per rank,
+its P/D chunk server's address in a :class:`PeerAddress` (neither answered). Keys are
 16 bytes: chain keys in a request, a rank's storage keys in a report.
 """
 
@@ -11,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-VERSION = 2
+VERSION = 3
 MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: ~40k keys, a 10M-token prompt at 256 tokens a chunk
 MAX_KEYS = 16384  # per message; reports are split to stay under it
 KEY_BYTES = 16
@@ -44,21 +45,32 @@ class HoldReport(msgspec.Struct, frozen=True, tag="hold"):
     tiers: Annotated[list[HeldTier], msgspec.Meta(max_length=MAX_KEYS)]
 
 
+class PeerAddress(msgspec.Struct, frozen=True, tag="peer"):
+    """Rank ``rank`` serves its chunks to P/D decode engines at ``endpoint`` (``tcp://host:port``)."""
+
+    version: int
+    rank: Annotated[int, msgspec.Meta(ge=0)]
+    world_size: Annotated[int, msgspec.Meta(ge=1)]
+    endpoint: Annotated[str, msgspec.Meta(max_length=512)]
+
+
 class LookupReply(msgspec.Struct, frozen=True):
     """Tier of each leading chunk every rank holds (``"disk"`` if any rank has it on disk only);
     stops at the first chunk some rank lacks.
 
     ``chunk_load_ms``: measured milliseconds to load one chunk from each tier on rank 0 (fetch,
     verify and copy into engine blocks; a tier appears once it has been measured). ``error`` is
-    set, and ``tiers`` empty, when the request was refused.
+    set, and ``tiers`` empty, when the request was refused. ``endpoints``: every rank's P/D
+    chunk server, in rank order, once all ranks have told theirs (else empty).
     """
 
     version: int
     tiers: list[str]
     error: str = ""
     chunk_load_ms: dict[str, float] = {}
+    endpoints: list[str] = []
 
 
 encode = msgspec.msgpack.Encoder().encode
-decode_message = msgspec.msgpack.Decoder(Union[LookupRequest, HoldReport]).decode
+decode_message = msgspec.msgpack.Decoder(Union[LookupRequest, HoldReport, PeerAddress]).decode
 decode_reply = msgspec.msgpack.Decoder(LookupReply).decode

@@ -18,7 +18,7 @@ from typing import Callable, Iterable
 import msgspec
 import zmq
 
-from kvtier.lookup.protocol import MAX_KEYS, VERSION, HoldReport, decode_reply, encode
+from kvtier.lookup.protocol import MAX_KEYS, VERSION, HoldReport, PeerAddress, decode_reply, encode
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,10 @@ class HoldReporter:
         for key in keys:
             self._queue.put(key)
 
+    def advertise(self, endpoint: str) -> None:
+        """Tell rank 0 where this rank's P/D chunk server listens. Never blocks."""
+        self._queue.put(PeerAddress(VERSION, self.rank, self.world_size, endpoint))
+
     def flush(self, timeout: float = 5.0) -> bool:
         """Wait until every change queued before this call has been sent; False on timeout."""
         done = threading.Event()
@@ -80,6 +84,8 @@ class HoldReporter:
                 if keys:
                     self._send(socket, keys)
                 for item in batch:
+                    if isinstance(item, PeerAddress):
+                        socket.send_multipart([b"", encode(item)])
                     if isinstance(item, threading.Event):
                         item.set()
                     stop = stop or item is _STOP

@@ -17,7 +17,9 @@ import msgspec
 import zmq
 
 from kvtier.lookup.index import HoldIndex
-from kvtier.lookup.protocol import MAX_MESSAGE_BYTES, VERSION, HoldReport, LookupReply, decode_message, encode
+from kvtier.lookup.protocol import (
+    MAX_MESSAGE_BYTES, VERSION, HoldReport, LookupReply, PeerAddress, decode_message, encode,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +36,8 @@ class LookupServer:
     def __init__(self, endpoint: str, world_size: int, chunk_load_ms: LoadCosts | None = None):
         self.endpoint = endpoint
         self.index = HoldIndex(world_size)
+        self.world_size = world_size
+        self._endpoints: dict[int, str] = {}  # rank -> its P/D chunk server
         self._chunk_load_ms = chunk_load_ms or dict
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
@@ -60,13 +64,21 @@ class LookupServer:
             logger.warning("kvtier lookup: rejected protocol version %d (this is %d).", request.version, VERSION)
             return LookupReply(VERSION, [], error=f"protocol version {request.version} != {VERSION}")
         try:
+            if isinstance(request, PeerAddress):
+                if request.world_size != self.world_size or request.rank >= self.world_size:
+                    return LookupReply(VERSION, [], error=f"rank {request.rank}/{request.world_size} is not in this "
+                                                          f"group of {self.world_size}")
+                self._endpoints[request.rank] = request.endpoint
+                return None
             if isinstance(request, HoldReport):
                 problem = self.index.apply(request)
                 if problem is None:
                     return None
                 logger.warning("kvtier lookup: rejected a hold report: %s.", problem)
                 return LookupReply(VERSION, [], error=problem)
-            return LookupReply(VERSION, self.index.prefix_tiers(request.keys), chunk_load_ms=self._chunk_load_ms())
+            endpoints = [self._endpoints.get(r, "") for r in range(self.world_size)]
+            return LookupReply(VERSION, self.index.prefix_tiers(request.keys), chunk_load_ms=self._chunk_load_ms(),
+                               endpoints=endpoints if all(endpoints) else [])
         except Exception as exc:  # a bad message must never take the server down
             logger.exception("kvtier lookup failed")
             return LookupReply(VERSION, [], error=f"lookup failed: {exc}")

@@ -10,7 +10,10 @@ ends inside a chunk. Four answers:
   block. That chunk is fetched and verified whole, so it costs a full chunk's transfer.
 - ``HANDOFF``: prefill ``[local, boundary)`` (the next chunk boundary) first, then load the
   aligned chunks ``[boundary, hit)``. Costs one extra engine step and the gap's prefill.
-- ``REMOTE``: a P/D consumer loads everything past the floor from the producer's tier.
+- ``REMOTE``: a P/D consumer loads everything past the floor, the prompt's last partial block
+  included, from its own tiers as far as they hold it and from the producer's tier after that.
+  Never vetoed on cost; nothing when the floor is already the engine's whole prompt hit (vLLM
+  recomputes the block holding the last prompt token anyway).
 
 ``unaligned="auto"`` takes whichever of partial and handoff the cost model predicts sooner: a
 handoff saves fetching the floor's chunk but pays one engine step plus the gap's prefill, so it
@@ -137,9 +140,11 @@ class LoadPlan:
         return (self.load_start % geometry.chunk_tokens) // geometry.block_size
 
     def blocks(self, geometry: Geometry) -> range:
-        """Indices (in the request's block table) of the engine blocks the load writes."""
+        """Indices (in the request's block table) of the engine blocks the load writes (a remote
+        load also writes the prompt's last, partial block)."""
         b = geometry.block_size
-        return range(self.load_start // b, self.load_end // b)
+        end = -(-self.load_end // b) if self.kind is PlanKind.REMOTE else self.load_end // b
+        return range(self.load_start // b, end)
 
 
 def none(local: int, skip: Skip) -> LoadPlan:
@@ -152,10 +157,9 @@ def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostMod
     if local % b:
         return none(local, Skip.OVERLAP)  # the floor's block holds computed tokens: never load into it
     if inp.remote:
-        end = inp.prompt_tokens
-        if end <= local:
+        if local >= (inp.prompt_tokens - 1) // b * b:
             return none(local, Skip.NO_HIT)
-        return LoadPlan(PlanKind.REMOTE, local, local, end)
+        return LoadPlan(PlanKind.REMOTE, local, local, inp.prompt_tokens)
     hit = min(len(inp.tiers) * c, inp.prompt_tokens - inp.prompt_tokens % c)
     if hit <= local:
         return none(local, Skip.NO_HIT)

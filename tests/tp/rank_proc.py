@@ -44,13 +44,13 @@ def rank_main(conn, rank: int, world_size: int, endpoint: str, config: dict) -> 
             del side.store.put
             conn.send(True)
         elif cmd == "holds":  # which of these chain keys this rank's store holds, by tier
-            conn.send([None if (t := side.store.contains(side.transfers._skey(k))) is None else t.value
+            conn.send([None if (t := side.store.contains(side.transfers.skey(k))) is None else t.value
                        for k in args[0]])
         elif cmd == "file_of":  # the disk file holding this rank's copy of a chain key
             from kvtier.storage import _lmcache as lm
 
             store = side.store
-            conn.send(store._disk.backend.dict[lm.engine_key(side.transfers._skey(args[0]), store._config)].path)
+            conn.send(store._disk.backend.dict[lm.engine_key(side.transfers.skey(args[0]), store._config)].path)
         elif cmd == "load":
             keys, block_ids, source_ids = args
             req = f"load-{time.monotonic_ns()}"

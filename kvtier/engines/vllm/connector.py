@@ -4,6 +4,11 @@ Scheduler half (:mod:`.scheduler_side`): asks the lookup server how much of a pr
 beyond the engine's own prefix cache, parks the request in ``WAITING_FOR_REMOTE_KVS`` while the
 workers load it, and plans saves of every new full prompt chunk. Worker half (:mod:`.worker_side`):
 builds the layout from the registered KV tensors, runs the loads and saves, serves lookups.
+
+P/D speaks vLLM's standard ``kv_transfer_params`` (:mod:`kvtier.pd.params`): a request with
+``do_remote_decode`` publishes its prompt and returns the parameters a decode engine needs from
+``request_finished``; a request with ``do_remote_prefill`` loads the prompt from the producer
+through the same plan, waiting state and load executor as a reload.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorRole,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
+from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
@@ -33,7 +39,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK}
+_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
+_COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # not aborted, not failed
 
 
 @dataclass
@@ -52,15 +59,16 @@ class KvtierConnector(KVConnectorBase_V1):
         endpoint = self.config.lookup_endpoint(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker = None
+        parallel = vllm_config.parallel_config
         if role == KVConnectorRole.SCHEDULER:
-            self._scheduler = SchedulerSide(self.config, model, self.block_size, endpoint)
+            self._scheduler = SchedulerSide(self.config, model, self.block_size, endpoint, engine_id=transfer.engine_id,
+                                            tp_size=parallel.world_size)
         else:
             from kvtier.engines.vllm.worker_side import WorkerSide
 
-            parallel = vllm_config.parallel_config
             self._worker = WorkerSide(
                 self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
-                parallel.rank, parallel.world_size,
+                parallel.rank, parallel.world_size, produce=transfer.kv_role != "kv_consumer",
             )
 
     # ---- worker side ------------------------------------------------------------------------------
@@ -105,11 +113,13 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -----------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
-        self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt)
+        self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt,
+                              request.kv_transfer_params)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         plan = self._scheduler.matched_tokens(
-            request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens
+            request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
+            request.kv_transfer_params,
         )
         n = plan.external_tokens  # 0 for a handoff: admitted as a prefill, parked at its boundary
         return n, n > 0
@@ -144,10 +154,10 @@ class KvtierConnector(KVConnectorBase_V1):
                                        set(connector_output.invalid_block_ids or ()))
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Blocks may be freed now: saves are copied out inside the step that planned them, and
-        # vLLM itself holds a waiting request's blocks until its load reports.
-        self._scheduler.finished(request.request_id)
-        return False, None
+        # Blocks may be freed now: saves are copied out inside the step that planned them (a P/D
+        # producer's too: its published chunks live in the CPU tier, never in engine blocks),
+        # and vLLM itself holds a waiting request's blocks until its load reports.
+        return False, self._scheduler.finished(request.request_id, request.status in _COMPLETED)
 
     @property
     def scheduler_side(self) -> SchedulerSide | None:

@@ -15,9 +15,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kvtier.config import KvtierConfig
-from kvtier.jobs import LoadJob, SaveJob
-from kvtier.keys import chunk_keys, namespace
+from kvtier.jobs import LoadJob, RemoteSource, SaveJob
+from kvtier.keys import chunk_keys, namespace, tail_key
 from kvtier.lookup import LookupClient
+from kvtier.pd import params as pd
 from kvtier.scheduler_hooks import (
     CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, Skip, advance, plan_load,
 )
@@ -44,6 +45,11 @@ class _Tracked:
 
     keys: list[bytes]  # chain keys of the prompt's full chunks
     prompt_tokens: int
+    tail: bytes | None = None  # key of the prompt's trailing partial chunk (P/D requests only)
+    role: pd.Produce | pd.Consume | None = None
+    transfer_id: str | None = None  # what a producer request publishes under
+    published: bool = False  # a producer request's last chunk is planned
+    remote_failed: bool = False  # a consumer's transfer failed once: the rest is recomputed, never retried
     state: ReqState = ReqState.LOOKUP
     block_ids: list[int] = field(default_factory=list)
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or queued for saving
@@ -69,7 +75,7 @@ class SchedulerSide:
     """
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, endpoint: str,
-                 clock: Callable[[], float] = time.perf_counter):
+                 clock: Callable[[], float] = time.perf_counter, engine_id: str = "", tp_size: int = 1):
         self.config = config
         self.model = model
         self.block_size = block_size
@@ -80,6 +86,9 @@ class SchedulerSide:
         self.meter = CostMeter(config.prefill_tokens_per_s)
         self.clock = clock
         self.client = LookupClient(endpoint, config.lookup_timeout_ms)
+        self.engine_id = engine_id
+        self.tp_size = tp_size
+        self.peer_endpoints: list[str] = []  # this engine's P/D chunk servers, as rank 0 last told
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[_Load] = []  # planned this step, not yet in a StepPlan
         self._distrusted: OrderedDict[bytes, None] = OrderedDict()
@@ -94,24 +103,41 @@ class SchedulerSide:
         self.policy = Policy(self.policy.min_load_tokens, self.policy.unaligned, handoff_supported=True)
 
     # ---- admission --------------------------------------------------------------------------
-    def track(self, req_id: str, prompt: list[int], cache_salt: str | None) -> _Tracked:
+    def track(self, req_id: str, prompt: list[int], cache_salt: str | None,
+              transfer_params: dict | None = None) -> _Tracked:
         tracked = self._requests.get(req_id)
         if tracked is None:
-            keys = chunk_keys(prompt, self.chunk_tokens, namespace(self.model, cache_salt))
+            root = namespace(self.model, cache_salt)
+            keys = chunk_keys(prompt, self.chunk_tokens, root)
             tracked = self._requests[req_id] = _Tracked(keys, len(prompt))
+            role = pd.parse(transfer_params)
+            if isinstance(role, pd.Consume) and role.tp_size != self.tp_size:
+                logger.warning("kvtier P/D: request %s comes from a producer with %d TP ranks, this engine has %d; "
+                               "recomputing its prompt.", req_id, role.tp_size, self.tp_size)
+                role = None
+            if role is not None:
+                tracked.role, tracked.tail = role, tail_key(prompt, self.chunk_tokens, root, keys)
+                tracked.transfer_id = role.transfer_id or req_id
         return tracked
 
-    def matched_tokens(self, req_id: str, prompt: list[int], cache_salt: str | None, local_tokens: int) -> LoadPlan:
+    def matched_tokens(self, req_id: str, prompt: list[int], cache_salt: str | None, local_tokens: int,
+                       transfer_params: dict | None = None) -> LoadPlan:
         """Plan the prompt's load given the engine's own ``local_tokens`` (block-aligned).
 
         Only remembers the plan for :meth:`allocated`; calling it again changes nothing else.
+        A P/D consumer's plan covers the whole prompt: its own tiers' chunks, then the producer's.
         """
-        tracked = self.track(req_id, prompt, cache_salt)
+        tracked = self.track(req_id, prompt, cache_salt, transfer_params)
         reply = self.client.lookup(tracked.keys)
         if reply is not None and reply.chunk_load_ms:
             self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
+        if reply is not None and reply.endpoints:
+            self.peer_endpoints = reply.endpoints
         tiers = self._trusted(tracked.keys, reply.tiers if reply is not None else [])
-        inp = PlanInput(len(prompt), local_tokens, tiers)
+        remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed
+        if remote:
+            tiers += ("remote",) * (len(tracked.keys) + (tracked.tail is not None) - len(tiers))
+        inp = PlanInput(len(prompt), local_tokens, tiers, remote)
         plan = plan_load(inp, self.geometry, self.policy, self.meter.model())
         if plan.skip is Skip.SLOWER and self._vetoes >= PROBE_EVERY:
             # Vetoed loads measure nothing: now and then one loads anyway, so a cost model
@@ -144,9 +170,12 @@ class SchedulerSide:
         if plan.external_tokens == 0:
             raise RuntimeError(f"kvtier: request {req_id} was given {external_tokens} external tokens "
                                "without a load plan")
-        # vLLM may trim the external count (never extend it): load what it counts, block-aligned.
+        # vLLM may trim the external count (never extend it): load what it counts, block-aligned
+        # (the whole prompt's blocks, the last partial one included, when it counts them all).
         end = min(plan.load_end, plan.load_start + external_tokens)
-        self._plan_job(req_id, tracked, plan.load_start, end - end % self.block_size, block_ids)
+        if end < tracked.prompt_tokens:
+            end -= end % self.block_size
+        self._plan_job(req_id, tracked, plan.load_start, end, block_ids)
         self._advance(req_id, tracked, Event.LOAD)
 
     def prefill_cap(self, req_id: str, computed_tokens: int) -> int | None:
@@ -214,15 +243,26 @@ class SchedulerSide:
             tracked.block_ids.extend(block_ids)
         full = min(computed_after, tracked.prompt_tokens) // self.chunk_tokens
         full = min(full, len(tracked.keys), len(tracked.block_ids) // self.chunk_blocks)
-        if full <= tracked.saved_chunks:
+        publish = isinstance(tracked.role, pd.Produce) and not tracked.published \
+            and (tracked.prompt_tokens - 1) // self.block_size > 0  # else no consumer would fetch any of it
+        if full <= tracked.saved_chunks and not publish:
             return None
-        start, tracked.saved_chunks = tracked.saved_chunks, full
+        start, tracked.saved_chunks = tracked.saved_chunks, max(full, tracked.saved_chunks)
         blocks = tracked.block_ids[start * self.chunk_blocks : full * self.chunk_blocks]
-        keys = tuple(tracked.keys[start:full])
+        keys = tracked.keys[start:full]
         for key in keys:  # re-saved from freshly computed blocks: trust it again
             self._distrusted.pop(key, None)
         tracked.last_save_step = self._step
-        return SaveJob(req_id, keys, tuple(blocks))
+        if not publish:
+            return SaveJob(req_id, tuple(keys), tuple(blocks))
+        # A producer publishes the whole prompt, its partial tail too, once all of it is computed;
+        # until then a job with what is new (maybe nothing) tells the workers it is still coming.
+        final = computed_after >= tracked.prompt_tokens
+        if final and tracked.tail is not None:
+            keys = [*keys, tracked.tail]
+            blocks = [*blocks, *tracked.block_ids[full * self.chunk_blocks : -(-tracked.prompt_tokens // self.block_size)]]
+        tracked.published = final
+        return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final)
 
     def take_plan(self, saves: list[SaveJob]) -> StepPlan:
         """This step's jobs; loads count as issued from now."""
@@ -266,9 +306,13 @@ class SchedulerSide:
             failed = [i for i, b in enumerate(load.job.block_ids) if b in invalid_block_ids]
             event = Event.LOADED
             self.counts["loads_failed" if failed else "loads_ok"] += 1
+            if failed and load.job.remote is not None:
+                tracked.remote_failed = True  # a re-admission recomputes, it never asks the producer again
             if failed:
                 chunk = (load.job.first_block + failed[0]) // self.chunk_blocks
-                self._distrust(load.job.keys[chunk])
+                remote = load.job.remote
+                if remote is None or chunk < remote.first_chunk:  # a producer's chunk is not ours to distrust
+                    self._distrust(load.job.keys[chunk])
                 if load.start + failed[0] * self.block_size == 0 and tracked.state is ReqState.WAITING_FOR_KV:
                     # vLLM keeps the valid prefix; with none it frees the blocks and admits the
                     # request again from a fresh lookup, which must plan anew.
@@ -283,10 +327,21 @@ class SchedulerSide:
             tracked.handoff = tracked.plan = None
             self._advance(req_id, tracked, Event.PREEMPTED)
 
-    def finished(self, req_id: str) -> None:
+    def finished(self, req_id: str, completed: bool = True) -> dict | None:
+        """The request stopped (``completed``: on length, EOS or a stop string) or was aborted.
+        Returns the ``kv_transfer_params`` of a completed P/D producer request, for the consumer."""
         tracked = self._requests.get(req_id)
-        if tracked is not None:
-            self._advance(req_id, tracked, Event.FINISHED, saves_pending=tracked.last_save_step >= self._completed)
+        if tracked is None:
+            return None
+        params = None
+        if isinstance(tracked.role, pd.Produce) and completed:
+            if self.peer_endpoints:
+                params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size)
+            else:
+                logger.warning("kvtier P/D: request %s finished before this engine's chunk servers were known; "
+                               "the decode engine will recompute it.", req_id)
+        self._advance(req_id, tracked, Event.FINISHED, saves_pending=tracked.last_save_step >= self._completed)
+        return params
 
     def state(self, req_id: str) -> ReqState | None:
         tracked = self._requests.get(req_id)
@@ -302,10 +357,18 @@ class SchedulerSide:
             del self._requests[req_id]
 
     def _plan_job(self, req_id: str, tracked: _Tracked, start: int, end: int, block_ids: list[int]) -> None:
+        """Load tokens ``[start, end)``: whole blocks, the prompt's last partial block when ``end``
+        is the prompt's end (only a P/D consumer loads that far)."""
         c, b = self.chunk_tokens, self.block_size
         first, last = start // c, -(-end // c)
-        keys, blocks = tuple(tracked.keys[first:last]), tuple(block_ids[start // b : end // b])
-        job = LoadJob(req_id, keys, (start % c) // b, blocks)
+        all_keys = tracked.keys + ([tracked.tail] if tracked.tail is not None else [])
+        keys, blocks = tuple(all_keys[first:last]), tuple(block_ids[start // b : -(-end // b)])
+        tail_blocks = -(-(end - len(tracked.keys) * c) // b) if last > len(tracked.keys) else 0
+        remote = None
+        if isinstance(tracked.role, pd.Consume) and "remote" in tracked.tiers[first:last]:
+            role = tracked.role
+            remote = RemoteSource(role.transfer_id, role.endpoints, tracked.tiers[first:last].index("remote"), role.wait)
+        job = LoadJob(req_id, keys, (start % c) // b, blocks, tail_blocks, remote)
         # Loaded chunks stay in the save plan: the worker skips the ones still stored, and a
         # chunk whose load failed is recomputed and must be saved again.
         tracked.load = _Load(job, tracked.tiers[first:last], start)

@@ -5,6 +5,10 @@ Commit protocol: each rank reports to rank 0 the storage keys it holds, whenever
 save landed, a chunk was found already stored, evicted, removed, written to or dropped from
 disk, promoted from disk) and, at start, everything its disk tier kept from a previous run.
 Rank 0 shows a chunk to lookups only while every rank holds it (:mod:`kvtier.lookup.index`).
+
+P/D: an engine that may prefill for others (``kv_both`` / ``kv_producer``) runs a chunk server
+per rank, pins what its requests publish, and tells rank 0 its address (the scheduler hands it
+to decode engines). Any engine fetches a producer's chunks when a load job says so.
 """
 
 from __future__ import annotations
@@ -16,8 +20,14 @@ import torch
 
 from kvtier.config import KvtierConfig
 from kvtier.jobs import LoadJob, SaveJob
+from kvtier.codec import chunk_bytes
 from kvtier.layout import build_layout
 from kvtier.lookup import HoldReporter, LookupServer
+from kvtier.pd.fetch import PeerError, fetch_chunks
+from kvtier.pd.holds import PublishHolds
+from kvtier.pd.protocol import VERSION as PD_VERSION
+from kvtier.pd.protocol import Hello
+from kvtier.pd.server import ChunkServer, ServedLayout
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker, TransferStats
 
@@ -27,6 +37,7 @@ logger = logging.getLogger(__name__)
 STATS_FIELDS = {
     "cpu_hit_tokens": "hit_tokens_cpu",
     "disk_hit_tokens": "hit_tokens_disk",
+    "remote_hit_tokens": "hit_tokens_remote",
     "loaded_bytes": "loaded_bytes",
     "saved_bytes": "saved_bytes",
     "load_ms": "load_ms",
@@ -34,14 +45,14 @@ STATS_FIELDS = {
     "dropped_saves": "dropped_saves",
     "failed_chunks": "failed_loads",
 }
-_RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens")  # every rank loads the same tokens
+_RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens", "remote_hit_tokens")  # every rank loads the same tokens
 
 
 class WorkerSide:
     """Owns this worker's store, transfer worker, reporter and (rank 0) lookup server; closes all."""
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, num_blocks: int, endpoint: str,
-                 rank: int, world_size: int):
+                 rank: int, world_size: int, produce: bool = True):
         self.config = config
         self.model = model
         self.block_size = block_size
@@ -49,6 +60,10 @@ class WorkerSide:
         self.rank = rank
         self.world_size = world_size
         self.endpoint = endpoint
+        self.produce = produce
+        self.holds: PublishHolds | None = None
+        self.chunk_server: ChunkServer | None = None
+        self._hello: Hello | None = None
         self.transfers: TierWorker | None = None
         self.store: ChunkStore | None = None
         self.server: LookupServer | None = None
@@ -78,13 +93,39 @@ class WorkerSide:
         self.reporter = HoldReporter(self.endpoint, self.rank, self.world_size, layout.fingerprint, tier_of)
         store.watch(self.reporter.changed)
         backlog = config.save_backlog_bytes or config.cpu_bytes // 4
-        self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size,
-                                    save_backlog_bytes=backlog, on_held=self.reporter.changed)
+        self._hello = Hello(PD_VERSION, self.rank, self.world_size, layout.fingerprint, layout.description,
+                            config.chunk_tokens)
+        self.holds = PublishHolds(store.get, config.pd_hold_bytes or config.cpu_bytes // 4, config.pd_hold_s)
+
+        def held(keys: list[bytes]) -> None:
+            self.reporter.changed(keys)
+            self.holds.stored(keys)
+
+        self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
+                                    on_held=held, fetch_remote=self._fetch_remote)
+        pd = "no P/D chunk server (kv_consumer)"
+        if self.produce:
+            bind, advertised = config.pd_endpoints(self.rank)
+            served = ServedLayout(layout.fingerprint, layout.description, config.chunk_tokens, self.world_size)
+            self.chunk_server = ChunkServer(bind, store, self.holds, served, self.transfers.saving, config.secret,
+                                            config.pd_timeout_ms)
+            pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"
+            self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
         logger.info("kvtier rank %d/%d: %d regions, %d B per block, chunk of %d tokens, %d chunks kept on disk; "
-                    "lookup at %s", self.rank, self.world_size, len(layout.regions), layout.bytes_per_block,
-                    config.chunk_tokens, len(kept), self.endpoint)
+                    "lookup at %s; %s", self.rank, self.world_size, len(layout.regions), layout.bytes_per_block,
+                    config.chunk_tokens, len(kept), self.endpoint, pd)
+
+    def _fetch_remote(self, job: LoadJob, items: list[tuple[bytes, int]]):
+        remote = job.remote
+        if len(remote.endpoints) != self.world_size:
+            raise PeerError(f"the producer has {len(remote.endpoints)} TP ranks, this engine {self.world_size}")
+        layout = self.transfers.layout
+        return fetch_chunks(remote.endpoints[self.rank], self._hello, remote.transfer_id, items, wait=remote.wait,
+                            timeout_ms=self.config.pd_timeout_ms, secret=self.config.secret,
+                            allocate=lambda n: self.store.allocate(n, wait=False),
+                            chunk_bytes=lambda n: chunk_bytes(layout, n))
 
     def _chunk_load_ms(self) -> dict[str, float]:
         return {} if self.transfers is None else self.transfers.chunk_load_ms()
@@ -94,8 +135,12 @@ class WorkerSide:
             self.transfers.submit_load(job)
 
     def save(self, jobs: tuple[SaveJob, ...]) -> None:
+        for job in jobs:
+            if job.publish is not None:  # announced before the save can land, so it is pinned
+                self.holds.announce(job.publish, [self.transfers.skey(k) for k in job.keys], job.final)
+        jobs = [job for job in jobs if job.keys]
         if jobs:
-            self.transfers.save(list(jobs))
+            self.transfers.save(jobs)
 
     def finished_loads(self) -> set[str]:
         if self.transfers is None:
@@ -122,6 +167,10 @@ class WorkerSide:
         return delta if any(delta.values()) else None
 
     def close(self) -> None:
+        if self.chunk_server is not None:
+            self.chunk_server.close()
+        if self.holds is not None:
+            self.holds.close()
         if self.transfers is not None:
             self.transfers.close()  # finishes pending saves, which still report
         if self.store is not None:
@@ -132,5 +181,5 @@ class WorkerSide:
             self.server.close()
         if self.store is not None:
             self.store.close()
-        self.server = self.transfers = self.store = self.reporter = None
+        self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = None
 

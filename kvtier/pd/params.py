@@ -1,0 +1,88 @@
+"""vLLM's P/D request protocol (``kv_transfer_params``), as kvtier reads and answers it.
+
+A proxy sends the prefill engine (P) ``{"do_remote_decode": true, ...}`` and copies what P's
+``request_finished`` returns, unchanged, into the decode engine's (D) request: vLLM's standard
+fields (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
+``remote_port``, ``tp_size``) plus ``kvtier_endpoints``, every P rank's chunk server. A proxy
+that sends both legs at once gives both the same ``transfer_id`` (push): P publishes under it,
+and D, which then may arrive before P has computed anything, waits for the chunks.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+logger = logging.getLogger(__name__)
+
+MAX_ID_CHARS = 256
+
+
+@dataclass(frozen=True, slots=True)
+class Produce:
+    """A P request: publish the prompt under ``transfer_id`` (None: under the request id)."""
+
+    transfer_id: str | None
+
+
+@dataclass(frozen=True, slots=True)
+class Consume:
+    """A D request: fetch the prompt's KV published under ``transfer_id`` from ``endpoints``
+    (one per P rank). ``wait``: P may not have computed it yet (both legs were sent at once)."""
+
+    transfer_id: str
+    endpoints: tuple[str, ...]
+    tp_size: int
+    wait: bool
+
+
+def parse(params: dict[str, Any] | None) -> Produce | Consume | None:
+    """The P/D role ``params`` give a request; None for a plain request or unusable parameters
+    (logged once per request: D then recomputes, as it must whatever the proxy sent)."""
+    if not isinstance(params, dict):
+        return None
+    transfer_id = params.get("transfer_id")
+    if transfer_id is not None and not _is_id(transfer_id):
+        logger.warning("kvtier P/D: ignoring kv_transfer_params with a bad transfer_id %r.", transfer_id)
+        return None
+    if params.get("do_remote_decode"):
+        return Produce(transfer_id)
+    if not params.get("do_remote_prefill"):
+        return None
+    rid = params.get("remote_request_id") or transfer_id
+    endpoints = params.get("kvtier_endpoints")
+    if endpoints is None and params.get("remote_host") and params.get("remote_port"):
+        endpoints = [f"tcp://{params['remote_host']}:{params['remote_port']}"]
+    tp_size = params.get("tp_size", 1)
+    if not _is_id(rid) or not _are_endpoints(endpoints) or not isinstance(tp_size, int) or tp_size < 1:
+        logger.warning("kvtier P/D: kv_transfer_params name no usable producer (remote_request_id %r, "
+                       "endpoints %r, tp_size %r); recomputing the prompt.", rid, endpoints, tp_size)
+        return None
+    return Consume(rid, tuple(endpoints), tp_size, wait=transfer_id is not None)
+
+
+def published(transfer_id: str, engine_id: str, endpoints: list[str], tp_size: int) -> dict[str, Any]:
+    """What P's ``request_finished`` returns: D's ``kv_transfer_params``."""
+    head = urlsplit(endpoints[0].replace("tcp://", "http://", 1))
+    return {
+        "do_remote_prefill": True,
+        "do_remote_decode": False,
+        "remote_engine_id": engine_id,
+        "remote_request_id": transfer_id,
+        "remote_host": head.hostname,
+        "remote_port": head.port,
+        "remote_block_ids": None,
+        "tp_size": tp_size,
+        "kvtier_endpoints": list(endpoints),
+    }
+
+
+def _is_id(value: object) -> bool:
+    return isinstance(value, str) and 0 < len(value) <= MAX_ID_CHARS
+
+
+def _are_endpoints(value: object) -> bool:
+    return (isinstance(value, list) and 0 < len(value) <= 1024
+            and all(isinstance(e, str) and e.startswith("tcp://") and len(e) <= 512 for e in value))

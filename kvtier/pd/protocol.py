@@ -1,0 +1,123 @@
+"""Chunk transfer messages between a decode engine (D) and a prefill engine's chunk server (P).
+
+Bump ``VERSION`` on any change; a peer speaking another version is refused. Every message
+travels as ZMQ frames ``[mac, body(, payload)]``: ``body`` a msgpack-encoded struct below,
+``payload`` a sealed chunk (codec header + region-major blocks) after an ``ok`` reply, and
+``mac`` a keyed BLAKE3 of body and payload header when a shared secret is set (else empty).
+The chunk's own header carries its checksum, so authenticating the header authenticates the
+payload; payloads whose checksum is not cryptographic (the GPU kernels' KVSUM64) are
+authenticated whole.
+
+D → P: :class:`Hello` (once per connection; answered with :class:`HelloReply`) and one
+:class:`Fetch` per chunk (answered with a :class:`ChunkReply`, possibly preceded by ``pending``
+heartbeats while the chunk is being computed). :class:`Release` ends a transfer: P unpins it.
+"""
+
+from __future__ import annotations
+
+import hmac
+from typing import Annotated, Literal, Union
+
+import blake3
+import msgspec
+
+from kvtier.codec import HEADER_BYTES
+from kvtier.codec.chunk import CHECKSUM_BLAKE3, read_header
+
+VERSION = 1
+MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larger ones unread
+KEY_BYTES = 16
+MAC_BYTES = 32
+
+Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
+TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+
+
+class Hello(msgspec.Struct, frozen=True, tag="hello"):
+    """D's rank ``rank`` of ``tp_size`` introduces its layout (fingerprint and its description)."""
+
+    version: int
+    rank: Count
+    tp_size: Count
+    fingerprint: Key
+    layout: Text
+    chunk_tokens: Count
+
+
+class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
+    """Send chunk ``index`` of transfer ``transfer_id``: chain key ``key``, ``num_blocks`` blocks.
+    ``wait``: if P has not published it yet but is computing the transfer, send it when sealed."""
+
+    version: int
+    transfer_id: TransferId
+    index: Count
+    key: Key
+    num_blocks: Count
+    wait: bool = False
+
+
+class Release(msgspec.Struct, frozen=True, tag="release"):
+    """D is done with ``transfer_id``: P may unpin its chunks."""
+
+    version: int
+    transfer_id: TransferId
+
+
+class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
+    version: int
+    fingerprint: bytes
+    layout: str
+    chunk_tokens: int
+    tp_size: int
+    error: str = ""
+
+
+ChunkStatus = Literal["ok", "missing", "pending", "refused"]
+
+
+class ChunkReply(msgspec.Struct, frozen=True, tag="chunk"):
+    """``ok``: the payload frame follows. ``missing``: P does not have it (and will not).
+    ``pending``: a heartbeat, P is still computing the transfer. ``refused``: a bad request."""
+
+    version: int
+    index: int
+    status: ChunkStatus
+    error: str = ""
+
+
+encode = msgspec.msgpack.Encoder().encode
+decode_request = msgspec.msgpack.Decoder(Union[Hello, Fetch, Release]).decode
+decode_reply = msgspec.msgpack.Decoder(Union[HelloReply, ChunkReply]).decode
+
+
+class AuthError(ValueError):
+    """A message whose MAC is missing or wrong."""
+
+
+def mac(secret: bytes | None, body: bytes, payload: memoryview | bytes | None = None) -> bytes:
+    """The MAC frame of a message (empty without a secret). See the module docstring."""
+    if secret is None:
+        return b""
+    hasher = blake3.blake3(key=blake3.blake3(secret).digest(32))
+    hasher.update(body)
+    if payload is not None:
+        whole = len(payload) < HEADER_BYTES or _checksum_kind(payload) != CHECKSUM_BLAKE3
+        hasher.update(payload if whole else payload[:HEADER_BYTES])
+    return hasher.digest(MAC_BYTES)
+
+
+def check_mac(secret: bytes | None, tag: bytes, body: bytes, payload: memoryview | bytes | None = None) -> None:
+    """Raise :class:`AuthError` unless ``tag`` authenticates the message (no-op without a secret)."""
+    if secret is not None and not hmac.compare_digest(tag, mac(secret, body, payload)):
+        raise AuthError("missing or wrong MAC" if tag else "unauthenticated message (no MAC)")
+
+
+def _checksum_kind(payload: memoryview | bytes) -> int:
+    import torch
+
+    try:
+        return read_header(torch.frombuffer(bytearray(payload[:HEADER_BYTES]), dtype=torch.uint8)).checksum_kind
+    except ValueError:
+        return -1

@@ -1,0 +1,199 @@
+"""A prefill engine's chunk server: one per TP rank, one ZMQ ROUTER socket, one daemon thread.
+
+Serves the sealed chunks of this rank's store to decode engines by chain key. A chunk not stored
+yet but coming (its save is queued, or its transfer is still being computed: push) is sent the
+moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
+while the transfer shows signs of life. A malformed, oversized, unauthenticated or
+wrong-version message is refused and logged; the server keeps serving.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import msgspec
+import zmq
+
+from kvtier.keys import storage_key
+from kvtier.pd.holds import PublishHolds
+from kvtier.pd.protocol import (
+    MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_request,
+    encode, mac,
+)
+from kvtier.storage import ChunkStore
+
+logger = logging.getLogger(__name__)
+
+MAX_WAITING = 4096  # fetches parked for chunks still being computed, over all peers
+_SEND_HWM = 64  # replies queued per peer; D keeps a few fetches in flight, so this is never reached
+_LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
+
+
+@dataclass(frozen=True, slots=True)
+class ServedLayout:
+    """This rank's side of the handshake. ``fingerprint``: 16 bytes; ``description``: in words."""
+
+    fingerprint: bytes
+    description: str
+    chunk_tokens: int
+    tp_size: int
+
+
+@dataclass(slots=True)
+class _Waiting:
+    identity: bytes
+    fetch: Fetch
+    since_s: float
+
+
+class ChunkServer:
+    """Serves ``store``'s chunks at ``bind`` (``tcp://host:port``, port 0 for a free one).
+
+    ``holds``: published transfers. ``saving(storage_key)``: a save of that chunk is queued.
+    ``secret``: authenticates every message both ways (None: no authentication, loopback only).
+    """
+
+    def __init__(self, bind: str, store: ChunkStore, holds: PublishHolds, layout: ServedLayout,
+                 saving: Callable[[bytes], bool], secret: bytes | None, timeout_ms: int):
+        self.store = store
+        self.holds = holds
+        self.layout = layout
+        self._saving = saving
+        self._secret = secret
+        self._heartbeat_s = timeout_ms / 4000
+        self._active_s = timeout_ms / 1000
+        self.rejected = 0
+        self._waiting: list[_Waiting] = []
+        self._ctx = zmq.Context.instance()
+        self._socket = self._ctx.socket(zmq.ROUTER)
+        self._socket.setsockopt(zmq.LINGER, 0)
+        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer fails, not blocks
+        self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
+        if bind.endswith(":0"):
+            port = self._socket.bind_to_random_port(bind[: bind.rindex(":")])
+            self.port = port
+        else:
+            self._socket.bind(bind)
+            self.port = int(bind.rsplit(":", 1)[1])
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._serve, name="kvtier-pd-server", daemon=True)
+        self._thread.start()
+
+    # ---- the server thread -----------------------------------------------------------------------
+    def _serve(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        last_beat = last_expire = time.monotonic()
+        while not self._stop.is_set():
+            events = dict(poller.poll(10 if self._waiting else 100))
+            try:
+                if events:
+                    for _ in range(64):  # bounded, so waiting fetches and expiry still run
+                        try:
+                            frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        self._handle(frames)
+                now = time.monotonic()
+                self._serve_waiting(now)
+                if now - last_beat >= self._heartbeat_s:
+                    self._heartbeat()
+                    last_beat = now
+                if now - last_expire >= 1.0:
+                    self.holds.expire()
+                    last_expire = now
+            except Exception:  # the server must outlive any one message
+                logger.exception("kvtier P/D chunk server: unexpected error; still serving")
+        self._socket.close()
+
+    def _handle(self, frames: list[bytes]) -> None:
+        identity = frames[0]
+        if len(frames) != 3:
+            return self._reject(identity, f"{len(frames) - 1} frames instead of 2")
+        tag, body = frames[1], frames[2]
+        try:
+            check_mac(self._secret, tag, body)
+            message = decode_request(body)
+        except (AuthError, msgspec.DecodeError) as exc:
+            return self._reject(identity, str(exc))
+        if message.version != VERSION:
+            return self._reject(identity, f"protocol version {message.version} != {VERSION}")
+        if isinstance(message, Hello):
+            self._hello(identity, message)
+        elif isinstance(message, Fetch):
+            self._fetch(identity, message, time.monotonic())
+        elif isinstance(message, Release):
+            self.holds.release(message.transfer_id)
+            self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
+
+    def _hello(self, identity: bytes, hello: Hello) -> None:
+        mine = self.layout
+        error = ""
+        if hello.tp_size != mine.tp_size:
+            error = f"tensor-parallel size {hello.tp_size} on the decode engine, {mine.tp_size} here"
+        self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
+                                        mine.tp_size, error))
+
+    def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
+        """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
+        skey = storage_key(fetch.key, self.layout.fingerprint)
+        buffer = self.store.get(skey)
+        if buffer is not None:
+            try:
+                payload = memoryview(buffer.data.numpy())
+                self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), payload)
+            finally:
+                buffer.release()
+            return True
+        state = self.holds.state(fetch.transfer_id, skey)
+        coming = self._saving(skey) or state == "coming" or (state == "unknown" and fetch.wait)
+        if not coming:
+            self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
+            return True
+        if not any(w.identity == identity and w.fetch == fetch for w in self._waiting):
+            if len(self._waiting) >= MAX_WAITING:
+                self._send(identity, ChunkReply(VERSION, fetch.index, "refused", "too many waiting fetches"))
+                return True
+            self._waiting.append(_Waiting(identity, fetch, now))
+        return False
+
+    def _serve_waiting(self, now: float) -> None:
+        if not self._waiting:
+            return
+        waiting, self._waiting = self._waiting, []
+        for w in waiting:
+            self._fetch(w.identity, w.fetch, w.since_s)  # parks it again if still not there
+        # Peers that stopped asking (timed out, died) must not pin waiting entries forever.
+        horizon = 10 * self._active_s
+        self._waiting = [w for w in self._waiting if now - w.since_s <= horizon]
+
+    def _heartbeat(self) -> None:
+        peers = {w.identity for w in self._waiting if self.holds.active(w.fetch.transfer_id, self._active_s)}
+        for identity in peers:
+            self._send(identity, ChunkReply(VERSION, -1, "pending"))
+
+    def _send(self, identity: bytes, reply: msgspec.Struct, payload: memoryview | None = None) -> None:
+        body = encode(reply)
+        frames = [identity, mac(self._secret, body, payload), body]
+        if payload is not None:
+            frames.append(payload)
+        try:
+            self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer is gone or not reading: it times out and recomputes
+
+    def _reject(self, identity: bytes, why: str) -> None:
+        self.rejected += 1
+        if self.rejected % _LOG_EVERY == 1:
+            logger.warning("kvtier P/D chunk server: rejected a message (%s); %d rejected so far.", why, self.rejected)
+        self._send(identity, ChunkReply(VERSION, -1, "refused", why[:200]))
+
+    def close(self) -> None:
+        """Stop serving and release the socket (idempotent)."""
+        self._stop.set()
+        self._thread.join(timeout=5)
