@@ -1,0 +1,203 @@
+"""P/D through the real worker halves: what D loads is byte for byte what P computed, and every
+way a producer can fail ends in load errors (recomputed by vLLM) within the timeout, never a
+hang or a wrong block."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from conftest import BLOCK, CHUNK, prompt_keys, publish, remote_job, tokens_of
+from kvtier.jobs import LoadJob, SaveJob
+
+PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
+P_BLOCKS = list(range(10, 17))
+D_BLOCKS = list(range(40, 47))
+
+
+def test_consumer_gets_the_whole_prompt_byte_for_byte_and_keeps_full_chunks(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    keys = publish(p, PROMPT, P_BLOCKS, "t1")
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    held = [d.side.store.contains(d.side.transfers.skey(k)) for k in keys]
+    assert all(t is not None for t in held[:3]) and held[3] is None  # the next turn reloads locally; no tail
+    assert d.side.transfers.stats.remote_hit_tokens == len(D_BLOCKS) * BLOCK
+    deadline = time.monotonic() + 5
+    while p.side.holds.stats.released == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.side.holds.stats.released == 1 and p.side.holds.pinned_bytes() == 0
+
+
+def test_consumer_starting_after_its_own_tiers_fetches_only_the_rest(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    job = remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, start_chunk=1)
+    d.side.start_loads((job,))
+    assert d.wait_loaded("d-req") == set()
+    skip = CHUNK // BLOCK
+    assert torch.equal(d.blocks(D_BLOCKS[skip:]), p.blocks(P_BLOCKS[skip:]))
+    assert not torch.equal(d.blocks(D_BLOCKS[:skip]), p.blocks(P_BLOCKS[:skip]))
+
+
+def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    time.sleep(0.3)  # D is waiting before P computed anything
+    full, tail = prompt_keys(PROMPT)
+    p.side.save((SaveJob("p", (), (), publish="t1"),))  # P's first step: computing, nothing sealed yet
+    time.sleep(0.5)  # longer than half the timeout: heartbeats keep D waiting
+    p.side.save((SaveJob("p", tuple(full[:2]), tuple(P_BLOCKS[:4]), publish="t1"),))
+    time.sleep(0.5)
+    p.side.save((SaveJob("p", (full[2], tail), tuple(P_BLOCKS[4:]), publish="t1", final=True),))
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+
+
+def test_corrupt_chunk_fails_from_that_chunk_on(engines, caplog):
+    p, d = engines("p", 1), engines("d", 2)
+    keys = publish(p, PROMPT, P_BLOCKS, "t1")
+    p.side.transfers.drain()
+    buffer = p.side.store.get(p.side.transfers.skey(keys[1]))
+    buffer.data[-1] ^= 0xFF  # one flipped byte in the stored chunk's payload
+    buffer.release()
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+        failed = d.wait_loaded("d-req")
+    assert failed == set(D_BLOCKS[2:])
+    assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))
+    assert "checksum mismatch" in caplog.text
+
+
+def test_unreachable_producer_fails_within_the_timeout(engines):
+    d = engines("d", 2, produce=False)
+    start = time.monotonic()
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", "tcp://127.0.0.1:9"),))
+    assert d.wait_loaded("d-req") == set(D_BLOCKS)
+    assert time.monotonic() - start < 1.0 + 1.5  # pd_timeout_ms=1000
+
+
+def test_producer_that_never_computes_the_transfer_times_out(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    start = time.monotonic()
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "never", p.endpoint, wait=True),))
+    assert d.wait_loaded("d-req") == set(D_BLOCKS)
+    assert time.monotonic() - start < 2.5
+
+
+def test_chunk_the_producer_no_longer_has_fails_at_once(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    start = time.monotonic()
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "gone", p.endpoint),))
+    assert d.wait_loaded("d-req") == set(D_BLOCKS)
+    assert time.monotonic() - start < 0.5  # answered "missing", no waiting for the timeout
+
+
+def test_producer_killed_mid_transfer_keeps_what_arrived(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    full, _ = prompt_keys(PROMPT)
+    p.side.save((SaveJob("p", tuple(full[:1]), tuple(P_BLOCKS[:2]), publish="t1"),))
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    time.sleep(0.3)
+    p.side.chunk_server.close()  # the producer dies before the rest of the prompt is computed
+    assert d.wait_loaded("d-req") == set(D_BLOCKS[2:])
+    assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))
+
+
+def test_wrong_secret_is_refused_and_logged(engines, caplog):
+    p, d = engines("p", 1, pd_secret="right"), engines("d", 2, pd_secret="wrong")
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+        assert d.wait_loaded("d-req") == set(D_BLOCKS)
+    assert p.side.chunk_server.rejected >= 1
+    assert "MAC" in caplog.text
+
+
+def test_same_secret_authenticates(engines):
+    p, d = engines("p", 1, pd_secret="s3cret"), engines("d", 2, pd_secret="s3cret")
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+
+
+def test_layout_mismatch_is_caught_at_the_handshake_naming_both(engines, caplog):
+    p, d = engines("p", 1), engines("d", 2, layers=3)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+        assert d.wait_loaded("d-req") == set(D_BLOCKS)
+    line = next(r.getMessage() for r in caplog.records if "layouts differ" in r.getMessage())
+    assert "3 regions" in line and "2 regions" in line
+
+
+def test_tensor_parallel_size_mismatch_is_refused(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    job = remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint)
+    job = type(job)(job.req_id, job.keys, 0, job.block_ids, job.tail_blocks,
+                    type(job.remote)("t1", (p.endpoint, p.endpoint), 0))
+    d.side.start_loads((job,))
+    assert d.wait_loaded("d-req") == set(D_BLOCKS)
+
+
+def test_published_chunks_are_pinned_against_lru_pressure(engines):
+    p, d = engines("p", 1, cpu_bytes=256 << 10), engines("d", 2)  # room for 15 chunks of 16 KiB
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    p.side.transfers.drain()
+    first_other = None
+    for i in range(8):  # other requests' saves: twice what the pool holds
+        others, _ = prompt_keys(tokens_of(CHUNK * 4, seed=100 + i))
+        first_other = first_other or others[0]
+        p.side.save((SaveJob(f"o{i}", tuple(others), tuple(range(20, 28))),))
+        p.side.transfers.drain()
+    assert p.side.store.contains(p.side.transfers.skey(first_other)) is None  # the LRU did evict
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+
+
+def test_unfetched_hold_expires_and_is_counted(engines):
+    p = engines("p", 1, pd_hold_s=1)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    p.side.transfers.drain()
+    assert p.side.holds.pinned_bytes() > 0
+    deadline = time.monotonic() + 5
+    while p.side.holds.stats.expired == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert p.side.holds.stats.expired == 1 and p.side.holds.pinned_bytes() == 0
+
+
+def test_hold_is_bounded_in_bytes_oldest_unpinned_first(engines):
+    p = engines("p", 1, pd_hold_bytes=80 << 10)  # one 7-block prompt's chunks (56 KiB), not two
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    p.side.transfers.drain()
+    publish(p, tokens_of(100, seed=5), list(range(30, 37)), "t2")
+    p.side.transfers.drain()
+    holds = p.side.holds
+    assert holds.stats.overflowed == 1 and holds.pinned_bytes() <= 80 << 10
+    assert holds.state("t1", b"x" * 16) == "unknown" and holds.state("t2", b"x" * 16) == "ended"
+
+
+def test_a_waiting_consumer_does_not_delay_a_reload(engines):
+    """A push transfer waits for its producer on its own threads; the tier reload runs meanwhile."""
+    p, d = engines("p", 1), engines("d", 2)
+    full, _ = prompt_keys(tokens_of(64, seed=9))
+    d.side.save((SaveJob("x", tuple(full), tuple(range(0, 4))),))
+    d.side.transfers.drain()
+    d.side.start_loads((remote_job("slow", PROMPT, D_BLOCKS, "later", p.endpoint, wait=True),))
+    started = time.monotonic()
+    d.side.start_loads((LoadJob("fast", tuple(full), 0, tuple(range(50, 54))),))
+    seen: set[str] = set()
+    while "fast" not in seen and time.monotonic() - started < 5:
+        seen |= d.side.finished_loads()
+        time.sleep(0.005)
+    assert "fast" in seen and "slow" not in seen
+    assert time.monotonic() - started < 0.9  # well before the waiting transfer times out (1 s)
+    assert torch.equal(d.blocks(range(50, 54)), d.blocks(range(0, 4)))
+    assert d.wait_loaded("slow") == set(D_BLOCKS)
