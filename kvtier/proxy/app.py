@@ -187,7 +187,8 @@ class Router:
         finally:
             await resp.aclose()
         ex.first_byte()
-        log.warning("decode server %s answered %d: %s", ex.d_url, resp.status_code, content[:500])
+        log.warning("decode server %s answered %d: %s", ex.d_url, resp.status_code,
+                    content[:500].decode("utf-8", "replace"))
         raise LegError(resp.status_code, routing.upstream_error(resp.status_code, content))
 
     async def decode_leg(self, ex: Exchange, body: dict, headers: dict) -> Response:

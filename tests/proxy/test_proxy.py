@@ -318,7 +318,10 @@ def test_client_leaving_a_stream_cancels_decode(pd, client):
     url, p, d, router = pd
     d.hold = True  # D sends one chunk, then nothing until its client leaves
     with client.stream("POST", url + "/v1/completions", json={"model": "m", "prompt": "hi", "stream": True}) as resp:
-        assert next(resp.iter_raw()).startswith(b"data: ")
+        chunks = resp.iter_raw()
+        assert next(chunks).startswith(b"data: ")
+        time.sleep(0.2)
+        assert d.disconnects == 0 and list(router.decode.outstanding.values()) == [1]  # still streaming
     wait_until(lambda: d.disconnects == 1, "D to see its client (the proxy) leave")
     wait_until(lambda: idle(router), "the proxy to release D")
 
@@ -340,7 +343,8 @@ def test_least_outstanding_decode(engines, client):
         assert client.post(url + "/v1/completions", json=body).json()["choices"][0]["text"] == "d1 decoded"  # tie
         d1.hold = True
         with client.stream("POST", url + "/v1/completions", json={**body, "stream": True}) as held:
-            next(held.iter_raw())  # d1 now has one request in flight
+            chunks = held.iter_raw()  # kept: a dropped iterator closes the connection
+            next(chunks)  # d1 now has one request in flight
             assert router.decode.outstanding == {d1_url: 1, d2_url: 0}
             assert client.post(url + "/v1/completions", json=body).json()["choices"][0]["text"] == "d2 decoded"
         wait_until(lambda: idle(router), "the held stream's release")

@@ -201,7 +201,7 @@ class SchedulerSide:
         counts: dict[str, int] = {}
         load = tracked.load if tracked else None
         if load is not None:
-            end = load.start + len(load.job.block_ids) * self.block_size
+            end = min(load.start + len(load.job.block_ids) * self.block_size, tracked.prompt_tokens)
             first = load.start // self.chunk_tokens
             for i, tier in enumerate(load.tiers):
                 lo = max(load.start, (first + i) * self.chunk_tokens)

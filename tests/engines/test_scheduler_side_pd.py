@@ -1,0 +1,154 @@
+"""The scheduler half's P/D plans: what a producer publishes and returns, what a consumer loads.
+
+The lookup client is replaced by a stub that answers from a list of tiers (and the producer's
+chunk server addresses, as rank 0 would).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier.config import KvtierConfig  # noqa: E402
+from kvtier.engines.vllm.scheduler_side import SchedulerSide  # noqa: E402
+from kvtier.lookup.protocol import VERSION, LookupReply  # noqa: E402
+from kvtier.scheduler_hooks import PlanKind, ReqState  # noqa: E402
+
+BS, CHUNK = 16, 64
+PROMPT = list(range(3, 3 + 4 * CHUNK + 10))  # four chunks and a 10-token tail
+BLOCKS = list(range(100, 100 + 17))
+ENDPOINTS = ["tcp://10.0.0.1:5000", "tcp://10.0.0.1:5001"]
+
+
+class StubClient:
+    def __init__(self, tiers):
+        self.tiers = tiers
+
+    def lookup(self, keys):
+        return LookupReply(VERSION, self.tiers[: len(keys)], endpoints=ENDPOINTS)
+
+    def close(self):
+        pass
+
+
+@pytest.fixture
+def make_side():
+    made = []
+
+    def make(tiers=(), tp_size=2):
+        side = SchedulerSide(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24), "model", BS, "ipc:///nonexistent",
+                             engine_id="engine-p", tp_size=tp_size)
+        side.client = StubClient(list(tiers))
+        made.append(side)
+        return side
+
+    yield make
+    for side in made:
+        side.close()
+
+
+def produce(side, req_id="p", params=None):
+    params = params or {"do_remote_decode": True}
+    plan = side.matched_tokens(req_id, PROMPT, None, 0, params)
+    side.allocated(req_id, BLOCKS, plan.external_tokens)
+    return plan
+
+
+def consumer_params(**extra):
+    return {"do_remote_prefill": True, "remote_request_id": "t1", "kvtier_endpoints": ENDPOINTS, "tp_size": 2,
+            **extra}
+
+
+def test_producer_publishes_every_step_and_the_tail_once_all_is_computed(make_side):
+    side = make_side()
+    produce(side)
+    first = side.scheduled("p", BLOCKS, True, 2 * CHUNK + 5)
+    assert first.publish == "p" and len(first.keys) == 2 and not first.final
+    assert side.scheduled("p", None, False, 2 * CHUNK + 20).keys == ()  # nothing new: still a sign of life
+    last = side.scheduled("p", None, False, len(PROMPT))
+    assert last.final and len(last.keys) == 3  # chunks 2 and 3, and the tail
+    assert last.block_ids == tuple(BLOCKS[8:17])  # the tail's one partial block included
+    assert side.scheduled("p", None, False, len(PROMPT) + 1) is None  # decoding publishes nothing
+
+
+def test_producer_returns_what_the_consumer_needs_when_it_completes(make_side):
+    side = make_side()
+    produce(side, params={"do_remote_decode": True, "transfer_id": "shared"})
+    side.scheduled("p", BLOCKS, True, len(PROMPT))
+    params = side.finished("p", completed=True)
+    assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+    assert params["remote_request_id"] == "shared" and params["remote_engine_id"] == "engine-p"
+    assert (params["remote_host"], params["remote_port"], params["tp_size"]) == ("10.0.0.1", 5000, 2)
+    assert params["kvtier_endpoints"] == ENDPOINTS
+
+
+def test_aborted_producer_returns_nothing(make_side):
+    side = make_side()
+    produce(side)
+    assert side.finished("p", completed=False) is None
+
+
+def test_plain_request_publishes_nothing(make_side):
+    side = make_side()
+    side.matched_tokens("a", PROMPT, None, 0)
+    side.allocated("a", BLOCKS, 0)
+    job = side.scheduled("a", BLOCKS, True, len(PROMPT))
+    assert job.publish is None and len(job.keys) == 4
+    assert side.finished("a") is None
+
+
+def test_consumer_loads_own_tiers_then_the_producer_through_the_last_partial_block(make_side):
+    side = make_side(tiers=["cpu"])
+    plan = side.matched_tokens("d", PROMPT, None, 0, consumer_params())
+    assert plan.kind is PlanKind.REMOTE and plan.external_tokens == len(PROMPT)
+    side.allocated("d", BLOCKS, plan.external_tokens)
+    assert side.state("d") is ReqState.WAITING_FOR_KV
+    (job,) = side.take_plan([]).loads
+    assert len(job.keys) == 5 and job.tail_blocks == 1 and job.block_ids == tuple(BLOCKS)
+    assert job.remote.first_chunk == 1 and job.remote.endpoints == tuple(ENDPOINTS) and not job.remote.wait
+    assert side.hit_sources("d") == {"cpu": CHUNK, "remote": len(PROMPT) - CHUNK}
+
+
+def test_consumer_after_a_local_hit_starts_there(make_side):
+    side = make_side()
+    plan = side.matched_tokens("d", PROMPT, None, 3 * BS, consumer_params(transfer_id="t1"))
+    side.allocated("d", BLOCKS, plan.external_tokens)
+    (job,) = side.take_plan([]).loads
+    assert job.first_block == 3 and job.block_ids == tuple(BLOCKS[3:]) and job.remote.wait
+
+
+def test_full_local_hit_transfers_nothing(make_side):
+    side = make_side()
+    floor = (len(PROMPT) - 1) // BS * BS
+    assert side.matched_tokens("d", PROMPT, None, floor, consumer_params()).kind is PlanKind.NONE
+
+
+def test_tp_size_mismatch_recomputes_with_one_line(make_side, caplog):
+    side = make_side(tp_size=1)
+    assert side.matched_tokens("d", PROMPT, None, 0, consumer_params()).kind is PlanKind.NONE
+    assert "2 TP ranks, this engine has 1" in caplog.text
+
+
+def test_failed_transfer_is_never_retried(make_side):
+    side = make_side()
+    plan = side.matched_tokens("d", PROMPT, None, 0, consumer_params())
+    side.allocated("d", BLOCKS, plan.external_tokens)
+    (job,) = side.take_plan([]).loads
+    side.loads_reported({"d"}, set(job.block_ids))  # the producer was gone
+    assert side.state("d") is ReqState.LOOKUP
+    assert side.matched_tokens("d", PROMPT, None, 0, consumer_params()).kind is PlanKind.NONE  # recompute
+
+
+@pytest.mark.parametrize("params", [
+    {"do_remote_prefill": True},  # names no producer
+    {"do_remote_prefill": True, "remote_request_id": "t", "kvtier_endpoints": ["http://x"]},
+    {"do_remote_prefill": True, "remote_request_id": "t" * 1000, "kvtier_endpoints": ENDPOINTS},
+    {"do_remote_decode": True, "transfer_id": 7},
+])
+def test_malformed_transfer_params_are_plain_requests(make_side, params):
+    side = make_side()
+    plan = side.matched_tokens("d", PROMPT, None, 0, params)
+    assert plan.kind is not PlanKind.REMOTE
+    side.allocated("d", BLOCKS, plan.external_tokens)
+    assert side.scheduled("d", BLOCKS, True, len(PROMPT)).publish is None
