@@ -16,7 +16,7 @@ SECRET = b"fuzz-secret"
 
 @pytest.fixture(scope="module")
 def producer(tmp_path_factory):
-    from conftest import make_engine
+    from pd_workers import make_engine
 
     engine = make_engine(tmp_path_factory.mktemp("fuzz"), "p", 1, pd_secret=SECRET.decode())
     yield engine

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from conftest import BLOCK, CHUNK, prompt_keys, publish, remote_job, tokens_of
+from pd_workers import BLOCK, CHUNK, prompt_keys, publish, remote_job, tokens_of
 from kvtier.jobs import LoadJob, SaveJob
 
 PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks

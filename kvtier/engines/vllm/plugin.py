@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import logging
+import sys
+
 NAME = "kvtier"
 
 
@@ -11,3 +14,16 @@ def register() -> None:
 
     if NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(NAME, "kvtier.engines.vllm.connector", "KvtierConnector")
+    _show_logs()
+
+
+def _show_logs() -> None:
+    """kvtier's start-up line and warnings in the engine's output, beside vLLM's own lines (vLLM
+    configures only its own logger; without this, kvtier's INFO lines would go nowhere)."""
+    logger = logging.getLogger(NAME)
+    if logger.handlers:
+        return
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvtier] %(message)s", "%m-%d %H:%M:%S"))
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)

@@ -1,0 +1,81 @@
+"""Two real worker halves in one process, a prefill engine's (P) and a decode engine's (D): real
+LMCache stores, real ZMQ sockets (lookup over IPC, chunk transfer over loopback TCP), KV memory
+laid out as vLLM-CPU lays it out. What vLLM's scheduler would send them is built by hand."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engines.vllm.worker_side import WorkerSide
+from kvtier.jobs import LoadJob, RemoteSource, SaveJob
+from kvtier.keys import chunk_keys, namespace, tail_key
+
+BLOCK = 16  # tokens per engine block
+CHUNK = 32  # tokens per chunk: two blocks
+NUM_BLOCKS = 64
+MODEL = "tiny"
+
+
+@dataclass
+class Engine:
+    """One engine's worker half and its KV memory ``[NUM_BLOCKS, heads, BLOCK, 2*head]`` per layer."""
+
+    side: WorkerSide
+    kv: torch.Tensor  # [layers, NUM_BLOCKS, 2, BLOCK, 32] float32, every layer a view of it
+
+    def blocks(self, ids) -> torch.Tensor:
+        return self.kv[:, list(ids)].clone()
+
+    @property
+    def endpoint(self) -> str:
+        return f"tcp://127.0.0.1:{self.side.chunk_server.port}"
+
+    def wait_loaded(self, req_id: str, timeout_s: float = 20.0) -> set[int]:
+        """Block ids that failed once ``req_id``'s load reported (as the connector would tell vLLM)."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if req_id in self.side.finished_loads():
+                return self.side.failed_blocks()
+            time.sleep(0.005)
+        raise AssertionError(f"load of {req_id} never reported")
+
+
+def make_engine(tmp_path, name: str, seed: int, produce: bool = True, layers: int = 2, **config) -> Engine:
+    kv = torch.randn(layers, NUM_BLOCKS, 2, BLOCK, 32, generator=torch.Generator().manual_seed(seed))
+    cfg = KvtierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_bytes": 16 << 20, "pd_timeout_ms": 1000, **config})
+    side = WorkerSide(cfg, MODEL, BLOCK, NUM_BLOCKS, f"ipc://{tmp_path}/{name}.sock", 0, 1, produce=produce)
+    side.register({f"layer.{i}": kv[i] for i in range(layers)})
+    return Engine(side, kv)
+
+
+def prompt_keys(tokens: list[int]) -> tuple[list[bytes], bytes | None]:
+    root = namespace(MODEL)
+    keys = chunk_keys(tokens, CHUNK, root)
+    return keys, tail_key(tokens, CHUNK, root, keys)
+
+
+def publish(p: Engine, tokens: list[int], blocks: list[int], transfer_id: str) -> list[bytes]:
+    """What P's scheduler half plans for a producer request computed in one step; returns all keys."""
+    keys, tail = prompt_keys(tokens)
+    all_keys = keys + ([tail] if tail else [])
+    p.side.save((SaveJob("p-req", tuple(all_keys), tuple(blocks), publish=transfer_id, final=True),))
+    return all_keys
+
+
+def remote_job(req_id: str, tokens: list[int], blocks: list[int], transfer_id: str, endpoint: str,
+               wait: bool = False, first_chunk: int = 0, start_chunk: int = 0) -> LoadJob:
+    """What D's scheduler half plans for a consumer request with no local hit: the whole prompt."""
+    keys, tail = prompt_keys(tokens)
+    all_keys = keys + ([tail] if tail else [])
+    tail_blocks = -(-(len(tokens) - len(keys) * CHUNK) // BLOCK) if tail else 0
+    skip = start_chunk * CHUNK // BLOCK
+    return LoadJob(req_id, tuple(all_keys[start_chunk:]), 0, tuple(blocks[skip:]), tail_blocks,
+                   RemoteSource(transfer_id, (endpoint,), first_chunk, wait))
+
+
+def tokens_of(n: int, seed: int = 0) -> list[int]:
+    return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
