@@ -115,6 +115,7 @@ class TierWorker:
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
         self._fetch_remote = fetch_remote
+        self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
         self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
         self._fetch_ms: dict[str, float] = {}  # tier -> EWMA ms to fetch and verify one chunk
         self._scatter_ms = 0.0  # EWMA ms to scatter one whole chunk
@@ -292,6 +293,7 @@ class TierWorker:
             failed = set(job.block_ids)
         finally:
             self._loads_running -= local
+            self._cancelled.discard(job.req_id)
         self._finished.put((job.req_id, failed))
 
     def load(self, job: LoadJob) -> set[int]:
@@ -464,6 +466,13 @@ class TierWorker:
         """Bytes of chunks gathered and not stored yet."""
         with self._cond:
             return self._backlog_bytes
+
+    def cancel(self, req_id: str) -> None:
+        """Stop ``req_id``'s P/D transfer (the request was aborted); it still reports, failed."""
+        self._cancelled.add(req_id)
+
+    def cancelled(self, req_id: str) -> bool:
+        return req_id in self._cancelled
 
     def saving(self, key: bytes) -> bool:
         """A save of storage key ``key`` is queued or running. Safe from any thread."""

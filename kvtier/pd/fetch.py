@@ -24,6 +24,7 @@ from kvtier.storage import ChunkBuffer
 logger = logging.getLogger(__name__)
 
 WINDOW = 4  # fetches in flight per transfer
+_CANCEL_CHECK_S = 0.05  # how often a waiting transfer checks whether its request was aborted
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
 _warned: set[str] = set()  # peers whose layout mismatch was logged (one line per peer)
 
@@ -34,19 +35,20 @@ class PeerError(RuntimeError):
 
 def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tuple[bytes, int]], *,
                  wait: bool, timeout_ms: int, secret: bytes | None, allocate: Allocate,
-                 chunk_bytes: Callable[[int], int]) -> Iterator[ChunkBuffer]:
+                 chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool) -> Iterator[ChunkBuffer]:
     """Yield the chunks ``items`` (chain key, block count) of ``transfer_id`` from ``endpoint``, in
     order, each in a fresh buffer from ``allocate`` that the caller owns.
 
     ``wait``: the producer may still be computing them (push). ``timeout_ms``: longest silence
     (no chunk, no heartbeat) before giving up. ``chunk_bytes(num_blocks)``: a chunk's size.
+    ``cancelled()``: checked while waiting; True stops the transfer (the request was aborted).
     Tells the producer it is done (releases its pins) when the generator ends, however it ends.
     """
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)
     socket.setsockopt(zmq.MAXMSGSIZE, max(chunk_bytes(n) for _, n in items) + (64 << 10))
     socket.connect(endpoint)
-    peer = _Peer(socket, endpoint, secret, timeout_ms)
+    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled)
     try:
         peer.send(hello)
         reply = peer.receive()
@@ -68,8 +70,10 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
 
 
 class _Peer:
-    def __init__(self, socket: zmq.Socket, endpoint: str, secret: bytes | None, timeout_ms: int):
+    def __init__(self, socket: zmq.Socket, endpoint: str, secret: bytes | None, timeout_ms: int,
+                 cancelled: Callable[[], bool]):
         self.socket = socket
+        self.cancelled = cancelled
         self.endpoint = endpoint
         self.secret = secret
         self.timeout_ms = timeout_ms
@@ -84,8 +88,12 @@ class _Peer:
         deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
             left = deadline - time.monotonic()
-            if left <= 0 or not self.socket.poll(max(1, int(left * 1000)), zmq.POLLIN):
+            if left <= 0:
                 raise PeerError(f"{self.endpoint} sent nothing for {self.timeout_ms} ms")
+            if not self.socket.poll(max(1, int(min(left, _CANCEL_CHECK_S) * 1000)), zmq.POLLIN):
+                if self.cancelled():
+                    raise PeerError("the request was aborted")
+                continue
             frames = self.socket.recv_multipart(copy=False)
             if len(frames) not in (2, 3):
                 raise PeerError(f"{self.endpoint} sent {len(frames)} frames")

@@ -208,15 +208,19 @@ class Router:
 
     def relay(self, ex: Exchange, resp: httpx.Response) -> Relay:
         """D's open stream as the client's response; D's SSE bytes pass through unparsed."""
+        finished = False  # D's stream ended (or broke); not yet when the client left first
 
         async def body():
+            nonlocal finished
             tail = b"\n\n"
             try:
                 async for chunk in resp.aiter_bytes():
                     ex.first_byte()
                     tail = (tail + chunk)[-2:]
                     yield chunk
+                finished = True
             except httpx.HTTPError as err:
+                finished = True
                 log.warning("decode server %s stream broke: %s: %s", ex.d_url, type(err).__name__, err)
                 ex.status = 502
                 error = routing.error_body(f"decode server {ex.d_url} stream broke: {type(err).__name__}: {err}",
@@ -231,6 +235,8 @@ class Router:
             if closed:
                 return
             closed = True
+            if not finished:
+                ex.status = CLIENT_GONE
             self.decode.release(ex.d_url)
             ex.log()
             await resp.aclose()

@@ -86,10 +86,12 @@ def server_args(model: str, port: int, kv_transfer_config: dict | None = None, e
 def start_server(model: str, port: int, log_path: Path, cpu: int, kv_transfer_config: dict | None = None,
                  extra_args=(), env: dict | None = None) -> Server:
     """Launch a server on ``port`` whose OpenMP threads are bound to core ``cpu``; returns at once
-    (``wait_ready`` waits for it). stdout and stderr go to ``log_path``."""
-    full_env = {**os.environ, **(env or {})}
+    (``wait_ready`` waits for it). stdout and stderr go to ``log_path``; ``env`` adds to (and
+    overrides) this process's environment. VLLM_SERVER_DEV_MODE=1 opens the dev endpoints
+    (e.g. /reset_prefix_cache)."""
+    full_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_SERVER_DEV_MODE": "1"}
     full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes sizes the cache instead
-    full_env.update(VLLM_CPU_OMP_THREADS_BIND=str(cpu), VLLM_SERVER_DEV_MODE="1")
+    full_env.update(env or {})  # the caller's word wins
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor

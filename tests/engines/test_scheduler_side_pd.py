@@ -152,3 +152,15 @@ def test_malformed_transfer_params_are_plain_requests(make_side, params):
     assert plan.kind is not PlanKind.REMOTE
     side.allocated("d", BLOCKS, plan.external_tokens)
     assert side.scheduled("d", BLOCKS, True, len(PROMPT)).publish is None
+
+
+def test_abort_while_waiting_for_the_producer_cancels_the_transfer(make_side):
+    side = make_side()
+    plan = side.matched_tokens("d", PROMPT, None, 0, consumer_params(transfer_id="t1"))
+    side.allocated("d", BLOCKS, plan.external_tokens)
+    assert side.take_plan([]).cancels == ()
+    side.finished("d", completed=False)
+    assert side.state("d") is ReqState.FINISHED_LOAD_PENDING  # blocks stay until the worker reports
+    assert side.take_plan([]).cancels == ("d",)
+    side.loads_reported({"d"}, set(BLOCKS))
+    assert side.state("d") is None

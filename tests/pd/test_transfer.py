@@ -201,3 +201,14 @@ def test_a_waiting_consumer_does_not_delay_a_reload(engines):
     assert time.monotonic() - started < 0.9  # well before the waiting transfer times out (1 s)
     assert torch.equal(d.blocks(range(50, 54)), d.blocks(range(0, 4)))
     assert d.wait_loaded("slow") == set(D_BLOCKS)
+
+
+def test_aborted_consumer_stops_waiting_and_reports_at_once(engines):
+    p, d = engines("p", 1, pd_timeout_ms=60000), engines("d", 2, pd_timeout_ms=60000)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    p.side.save((SaveJob("p", (), (), publish="t1"),))  # P computes: heartbeats would keep D waiting
+    time.sleep(0.3)
+    start = time.monotonic()
+    d.side.start_loads((), cancels=("d-req",))  # vLLM aborted it; its blocks wait for this report
+    assert d.wait_loaded("d-req", timeout_s=2) == set(D_BLOCKS)
+    assert time.monotonic() - start < 1.0

@@ -229,11 +229,15 @@ def test_chat_max_completion_tokens_becomes_one_token_on_prefill(pd, client):
     assert d.bodies[0]["kv_transfer_params"]["remote_engine_id"] == "engine-p"
 
 
-def test_missing_kv_params_still_decodes(pd, client):
+def test_missing_kv_params_still_decodes(pd, client, caplog):
     url, p, d, _ = pd
     p.no_kv = True
-    resp = client.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"})
+    with caplog.at_level("INFO", logger="kvtier.proxy"):
+        resp = client.post(url + "/v1/completions", json={"model": "m", "prompt": "hi"})
     assert resp.status_code == 200 and "kv_transfer_params" not in d.bodies[0]
+    assert "sent no kv_transfer_params" in caplog.text
+    [line] = [r.getMessage() for r in caplog.records if r.levelname == "INFO"]  # one line a request
+    assert all(f in line for f in ("/v1/completions", "status=200", "mode=pull", "p_ms=", "d_ttfb_ms=", "tokens=7"))
 
 
 @pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions"])

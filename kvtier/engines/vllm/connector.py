@@ -78,7 +78,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
-        self._worker.start_loads(meta.plan.loads)
+        self._worker.start_loads(meta.plan.loads, meta.plan.cancels)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous: the request waits, not the layer

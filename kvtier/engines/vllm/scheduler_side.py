@@ -66,6 +66,7 @@ class StepPlan:
 
     loads: tuple[LoadJob, ...]
     saves: tuple[SaveJob, ...]
+    cancels: tuple[str, ...] = ()  # aborted requests whose P/D transfer may still be waiting: stop it
 
 
 class SchedulerSide:
@@ -91,6 +92,7 @@ class SchedulerSide:
         self.peer_endpoints: list[str] = []  # this engine's P/D chunk servers, as rank 0 last told
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[_Load] = []  # planned this step, not yet in a StepPlan
+        self._cancels: list[str] = []
         self._distrusted: OrderedDict[bytes, None] = OrderedDict()
         self._step = 0  # steps planned (StepPlans taken)
         self._completed = 0  # steps whose output came back
@@ -273,8 +275,9 @@ class SchedulerSide:
         for load in self._loads:
             load.issued_s = now
         loads, self._loads = tuple(load.job for load in self._loads), []
+        cancels, self._cancels = tuple(self._cancels), []
         self._step += 1
-        return StepPlan(loads, tuple(saves))
+        return StepPlan(loads, tuple(saves), cancels)
 
     def step_completed(self) -> None:
         """The oldest step in flight came back from the workers (its saves have been copied out)."""
@@ -340,6 +343,8 @@ class SchedulerSide:
             else:
                 logger.warning("kvtier P/D: request %s finished before this engine's chunk servers were known; "
                                "the decode engine will recompute it.", req_id)
+        if tracked.load is not None and tracked.load.job.remote is not None:
+            self._cancels.append(req_id)  # vLLM keeps its blocks until the cancelled load reports
         self._advance(req_id, tracked, Event.FINISHED, saves_pending=tracked.last_save_step >= self._completed)
         return params
 

@@ -124,13 +124,16 @@ class WorkerSide:
         layout = self.transfers.layout
         return fetch_chunks(remote.endpoints[self.rank], self._hello, remote.transfer_id, items, wait=remote.wait,
                             timeout_ms=self.config.pd_timeout_ms, secret=self.config.secret,
+                            cancelled=lambda: self.transfers.cancelled(job.req_id),
                             allocate=lambda n: self.store.allocate(n, wait=False),
                             chunk_bytes=lambda n: chunk_bytes(layout, n))
 
     def _chunk_load_ms(self) -> dict[str, float]:
         return {} if self.transfers is None else self.transfers.chunk_load_ms()
 
-    def start_loads(self, jobs: tuple[LoadJob, ...]) -> None:
+    def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = ()) -> None:
+        for req_id in cancels:
+            self.transfers.cancel(req_id)
         for job in jobs:
             self.transfers.submit_load(job)
 
