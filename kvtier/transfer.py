@@ -114,6 +114,7 @@ class TierWorker:
         # load side
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
+        self._remote_barrier = threading.Barrier(REMOTE_THREADS + 1)
         self._fetch_remote = fetch_remote
         self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
         self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
@@ -482,8 +483,9 @@ class TierWorker:
     def drain(self) -> None:
         """Wait for every submitted load and save."""
         self._load_pool.submit(lambda: None).result()
-        self._remote_pool.shutdown(wait=True)
-        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
+        for _ in range(REMOTE_THREADS):  # each remote thread takes one barrier: all earlier transfers ended
+            self._remote_pool.submit(self._remote_barrier.wait)
+        self._remote_barrier.wait()
         with self._cond:
             self._cond.wait_for(lambda: self._backlog_bytes == 0)
 
