@@ -41,10 +41,11 @@ class LookupClient:
         reply = self.lookup(keys)
         return [] if reply is None else reply.tiers
 
-    def lookup(self, keys: list[bytes]) -> LookupReply | None:
-        """The server's whole answer for chain ``keys`` (tiers of the leading stored chunks and
-        the measured per-chunk load cost of each tier); None when it cannot answer."""
-        if not keys:
+    def lookup(self, keys: list[bytes], always: bool = False) -> LookupReply | None:
+        """The server's whole answer for chain ``keys`` (tiers of the leading stored chunks, the
+        measured per-chunk load cost of each tier, the P/D chunk servers); None when it cannot
+        answer. Without keys it asks only if ``always`` (for the chunk servers' addresses)."""
+        if not keys and not always:
             return None
         socket = self._connect()
         socket.send(encode(LookupRequest(VERSION, keys[:MAX_KEYS])))

@@ -22,7 +22,7 @@ class StubClient:
     def __init__(self, tiers):
         self.tiers = tiers
 
-    def lookup(self, keys):
+    def lookup(self, keys, always=False):
         return LookupReply(VERSION, self.tiers[: len(keys)])
 
     def close(self):

@@ -25,7 +25,9 @@ class StubClient:
     def __init__(self, tiers):
         self.tiers = tiers
 
-    def lookup(self, keys):
+    def lookup(self, keys, always=False):
+        if not keys and not always:  # as the real client: no round trip for nothing
+            return None
         return LookupReply(VERSION, self.tiers[: len(keys)], endpoints=ENDPOINTS)
 
     def close(self):
@@ -164,3 +166,13 @@ def test_abort_while_waiting_for_the_producer_cancels_the_transfer(make_side):
     assert side.take_plan([]).cancels == ("d",)
     side.loads_reported({"d"}, set(BLOCKS))
     assert side.state("d") is None
+
+
+def test_producer_of_a_prompt_shorter_than_a_chunk_still_names_its_servers(make_side):
+    side = make_side()
+    short = PROMPT[:40]
+    plan = side.matched_tokens("p", short, None, 0, {"do_remote_decode": True})
+    side.allocated("p", BLOCKS[:3], plan.external_tokens)
+    job = side.scheduled("p", BLOCKS[:3], True, len(short))
+    assert job.final and len(job.keys) == 1 and job.block_ids == tuple(BLOCKS[:3])  # the tail alone
+    assert side.finished("p")["kvtier_endpoints"] == ENDPOINTS

@@ -130,7 +130,8 @@ class SchedulerSide:
         A P/D consumer's plan covers the whole prompt: its own tiers' chunks, then the producer's.
         """
         tracked = self.track(req_id, prompt, cache_salt, transfer_params)
-        reply = self.client.lookup(tracked.keys)
+        # A producer must learn where its chunk servers are, whatever the prompt's length.
+        reply = self.client.lookup(tracked.keys, always=isinstance(tracked.role, pd.Produce) and not self.peer_endpoints)
         if reply is not None and reply.chunk_load_ms:
             self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
         if reply is not None and reply.endpoints:
