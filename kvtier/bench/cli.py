@@ -2,8 +2,10 @@
 
 ``kvtier-bench reload --prompt-len 32k`` saves a 32k-token prompt's KV (Llama-3-8B geometry by
 default) through kvtier's tiers, reloads it into other blocks, checks the bytes, and prints one
-table next to a raw memcpy and the naive per-block copy. Exit status: 0 measured and verified,
-1 the bench failed (verification included), 2 bad arguments.
+table next to a raw memcpy and the naive per-block copy. ``kvtier-bench pd`` times the first token
+of the same prompts recomputed, hit in the engine's prefix cache, and served P/D through
+kvtier-proxy (pull and push). Exit status: 0 measured and verified, 1 the bench failed
+(verification included), 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -67,10 +69,11 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
-    from kvtier.bench import executors, lookup  # noqa: E402 - light: their heavy imports wait for run
+    from kvtier.bench import executors, lookup, pd  # noqa: E402 - light: their heavy imports wait for run
 
     executors.add_parser(commands, _positive, parse_tokens)
     lookup.add_parser(commands, _positive, parse_tokens)
+    pd.add_parser(commands, _positive, parse_tokens)
     return parser
 
 
@@ -153,8 +156,12 @@ class _Progress:
     def __init__(self):
         self.start = time.perf_counter()
 
+    def elapsed(self) -> float:
+        """Seconds since the bench started."""
+        return time.perf_counter() - self.start
+
     def __call__(self, message: str) -> None:
-        print(f"kvtier-bench [{time.perf_counter() - self.start:6.1f}s] {message}", file=sys.stderr, flush=True)
+        print(f"kvtier-bench [{self.elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -24,6 +24,6 @@ def _show_logs() -> None:
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stdout)
-    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s [kvtier] %(message)s", "%m-%d %H:%M:%S"))
+    handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
     logger.addHandler(handler)
     logger.setLevel(logging.INFO)
