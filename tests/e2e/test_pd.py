@@ -188,6 +188,16 @@ def test_push_in_both_orders_is_identical(pd, order):
     assert external_tokens(pd["d"].url) - before >= len(prompt) - 1
 
 
+def test_an_error_on_either_leg_reaches_the_client_as_an_error_status(pd):
+    too_long = {"model": SERVED_NAME, "prompt": ids(30, 17000), "max_tokens": 4}  # past max_model_len: P refuses
+    answer = httpx.post(pd["proxy"] + "/v1/completions", json=too_long, timeout=60)
+    assert answer.status_code == 400 and "error" in answer.json()
+    bad_decode = {"model": SERVED_NAME, "prompt": ids(31, 50), "max_tokens": -1}  # P runs max_tokens=1; D refuses
+    for stream in (False, True):
+        answer = httpx.post(pd["proxy"] + "/v1/completions", json={**bad_decode, "stream": stream}, timeout=60)
+        assert answer.status_code == 400 and answer.json()["error"]["message"]
+
+
 def test_client_disconnect_mid_decode_frees_d(pd):
     with httpx.stream("POST", pd["proxy"] + "/v1/completions", timeout=120, json={
             "model": SERVED_NAME, "prompt": DISCONNECT, "max_tokens": 3000, "temperature": 0.0,
@@ -201,6 +211,7 @@ def test_client_disconnect_mid_decode_frees_d(pd):
     while kv_cache_usage(pd["d"].url) > 0 and time.monotonic() < deadline:
         time.sleep(0.2)
     assert kv_cache_usage(pd["d"].url) == 0
+    assert metric(pd["d"].url, "vllm:num_requests_running") == 0
 
 
 def test_zz_producer_killed_before_d_fetches_is_recomputed_in_time(pd):
@@ -218,3 +229,5 @@ def test_zz_producer_killed_before_d_fetches_is_recomputed_in_time(pd):
     assert time.monotonic() - start < 60  # pd_timeout_ms=3000, then a recompute: never a hang
     log = (pd["tmp"] / "d.log").read_text(errors="replace")
     assert "recomputing the rest" in log  # the one warning a user sees
+    health = httpx.get(pd["proxy"] + "/health", timeout=30)
+    assert health.status_code == 503 and pd["p"].url in health.text

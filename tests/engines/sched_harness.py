@@ -29,7 +29,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvtier.engines.vllm.scheduler import KvtierScheduler  # noqa: E402
-from kvtier.keys import chunk_keys, namespace  # noqa: E402
+from kvtier.keys import chunk_keys, namespace, tail_key  # noqa: E402
 from kvtier.lookup.index import HoldIndex  # noqa: E402
 
 __all__ = ["VOCAB", "Harness", "InvariantError"]
@@ -115,12 +115,18 @@ class Harness:
         self.on_workers: set[str] = set()  # requests the (simulated) workers hold state for
 
     # ---- driving ----------------------------------------------------------------------------
-    def add(self, prompt: list[int], max_tokens: int = 2) -> str:
+    def add(self, prompt: list[int], max_tokens: int = 2, remote: bool = False) -> str:
+        """A request; ``remote``: a P/D consumer whose prompt a (simulated) producer computed."""
         req_id = f"r{next(self._ids)}"
-        request = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), None,
-                          block_hasher=self._hasher)
+        params = {"do_remote_prefill": True, "remote_request_id": f"p-{req_id}", "tp_size": 1,
+                  "kvtier_endpoints": ["tcp://127.0.0.1:9"]} if remote else None
+        sampling = SamplingParams(max_tokens=max_tokens, ignore_eos=True,
+                                  extra_args={"kv_transfer_params": params} if remote else None)
+        request = Request(req_id, list(prompt), sampling, None, block_hasher=self._hasher)
         self.requests[req_id] = request
-        self.keys[req_id] = chunk_keys(prompt, self.chunk_tokens, self._root)
+        keys = chunk_keys(prompt, self.chunk_tokens, self._root)
+        tail = tail_key(prompt, self.chunk_tokens, self._root, keys) if remote else None
+        self.keys[req_id] = keys + ([tail] if tail else [])
         self.sched.add_request(request)
         return req_id
 
@@ -351,6 +357,9 @@ class Harness:
             done = 0
             for i, key in enumerate(job.keys):
                 hit = self.index.chunks.get(key)
+                if job.remote is not None and i >= job.remote.first_chunk:
+                    hit = self._produced(job.req_id, key)  # the producer computed the whole prompt
+                    self.stats.loads["remote_chunks"] += 1
                 if hit is None or i == p.fail_at or key in self.fail_next:
                     if hit is None:
                         self.stats.evicted_before_load += 1
@@ -374,6 +383,15 @@ class Harness:
                 self.expect_resume[job.req_id] = p.start + done * bs
         self.pending = waiting
         return finished, invalid
+
+    def _produced(self, req_id: str, key: bytes) -> tuple:
+        """What a P/D producer sends for chunk ``key`` of ``req_id``: (tier, per-block contents),
+        the last block of a partial tail holding only the prompt's tokens."""
+        k, bs, cb = self.keys[req_id].index(key), self.block_size, self.chunk_blocks
+        ph, end = self._ph(req_id), self.requests[req_id].num_prompt_tokens
+        blocks = [tuple(ph[p + 1] for p in range(pos, min(pos + bs, end)))
+                  for pos in range(k * cb * bs, min((k + 1) * cb * bs, end), bs)]
+        return "remote", tuple(blocks)
 
     def _runner_output(self, out, finished: set[str], invalid: set[int]) -> ModelRunnerOutput:
         req_ids = list(out.num_scheduled_tokens)

