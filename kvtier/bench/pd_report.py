@@ -27,6 +27,7 @@ class PdResult:
     sizes: Sizes
     cores: dict  # server name -> the core its OpenMP threads are bound to
     chunk_tokens: int
+    pd_timeout_ms: int  # kvtier's pd_timeout_ms on P and D, ms
     max_tokens: int
     repeats: int
     prompt_lens: list
@@ -109,7 +110,7 @@ def format_table(result: PdResult) -> str:
         f"{g.head_dim}, float32, {g.kv_bytes_per_token / 1024:.0f} KiB of KV per token",
         f"servers: R (no connector, core {result.cores['R']}), P and D (kvtier kv_both, cores {result.cores['P']} and "
         f"{result.cores['D']}), kvtier-proxy --mode pull and --mode push; KV cache {z.kv_cache_bytes / 2**20:.0f} MiB, "
-        f"CPU tier {z.cpu_bytes / 2**20:.0f} MiB, chunk {result.chunk_tokens} tokens",
+        f"CPU tier {z.cpu_bytes / 2**20:.0f} MiB, chunk {result.chunk_tokens} tokens, pd_timeout_ms {result.pd_timeout_ms}",
         f"TTFT in ms at the client (send -> first streamed token of a greedy {result.max_tokens}-token completion): "
         f"median / best of {result.repeats} fresh prompts (recompute: {2 * result.repeats})",
     ]
@@ -155,8 +156,8 @@ def format_table(result: PdResult) -> str:
     ]
     checks = []
     for s in result.mismatches:
-        checks.append(f"MISMATCH: {LABELS[s.row]}, {s.prompt_tokens} tokens, repeat {s.repeat + 1}: {s.text!r} "
-                      f"differs from recompute's")
+        checks.append(f"MISMATCH: {LABELS[s.row]}, {s.prompt_tokens} tokens, repeat {s.repeat + 1}: tokens "
+                      f"{s.token_ids} ({s.text!r}) differ from recompute's")
     for s in result.not_transferred:
         checks.append(f"NOT TRANSFERRED: {LABELS[s.row]}, {s.prompt_tokens} tokens, repeat {s.repeat + 1}: D loaded "
                       f"{s.moved} tokens; the proxy's flow was {s.proxy_mode}")
@@ -175,7 +176,7 @@ def to_json(result: PdResult) -> dict:
                   "head_dim": g.head_dim, "hidden": g.hidden, "vocab": g.vocab, "dtype": "float32",
                   "kv_bytes_per_token": g.kv_bytes_per_token},
         "servers": {"kv_cache_bytes": z.kv_cache_bytes, "max_model_len": z.max_model_len, "cpu_tier_bytes": z.cpu_bytes,
-                    "chunk_tokens": result.chunk_tokens, "cores": result.cores, "startup_s": result.startup_s},
+                    "chunk_tokens": result.chunk_tokens, "pd_timeout_ms": result.pd_timeout_ms, "cores": result.cores, "startup_s": result.startup_s},
         "max_tokens": result.max_tokens,
         "repeats": result.repeats,
         "units": {"ms": "milliseconds, client-side for ttft_ms", "x": "ratio of medians",
@@ -205,7 +206,7 @@ def write_plot(result: PdResult, path: str) -> None:
     import matplotlib.pyplot as plt
 
     summaries = [summary(result, length) for length in result.prompt_lens]
-    fig, ax = plt.subplots(figsize=(2.2 + 2.4 * len(summaries), 4.8))
+    fig, ax = plt.subplots(figsize=(3.2 + 2.4 * len(summaries), 4.8))
     width = 0.2
     for j, name in enumerate(ROWS):
         xs = [i + (j - 1.5) * width for i in range(len(summaries))]
@@ -221,8 +222,8 @@ def write_plot(result: PdResult, path: str) -> None:
     ax.set_ylabel(f"TTFT, ms (median of {result.repeats}; tick: best)")
     ax.legend(fontsize=8)
     g = result.geometry
-    ax.set_title(f"TTFT: recompute vs local prefix hit vs kvtier P/D, {g.params / 1e6:.0f}M-param Llama, float32, "
-                 f"on {_cpu_name()} (1 core per engine)", fontsize=9)
+    ax.set_title(f"kvtier-bench pd: TTFT, {g.params / 1e6:.0f}M-param Llama, float32\n"
+                 f"{_cpu_name()}, one core per engine", fontsize=9)
     fig.tight_layout()
     _make_parent(path)
     fig.savefig(path, dpi=120)

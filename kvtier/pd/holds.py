@@ -114,6 +114,19 @@ class PublishHolds:
             t = self._transfers.get(transfer_id)
             return t is not None and (t.final or self._clock() - t.active_s <= within_s)
 
+    def withdraw(self, transfer_id: str) -> None:
+        """The request was aborted: nothing more will be published under ``transfer_id``."""
+        with self._lock:
+            t = self._transfers.get(transfer_id)
+            if t is not None:
+                t.final = True
+                for key in t.expected - set(t.pinned):
+                    owners = self._by_key.get(key, set())
+                    owners.discard(transfer_id)
+                    if not owners:
+                        self._by_key.pop(key, None)
+                t.expected = set(t.pinned)
+
     def release(self, transfer_id: str) -> None:
         """D is done with the transfer."""
         with self._lock:

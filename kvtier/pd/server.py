@@ -3,7 +3,7 @@
 Serves the sealed chunks of this rank's store to decode engines by chain key. A chunk not stored
 yet but coming (its save is queued, or its transfer is still being computed: push) is sent the
 moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
-while the transfer shows signs of life. A malformed, oversized, unauthenticated or
+while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed, oversized, unauthenticated or
 wrong-version message is refused and logged; the server keeps serving.
 """
 
@@ -29,6 +29,10 @@ from kvtier.storage import ChunkStore
 logger = logging.getLogger(__name__)
 
 MAX_WAITING = 4096  # fetches parked for chunks still being computed, over all peers
+# A published request is alive this long after a step began computing it: one prefill step may
+# outlast pd_timeout_ms by far, and the waiting consumer must not give up meanwhile. An aborted
+# producer request therefore keeps its consumer waiting this long, at most.
+ACTIVE_S = 60.0
 _SEND_HWM = 64  # replies queued per peer; D keeps a few fetches in flight, so this is never reached
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 
@@ -65,7 +69,7 @@ class ChunkServer:
         self._saving = saving
         self._secret = secret
         self._heartbeat_s = timeout_ms / 4000
-        self._active_s = timeout_ms / 1000
+        self._active_s = max(ACTIVE_S, timeout_ms / 1000)
         self.rejected = 0
         self._waiting: list[_Waiting] = []
         self._ctx = zmq.Context.instance()

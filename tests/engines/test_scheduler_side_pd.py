@@ -176,3 +176,12 @@ def test_producer_of_a_prompt_shorter_than_a_chunk_still_names_its_servers(make_
     job = side.scheduled("p", BLOCKS[:3], True, len(short))
     assert job.final and len(job.keys) == 1 and job.block_ids == tuple(BLOCKS[:3])  # the tail alone
     assert side.finished("p")["kvtier_endpoints"] == ENDPOINTS
+
+
+def test_aborted_producer_withdraws_its_transfer_once(make_side):
+    side = make_side()
+    produce(side, params={"do_remote_decode": True, "transfer_id": "shared"})
+    side.scheduled("p", BLOCKS, True, CHUNK)
+    assert side.finished("p", completed=False) is None
+    assert side.take_plan([]).withdrawn == ("shared",)
+    assert side.take_plan([]).withdrawn == ()

@@ -212,3 +212,30 @@ def test_aborted_consumer_stops_waiting_and_reports_at_once(engines):
     d.side.start_loads((), cancels=("d-req",))  # vLLM aborted it; its blocks wait for this report
     assert d.wait_loaded("d-req", timeout_s=30) == set(D_BLOCKS)
     assert time.monotonic() - start < 30  # not the 60 s timeout
+
+
+def test_push_consumer_keeps_waiting_through_a_prefill_step_longer_than_the_timeout(engines):
+    """The producer's worker hears of the request at the start of its step: heartbeats cover a
+    forward longer than pd_timeout_ms, before anything of the prompt is sealed."""
+    p, d = engines("p", 1), engines("d", 2)  # pd_timeout_ms=1000
+    full, tail = prompt_keys(PROMPT)
+    job = SaveJob("p", (*full, tail), tuple(P_BLOCKS), publish="t1", final=True)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    p.side.announce((job,))  # start of P's step
+    time.sleep(2.5)  # the forward: 2.5 timeouts long
+    p.side.save((job,))  # end of the step
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+
+
+def test_aborted_producer_request_ends_the_waiting_consumer_at_once(engines):
+    p, d = engines("p", 1, pd_timeout_ms=60000), engines("d", 2, pd_timeout_ms=60000)
+    full, _ = prompt_keys(PROMPT)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    p.side.save((SaveJob("p", tuple(full[:1]), tuple(P_BLOCKS[:2]), publish="t1"),))
+    time.sleep(0.3)
+    start = time.monotonic()
+    p.side.announce((), withdrawn=("t1",))  # the next step after P's request was aborted
+    assert d.wait_loaded("d-req", timeout_s=30) == set(D_BLOCKS[2:])  # what was sealed still arrives
+    assert time.monotonic() - start < 30  # not the 60 s timeout
+    assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))

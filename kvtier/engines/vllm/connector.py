@@ -79,6 +79,7 @@ class KvtierConnector(KVConnectorBase_V1):
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
         self._worker.start_loads(meta.plan.loads, meta.plan.cancels)
+        self._worker.announce(meta.plan.saves, meta.plan.withdrawn)
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads are whole-request and asynchronous: the request waits, not the layer

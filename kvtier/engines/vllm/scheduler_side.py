@@ -67,6 +67,7 @@ class StepPlan:
     loads: tuple[LoadJob, ...]
     saves: tuple[SaveJob, ...]
     cancels: tuple[str, ...] = ()  # aborted requests whose P/D transfer may still be waiting: stop it
+    withdrawn: tuple[str, ...] = ()  # transfer ids of aborted producer requests: nothing more comes
 
 
 class SchedulerSide:
@@ -93,6 +94,7 @@ class SchedulerSide:
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[_Load] = []  # planned this step, not yet in a StepPlan
         self._cancels: list[str] = []
+        self._withdrawn: list[str] = []
         self._distrusted: OrderedDict[bytes, None] = OrderedDict()
         self._step = 0  # steps planned (StepPlans taken)
         self._completed = 0  # steps whose output came back
@@ -277,8 +279,9 @@ class SchedulerSide:
             load.issued_s = now
         loads, self._loads = tuple(load.job for load in self._loads), []
         cancels, self._cancels = tuple(self._cancels), []
+        withdrawn, self._withdrawn = tuple(self._withdrawn), []
         self._step += 1
-        return StepPlan(loads, tuple(saves), cancels)
+        return StepPlan(loads, tuple(saves), cancels, withdrawn)
 
     def step_completed(self) -> None:
         """The oldest step in flight came back from the workers (its saves have been copied out)."""
@@ -338,6 +341,8 @@ class SchedulerSide:
         if tracked is None:
             return None
         params = None
+        if isinstance(tracked.role, pd.Produce) and not completed and not tracked.published:
+            self._withdrawn.append(tracked.transfer_id)  # a consumer waiting for it stops at once
         if isinstance(tracked.role, pd.Produce) and completed:
             if self.peer_endpoints:
                 params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size)

@@ -137,6 +137,16 @@ class WorkerSide:
         for job in jobs:
             self.transfers.submit_load(job)
 
+    def announce(self, jobs: tuple[SaveJob, ...], withdrawn: tuple[str, ...] = ()) -> None:
+        """Before the forward: published requests this step computes are alive (a waiting decode
+        engine gets heartbeats through a long prefill step) and their chunks are coming; those
+        ``withdrawn`` were aborted (what was published stays, the rest is missing at once)."""
+        for transfer_id in withdrawn:
+            self.holds.withdraw(transfer_id)
+        for job in jobs:
+            if job.publish is not None:
+                self.holds.announce(job.publish, [self.transfers.skey(k) for k in job.keys], False)
+
     def save(self, jobs: tuple[SaveJob, ...]) -> None:
         for job in jobs:
             if job.publish is not None:  # announced before the save can land, so it is pinned
