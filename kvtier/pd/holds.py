@@ -61,6 +61,10 @@ class PublishHolds:
         self._by_key: dict[bytes, set[str]] = {}  # expected storage key -> transfers
         self._bytes = 0
         self.stats = HoldStats()
+        # Set whenever a chunk may have become servable (stored, announced, withdrawn): the chunk
+        # server looks at its waiting fetches only then, not on every poll (the engine's forward
+        # needs the GIL more than an idle server does).
+        self.changed = threading.Event()
 
     def announce(self, transfer_id: str, keys: list[bytes], final: bool) -> None:
         """The engine computes ``transfer_id``; ``keys`` (storage keys) will be saved for it."""
@@ -75,9 +79,11 @@ class PublishHolds:
             for key in keys:
                 t.expected.add(key)
                 self._by_key.setdefault(key, set()).add(transfer_id)
+        self.changed.set()
 
     def stored(self, keys: list[bytes]) -> None:
         """``keys`` are now stored (saved, or found already stored): pin those announced."""
+        self.changed.set()
         for key in keys:
             with self._lock:
                 wanted = [tid for tid in self._by_key.get(key, ()) if key not in self._transfers[tid].pinned]
@@ -126,6 +132,7 @@ class PublishHolds:
                     if not owners:
                         self._by_key.pop(key, None)
                 t.expected = set(t.pinned)
+        self.changed.set()
 
     def release(self, transfer_id: str) -> None:
         """D is done with the transfer."""

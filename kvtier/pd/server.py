@@ -167,8 +167,9 @@ class ChunkServer:
         return False
 
     def _serve_waiting(self, now: float) -> None:
-        if not self._waiting:
+        if not self._waiting or not self.holds.changed.is_set():
             return
+        self.holds.changed.clear()
         waiting, self._waiting = self._waiting, []
         for w in waiting:
             self._fetch(w.identity, w.fetch, w.since_s)  # parks it again if still not there
