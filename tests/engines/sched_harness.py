@@ -380,7 +380,8 @@ class Harness:
                 invalid.update(job.block_ids[done:])
             finished.add(job.req_id)
             if not request.is_finished():
-                self.expect_resume[job.req_id] = p.start + done * bs
+                # A remote load ends with the prompt's last, partial block: what counts is the prompt.
+                self.expect_resume[job.req_id] = min(p.start + done * bs, request.num_prompt_tokens)
         self.pending = waiting
         return finished, invalid
 

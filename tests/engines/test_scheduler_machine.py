@@ -197,3 +197,22 @@ def test_scheduler_state_machine():
     for key in ("loads_load", "loads_partial", "loads_handoff", "failed_loads", "preemptions",
                 "evicted_before_load", "aborted_while_waiting", "resumed_checked"):
         assert TOTALS[key] > 0, f"no {key} in {dict(TOTALS)}"
+
+
+def test_consumer_preempted_after_decoding_resumes_at_its_prompt_regression():
+    """Found by the machine: a P/D consumer preempted after some decode steps is admitted again
+    and loads its prompt (own tier, then the producer's tail); it must resume with exactly the
+    prompt computed, not with the partial last block's end nor with its output tokens."""
+    m = SchedulerMachine()
+    m.start(geometry=(16, 64), unaligned="partial", blocks=47, min_load=None, stale=False, reserve_full=False, seed=0)
+    for length, max_tokens in ((17, 1), (1, 1)):
+        m.arrive_from_producer(base=0, length=length, max_tokens=max_tokens)
+    m.step(fail=0.0, forget=0.0, steps=1)
+    for length, max_tokens in ((1, 1), (97, 9), (1, 1), (1, 1)):
+        m.arrive_from_producer(base=0, length=length, max_tokens=max_tokens)
+    m.step(fail=0.0, forget=0.0, steps=1)
+    m.arrive(base=0, forget=0.0, jitter=0, length=16, max_tokens=15, tail=22)
+    m.arrive(base=0, forget=0.0, jitter=0, length=16, max_tokens=15, tail=35)
+    m.arrive(base=1, forget=0.0, jitter=1, length=520, max_tokens=9, tail=0)
+    m.teardown()  # drains every request through the invariants
+    assert m.h.stats.preemptions > 0 and m.h.stats.loads["remote_chunks"] > 0
