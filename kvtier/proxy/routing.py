@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-# Pull mode: P computes the prompt and keeps its blocks for D to read; D learns where from P's answer.
+# Pull mode: P computes the prompt and keeps its KV for D to read; D learns where from P's answer.
 PULL_PREFILL_PARAMS = {"do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": None,
                        "remote_block_ids": None, "remote_host": None, "remote_port": None}
 
