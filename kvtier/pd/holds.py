@@ -126,11 +126,7 @@ class PublishHolds:
             t = self._transfers.get(transfer_id)
             if t is not None:
                 t.final = True
-                for key in t.expected - set(t.pinned):
-                    owners = self._by_key.get(key, set())
-                    owners.discard(transfer_id)
-                    if not owners:
-                        self._by_key.pop(key, None)
+                self._unexpect_locked(transfer_id, t.expected - set(t.pinned))
                 t.expected = set(t.pinned)
         self.changed.set()
 
@@ -180,14 +176,18 @@ class PublishHolds:
         t = self._transfers.pop(transfer_id, None)
         if t is None:
             return None
-        for key in t.expected:
+        self._unexpect_locked(transfer_id, t.expected)
+        self._bytes -= sum(b.data.numel() for b in t.pinned.values())
+        return t
+
+    def _unexpect_locked(self, transfer_id: str, keys: set[bytes]) -> None:
+        """``transfer_id`` no longer waits for ``keys``."""
+        for key in keys:
             owners = self._by_key.get(key)
             if owners is not None:
                 owners.discard(transfer_id)
                 if not owners:
                     del self._by_key[key]
-        self._bytes -= sum(b.data.numel() for b in t.pinned.values())
-        return t
 
     @staticmethod
     def _release_all(transfers: list[_Transfer | None]) -> None:
