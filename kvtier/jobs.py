@@ -42,13 +42,30 @@ class LoadJob:
 
 
 @dataclass(frozen=True, slots=True)
+class ChunkBlocks:
+    """How the engine names one saved chunk's blocks, so that KV cache events about the chunk
+    match the engine's own: ``hashes``: the engine's hash of each block (bytes); ``parent``: the
+    hash of the block before the chunk (None for a prompt's first chunk); ``token_ids``: the
+    chunk's tokens; ``block_size``: tokens per block; ``extra_keys``: per block, what else the
+    engine hashed (cache salt, LoRA name), or None.
+    """
+
+    hashes: tuple[bytes, ...]
+    parent: bytes | None
+    token_ids: tuple[int, ...]
+    block_size: int
+    extra_keys: tuple | None = None
+
+
+@dataclass(frozen=True, slots=True)
 class SaveJob:
     """Save chunks: ``block_ids`` holds ``chunk_blocks`` engine blocks per key in order, except
     that the last key may hold fewer (a trailing partial chunk, saved only when published).
 
     ``publish``: transfer id of a P/D producer request; its chunks are pinned for the decode
     engine. ``final``: this job carries the request's last chunk (the prompt is all published).
-    A job with no keys only says the published request is still being computed.
+    A job with no keys only says the published request is still being computed. ``names``: one
+    per full chunk in ``keys``, when the engine publishes KV cache events (else empty).
     """
 
     req_id: str
@@ -56,3 +73,4 @@ class SaveJob:
     block_ids: tuple[int, ...]
     publish: str | None = None
     final: bool = False
+    names: tuple[ChunkBlocks | None, ...] = ()

@@ -74,6 +74,14 @@ class TransferStats:
 
 
 @dataclass(slots=True)
+class _SaveBatch:
+    """The chunks one save() call queued: timed from their copy-out until the last is handled."""
+
+    start_ms: float
+    left: int
+
+
+@dataclass(slots=True)
 class _PendingSave:
     """One gathered chunk waiting for the save thread. ``ready``: CUDA event of its gather."""
 
@@ -83,6 +91,7 @@ class _PendingSave:
     ready: torch.cuda.Event | None
     sums: torch.Tensor | None = None  # int64 [spans] KVSUM64s the copy kernel computed, if it does
     index: int = 0  # this chunk's entry in ``sums``
+    batch: _SaveBatch | None = None
 
 
 class TierWorker:
@@ -104,6 +113,8 @@ class TierWorker:
         self.chunk_bytes = codec.chunk_bytes(layout, chunk_blocks)
         self.save_backlog_bytes = save_backlog_bytes
         self.stats = TransferStats()
+        # ms per load job and per save batch, appended by the executors, drained by take_batch_ms()
+        self.batch_ms: dict[str, deque[float]] = {"load": deque(), "save": deque()}
         self.backend = resolve_backend(layout, backend)
         self._gather, self._scatter = pick_backend(layout, self.backend)
         self._kernel_sums = checksums_in_kernel(self.backend)  # else BLAKE3 on the host
@@ -176,11 +187,12 @@ class TierWorker:
             spans.append(ChunkSpan(buffer.data, len(ids), 0, self._ids(ids)))
             pending.append(_PendingSave(skey, buffer, len(ids), None, index=len(pending)))
         start = _now_ms()
+        batch = _SaveBatch(start, len(pending))
         if spans:
             sums = torch.empty(len(spans), dtype=torch.int64, device=self.layout.device) if self._kernel_sums else None
             ready = self._gather_for_save(spans, sums)
             for item in pending:
-                item.ready, item.sums = ready, sums
+                item.ready, item.sums, item.batch = ready, sums, batch
         with self._cond:
             self._backlog_bytes -= unallocated  # give back their reservation
             self.stats.dropped_saves += len(wanted) - len(pending)
@@ -205,6 +217,7 @@ class TierWorker:
                     dropped.append(item)
                     self._backlog_bytes -= item.buffer.data.numel()
                     self._saving.discard(item.key)
+                    self._batch_item_done(item)
                 # The chunk being stored right now cannot be dropped; what still won't fit is.
                 room, total = 0, self._backlog_bytes
                 while room < len(sizes) and total + sizes[room] <= limit:
@@ -254,9 +267,17 @@ class TierWorker:
                 if stored:
                     self.stats.saved_chunks += 1
                     self.stats.saved_bytes += self.layout.payload_bytes(item.num_blocks)
+                self._batch_item_done(item)
                 self._cond.notify_all()
             if stored:
                 self._on_held([item.key])
+
+    def _batch_item_done(self, item: _PendingSave) -> None:
+        batch = item.batch
+        if batch is not None:
+            batch.left -= 1  # under _cond
+            if batch.left == 0:
+                self.batch_ms["save"].append(_now_ms() - batch.start_ms)
 
     @torch.inference_mode()  # buffers may be inference tensors made on the engine's thread
     def _seal_and_put(self, item: _PendingSave) -> bool:
@@ -346,7 +367,9 @@ class TierWorker:
         stats.cpu_hit_tokens += tokens["cpu"]
         stats.disk_hit_tokens += tokens["disk"]
         stats.remote_hit_tokens += tokens["remote"]
-        stats.load_ms += _now_ms() - start
+        elapsed = _now_ms() - start
+        stats.load_ms += elapsed
+        self.batch_ms["load"].append(elapsed)
         if done < len(job.block_ids):
             stats.failed_chunks += 1
         return set(job.block_ids[done:])
@@ -486,6 +509,10 @@ class TierWorker:
         for _ in range(REMOTE_THREADS):  # each remote thread takes one barrier: all earlier transfers ended
             self._remote_pool.submit(self._remote_barrier.wait)
         self._remote_barrier.wait()
+        self.wait_saved()
+
+    def wait_saved(self) -> None:
+        """Wait until every queued save is stored (or failed)."""
         with self._cond:
             self._cond.wait_for(lambda: self._backlog_bytes == 0)
 

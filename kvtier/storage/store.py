@@ -207,6 +207,22 @@ class ChunkStore:
         record the keys and look them up later (``contains``). None stops the calls."""
         self._watcher = on_change
 
+    def residency(self, key: bytes) -> tuple[Tier, ...]:
+        """Every tier holding ``key`` now (a chunk may be in CPU and on disk at once)."""
+        self._check_open()
+        ek = lm.engine_key(key, self._config)
+        with self._cpu.cpu_lock:
+            tiers = (Tier.CPU,) if ek in self._cpu.hot_cache else ()
+        if self._disk is not None:
+            with self._disk.backend.disk_lock:
+                if ek in self._disk.backend.dict:
+                    tiers += (Tier.DISK,)
+        return tiers
+
+    def disk_bytes_used(self) -> int:
+        """Bytes of chunk files the disk tier holds (0 without one)."""
+        return 0 if self._disk is None else int(self._disk.backend.usage)
+
     def cpu_bytes_used(self) -> int:
         """Bytes allocated in the CPU pool (4 KiB-aligned chunk sizes): cached chunks plus
         buffers held by callers. 0 after close() or once everything is released and removed."""

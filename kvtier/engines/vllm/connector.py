@@ -14,7 +14,7 @@ through the same plan, waiting state and load executor as a reload.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Iterable
 
 import torch
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
@@ -27,10 +27,12 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
-from kvtier.engines.vllm.stats import build_stats
+from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
+from kvtier.engines.vllm.stats import KvtierPromMetrics, build_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -60,15 +62,20 @@ class KvtierConnector(KVConnectorBase_V1):
         self._scheduler: SchedulerSide | None = None
         self._worker = None
         parallel = vllm_config.parallel_config
+        events_config = vllm_config.kv_events_config
+        kv_events = events_config is not None and events_config.enable_kv_cache_events
+        self._live: dict[str, Request] = {}  # with KV events: live requests, whose saved chunks are named
+        self._events = KvtierKVEvents(num_workers=0)  # from the workers, until vLLM takes them
         if role == KVConnectorRole.SCHEDULER:
             self._scheduler = SchedulerSide(self.config, model, self.block_size, endpoint, engine_id=transfer.engine_id,
-                                            tp_size=parallel.world_size)
+                                            tp_size=parallel.world_size,
+                                            name_chunk=self._name_chunk if kv_events else None)
         else:
             from kvtier.engines.vllm.worker_side import WorkerSide
 
             self._worker = WorkerSide(
                 self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
-                parallel.rank, parallel.world_size, produce=transfer.kv_role != "kv_consumer",
+                parallel.rank, parallel.world_size, produce=transfer.kv_role != "kv_consumer", kv_events=kv_events,
             )
 
     # ---- worker side ------------------------------------------------------------------------------
@@ -78,6 +85,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
+        if meta.plan.reset:
+            self._worker.reset()
         self._worker.start_loads(meta.plan.loads, meta.plan.cancels)
         self._worker.announce(meta.plan.saves, meta.plan.withdrawn)
 
@@ -106,6 +115,14 @@ class KvtierConnector(KVConnectorBase_V1):
     def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
         return build_stats(data)
 
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues) -> KvtierPromMetrics:
+        return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+
+    def get_kv_connector_kv_cache_events(self) -> KvtierKVEvents | None:
+        events = self._worker.take_events() if self._worker is not None else []
+        return KvtierKVEvents(events) if events else None
+
     def shutdown(self) -> None:
         if self._worker is not None:
             self._worker.close()
@@ -114,6 +131,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -----------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
+        if self._scheduler.name_chunk is not None:
+            self._live[request.request_id] = request
         self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt,
                               request.kv_transfer_params)
 
@@ -151,6 +170,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None]))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if connector_output.kv_cache_events:
+            self._events.add_events(connector_output.kv_cache_events.get_all_events())
         self._scheduler.loads_reported(set(connector_output.finished_recving or ()),
                                        set(connector_output.invalid_block_ids or ()))
 
@@ -158,7 +179,25 @@ class KvtierConnector(KVConnectorBase_V1):
         # Blocks may be freed now: saves are copied out inside the step that planned them (a P/D
         # producer's too: its published chunks live in the CPU tier, never in engine blocks),
         # and vLLM itself holds a waiting request's blocks until its load reports.
+        self._live.pop(request.request_id, None)
         return False, self._scheduler.finished(request.request_id, request.status in _COMPLETED)
+
+    def take_events(self) -> Iterable[KVCacheEvent]:
+        events = self._events.get_all_events()
+        self._events.clear_events()
+        return events
+
+    def reset_cache(self) -> bool:
+        """Empty this engine's CPU and disk tiers (at the next step, which this asks vLLM to run)."""
+        self._scheduler.reset()
+        return True
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler.reset_pending  # keeps an idle engine stepping until the tiers are empty
+
+    def _name_chunk(self, req_id: str, chunk: int):
+        request = self._live.get(req_id)
+        return None if request is None else name_chunk(request, chunk, self._scheduler.chunk_blocks, self.block_size)
 
     @property
     def scheduler_side(self) -> SchedulerSide | None:

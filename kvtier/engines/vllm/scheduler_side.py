@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kvtier.config import KvtierConfig
-from kvtier.jobs import LoadJob, RemoteSource, SaveJob
+from kvtier.jobs import ChunkBlocks, LoadJob, RemoteSource, SaveJob
 from kvtier.keys import chunk_keys, namespace, tail_key
 from kvtier.lookup import LookupClient
 from kvtier.pd import params as pd
@@ -68,16 +68,20 @@ class StepPlan:
     saves: tuple[SaveJob, ...]
     cancels: tuple[str, ...] = ()  # aborted requests whose P/D transfer may still be waiting: stop it
     withdrawn: tuple[str, ...] = ()  # transfer ids of aborted producer requests: nothing more comes
+    reset: bool = False  # empty the tiers before anything else
 
 
 class SchedulerSide:
     """Turns vLLM scheduler events into :class:`StepPlan` s. Block ids are the first KV group's.
 
     ``clock``: seconds, monotonic; tests replace it to make measured costs deterministic.
+    ``name_chunk(req_id, chunk)``: the engine's names for a request's chunk's blocks, given when
+    the engine publishes KV cache events (saved chunks then carry them to the workers).
     """
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, endpoint: str,
-                 clock: Callable[[], float] = time.perf_counter, engine_id: str = "", tp_size: int = 1):
+                 clock: Callable[[], float] = time.perf_counter, engine_id: str = "", tp_size: int = 1,
+                 name_chunk: Callable[[str, int], ChunkBlocks | None] | None = None):
         self.config = config
         self.model = model
         self.block_size = block_size
@@ -90,6 +94,9 @@ class SchedulerSide:
         self.client = LookupClient(endpoint, config.lookup_timeout_ms)
         self.engine_id = engine_id
         self.tp_size = tp_size
+        self.name_chunk = name_chunk
+        self.reset_pending = False  # reset_cache() was asked; the workers have not emptied the tiers yet
+        self._reset_step: int | None = None  # the step whose plan carries the reset
         self.peer_endpoints: list[str] = []  # this engine's P/D chunk servers, as rank 0 last told
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[_Load] = []  # planned this step, not yet in a StepPlan
@@ -138,7 +145,8 @@ class SchedulerSide:
             self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
         if reply is not None and reply.endpoints:
             self.peer_endpoints = reply.endpoints
-        tiers = self._trusted(tracked.keys, reply.tiers if reply is not None else [])
+        # Until the workers have emptied the tiers, the index may still offer what a reset removes.
+        tiers = () if self.reset_pending else self._trusted(tracked.keys, reply.tiers if reply is not None else [])
         remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed
         if remote:
             tiers += ("remote",) * (len(tracked.keys) + (tracked.tail is not None) - len(tiers))
@@ -258,8 +266,9 @@ class SchedulerSide:
         for key in keys:  # re-saved from freshly computed blocks: trust it again
             self._distrusted.pop(key, None)
         tracked.last_save_step = self._step
+        names = () if self.name_chunk is None else tuple(self.name_chunk(req_id, i) for i in range(start, full))
         if not publish:
-            return SaveJob(req_id, tuple(keys), tuple(blocks))
+            return SaveJob(req_id, tuple(keys), tuple(blocks), names=names)
         # A producer publishes the whole prompt, its partial tail too, once all of it is computed;
         # until then a job with what is new (maybe nothing) tells the workers it is still coming.
         final = computed_after >= tracked.prompt_tokens
@@ -267,7 +276,7 @@ class SchedulerSide:
             keys = [*keys, tracked.tail]
             blocks = [*blocks, *tracked.block_ids[full * self.chunk_blocks : -(-tracked.prompt_tokens // self.block_size)]]
         tracked.published = final
-        return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final)
+        return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names)
 
     def take_plan(self, saves: list[SaveJob]) -> StepPlan:
         """This step's jobs; loads count as issued from now."""
@@ -280,8 +289,17 @@ class SchedulerSide:
         loads, self._loads = tuple(load.job for load in self._loads), []
         cancels, self._cancels = tuple(self._cancels), []
         withdrawn, self._withdrawn = tuple(self._withdrawn), []
+        reset = self.reset_pending and self._reset_step is None
+        if reset:
+            self._reset_step = self._step
         self._step += 1
-        return StepPlan(loads, tuple(saves), cancels, withdrawn)
+        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset)
+
+    def reset(self) -> None:
+        """Empty this engine's tiers (vLLM's ``reset_cache``): the next step's plan tells the
+        workers, and lookups offer nothing until that step has run."""
+        self.reset_pending, self._reset_step = True, None
+        self._distrusted.clear()
 
     def step_completed(self) -> None:
         """The oldest step in flight came back from the workers (its saves have been copied out)."""
@@ -291,6 +309,8 @@ class SchedulerSide:
         if steps <= self._completed:
             return
         self._completed = min(steps, self._step)
+        if self._reset_step is not None and self._completed > self._reset_step:
+            self.reset_pending, self._reset_step = False, None
         for req_id, tracked in list(self._requests.items()):
             if tracked.state is ReqState.SAVE_PENDING and tracked.last_save_step < self._completed:
                 self._advance(req_id, tracked, Event.SAVES_RUN)

@@ -21,6 +21,7 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
+from kvtier.engines.vllm.events import TierEvents
 from kvtier.layout import build_layout
 from kvtier.lookup import HoldReporter, LookupServer
 from kvtier.pd.fetch import PeerError, fetch_chunks
@@ -52,7 +53,7 @@ class WorkerSide:
     """Owns this worker's store, transfer worker, reporter and (rank 0) lookup server; closes all."""
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, num_blocks: int, endpoint: str,
-                 rank: int, world_size: int, produce: bool = True):
+                 rank: int, world_size: int, produce: bool = True, kv_events: bool = False):
         self.config = config
         self.model = model
         self.block_size = block_size
@@ -70,6 +71,9 @@ class WorkerSide:
         self.reporter: HoldReporter | None = None
         self._failed: set[int] = set()  # failed block ids, reported with the same step's finished loads
         self._reported = TransferStats()
+        self._held_reported: dict[str, int] = {}  # held_bytes_<tier> as last reported
+        self.events: TierEvents | None = None
+        self._kv_events = kv_events and rank == 0  # one rank announces: every rank holds the same chunks
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = build_layout(kv_caches, self.block_size, self.num_blocks, model=self.model,
@@ -91,14 +95,16 @@ class WorkerSide:
             return None if tier is None else tier.value
 
         self.reporter = HoldReporter(self.endpoint, self.rank, self.world_size, layout.fingerprint, tier_of)
-        store.watch(self.reporter.changed)
+        if self._kv_events:
+            self.events = TierEvents(store.residency)
+        store.watch(self._changed)
         backlog = config.save_backlog_bytes or config.cpu_bytes // 4
         self._hello = Hello(PD_VERSION, self.rank, self.world_size, layout.fingerprint, layout.description,
                             config.chunk_tokens)
         self.holds = PublishHolds(store.get, config.pd_hold_bytes or config.cpu_bytes // 4, config.pd_hold_s)
 
         def held(keys: list[bytes]) -> None:
-            self.reporter.changed(keys)
+            self._changed(keys)
             self.holds.stored(keys)
 
         self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
@@ -116,6 +122,11 @@ class WorkerSide:
         logger.info("kvtier rank %d/%d: %d regions, %d B per block, chunk of %d tokens, %d chunks kept on disk; "
                     "lookup at %s; %s", self.rank, self.world_size, len(layout.regions), layout.bytes_per_block,
                     config.chunk_tokens, len(kept), self.endpoint, pd)
+
+    def _changed(self, keys: list[bytes]) -> None:
+        self.reporter.changed(keys)
+        if self.events is not None:
+            self.events.changed(keys)
 
     def _fetch_remote(self, job: LoadJob, items: list[tuple[bytes, int]]):
         remote = job.remote
@@ -151,9 +162,28 @@ class WorkerSide:
         for job in jobs:
             if job.publish is not None:  # announced before the save can land, so it is pinned
                 self.holds.announce(job.publish, [self.transfers.skey(k) for k in job.keys], job.final)
+        if self.events is not None:
+            for job in jobs:
+                for key, name in zip(job.keys, job.names):
+                    if name is not None:
+                        self.events.name(self.transfers.skey(key), name)
         jobs = [job for job in jobs if job.keys]
         if jobs:
             self.transfers.save(jobs)
+
+    def reset(self) -> int:
+        """Empty this rank's tiers: saves already queued land first, then every chunk of this
+        layout's namespace goes from CPU and disk (the index hears of each). Returns how many."""
+        self.transfers.wait_saved()
+        keys = self.store.keys()
+        for key in keys:
+            self.store.remove(key)
+        logger.info("kvtier rank %d: cache reset, %d chunks removed", self.rank, len(keys))
+        return len(keys)
+
+    def take_events(self) -> list:
+        """KV cache events since the last call (rank 0 only; empty elsewhere)."""
+        return [] if self.events is None else self.events.take()
 
     def finished_loads(self) -> set[str]:
         if self.transfers is None:
@@ -166,17 +196,24 @@ class WorkerSide:
         failed, self._failed = self._failed, set()
         return failed
 
-    def take_stats(self) -> dict[str, float] | None:
+    def take_stats(self) -> dict | None:
         """Counters since the last call, named as in :data:`STATS_FIELDS`; None if all are zero.
         Hit tokens come from rank 0 only, so that summing over ranks counts each token once."""
         if self.transfers is None:
             return None
         now = copy.copy(self.transfers.stats)
         last, self._reported = self._reported, now
-        delta = {name: getattr(now, field) - getattr(last, field) for field, name in STATS_FIELDS.items()}
+        delta: dict = {name: getattr(now, field) - getattr(last, field) for field, name in STATS_FIELDS.items()}
         if self.rank != 0:
             for field in _RANK0_ONLY:
                 delta[STATS_FIELDS[field]] = 0
+        for way, times in self.transfers.batch_ms.items():
+            delta[f"{way}_batch_ms"] = [times.popleft() for _ in range(len(times))]
+        held = {"held_bytes_cpu": self.store.cpu_bytes_used(), "held_bytes_disk": self.store.disk_bytes_used()}
+        for name, nbytes in held.items():
+            if self._held_reported.get(name) != nbytes:  # a gauge travels only when it moved
+                delta[name] = {str(self.rank): nbytes}
+        self._held_reported = held
         return delta if any(delta.values()) else None
 
     def close(self) -> None:
