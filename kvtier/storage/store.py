@@ -219,9 +219,14 @@ class ChunkStore:
                     tiers += (Tier.DISK,)
         return tiers
 
+    def disk_writes_pending(self) -> bool:
+        """A chunk is on its way to the disk tier."""
+        return self._disk is not None and self._disk.writes_pending()
+
     def disk_bytes_used(self) -> int:
-        """Bytes of chunk files the disk tier holds (0 without one)."""
-        return 0 if self._disk is None else int(self._disk.backend.usage)
+        """Bytes the disk tier holds, as its budget counts them (each file's size rounded up to
+        the CPU pool's alignment); 0 without a disk tier."""
+        return 0 if self._disk is None else int(self._disk.backend.current_cache_size)
 
     def cpu_bytes_used(self) -> int:
         """Bytes allocated in the CPU pool (4 KiB-aligned chunk sizes): cached chunks plus

@@ -120,8 +120,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_kv_cache_events(self) -> KvtierKVEvents | None:
-        events = self._worker.take_events() if self._worker is not None else []
-        return KvtierKVEvents(events) if events else None
+        events, settling = self._worker.take_events()
+        return KvtierKVEvents(events, settling=settling) if events or settling else None
 
     def shutdown(self) -> None:
         if self._worker is not None:
@@ -170,8 +170,10 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None]))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        if connector_output.kv_cache_events:
-            self._events.add_events(connector_output.kv_cache_events.get_all_events())
+        events = connector_output.kv_cache_events
+        if events:
+            self._events.add_events(events.get_all_events())
+        self._events.settling = bool(events and getattr(events, "settling", False))
         self._scheduler.loads_reported(set(connector_output.finished_recving or ()),
                                        set(connector_output.invalid_block_ids or ()))
 
@@ -193,7 +195,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return True
 
     def has_pending_push_work(self) -> bool:
-        return self._scheduler.reset_pending  # keeps an idle engine stepping until the tiers are empty
+        # Keeps an idle engine stepping until the tiers are emptied / every stored chunk is announced.
+        return self._scheduler.reset_pending or self._events.settling
 
     def _name_chunk(self, req_id: str, chunk: int):
         request = self._live.get(req_id)

@@ -97,11 +97,14 @@ class TierEvents:
 
 
 class KvtierKVEvents(KVConnectorKVEvents):
-    """The events of a step, as vLLM carries them from the workers to the scheduler."""
+    """The events of a step, as vLLM carries them from the workers to the scheduler.
+    ``settling``: more are on their way (saves still landing), so the engine should keep stepping
+    even when idle, or a router would not hear of them until the next request."""
 
-    def __init__(self, events: Iterable[KVCacheEvent] = (), num_workers: int = 1):
+    def __init__(self, events: Iterable[KVCacheEvent] = (), num_workers: int = 1, settling: bool = False):
         self._events = list(events)
         self._workers = num_workers
+        self.settling = settling
 
     def add_events(self, events: list[KVCacheEvent]) -> None:
         self._events += events

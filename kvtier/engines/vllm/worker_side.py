@@ -181,9 +181,13 @@ class WorkerSide:
         logger.info("kvtier rank %d: cache reset, %d chunks removed", self.rank, len(keys))
         return len(keys)
 
-    def take_events(self) -> list:
-        """KV cache events since the last call (rank 0 only; empty elsewhere)."""
-        return [] if self.events is None else self.events.take()
+    def take_events(self) -> tuple[list, bool]:
+        """KV cache events since the last call (rank 0 only; none elsewhere), and whether more
+        are on their way (chunks still being stored or written to disk)."""
+        if self.events is None:
+            return [], False
+        settling = self.transfers.pending_save_bytes() > 0 or self.store.disk_writes_pending()
+        return self.events.take(), settling
 
     def finished_loads(self) -> set[str]:
         if self.transfers is None:
