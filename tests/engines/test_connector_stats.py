@@ -38,3 +38,40 @@ def test_stats_survive_the_trip_from_worker_to_logger_and_sum_over_ranks():
     assert not rebuilt.is_empty()
     rebuilt.reset()
     assert rebuilt.is_empty() and KvtierConnector.build_kv_connector_stats(None).is_empty()
+
+
+def test_batch_times_concatenate_and_gauges_keep_each_ranks_latest():
+    step1 = KvtierStats(data={"load_batch_ms": [3.0], "held_bytes_cpu": {"0": 100, "1": 100}})
+    step2 = KvtierStats(data={"load_batch_ms": [5.0, 1.0], "held_bytes_cpu": {"0": 40}})
+    total = step1.aggregate(step2)
+    assert total.data["load_batch_ms"] == [3.0, 5.0, 1.0]
+    assert total.data["held_bytes_cpu"] == {"0": 40, "1": 100}
+    assert total.reduce()["held_bytes_cpu"] == 140 and total.reduce()["load_batch_ms_max"] == 5.0
+    assert not KvtierStats(data={"held_bytes_disk": {"0": 0}}).is_empty()  # a gauge that fell to 0 still travels
+
+
+def test_prometheus_metrics_move_by_what_the_stats_say():
+    prometheus_client = pytest.importorskip("prometheus_client")
+    from functools import partial
+
+    registry = prometheus_client.CollectorRegistry()
+    types = {cls: partial(cls, registry=registry)
+             for cls in (prometheus_client.Counter, prometheus_client.Gauge, prometheus_client.Histogram)}
+    config = type("VllmConfig", (), {"kv_transfer_config": None})()  # all the base class reads of it
+    prom = KvtierConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
+    for _ in range(2):
+        prom.observe({**RANK0, "load_batch_ms": [2.0, 40.0], "save_batch_ms": [7.0],
+                      "held_bytes_cpu": {"0": 1 << 20, "1": 3 << 20}, "held_bytes_disk": {"0": 5}}, engine_idx=1)
+
+    def value(name, **labels):
+        return registry.get_sample_value(name, {"model_name": "m", "engine": "1", **labels})
+
+    assert value("vllm:kvtier_hit_tokens_total", tier="cpu") == 1024
+    assert value("vllm:kvtier_hit_tokens_total", tier="remote") == 128
+    assert value("vllm:kvtier_loaded_bytes_total") == 6 << 20
+    assert value("vllm:kvtier_dropped_saves_total") == 2
+    assert value("vllm:kvtier_load_seconds_count") == 4 and value("vllm:kvtier_save_seconds_count") == 2
+    assert value("vllm:kvtier_load_seconds_bucket", le="0.0025") == 2  # the two 2 ms loads
+    assert value("vllm:kvtier_held_bytes", tier="cpu") == 4 << 20  # a gauge: set, not added
+    assert value("vllm:kvtier_held_bytes", tier="disk") == 5
+    assert registry.get_sample_value("vllm:kvtier_loaded_bytes_total", {"model_name": "m", "engine": "0"}) is None
