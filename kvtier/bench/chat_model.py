@@ -110,3 +110,20 @@ def build_chat_model(path: Path, hidden_size: int = TINY["hidden_size"],
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     build_tokenizer(path)
     return str(path)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m kvtier.bench.chat_model PATH [--size tiny|bench]``: write the model to PATH."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Write a random-weight Llama with an offline-trained tokenizer "
+                                                 "and chat template (no download).")
+    parser.add_argument("path", type=Path)
+    parser.add_argument("--size", choices=("tiny", "bench"), default="tiny",
+                        help="tiny: 2 layers, ~0.4M parameters; bench: 12 layers, ~100M parameters")
+    args = parser.parse_args(argv)
+    print(build_chat_model(args.path, **(TINY if args.size == "tiny" else BENCH)))
+
+
+if __name__ == "__main__":
+    main()

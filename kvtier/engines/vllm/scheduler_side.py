@@ -170,6 +170,9 @@ class SchedulerSide:
             return  # a second call, or a request resuming after its load (no lookup)
         plan, tracked.plan = tracked.plan, None
         self._vetoes = self._vetoes + 1 if plan.skip is Skip.SLOWER else 0 if plan.skip is None else self._vetoes
+        if plan.skip is not None and tracked.tiers:
+            logger.debug("kvtier: request %s loads nothing of %d stored chunks (%s: %s)", req_id,
+                         len(tracked.tiers), plan.skip.name.lower(), plan.skip.value)
         if external_tokens == 0:
             kind = plan.kind if plan.kind is PlanKind.HANDOFF else PlanKind.NONE
             self.counts[kind.value if plan.skip is None else f"none: {plan.skip.name.lower()}"] += 1
