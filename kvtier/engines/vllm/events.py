@@ -21,9 +21,10 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, 
 from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
 
 from kvtier.jobs import ChunkBlocks
-from kvtier.storage import Tier
 
-MEDIUM = {Tier.CPU: "CPU", Tier.DISK: "DISK"}
+# kvtier.storage.Tier value -> event medium. (kvtier.storage itself is not imported: it loads
+# LMCache, which the scheduler process and a worker's early start-up must not.)
+MEDIUM = {"cpu": "CPU", "disk": "DISK"}
 MAX_UNSTORED = 1 << 16  # named chunks whose save has not landed (or was dropped); the oldest are forgotten
 
 
@@ -51,11 +52,11 @@ class TierEvents:
     storage key now. :meth:`name` and :meth:`changed` may be called from any thread (``changed``
     from under a tier's lock: it only records); :meth:`take` from one thread."""
 
-    def __init__(self, residency: Callable[[bytes], tuple[Tier, ...]]):
+    def __init__(self, residency: Callable[[bytes], tuple]):
         self._residency = residency
         self._lock = threading.Lock()
         self._names: dict[bytes, ChunkBlocks] = {}
-        self._where: dict[bytes, frozenset[Tier]] = {}  # tiers announced for each named key
+        self._where: dict[bytes, frozenset[str]] = {}  # tiers announced for each named key
         self._unstored: OrderedDict[bytes, None] = OrderedDict()
         self._dirty: set[bytes] = set()
 
@@ -81,7 +82,7 @@ class TierEvents:
             blocks = self._names.get(key)
             if blocks is None:
                 continue
-            now = frozenset(t for t in self._residency(key) if t in MEDIUM)
+            now = frozenset(t.value for t in self._residency(key) if t.value in MEDIUM)
             before = self._where.get(key, frozenset())
             events += [_stored(blocks, tier) for tier in sorted(now - before, key=list(MEDIUM).index)]
             events += [BlockRemoved(block_hashes=_hashes(blocks), medium=MEDIUM[tier])
@@ -129,7 +130,7 @@ def _hashes(blocks: ChunkBlocks) -> list:
     return [maybe_convert_block_hash(h) for h in blocks.hashes]
 
 
-def _stored(blocks: ChunkBlocks, tier: Tier) -> BlockStored:
+def _stored(blocks: ChunkBlocks, tier: str) -> BlockStored:
     return BlockStored(
         block_hashes=_hashes(blocks),
         parent_block_hash=None if blocks.parent is None else maybe_convert_block_hash(blocks.parent),

