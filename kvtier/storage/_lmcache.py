@@ -54,6 +54,7 @@ KEY_FMT = MemoryFormat.KV_2LTD
 
 MAX_KEY_BYTES = 64  # keeps file names well under the usual 255-byte limit
 _FILE_SUFFIX = "kv"
+_PROMETHEUS_DIR = "PROMETHEUS_MULTIPROC_DIR"
 
 
 def chunk_shape(nbytes: int) -> torch.Size:
@@ -152,11 +153,18 @@ def build_storage_manager(config: StoreConfig) -> StorageManager:
         role="worker",
     )
     before = set(threading.enumerate())
+    # LMCache's metrics set PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus in os.environ when
+    # unset. Every process started afterwards would inherit it, and a vLLM server among them
+    # would then sum its /metrics with every file any process ever left in that directory.
+    prometheus_dir = os.environ.get(_PROMETHEUS_DIR)
     try:
         return StorageManager(lm_config, metadata, EventManager())
     except BaseException:
         _stop_orphan_loops(before)
         raise
+    finally:
+        if prometheus_dir is None:
+            os.environ.pop(_PROMETHEUS_DIR, None)
 
 
 def _stop_orphan_loops(before: set[threading.Thread]) -> None:

@@ -414,3 +414,14 @@ def test_process_exits_and_keys_map_identically_across_processes(open_store, tmp
     store = open_store(disk=disk)
     assert store.contains(key(7)) is Tier.DISK
     assert torch.equal(read(store, 7)[1], payload(7))
+
+
+def test_a_store_leaves_the_environment_as_it_found_it(open_store, monkeypatch):
+    # LMCache sets PROMETHEUS_MULTIPROC_DIR for itself; a vLLM server started later by this
+    # process would otherwise sum its /metrics with every process's files in that directory.
+    monkeypatch.delenv("PROMETHEUS_MULTIPROC_DIR", raising=False)
+    open_store()
+    assert "PROMETHEUS_MULTIPROC_DIR" not in os.environ
+    monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/somewhere/chosen")
+    open_store()
+    assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == "/somewhere/chosen"
