@@ -103,6 +103,7 @@ def start_server(model: str, port: int, log_path: Path, cpu: int, kv_transfer_co
     on any core, where a busy one takes time from whatever else is measured there."""
     full_env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": str(cpu), "VLLM_SERVER_DEV_MODE": "1"}
     full_env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # --kv-cache-memory-bytes sizes the cache instead
+    full_env.pop("PROMETHEUS_MULTIPROC_DIR", None)  # a shared one would mix other servers into /metrics
     full_env.update(env or {})  # the caller's word wins
     return _launch(server_args(model, port, kv_transfer_config, extra_args, kv_cache_bytes, max_model_len),
                    port, log_path, full_env, cpu if pin else None)
