@@ -9,6 +9,7 @@ import enum
 import logging
 import re
 import threading
+import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -26,10 +27,12 @@ class StorageError(ValueError):
 
 
 class Tier(enum.Enum):
-    """Where a chunk lives; CPU is faster than DISK."""
+    """Where a chunk lives; CPU is faster than DISK. SHARED is a Redis/Valkey server that many
+    engines share (not P/D's "remote": chunks fetched from a prefill engine)."""
 
     CPU = "cpu"
     DISK = "disk"
+    SHARED = "shared"
 
 
 def _is_int(value: object) -> bool:
@@ -48,6 +51,13 @@ class StoreConfig:
     each other's chunks even in one directory. One live store per (disk_path, namespace,
     worker_id) at a time. ``o_direct``: read disk chunks with O_DIRECT, bypassing the page cache
     (buffered where the file system refuses it, with one warning).
+
+    ``shared_url``: ``redis://[:password@]host:port[/db]`` of a Redis or Valkey server shared by
+    many engines (``valkey://`` means the same), ``None`` for no shared tier. Every chunk put is
+    written through to it in the background; a get that misses CPU and disk reads it from there.
+    ``shared_timeout_ms``: most milliseconds one network operation on it may take (connect, read,
+    write). ``shared_write_bytes``: most bytes of writes to it in flight; beyond it, writes are
+    dropped and counted (0: a quarter of ``cpu_bytes``).
     """
 
     cpu_bytes: int
@@ -57,6 +67,9 @@ class StoreConfig:
     worker_id: int = 0
     world_size: int = 1
     o_direct: bool = False
+    shared_url: str | None = None
+    shared_timeout_ms: int = 1000
+    shared_write_bytes: int = 0
 
     def __post_init__(self) -> None:
         # Only checks that need no file system; ChunkStore checks disk_path is writable.
@@ -79,12 +92,43 @@ class StoreConfig:
             )
         if not isinstance(self.o_direct, bool):
             raise StorageError(f"o_direct must be a bool, got {self.o_direct!r}.")
+        if self.shared_url is not None:
+            problem = shared_url_problem(self.shared_url)
+            if problem:
+                raise StorageError(f"shared_url {redact(self.shared_url)!r} {problem}.")
+        if not _is_int(self.shared_timeout_ms) or self.shared_timeout_ms <= 0:
+            raise StorageError(f"shared_timeout_ms must be a positive int, got {self.shared_timeout_ms!r}.")
+        if not _is_int(self.shared_write_bytes) or self.shared_write_bytes < 0:
+            raise StorageError(f"shared_write_bytes must be an int >= 0, got {self.shared_write_bytes!r}.")
         if not _is_int(self.world_size) or self.world_size < 1:
             raise StorageError(f"world_size must be an int >= 1, got {self.world_size!r}.")
         if not _is_int(self.worker_id) or not 0 <= self.worker_id < self.world_size:
             raise StorageError(
                 f"worker_id must be an int in [0, world_size), got {self.worker_id!r}."
             )
+
+
+def shared_url_problem(url: object) -> str | None:
+    """Why ``url`` cannot name a shared Redis/Valkey server (a phrase), or None if it can."""
+    if not isinstance(url, str):
+        return "must be a string"
+    parsed = urllib.parse.urlsplit(url)
+    if parsed.scheme not in ("redis", "valkey"):
+        return "must start with redis:// or valkey://"
+    try:
+        port = parsed.port
+    except ValueError:
+        return "has a bad port"
+    if not parsed.hostname or port is None:
+        return "must name a host and a port (redis://host:6379)"
+    if parsed.query or parsed.fragment:
+        return "must not carry a query or fragment"
+    return None
+
+
+def redact(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for logs and errors."""
+    return re.sub(r"^([a-z]+://[^:@/]*):[^@/]*@", r"\1:***@", url)
 
 
 # One lock for every buffer: release() is rare next to the copies it guards, and a lock per
