@@ -9,11 +9,12 @@ import enum
 import logging
 import re
 import threading
-import urllib.parse
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
+
+from kvtier.urls import redact, shared_url_problem
 
 logger = logging.getLogger(__name__)
 
@@ -106,29 +107,6 @@ class StoreConfig:
             raise StorageError(
                 f"worker_id must be an int in [0, world_size), got {self.worker_id!r}."
             )
-
-
-def shared_url_problem(url: object) -> str | None:
-    """Why ``url`` cannot name a shared Redis/Valkey server (a phrase), or None if it can."""
-    if not isinstance(url, str):
-        return "must be a string"
-    parsed = urllib.parse.urlsplit(url)
-    if parsed.scheme not in ("redis", "valkey"):
-        return "must start with redis:// or valkey://"
-    try:
-        port = parsed.port
-    except ValueError:
-        return "has a bad port"
-    if not parsed.hostname or port is None:
-        return "must name a host and a port (redis://host:6379)"
-    if parsed.query or parsed.fragment:
-        return "must not carry a query or fragment"
-    return None
-
-
-def redact(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for logs and errors."""
-    return re.sub(r"^([a-z]+://[^:@/]*):[^@/]*@", r"\1:***@", url)
 
 
 # One lock for every buffer: release() is rare next to the copies it guards, and a lock per

@@ -38,6 +38,7 @@ STATS_FIELDS = {
     "cpu_hit_tokens": "hit_tokens_cpu",
     "disk_hit_tokens": "hit_tokens_disk",
     "remote_hit_tokens": "hit_tokens_remote",
+    "shared_hit_tokens": "hit_tokens_shared",
     "loaded_bytes": "loaded_bytes",
     "saved_bytes": "saved_bytes",
     "load_ms": "load_ms",
@@ -45,7 +46,7 @@ STATS_FIELDS = {
     "dropped_saves": "dropped_saves",
     "failed_chunks": "failed_loads",
 }
-_RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens", "remote_hit_tokens")  # every rank loads the same tokens
+_RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens", "remote_hit_tokens", "shared_hit_tokens")  # every rank loads the same tokens
 
 
 class WorkerSide:
@@ -81,10 +82,12 @@ class WorkerSide:
         self.store = store = ChunkStore(StoreConfig(
             cpu_bytes=config.cpu_bytes, disk_path=disk_path, disk_bytes=config.disk_bytes,
             namespace=layout.fingerprint.hex(), worker_id=self.rank, world_size=self.world_size,
-            o_direct=config.disk_io == "direct",
+            o_direct=config.disk_io == "direct", shared_url=config.shared_url,
+            shared_timeout_ms=config.shared_timeout_ms,
         ))
         if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
-            self.server = LookupServer(self.endpoint, self.world_size, self._chunk_load_ms)
+            shared = None if config.shared_url is None else self._shared_prefix
+            self.server = LookupServer(self.endpoint, self.world_size, self._chunk_load_ms, shared)
 
         def tier_of(key: bytes) -> str | None:
             tier = store.contains(key)
@@ -127,6 +130,12 @@ class WorkerSide:
                             cancelled=lambda: self.transfers.cancelled(job.req_id),
                             allocate=lambda n: self.store.allocate(n, wait=False),
                             chunk_bytes=lambda n: chunk_bytes(layout, n))
+
+    def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
+        """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
+        layout fingerprint), asked within half the scheduler's lookup timeout."""
+        timeout_ms = min(self.config.shared_timeout_ms, self.config.lookup_timeout_ms // 2)
+        return self.store.shared_prefix(chunks, tuple(fp.hex() for fp in fingerprints), timeout_ms)
 
     def _chunk_load_ms(self) -> dict[str, float]:
         return {} if self.transfers is None else self.transfers.chunk_load_ms()
