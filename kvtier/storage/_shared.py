@@ -35,6 +35,7 @@ from .types import redact
 logger = logging.getLogger(__name__)
 
 RETRY_S = 2.0  # how long a failed server is left alone before it is tried again
+PING_S = 1.0  # least time a ping (at start, and to bring the tier back) waits for an answer
 _VALUES = (b"kv_bytes", b"metadata")  # suffixes LMCache's redis connector appends to a key
 
 
@@ -122,7 +123,9 @@ class SharedTier:
 
     def _ping(self) -> str | None:
         try:
-            self._run(lambda c: c.ping(), self.timeout_s)
+            # At least a second: a first connection on a busy host is slow, and a ping that
+            # gives up early would keep a healthy server out for RETRY_S.
+            self._run(lambda c: c.ping(), max(self.timeout_s, PING_S))
             return None
         except Exception as exc:  # noqa: BLE001 - any failure means: not usable now
             return _why(exc)
@@ -267,11 +270,23 @@ class SharedTier:
                     "reads": self.reads, "read_misses": self.read_misses, "stray_buffers": self._allocator.strays}
 
     def close(self, timeout: float) -> None:
-        """Wait up to ``timeout`` for writes in flight, then close LMCache's connection."""
+        """Wait up to ``timeout`` for writes in flight, then close LMCache's connection.
+
+        Not through RemoteBackend.close: LMCache's redis connector closes its job queue with a
+        blocking call made on its own event loop, which deadlocks that loop (0.5.6)."""
         if not self.wait_writes(timeout):
             logger.warning("kvtier shared tier %s: closing with writes still in flight.", self.url)
+        connection = self.backend.connection
+        if connection is None:
+            return
+        connector = connection.getWrappedConnector()
+
+        async def close() -> None:
+            await connector.pq_executor.shutdown_async(wait=False)  # wait=True never returns once cancelled
+            await connector.connection.aclose()
+
         try:
-            asyncio.run_coroutine_threadsafe(self.backend.connection.close(), self._loop).result(timeout)
+            asyncio.run_coroutine_threadsafe(asyncio.wait_for(close(), timeout), self._loop).result(timeout + 1.0)
         except Exception as exc:  # noqa: BLE001 - cleanup only
             logger.debug("shared tier close: %s", exc)
 

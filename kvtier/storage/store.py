@@ -329,9 +329,11 @@ class ChunkStore:
         return lru is not None and self._disk.write_pending(lru)
 
     def _flush(self, timeout: float = _WRITE_WAIT_S) -> bool:
-        """Wait until no disk write is in flight (for tests and benchmarks); True if drained."""
-        disk = self._disk
-        return disk is None or disk.wait(lambda: not disk.writes_pending(), timeout)
+        """Wait until no disk or shared-tier write is in flight (for tests and benchmarks); True
+        if drained."""
+        disk, shared = self._disk, self._shared
+        drained = disk is None or disk.wait(lambda: not disk.writes_pending(), timeout)
+        return (shared is None or shared.wait_writes(timeout)) and drained
 
     def _remove_from_cpu(self, key: lm.CacheEngineKey, force: bool = True) -> bool:
         removed = self._cpu_remove(key, force)
