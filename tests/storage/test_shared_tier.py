@@ -17,7 +17,7 @@ from kvtier.storage import ChunkStore, StoreConfig, Tier
 from kvtier.storage import _shared
 from kvtier.transfer import TierWorker
 
-from conftest import free_port
+from valkey_proc import free_port
 
 NS = "shared-test"
 K1, K2, K3 = b"\x01" * 16, b"\x02" * 16, b"\x03" * 16
