@@ -14,9 +14,9 @@ from kvtier.engines.vllm.stats import KvtierStats  # noqa: E402
 from kvtier.engines.vllm.worker_side import STATS_FIELDS  # noqa: E402
 from kvtier.transfer import TransferStats  # noqa: E402
 
-RANK0 = {"hit_tokens_cpu": 512, "hit_tokens_disk": 256, "hit_tokens_remote": 64, "loaded_bytes": 3 << 20, "saved_bytes": 1 << 20,
+RANK0 = {"hit_tokens_cpu": 512, "hit_tokens_disk": 256, "hit_tokens_remote": 64, "hit_tokens_shared": 128, "loaded_bytes": 3 << 20, "saved_bytes": 1 << 20,
          "load_ms": 2.0, "save_ms": 4.0, "dropped_saves": 1, "failed_loads": 0}
-RANK1 = {**RANK0, "hit_tokens_cpu": 0, "hit_tokens_disk": 0, "hit_tokens_remote": 0}
+RANK1 = {**RANK0, "hit_tokens_cpu": 0, "hit_tokens_disk": 0, "hit_tokens_remote": 0, "hit_tokens_shared": 0}
 
 
 def test_every_stat_comes_from_a_transfer_counter():
