@@ -264,9 +264,10 @@ class SharedTier:
 
     def stats(self) -> dict[str, int]:
         """Counters since start: chunks written, dropped (backlog full or tier down), failed;
-        reads and the reads that missed; read buffers leaked by reads that timed out."""
+        reads and the reads that missed; read buffers leaked by reads that timed out; and
+        ``up``: 1 while the tier is in use, 0 while it is down."""
         with self._lock:
-            return {"writes": self.writes, "dropped_writes": self.dropped_writes, "failed_writes": self.failed_writes,
+            return {"up": int(self.up), "writes": self.writes, "dropped_writes": self.dropped_writes, "failed_writes": self.failed_writes,
                     "reads": self.reads, "read_misses": self.read_misses, "stray_buffers": self._allocator.strays}
 
     def close(self, timeout: float) -> None:
