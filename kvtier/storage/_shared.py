@@ -36,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 RETRY_S = 2.0  # how long a failed server is left alone before it is tried again
 PING_S = 1.0  # least time a ping (at start, and to bring the tier back) waits for an answer
+SLOW_CALLS = 2  # calls in a row that only ran out of time before a slow server counts as down
 _VALUES = (b"kv_bytes", b"metadata")  # suffixes LMCache's redis connector appends to a key
 
 
@@ -96,6 +97,7 @@ class SharedTier:
         self._inflight = 0  # bytes of writes in flight
         self._writes_done = threading.Condition(self._lock)
         self._down_until = 0.0  # monotonic; > now while the tier is down
+        self._slow = 0  # calls in a row that timed out
         self.up = True
         self.writes = self.dropped_writes = self.failed_writes = 0
         self.reads = self.read_misses = 0
@@ -130,8 +132,22 @@ class SharedTier:
         except Exception as exc:  # noqa: BLE001 - any failure means: not usable now
             return _why(exc)
 
+    def _failed(self, why: str, exc: BaseException | None = None) -> None:
+        """A call failed. A refused or broken connection takes the tier down at once; a call that
+        only ran out of time (a busy host, a long queue) does so after SLOW_CALLS in a row."""
+        if exc is None or isinstance(exc, (TimeoutError, asyncio.TimeoutError)) or "Timeout" in type(exc).__name__:
+            with self._lock:
+                self._slow += 1
+                if self._slow < SLOW_CALLS:
+                    return
+        self._mark_down(why if exc is None else f"{why} ({_why(exc)})")
+
+    def _succeeded(self) -> None:
+        self._slow = 0
+
     def _mark_down(self, why: str) -> None:
         with self._lock:
+            self._slow = 0
             self._down_until = time.monotonic() + RETRY_S
             was_up, self.up = self.up, False
         if was_up:
@@ -187,7 +203,7 @@ class SharedTier:
                 self.failed_writes += 1
             self._writes_done.notify_all()
         if exc is not None:
-            self._mark_down(f"failed a write ({_why(exc)})")
+            self._failed("failed a write", exc)
 
     def wait_writes(self, timeout: float) -> bool:
         """Wait until no write is in flight; False on timeout."""
@@ -221,7 +237,9 @@ class SharedTier:
             self.reads += 1
             self.read_misses += obj is None
         if obj is None and elapsed >= self.timeout_s:
-            self._mark_down(f"did not answer a read in {elapsed * 1e3:.0f} ms")
+            self._failed(f"did not answer a read in {elapsed * 1e3:.0f} ms")
+        elif obj is not None:
+            self._succeeded()
         return obj
 
     def prefix(self, rows: list[list[Any]], timeout_s: float) -> int:
@@ -240,8 +258,9 @@ class SharedTier:
         try:
             found = self._run(exists, min(timeout_s, self.timeout_s))
         except Exception as exc:  # noqa: BLE001
-            self._mark_down(f"failed a lookup ({_why(exc)})")
+            self._failed("failed a lookup", exc)
             return 0
+        self._succeeded()
         width = len(rows[0])
         count = 0
         for i in range(len(rows)):
@@ -258,7 +277,7 @@ class SharedTier:
         try:
             self._run(lambda c: c.delete(*(name + s for s in _VALUES)), self.timeout_s)
         except Exception as exc:  # noqa: BLE001
-            self._mark_down(f"failed a delete ({_why(exc)})")
+            self._failed("failed a delete", exc)
 
     # ------------------------------------------------------------------ lifecycle
 

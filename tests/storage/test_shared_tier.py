@@ -259,3 +259,29 @@ def test_the_password_comes_from_the_url_or_the_environment_and_is_never_logged(
     assert with_env.shared_prefix([(K1,)], (NS,), 500) == 1
     assert all("s3cret" not in r.getMessage() for r in caplog.records)
     assert any("unreachable at start" in r.getMessage() for r in caplog.records)
+
+
+def test_a_stalled_server_costs_at_most_two_timeouts_then_misses_at_once(valkey_factory, stores, caplog, monkeypatch):
+    import os
+    import signal
+
+    monkeypatch.setattr(_shared, "RETRY_S", 0.5)
+    caplog.set_level(logging.WARNING, logger="kvtier")
+    server = valkey_factory()
+    store = stores(server.url, shared_timeout_ms=300)
+    put(store, K1, payload(9))
+    os.killpg(server.proc.pid, signal.SIGSTOP)  # alive, accepting, never answering
+    try:
+        timings = []
+        for _ in range(4):
+            start = time.monotonic()
+            assert store.shared_prefix([(K1,)], (NS,), 300) == 0
+            timings.append(time.monotonic() - start)
+        assert 0.25 < timings[0] < 1.5 and 0.25 < timings[1] < 1.5  # one slow call is not yet "down"
+        assert max(timings[2:]) < 0.05  # down: no more waiting
+        assert sum("did not answer" in r.getMessage() or "failed a lookup" in r.getMessage()
+                   for r in caplog.records) == 1
+    finally:
+        os.killpg(server.proc.pid, signal.SIGCONT)
+    time.sleep(0.6)
+    assert store.shared_prefix([(K1,)], (NS,), 1000) == 1  # answering again: back
