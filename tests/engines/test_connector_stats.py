@@ -38,3 +38,26 @@ def test_stats_survive_the_trip_from_worker_to_logger_and_sum_over_ranks():
     assert not rebuilt.is_empty()
     rebuilt.reset()
     assert rebuilt.is_empty() and KvtierConnector.build_kv_connector_stats(None).is_empty()
+
+
+def test_shared_tier_write_counters_are_reported_as_deltas():
+    from kvtier.engines.vllm.worker_side import SHARED_STATS_FIELDS, WorkerSide
+
+    class Store:
+        counters = {"up": 1, "writes": 3, "dropped_writes": 1, "failed_writes": 0, "reads": 2}
+
+        def shared_stats(self):
+            return dict(self.counters)
+
+    class Transfers:
+        stats = TransferStats()
+
+    side = WorkerSide.__new__(WorkerSide)
+    side.rank, side.store, side.transfers = 1, Store(), Transfers()
+    side._reported, side._shared_reported = TransferStats(), {}
+    first = side.take_stats()
+    assert {k: first[k] for k in SHARED_STATS_FIELDS.values()} == {
+        "shared_writes": 3, "shared_dropped_writes": 1, "shared_failed_writes": 0}
+    assert side.take_stats() is None  # nothing new
+    Store.counters["writes"] = 5
+    assert side.take_stats()["shared_writes"] == 2

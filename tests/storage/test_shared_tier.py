@@ -285,3 +285,18 @@ def test_a_stalled_server_costs_at_most_two_timeouts_then_misses_at_once(valkey_
         os.killpg(server.proc.pid, signal.SIGCONT)
     time.sleep(0.6)
     assert store.shared_prefix([(K1,)], (NS,), 1000) == 1  # answering again: back
+
+
+def test_a_full_write_through_backlog_drops_and_counts_instead_of_waiting(valkey_factory, stores):
+    server = valkey_factory()
+    store = stores(server.url, shared_write_bytes=NBYTES)  # less than one chunk's pool size
+    start = time.monotonic()
+    put(store, K1, payload(10))
+    assert time.monotonic() - start < 2.0
+    assert store.contains(K1) is Tier.CPU  # the CPU copy is stored all the same
+    stats = store.shared_stats()
+    assert stats["dropped_writes"] == 1 and stats["writes"] == 0
+    assert server.client().dbsize() == 0
+    roomy = stores(server.url)  # negative control: with room, the same chunk goes through
+    put(roomy, K1, payload(10))
+    assert roomy.shared_stats()["writes"] == 1 and server.client().dbsize() == 2

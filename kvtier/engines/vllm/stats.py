@@ -12,9 +12,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 class KvtierStats(KVConnectorStats):
     """``data``: counters of an interval, summed over steps and TP ranks (plain numbers, so it
     crosses processes as is). Keys: ``hit_tokens_cpu``, ``hit_tokens_disk``, ``hit_tokens_shared``,
-    ``hit_tokens_remote`` (tokens loaded from each tier, counted once), ``loaded_bytes``, ``saved_bytes``, ``load_ms``, ``save_ms`` (time
-    spent loading / saving, summed over ranks), ``dropped_saves`` (chunks dropped from a full save
-    backlog or for want of CPU memory), ``failed_loads`` (loads that ended early and recomputed).
+    ``hit_tokens_remote`` (tokens loaded from each tier, counted once), ``loaded_bytes``,
+    ``saved_bytes``, ``load_ms``, ``save_ms`` (time spent loading / saving, summed over ranks),
+    ``dropped_saves`` (chunks dropped from a full save backlog or for want of CPU memory),
+    ``failed_loads`` (loads that ended early and recomputed); with a shared tier also
+    ``shared_writes``, ``shared_dropped_writes`` (write-through backlog full, or the server down)
+    and ``shared_failed_writes`` (chunks, summed over ranks).
     """
 
     def reset(self) -> None:

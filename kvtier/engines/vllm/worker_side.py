@@ -46,6 +46,9 @@ STATS_FIELDS = {
     "dropped_saves": "dropped_saves",
     "failed_chunks": "failed_loads",
 }
+# ChunkStore.shared_stats() field -> name in the connector stats (per rank: each writes its shard).
+SHARED_STATS_FIELDS = {"writes": "shared_writes", "dropped_writes": "shared_dropped_writes",
+                       "failed_writes": "shared_failed_writes"}
 _RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens", "remote_hit_tokens", "shared_hit_tokens")  # every rank loads the same tokens
 
 
@@ -71,6 +74,7 @@ class WorkerSide:
         self.reporter: HoldReporter | None = None
         self._failed: set[int] = set()  # failed block ids, reported with the same step's finished loads
         self._reported = TransferStats()
+        self._shared_reported: dict[str, int] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = build_layout(kv_caches, self.block_size, self.num_blocks, model=self.model,
@@ -186,6 +190,11 @@ class WorkerSide:
         if self.rank != 0:
             for field in _RANK0_ONLY:
                 delta[STATS_FIELDS[field]] = 0
+        shared = self.store.shared_stats() if self.store is not None else {}
+        last_shared, self._shared_reported = self._shared_reported, shared
+        for field, name in SHARED_STATS_FIELDS.items():
+            if field in shared:
+                delta[name] = shared[field] - last_shared.get(field, 0)
         return delta if any(delta.values()) else None
 
     def close(self) -> None:
