@@ -9,6 +9,8 @@ A server that evicts under a small ``maxmemory`` only ever costs hits, never cor
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from e2e_engines import prompt, run_engine
@@ -96,3 +98,23 @@ def test_a_server_evicting_under_maxmemory_costs_hits_never_correctness(tiny_lla
     for i in range(3):
         assert only(b, i)["tokens"] == only(a, i)["tokens"]
         assert cached[i] % CHUNK == 0
+
+
+@pytest.mark.skipif(os.environ.get("KVTIER_SHARED_TP") != "1", reason="TP=2 engines take minutes: KVTIER_SHARED_TP=1")
+def test_tensor_parallel_2_engines_share_every_ranks_shard(tiny_llama, tmp_path):
+    """Two TP=2 engines: each rank writes its own shard; B's rank 0 counts a chunk only when both
+    ranks' shards are on the server, and both ranks load them."""
+    server = ValkeyProcess(tmp_path).start()
+    try:
+        # Each rank's worker shares its one core with its OMP threads here: the I/O thread that
+        # reads from the server gets little CPU, and a 500 ms socket timeout ran out.
+        spec = {"model": tiny_llama, "tp": 2, "kvtier": {**kvtier_config(server.url), "shared_timeout_ms": 5000}}
+        env = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+        a, _ = run_engine({**spec, "rounds": [{"prompts": [P1]}]}, tmp_path, "a-tp2", env={**env, "PYTHONHASHSEED": "5"})
+        stored = len(server.client().keys(b"*kv_bytes"))
+        b, _ = run_engine({**spec, "rounds": [{"prompts": [P1]}]}, tmp_path, "b-tp2", env={**env, "PYTHONHASHSEED": "6"})
+    finally:
+        server.kill()
+    assert stored == 2 * 4  # four chunks, a shard per rank
+    assert only(b, 0)["cached"] == FULL
+    assert only(b, 0)["tokens"] == only(a, 0)["tokens"]
