@@ -12,6 +12,8 @@ from typing import Any
 
 import psutil
 
+from kvtier.urls import redact, shared_url_problem
+
 GiB = 1 << 30
 
 
@@ -50,6 +52,12 @@ class KvtierConfig:
     pd_hold_bytes: most bytes of published chunks a prefill engine pins for decode engines
     (default: a quarter of cpu_bytes). pd_hold_s: how long a published request's chunks stay
     pinned when no decode engine fetches them.
+
+    Shared tier (a Redis or Valkey server many engines use; named "shared" because "remote" is
+    P/D's producer): shared_url: ``redis://[:password@]host:port[/db]`` (``valkey://`` alike;
+    None: no shared tier); without a password in the URL, env ``KVTIER_SHARED_PASSWORD`` gives
+    it. shared_timeout_ms: most milliseconds one network call to it may take; a lookup asks it
+    within min(this, lookup_timeout_ms / 2).
     """
 
     cpu_bytes: int = field(default_factory=_default_cpu_bytes)
@@ -70,12 +78,16 @@ class KvtierConfig:
     pd_timeout_ms: int = 5000
     pd_hold_bytes: int | None = None
     pd_hold_s: int = 120
+    shared_url: str | None = None
+    shared_timeout_ms: int = 1000
 
     def __post_init__(self) -> None:
         if self.unaligned not in ("partial", "handoff", "auto"):
             raise ConfigError(f"kvtier setting 'unaligned' must be 'partial', 'handoff' or 'auto', got {self.unaligned!r}.")
         if self.disk_io not in ("buffered", "direct"):
             raise ConfigError(f"kvtier setting 'disk_io' must be 'buffered' or 'direct', got {self.disk_io!r}.")
+        if self.shared_url is not None and (problem := shared_url_problem(self.shared_url)):
+            raise ConfigError(f"kvtier setting 'shared_url' ({redact(self.shared_url)!r}) {problem}.")
         if not _is_loopback(self.pd_bind) and not self.secret:
             raise ConfigError(f"kvtier setting 'pd_bind' is {self.pd_bind!r}, which is not a loopback address: "
                               "set 'pd_secret' (or KVTIER_PD_SECRET) so that peers are authenticated.")

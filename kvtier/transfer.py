@@ -65,7 +65,8 @@ class TransferStats:
     failed_chunks: int = 0
     cpu_hit_tokens: int = 0
     disk_hit_tokens: int = 0
-    remote_hit_tokens: int = 0
+    remote_hit_tokens: int = 0  # from a P/D producer
+    shared_hit_tokens: int = 0  # from the shared Redis/Valkey tier
     saved_chunks: int = 0
     saved_bytes: int = 0
     save_ms: float = 0.0
@@ -327,7 +328,7 @@ class TierWorker:
         """
         start = _now_ms()
         spans, buffers, sums, done = [], [], [], 0
-        tokens = {"cpu": 0, "disk": 0, "remote": 0}
+        tokens = {"cpu": 0, "disk": 0, "shared": 0, "remote": 0}
         local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
         try:
             for i, key in enumerate(local):
@@ -367,6 +368,7 @@ class TierWorker:
         stats.cpu_hit_tokens += tokens["cpu"]
         stats.disk_hit_tokens += tokens["disk"]
         stats.remote_hit_tokens += tokens["remote"]
+        stats.shared_hit_tokens += tokens["shared"]
         elapsed = _now_ms() - start
         stats.load_ms += elapsed
         self.batch_ms["load"].append(elapsed)
@@ -466,7 +468,7 @@ class TierWorker:
         ms = _now_ms() - start
         old = self._fetch_ms.get(tier)
         self._fetch_ms[tier] = ms if old is None else old + _EWMA * (ms - old)
-        if buffer.tier is Tier.DISK:
+        if buffer.tier in (Tier.DISK, Tier.SHARED):
             self._on_held([skey])  # promoted into the CPU tier
         return buffer, header.checksum
 

@@ -17,6 +17,11 @@ def test_defaults_and_values():
         ({"chunk_tokens": "many"}, "'chunk_tokens'"),
         ({"cpu_bytes": True}, "'cpu_bytes'"),
         ({"disk_path": 3}, "'disk_path'"),
+        ({"shared_url": "http://host:6379"}, "'shared_url'.*redis://"),
+        ({"shared_url": "redis://host"}, "'shared_url'.*port"),
+        ({"shared_url": "redis://host:6379?socket_timeout=9"}, "'shared_url'.*query"),
+        ({"shared_timeout_ms": 0}, "'shared_timeout_ms'"),
+        ({"remote_url": "redis://host:6379"}, "'remote_url'"),  # the tier is called shared
     ],
 )
 def test_bad_settings_name_the_key(raw, key):
@@ -27,3 +32,10 @@ def test_bad_settings_name_the_key(raw, key):
 def test_chunk_must_be_a_multiple_of_the_block_size():
     with pytest.raises(ConfigError, match="'chunk_tokens' \\(48\\).*block size \\(32\\)"):
         KvtierConfig.from_dict({"chunk_tokens": 48}).check_block_size(32)
+
+
+def test_a_shared_url_password_never_shows_in_errors():
+    with pytest.raises(ConfigError) as err:
+        KvtierConfig.from_dict({"shared_url": "redis://user:hunter2@host"})
+    assert "hunter2" not in str(err.value) and "user:***@host" in str(err.value)
+    assert KvtierConfig.from_dict({"shared_url": "valkey://:pw@host:6379/1"}).shared_url == "valkey://:pw@host:6379/1"

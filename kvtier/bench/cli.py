@@ -61,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     reload.add_argument("--backend", default="auto", help="ops backend: auto, torch, triton (CUDA), reference")
     reload.add_argument("--disk", metavar="PATH", help="add a disk tier in PATH and also measure a cold disk reload")
+    reload.add_argument("--shared", "--remote", dest="shared", metavar="URL",
+                        help="also reload through the shared tier on this Redis/Valkey server (redis://host:port), "
+                             "against raw GETs of the same bytes from it")
     reload.add_argument("--repeats", type=_positive, default=3, help="samples per path (default 3)")
     reload.add_argument("--stat", choices=("best", "median"), default="best",
                         help="which repeat the table shows: best (fastest; default, as interference on a shared "
@@ -104,7 +107,14 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.backend != "auto" and args.backend not in backend_names():
         parser.error(f"argument --backend: {args.backend!r} is not available here; choose auto or one of {', '.join(backend_names())}.")
     geometry = Geometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, DTYPES[args.dtype]), args.block_size)
-    spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats, args.seed)
+    if args.shared is not None:
+        from kvtier.urls import shared_url_problem
+
+        problem = shared_url_problem(args.shared)
+        if problem:
+            parser.error(f"--shared {problem}")
+    spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats,
+                             args.seed, args.shared)
     device_bytes, host_bytes = spec.memory_needed()
     available = psutil.virtual_memory().available
     if host_bytes > 0.9 * available:

@@ -56,6 +56,7 @@ class ReloadSpec:
     disk_path: str | None = None
     repeats: int = 3
     seed: int = 0
+    shared_url: str | None = None
 
     @property
     def chunk_blocks(self) -> int:
@@ -139,6 +140,10 @@ def run(spec: ReloadSpec, progress: Progress) -> ReloadResult:
         config = StoreConfig(cpu_bytes=result.cpu_tier_bytes, disk_path=spec.disk_path,
                              disk_bytes=result.cpu_tier_bytes, namespace=NAMESPACE)
         _measure_disk_cold(spec, kv, keys, config, result, progress)
+    if spec.shared_url:
+        from kvtier.bench.shared import measure_shared
+
+        measure_shared(spec, kv, keys, result, progress, _jobs, _save, _load, PathTimes)
     _measure_naive(spec, kv, result, progress)
     _measure_raw(spec, kv, result, progress)  # last: overwrites the engine KV
     del kv

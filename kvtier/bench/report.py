@@ -14,6 +14,7 @@ import json
 import os
 
 from kvtier.bench.reload import ReloadResult
+from kvtier.urls import redact
 
 STATISTICS = ("best", "median")
 
@@ -84,7 +85,8 @@ def format_table(result: ReloadResult, statistic: str = "best") -> str:
         f"bytes: {spec.prompt_tokens} tokens = {spec.prompt_blocks} blocks = {spec.num_chunks} chunks = "
         f"{spec.prompt_bytes} B ({_gib(spec.prompt_bytes)}); engine KV {2 * spec.prompt_blocks} blocks "
         f"({_gib(2 * spec.prompt_bytes)}); CPU tier {_gib(result.cpu_tier_bytes)}"
-        + (f"; disk tier {spec.disk_path}" if spec.disk_path else ""),
+        + (f"; disk tier {spec.disk_path}" if spec.disk_path else "")
+        + (f"; shared tier {redact(spec.shared_url)}" if spec.shared_url else ""),
         f"{statistic} of {spec.repeats} repeats (breakdown rows: the repeat their path picked); "
         "GB/s = bytes / time (1 GB = 1e9 B); x raw = GB/s / raw memcpy GB/s",
     ]
@@ -94,6 +96,13 @@ def format_table(result: ReloadResult, statistic: str = "best") -> str:
         "kvtier save = TierWorker.save + drain (gather, checksum + header, put); "
         "reload = TierWorker.load (get, checksum verify, scatter)",
     ]
+    shared, raw_get, gets = numbers.get("shared"), numbers.get("shared_raw"), numbers.get("shared.storage")
+    if shared and raw_get and gets and shared["reload_ms"] and raw_get["reload_ms"] and gets["reload_ms"]:
+        n = spec.num_chunks
+        bottom.append(f"shared tier per chunk: reload {shared['reload_ms'] / n:.2f} ms, of which store get "
+                      f"{gets['reload_ms'] / n:.2f} ms; raw GET {raw_get['reload_ms'] / n:.2f} ms (store get = "
+                      f"{raw_get['reload_ms'] / gets['reload_ms']:.2f} x raw GET's GB/s; whole reload "
+                      f"{raw_get['reload_ms'] / shared['reload_ms']:.2f} x)")
     bottom += [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
     return "\n".join([*top, rule, line(head), rule, *map(line, rows), rule, *bottom])
 
@@ -116,6 +125,7 @@ def to_json(result: ReloadResult, statistic: str = "best") -> dict:
         "bytes": spec.prompt_bytes,
         "cpu_tier_bytes": result.cpu_tier_bytes,
         "disk_path": spec.disk_path,
+        "shared_url": redact(spec.shared_url) if spec.shared_url else None,
         "repeats": spec.repeats,
         "statistic": statistic,
         "units": {"ms": "milliseconds", "gbps": "1e9 bytes per second", "vs_raw": "GB/s over raw memcpy GB/s"},

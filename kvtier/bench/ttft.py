@@ -8,7 +8,9 @@ call is ``generate(prompt, max_tokens=1)``: its wall time is the time to first t
 
 Modes: ``recompute`` (kvtier on, but no load ever pays: ``min_load_tokens`` above the prompt),
 ``partial``, ``handoff``, ``auto`` (after a warm-up that lets the cost model measure steps and
-loads). Greedy outputs of every mode are compared with recompute's.
+loads), and with ``--shared URL`` also ``shared``: ``auto``, but the prompts were computed and
+saved by another engine process and reach this one only through the shared tier on that
+Redis/Valkey server. Greedy outputs of every mode are compared with recompute's.
 
 ``python -m kvtier.bench.ttft --child SPEC.json`` is one engine process (also used by the
 end-to-end tests): it prints ``RESULT {json}`` with, per round and prompt, the tokens, vLLM's
@@ -29,7 +31,7 @@ import time
 
 SCHEDULER = "kvtier.engines.vllm.scheduler.KvtierScheduler"
 VOCAB = 512
-MODES = ("recompute", "partial", "handoff", "auto")
+MODES = ("recompute", "partial", "handoff", "auto", "shared")
 
 
 # ---- one engine process -----------------------------------------------------------------------
@@ -119,7 +121,9 @@ def bench_spec(args: argparse.Namespace, model: str, mode: str) -> dict:
     """Rounds for one mode: warm-up (save, then reload with floors so auto's costs get measured),
     then for each floor and repetition: empty the prefix cache, run the floor, time the prompt."""
     config = {"chunk_tokens": args.chunk_tokens, "cpu_bytes": 1 << 30,
-              "unaligned": "auto" if mode in ("auto", "recompute") else mode}
+              "unaligned": mode if mode in ("partial", "handoff") else "auto"}
+    if mode == "shared":
+        config["shared_url"] = args.shared
     if mode == "recompute":
         config["min_load_tokens"] = 1 << 30
     rounds = []
@@ -158,13 +162,19 @@ def main(argv: list[str] | None = None) -> int:
                         help="sys.setswitchinterval in the engine process (default: Python's 0.005)")
     parser.add_argument("--settle-s", type=float, default=10.0,
                         help="idle seconds after saving, before the first reload (default 10)")
-    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--shared", metavar="URL", help="also time the 'shared' mode against this Redis/Valkey server")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=None,
+                        help="default: all but 'shared', which needs --shared (and is added by it)")
     parser.add_argument("--json", metavar="FILE", help="write every number to FILE")
     args = parser.parse_args(argv)
     if args.child:
         with open(args.child) as f:
             print("RESULT " + json.dumps(run_child(json.load(f))), flush=True)
         return 0
+    if args.modes is None:
+        args.modes = [m for m in MODES if m != "shared" or args.shared]
+    if "shared" in args.modes and not args.shared:
+        parser.error("mode 'shared' needs --shared URL")
     for f in args.floor:
         if f % args.block_size or not f % args.chunk_tokens or f >= args.prompt_len:
             parser.error(f"--floor {f}: must be a multiple of --block-size inside a chunk, below --prompt-len")
@@ -174,7 +184,14 @@ def main(argv: list[str] | None = None) -> int:
         results = {}
         for mode in args.modes:
             print(f"running {mode} ...", file=sys.stderr, flush=True)
-            results[mode], _ = spawn(bench_spec(args, model, mode), tmp, mode)
+            spec = bench_spec(args, model, mode)
+            if mode != "shared":
+                results[mode], _ = spawn(spec, tmp, mode)
+                continue
+            # One process computes and saves (written through to the server), another reloads.
+            writer, _ = spawn({**spec, "rounds": spec["rounds"][:1]}, tmp, "shared-writer")
+            reader, _ = spawn({**spec, "rounds": spec["rounds"][1:]}, tmp, "shared-reader")
+            results[mode] = {**reader, "rounds": writer["rounds"] + reader["rounds"]}
     report = summarize(args, results)
     report["load_average"] = os.getloadavg()
     print(report["table"])
@@ -210,13 +227,15 @@ def summarize(args: argparse.Namespace, results: dict) -> dict:
         gap = -floor % args.chunk_tokens
         cells = (f"{statistics.median(ttft[m][floor]):.0f} / {min(ttft[m][floor]):.0f}" for m in ttft)
         lines.append(f"{floor:>6} {gap:>5} " + " ".join(f"{c:>15}" for c in cells))
-    for mode in ("auto", "handoff", "partial"):
+    for mode in ("auto", "shared", "handoff", "partial"):
         if mode in picks:
             lines.append(f"{mode}'s timed admissions by floor: {picks[mode]}")
-    costs = results.get("auto", {}).get("costs")
-    if costs and costs["step"]:
+    for mode in ("auto", "shared"):
+        costs = results.get(mode, {}).get("costs")
+        if not costs or not costs["step"]:
+            continue
         (fixed, per_token), loads = costs["step"], costs["loads"]
-        lines.append(f"auto's cost model: step {fixed * 1e3:.1f} ms + {per_token * 1e6:.0f} us/token; load per chunk "
+        lines.append(f"{mode}'s cost model: step {fixed * 1e3:.1f} ms + {per_token * 1e6:.0f} us/token; load per chunk "
                      + ", ".join(f"{t} {c[1] * args.chunk_tokens * 1e3:.2f} ms" for t, c in loads.items()))
     lines.append("greedy tokens identical to recompute: " + ("yes" if identical else "NO"))
     return {"table": "\n".join(lines), "ttft_ms": ttft, "identical": identical, "picks": picks}

@@ -64,6 +64,13 @@ class HoldIndex:
             tiers.append(slowest)
         return tiers
 
+    def ranks_keys(self, keys: list[bytes]) -> tuple[tuple[bytes, ...], list[tuple[bytes, ...]]] | None:
+        """(every rank's fingerprint, every rank's storage key of each chain key), or None while
+        some rank has not reported yet (its storage keys are unknown)."""
+        if any(fingerprint is None for fingerprint in self._fingerprints):
+            return None
+        return tuple(self._fingerprints), [self._storage_keys(key) for key in keys]
+
     def _storage_keys(self, key: bytes) -> tuple[bytes, ...]:
         skeys = self._memo.get(key)
         if skeys is None:

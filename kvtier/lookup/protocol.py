@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-VERSION = 3
+VERSION = 4
 MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: ~40k keys, a 10M-token prompt at 256 tokens a chunk
 MAX_KEYS = 16384  # per message; reports are split to stay under it
 KEY_BYTES = 16
@@ -55,8 +55,9 @@ class PeerAddress(msgspec.Struct, frozen=True, tag="peer"):
 
 
 class LookupReply(msgspec.Struct, frozen=True):
-    """Tier of each leading chunk every rank holds (``"disk"`` if any rank has it on disk only);
-    stops at the first chunk some rank lacks.
+    """Tier of each leading chunk every rank holds (``"disk"`` if any rank has it on disk only),
+    then ``"shared"`` for each next chunk the shared tier holds for every rank; stops at the first
+    chunk some rank lacks.
 
     ``chunk_load_ms``: measured milliseconds to load one chunk from each tier on rank 0 (fetch,
     verify and copy into engine blocks; a tier appears once it has been measured). ``error`` is

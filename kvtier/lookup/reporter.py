@@ -72,6 +72,7 @@ class HoldReporter:
         socket.setsockopt(zmq.LINGER, 2000)  # a last report at shutdown still goes out
         socket.connect(self.endpoint)  # queues reports until rank 0's server is up
         try:
+            self._send(socket, [])  # rank 0 learns this rank's fingerprint, so its storage keys
             stop = False
             while not stop:
                 batch = [self._queue.get()]

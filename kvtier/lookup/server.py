@@ -1,7 +1,9 @@
 """Rank 0's lookup server: one ROUTER socket, served by one daemon thread that owns the index.
 
 Scheduler lookups (REQ) are answered from the :class:`HoldIndex`; worker hold reports (DEALER)
-update it and get no answer. Both arrive on the same socket, so a report sent before a lookup is
+update it and get no answer. Where the ranks' own tiers stop, the shared tier (a Redis/Valkey
+server, when configured) is asked which of the next chunks it holds for every rank, in one round
+trip; those chunks are answered as tier ``"shared"``. Both arrive on the same socket, so a report sent before a lookup is
 applied before that lookup is answered. A bad message is logged and answered with an error;
 the server keeps serving.
 """
@@ -24,6 +26,10 @@ from kvtier.lookup.protocol import (
 logger = logging.getLogger(__name__)
 
 LoadCosts = Callable[[], dict[str, float]]
+# (each chunk's storage key per rank, each rank's fingerprint) -> how many leading chunks the
+# shared tier holds for every rank; must answer within the server's shared timeout.
+SharedPrefix = Callable[[list[tuple[bytes, ...]], tuple[bytes, ...]], int]
+MAX_SHARED_CHUNKS = 1024  # chunks past the local hit asked of the shared tier per lookup
 
 
 class LookupServer:
@@ -31,14 +37,17 @@ class LookupServer:
 
     ``endpoint``: a ZMQ endpoint to bind (``ipc://path`` or ``tcp://127.0.0.1:port``).
     ``chunk_load_ms``: measured ms to load one chunk per tier, sent with every reply.
+    ``shared_prefix``: asks the shared tier (None: there is none).
     """
 
-    def __init__(self, endpoint: str, world_size: int, chunk_load_ms: LoadCosts | None = None):
+    def __init__(self, endpoint: str, world_size: int, chunk_load_ms: LoadCosts | None = None,
+                 shared_prefix: SharedPrefix | None = None):
         self.endpoint = endpoint
         self.index = HoldIndex(world_size)
         self.world_size = world_size
         self._endpoints: dict[int, str] = {}  # rank -> its P/D chunk server
         self._chunk_load_ms = chunk_load_ms or dict
+        self._shared_prefix = shared_prefix
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -77,11 +86,21 @@ class LookupServer:
                 logger.warning("kvtier lookup: rejected a hold report: %s.", problem)
                 return LookupReply(VERSION, [], error=problem)
             endpoints = [self._endpoints.get(r, "") for r in range(self.world_size)]
-            return LookupReply(VERSION, self.index.prefix_tiers(request.keys), chunk_load_ms=self._chunk_load_ms(),
+            return LookupReply(VERSION, self._tiers(request.keys), chunk_load_ms=self._chunk_load_ms(),
                                endpoints=endpoints if all(endpoints) else [])
         except Exception as exc:  # a bad message must never take the server down
             logger.exception("kvtier lookup failed")
             return LookupReply(VERSION, [], error=f"lookup failed: {exc}")
+
+    def _tiers(self, keys: list[bytes]) -> list[str]:
+        tiers = self.index.prefix_tiers(keys)
+        if self._shared_prefix is None or len(tiers) == len(keys):
+            return tiers
+        known = self.index.ranks_keys(keys[len(tiers) : len(tiers) + MAX_SHARED_CHUNKS])
+        if known is None:
+            return tiers
+        fingerprints, chunks = known
+        return tiers + ["shared"] * self._shared_prefix(chunks, fingerprints)
 
     def _serve(self) -> None:
         poller = zmq.Poller()

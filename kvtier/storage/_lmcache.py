@@ -20,6 +20,7 @@ from lmcache.v1.memory_management import MemoryFormat, MemoryObj  # noqa: E402
 from lmcache.v1.metadata import LMCacheMetadata  # noqa: E402
 from lmcache.v1.storage_backend.local_cpu_backend import LocalCPUBackend  # noqa: E402
 from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend  # noqa: E402
+from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
 
 from .types import StoreConfig  # noqa: E402
@@ -34,6 +35,9 @@ __all__ = [
     "KEY_FMT",
     "LocalCPUBackend",
     "LocalDiskBackend",
+    "RemoteBackend",
+    "build_remote_backend",
+    "engine_key_for",
     "MemoryObj",
     "build_storage_manager",
     "chunk_shape",
@@ -68,6 +72,11 @@ def engine_key(key: bytes, config: StoreConfig) -> CacheEngineKey:
     chunk_hash is the key read as a big-endian int behind a 0x01 marker byte, so leading zero
     bytes survive and the key can be read back from a file name (see :func:`key_bytes`).
     """
+    return engine_key_for(key, config.namespace, config.worker_id, config.world_size)
+
+
+def engine_key_for(key: bytes, namespace: str, worker_id: int, world_size: int) -> CacheEngineKey:
+    """:func:`engine_key` for another rank's store (its namespace and worker id)."""
     if not isinstance(key, bytes):
         if isinstance(key, (bytearray, memoryview)):
             key = bytes(key)
@@ -76,9 +85,9 @@ def engine_key(key: bytes, config: StoreConfig) -> CacheEngineKey:
     if not 1 <= len(key) <= MAX_KEY_BYTES:
         raise ValueError(f"chunk keys are 1-{MAX_KEY_BYTES} bytes, got {len(key)}")
     return CacheEngineKey(
-        model_name=config.namespace,
-        world_size=config.world_size,
-        worker_id=config.worker_id,
+        model_name=namespace,
+        world_size=world_size,
+        worker_id=worker_id,
         chunk_hash=int.from_bytes(b"\x01" + key, "big"),
         dtype=KEY_DTYPE,
     )
@@ -125,6 +134,48 @@ def parse_file_name(name: str, config: StoreConfig) -> tuple[CacheEngineKey, int
     return ek, nbytes
 
 
+def _metadata(config: StoreConfig) -> LMCacheMetadata:
+    return LMCacheMetadata(
+        model_name=config.namespace,
+        world_size=config.world_size,
+        local_world_size=config.world_size,
+        worker_id=config.worker_id,
+        local_worker_id=config.worker_id,
+        kv_dtype=KEY_DTYPE,
+        kv_shape=(1, 1, 256, 1, 1),  # only read by features kvtier leaves off
+        role="worker",
+    )
+
+
+def redis_url(url: str, timeout_s: float, password: str | None) -> str:
+    """The URL LMCache's redis connector gets: ``valkey://`` spelled ``redis://`` (the same
+    protocol; LMCache's own valkey connector needs the GLIDE client), the password from the
+    environment when the URL has none, and socket timeouts so no call waits on a dead server."""
+    import urllib.parse
+
+    parsed = urllib.parse.urlsplit(url)
+    netloc = parsed.netloc
+    if password and parsed.password is None:
+        netloc = f"{parsed.username or ''}:{urllib.parse.quote(password, safe='')}@{netloc.rsplit('@', 1)[-1]}"
+    query = f"socket_timeout={timeout_s}&socket_connect_timeout={timeout_s}"
+    return urllib.parse.urlunsplit(("redis", netloc, parsed.path, query, ""))
+
+
+def build_remote_backend(config: StoreConfig, url: str, sm: StorageManager, allocator: object,
+                         blocking_timeout_s: int) -> RemoteBackend:
+    """LMCache's RemoteBackend on ``url`` (a redis:// URL for its redis connector), on the
+    manager's event loop, allocating through ``allocator`` (a LocalCPUBackend stand-in).
+
+    Kept out of the StorageManager on purpose: the manager asks every backend on contains/get,
+    and a network round trip must never sit on kvtier's local paths.
+    """
+    lm_config = LMCacheEngineConfig.from_defaults(
+        chunk_size=256, local_cpu=True, remote_url=url, remote_serde="naive",
+        blocking_timeout_secs=blocking_timeout_s, enable_async_loading=False,
+    )
+    return RemoteBackend(lm_config, _metadata(config), sm.loop, allocator)  # type: ignore[arg-type]
+
+
 def build_storage_manager(config: StoreConfig) -> StorageManager:
     """Start an LMCache StorageManager with a CPU pool and, if configured, a disk tier.
 
@@ -142,16 +193,7 @@ def build_storage_manager(config: StoreConfig) -> StorageManager:
         enable_async_loading=False,
         extra_config={"disk_io_threads": 2},
     )
-    metadata = LMCacheMetadata(
-        model_name=config.namespace,
-        world_size=config.world_size,
-        local_world_size=config.world_size,
-        worker_id=config.worker_id,
-        local_worker_id=config.worker_id,
-        kv_dtype=KEY_DTYPE,
-        kv_shape=(1, 1, 256, 1, 1),  # only read by features kvtier leaves off
-        role="worker",
-    )
+    metadata = _metadata(config)
     before = set(threading.enumerate())
     # LMCache's metrics set PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus in os.environ when
     # unset. Every process started afterwards would inherit it, and a vLLM server among them

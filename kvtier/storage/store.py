@@ -1,13 +1,17 @@
-"""ChunkStore: kvtier's CPU + disk chunk cache, one adapter over LMCache's StorageManager.
+"""ChunkStore: kvtier's CPU + disk + shared chunk cache, one adapter over LMCache's StorageManager.
 
 Sizes are in bytes. A chunk is an opaque byte string under an opaque key. The CPU tier is an
 LRU pool; the disk tier is written through at put time (asynchronously, on LMCache's disk
-workers) and is rebuilt from its files when a store starts on an existing directory.
+workers) and is rebuilt from its files when a store starts on an existing directory. The shared
+tier (a Redis/Valkey server, through LMCache's RemoteBackend) is written through too, in the
+background, and read last; its hits are promoted into CPU like disk hits.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
 import weakref
@@ -17,6 +21,7 @@ import torch
 
 from . import _lmcache as lm
 from ._disk import DiskTier, check_writable_dir
+from ._shared import SharedTier, _ReadAllocator
 from .types import ChunkBuffer, StorageError, StoreConfig, Tier
 
 logger = logging.getLogger(__name__)
@@ -25,6 +30,7 @@ _TIER_OF_BACKEND = {lm.CPU_BACKEND: Tier.CPU, lm.DISK_BACKEND: Tier.DISK}
 # How long allocate()/get() wait for in-flight disk writes to make CPU chunks evictable, and
 # remove() for a write of its own key. Writes take milliseconds; this only bounds a stuck disk.
 _WRITE_WAIT_S = 10.0
+SHARED_PASSWORD_ENV = "KVTIER_SHARED_PASSWORD"  # the shared server's password, when the URL has none
 
 
 class ChunkStore:
@@ -61,6 +67,7 @@ class ChunkStore:
             if self._disk is not None:
                 self._disk.on_change = self._changed
                 self._disk.rebuild_index()
+            self._shared = None if config.shared_url is None else self._open_shared(config)
         except BaseException:
             self._sm.close()
             self._shutdown_loop()
@@ -124,12 +131,15 @@ class ChunkStore:
             self._cpu.batched_submit_put_task(new_keys, new_objs)
             if self._disk is not None:
                 self._disk.submit(new_keys, new_objs)
+            if self._shared is not None:
+                self._shared.submit(new_keys, new_objs)
         finally:
             for obj in new_objs:
                 obj.ref_count_down()
 
     def contains(self, key: bytes) -> Tier | None:
-        """The fastest tier holding ``key``, or None."""
+        """The fastest local tier (CPU, disk) holding ``key``, or None. Never asks the shared
+        tier: that is a network round trip (see :meth:`shared_prefix`)."""
         self._check_open()
         name = self._sm.contains(lm.engine_key(key, self._config))
         return None if name is None else _TIER_OF_BACKEND.get(name)
@@ -164,15 +174,37 @@ class ChunkStore:
                 if ek in self._cpu.hot_cache:
                     self._cpu.cache_policy.update_on_hit(ek, self._cpu.hot_cache)
             return self._wrap(obj, Tier.CPU)
-        if self._disk is None:
-            return None
-        obj = self._disk.read(ek, self._alloc_obj)
+        tier, obj = Tier.DISK, None
+        if self._disk is not None:
+            obj = self._disk.read(ek, self._alloc_obj)
+        if obj is None and self._shared is not None:
+            tier, obj = Tier.SHARED, self._shared.read(ek)
         if obj is None:
             return None
         # Same promotion StorageManager.get does: the CPU tier takes its own reference
         # (or skips it if another thread promoted or put the key meanwhile).
         self._cpu.submit_put_task(ek, obj)
-        return self._wrap(obj, Tier.DISK)
+        return self._wrap(obj, tier)
+
+    def shared_prefix(self, chunks: list[tuple[bytes, ...]], namespaces: tuple[str, ...], timeout_ms: int) -> int:
+        """How many leading ``chunks`` the shared tier holds for every rank, in one round trip of
+        at most ``timeout_ms`` (0 without a shared tier, while it is down, or on any failure).
+
+        ``chunks[i][r]``: rank r's key of chunk i; ``namespaces[r]``: rank r's store namespace.
+        This store's world size applies to every rank."""
+        self._check_open()
+        if self._shared is None or not chunks:
+            return 0
+        world = self._config.world_size
+        if len(namespaces) != world or any(len(row) != world for row in chunks):
+            raise ValueError(f"shared_prefix needs one key and namespace per rank ({world})")
+        rows = [[lm.engine_key_for(k, ns, r, world) for r, (k, ns) in enumerate(zip(row, namespaces))]
+                for row in chunks]
+        return self._shared.prefix(rows, timeout_ms / 1e3)
+
+    def shared_stats(self) -> dict[str, int]:
+        """The shared tier's counters (see ``SharedTier.stats``); empty without one."""
+        return {} if self._shared is None else self._shared.stats()
 
     def remove(self, key: bytes) -> None:
         """Drop ``key`` from every tier and delete its disk file (e.g. found corrupt).
@@ -188,6 +220,8 @@ class ChunkStore:
         self._sm.remove(ek, locations=[lm.CPU_BACKEND])
         if disk is not None:
             disk.drop(ek)
+        if self._shared is not None:
+            self._shared.remove(ek)
 
     def keys(self) -> list[bytes]:
         """Keys of every chunk stored now, in any tier (e.g. what a restarted disk tier holds)."""
@@ -249,6 +283,8 @@ class ChunkStore:
                 buf.data = torch.empty(0, dtype=torch.uint8)
             if held:
                 logger.warning("ChunkStore closed with %d unreleased buffers; emptied them", len(held))
+            if self._shared is not None:
+                self._shared.close(_WRITE_WAIT_S)  # its writes read from the CPU pool too
             if self._disk is not None:
                 # StorageManager.close frees the CPU pool before closing the disk backend, whose
                 # queued writes still read from it; closing disk first drains them.
@@ -262,6 +298,18 @@ class ChunkStore:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+    def _open_shared(self, config: StoreConfig) -> SharedTier:
+        timeout_s = config.shared_timeout_ms / 1e3
+        url = lm.redis_url(config.shared_url, timeout_s, os.environ.get(SHARED_PASSWORD_ENV))
+        allocator = _ReadAllocator(self._cpu, lambda n: self._alloc_obj(n, 0.0))
+        # A read makes two GETs, each bounded by the socket timeout, and may queue behind
+        # writes: LMCache's own deadline must lie beyond all of that (it abandons a read in
+        # a way that can leak its buffer).
+        blocking_s = max(2, math.ceil(8 * timeout_s))
+        backend = lm.build_remote_backend(config, url, self._sm, allocator, blocking_s)
+        write_bytes = config.shared_write_bytes or config.cpu_bytes // 4
+        return SharedTier(config.shared_url, backend, allocator, self._sm.loop, timeout_s, write_bytes)
 
     # ------------------------------------------------------------------ CPU pool
 
@@ -302,9 +350,11 @@ class ChunkStore:
         return lru is not None and self._disk.write_pending(lru)
 
     def _flush(self, timeout: float = _WRITE_WAIT_S) -> bool:
-        """Wait until no disk write is in flight (for tests and benchmarks); True if drained."""
-        disk = self._disk
-        return disk is None or disk.wait(lambda: not disk.writes_pending(), timeout)
+        """Wait until no disk or shared-tier write is in flight (for tests and benchmarks); True
+        if drained."""
+        disk, shared = self._disk, self._shared
+        drained = disk is None or disk.wait(lambda: not disk.writes_pending(), timeout)
+        return (shared is None or shared.wait_writes(timeout)) and drained
 
     def _remove_from_cpu(self, key: lm.CacheEngineKey, force: bool = True) -> bool:
         removed = self._cpu_remove(key, force)

@@ -14,6 +14,8 @@ from typing import Any, Callable
 
 import torch
 
+from kvtier.urls import redact, shared_url_problem
+
 logger = logging.getLogger(__name__)
 
 # Goes verbatim into LMCache key strings ("ns@world@worker@hash@dtype") and so into file
@@ -26,10 +28,12 @@ class StorageError(ValueError):
 
 
 class Tier(enum.Enum):
-    """Where a chunk lives; CPU is faster than DISK."""
+    """Where a chunk lives; CPU is faster than DISK. SHARED is a Redis/Valkey server that many
+    engines share (not P/D's "remote": chunks fetched from a prefill engine)."""
 
     CPU = "cpu"
     DISK = "disk"
+    SHARED = "shared"
 
 
 def _is_int(value: object) -> bool:
@@ -48,6 +52,13 @@ class StoreConfig:
     each other's chunks even in one directory. One live store per (disk_path, namespace,
     worker_id) at a time. ``o_direct``: read disk chunks with O_DIRECT, bypassing the page cache
     (buffered where the file system refuses it, with one warning).
+
+    ``shared_url``: ``redis://[:password@]host:port[/db]`` of a Redis or Valkey server shared by
+    many engines (``valkey://`` means the same), ``None`` for no shared tier. Every chunk put is
+    written through to it in the background; a get that misses CPU and disk reads it from there.
+    ``shared_timeout_ms``: most milliseconds one network operation on it may take (connect, read,
+    write). ``shared_write_bytes``: most bytes of writes to it in flight; beyond it, writes are
+    dropped and counted (0: a quarter of ``cpu_bytes``).
     """
 
     cpu_bytes: int
@@ -57,6 +68,9 @@ class StoreConfig:
     worker_id: int = 0
     world_size: int = 1
     o_direct: bool = False
+    shared_url: str | None = None
+    shared_timeout_ms: int = 1000
+    shared_write_bytes: int = 0
 
     def __post_init__(self) -> None:
         # Only checks that need no file system; ChunkStore checks disk_path is writable.
@@ -79,6 +93,14 @@ class StoreConfig:
             )
         if not isinstance(self.o_direct, bool):
             raise StorageError(f"o_direct must be a bool, got {self.o_direct!r}.")
+        if self.shared_url is not None:
+            problem = shared_url_problem(self.shared_url)
+            if problem:
+                raise StorageError(f"shared_url {redact(self.shared_url)!r} {problem}.")
+        if not _is_int(self.shared_timeout_ms) or self.shared_timeout_ms <= 0:
+            raise StorageError(f"shared_timeout_ms must be a positive int, got {self.shared_timeout_ms!r}.")
+        if not _is_int(self.shared_write_bytes) or self.shared_write_bytes < 0:
+            raise StorageError(f"shared_write_bytes must be an int >= 0, got {self.shared_write_bytes!r}.")
         if not _is_int(self.world_size) or self.world_size < 1:
             raise StorageError(f"world_size must be an int >= 1, got {self.world_size!r}.")
         if not _is_int(self.worker_id) or not 0 <= self.worker_id < self.world_size:

@@ -2,15 +2,19 @@
 
 Each engine runs in its own process, as a user's would: ``python engine_run.py SPEC_JSON``.
 SPEC: {"model": dir, "kvtier": extra_config or null,
-       "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional), "reset": bool}],
+       "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional), "reset": bool,
+                   "kill_group": process group to SIGKILL before the round (optional)}],
        "max_tokens": int, "block_size": int, "dtype": str, "tp": int, "log_stats": bool}
-Prints one line ``RESULT {"rounds": [[{"tokens": [...], "cached": int}]], "connector_stats": {...}}``;
+Prints one line ``RESULT {"rounds": [[{"tokens": [...], "cached": int, "seconds": float}]], "connector_stats": {...}}``
+(seconds: the round's wall time);
 with ``log_stats`` the connector stats vLLM's stat logger received (summed) are in it.
 """
 
 import json
 import os
+import signal
 import sys
+import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
@@ -48,10 +52,15 @@ def main() -> None:
     for rnd in spec["rounds"]:
         if rnd.get("reset"):
             llm.reset_prefix_cache()
+        if rnd.get("kill_group"):
+            os.killpg(rnd["kill_group"], signal.SIGKILL)
+        start = time.monotonic()
         salts = rnd.get("salts") or [None] * len(rnd["prompts"])
         prompts = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": s} if s else {})) for p, s in zip(rnd["prompts"], salts)]
         outs = llm.generate(prompts, params, use_tqdm=False)
-        rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs])
+        seconds = time.monotonic() - start
+        rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0, "seconds": seconds}
+                       for o in outs])
     print("RESULT " + json.dumps({"rounds": rounds, "connector_stats": connector_stats}), flush=True)
     del llm
 

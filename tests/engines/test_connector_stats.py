@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pickle
+from collections import deque
 
 import msgspec
 import pytest
@@ -14,9 +15,9 @@ from kvtier.engines.vllm.stats import KvtierStats  # noqa: E402
 from kvtier.engines.vllm.worker_side import STATS_FIELDS  # noqa: E402
 from kvtier.transfer import TransferStats  # noqa: E402
 
-RANK0 = {"hit_tokens_cpu": 512, "hit_tokens_disk": 256, "hit_tokens_remote": 64, "loaded_bytes": 3 << 20, "saved_bytes": 1 << 20,
+RANK0 = {"hit_tokens_cpu": 512, "hit_tokens_disk": 256, "hit_tokens_remote": 64, "hit_tokens_shared": 128, "loaded_bytes": 3 << 20, "saved_bytes": 1 << 20,
          "load_ms": 2.0, "save_ms": 4.0, "dropped_saves": 1, "failed_loads": 0}
-RANK1 = {**RANK0, "hit_tokens_cpu": 0, "hit_tokens_disk": 0, "hit_tokens_remote": 0}
+RANK1 = {**RANK0, "hit_tokens_cpu": 0, "hit_tokens_disk": 0, "hit_tokens_remote": 0, "hit_tokens_shared": 0}
 
 
 def test_every_stat_comes_from_a_transfer_counter():
@@ -60,7 +61,8 @@ def test_prometheus_metrics_move_by_what_the_stats_say():
     config = type("VllmConfig", (), {"kv_transfer_config": None})()  # all the base class reads of it
     prom = KvtierConnector.build_prom_metrics(config, types, ["model_name", "engine"], {0: ["m", "0"], 1: ["m", "1"]})
     for _ in range(2):
-        prom.observe({**RANK0, "load_batch_ms": [2.0, 40.0], "save_batch_ms": [7.0],
+        prom.observe({**RANK0, "hit_tokens_shared": 32, "shared_dropped_writes": 3,
+                      "load_batch_ms": [2.0, 40.0], "save_batch_ms": [7.0],
                       "held_bytes_cpu": {"0": 1 << 20, "1": 3 << 20}, "held_bytes_disk": {"0": 5}}, engine_idx=1)
 
     def value(name, **labels):
@@ -68,6 +70,8 @@ def test_prometheus_metrics_move_by_what_the_stats_say():
 
     assert value("vllm:kvtier_hit_tokens_total", tier="cpu") == 1024
     assert value("vllm:kvtier_hit_tokens_total", tier="remote") == 128
+    assert value("vllm:kvtier_hit_tokens_total", tier="shared") == 64
+    assert value("vllm:kvtier_shared_writes_total", outcome="dropped") == 6
     assert value("vllm:kvtier_loaded_bytes_total") == 6 << 20
     assert value("vllm:kvtier_dropped_saves_total") == 2
     assert value("vllm:kvtier_load_seconds_count") == 4 and value("vllm:kvtier_save_seconds_count") == 2
@@ -75,3 +79,35 @@ def test_prometheus_metrics_move_by_what_the_stats_say():
     assert value("vllm:kvtier_held_bytes", tier="cpu") == 4 << 20  # a gauge: set, not added
     assert value("vllm:kvtier_held_bytes", tier="disk") == 5
     assert registry.get_sample_value("vllm:kvtier_loaded_bytes_total", {"model_name": "m", "engine": "0"}) is None
+
+
+def test_shared_tier_write_counters_are_reported_as_deltas():
+    from kvtier.engines.vllm.worker_side import SHARED_STATS_FIELDS, WorkerSide
+
+    class Store:
+        counters = {"up": 1, "writes": 3, "dropped_writes": 1, "failed_writes": 0, "reads": 2}
+
+        def shared_stats(self):
+            return dict(self.counters)
+
+        def cpu_bytes_used(self):
+            return 0
+
+        disk_bytes_used = cpu_bytes_used
+
+    class Transfers:
+        stats = TransferStats()
+        batch_ms = {"load": deque(), "save": deque()}
+
+    side = WorkerSide.__new__(WorkerSide)
+    side.rank, side.store, side.transfers = 1, Store(), Transfers()
+    side._reported, side._shared_reported, side._held_reported = TransferStats(), {}, {}
+    side.take_stats()  # the held-bytes gauges' first report
+    Store.counters["writes"] += 3
+    Store.counters["dropped_writes"] += 1
+    first = side.take_stats()
+    assert {k: first[k] for k in SHARED_STATS_FIELDS.values()} == {
+        "shared_writes": 3, "shared_dropped_writes": 1, "shared_failed_writes": 0}
+    assert side.take_stats() is None  # nothing new
+    Store.counters["writes"] += 2
+    assert side.take_stats()["shared_writes"] == 2

@@ -91,3 +91,29 @@ def test_abort_while_waiting_is_done_only_after_the_report(side):
     assert side.state("a") is ReqState.FINISHED_LOAD_PENDING
     side.loads_reported({"a"}, set())
     assert side.state("a") is None
+
+
+def test_a_slow_shared_tier_is_vetoed_while_a_fast_cpu_tier_still_loads(side):
+    """The shared tier's loads are measured like any tier's: one slower than recompute is
+    vetoed, without touching loads from the tiers that are fast."""
+    for tokens in (1, 512) * 4:
+        side.meter.record_step(tokens, 1e-3 + 1e-5 * tokens)  # recompute: 10 us a token
+    for tokens in (64, 256) * 4:
+        side.meter.record_load("shared", tokens, 1.0)  # the shared server: a second a load
+        side.meter.record_load("cpu", tokens, 1e-4)
+    side.client = StubClient(["shared"] * 4)
+    plan = admit(side, "far")
+    assert plan.skip is Skip.SLOWER and plan.external_tokens == 0
+    assert side.hit_sources("far") == {}
+    side.client = StubClient(["cpu"] * 4)
+    plan = admit(side, "near")
+    assert plan.kind is PlanKind.LOAD and side.hit_sources("near") == {"cpu": 4 * CHUNK}
+
+
+def test_a_shared_hit_is_planned_and_counted_as_shared(side):
+    side.client = StubClient(["cpu", "shared", "shared", "shared"])
+    plan = admit(side, "a")
+    assert plan.kind is PlanKind.LOAD and plan.load_end == 4 * CHUNK
+    assert side.hit_sources("a") == {"cpu": CHUNK, "shared": 3 * CHUNK}
+    (job,) = side.take_plan([]).loads
+    assert job.remote is None  # the workers read it from their store, not from a P/D producer

@@ -41,7 +41,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P}
+_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P,
+            "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # not aborted, not failed
 
 

@@ -8,7 +8,7 @@ from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
-TIERS = ("cpu", "disk", "remote")
+TIERS = ("cpu", "disk", "shared", "remote")
 HELD_TIERS = ("cpu", "disk")
 # Per chunk batch (one load job, one step's saves): a chunk is ~1-100 ms, a 32k prompt ~0.1-2 s.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
@@ -18,11 +18,13 @@ LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.
 class KvtierStats(KVConnectorStats):
     """``data`` holds plain values, so it crosses processes as is, in three kinds:
 
-    * counters, summed over steps and TP ranks: ``hit_tokens_{cpu,disk,remote}`` (tokens loaded
-      from each tier, counted once), ``loaded_bytes``, ``saved_bytes``, ``load_ms``, ``save_ms``
-      (time spent loading / saving, summed over ranks), ``dropped_saves`` (chunks dropped from a
-      full save backlog or for want of CPU memory), ``failed_loads`` (loads that ended early and
-      recomputed);
+    * counters, summed over steps and TP ranks: ``hit_tokens_{cpu,disk,shared,remote}`` (tokens
+      loaded from each tier, counted once), ``loaded_bytes``, ``saved_bytes``, ``load_ms``,
+      ``save_ms`` (time spent loading / saving, summed over ranks), ``dropped_saves`` (chunks
+      dropped from a full save backlog or for want of CPU memory), ``failed_loads`` (loads that
+      ended early and recomputed); with a shared tier also ``shared_writes``,
+      ``shared_dropped_writes`` (write-through backlog full, or the server down) and
+      ``shared_failed_writes`` (chunks, summed over ranks);
     * observations, concatenated: ``load_batch_ms`` (one per load job), ``save_batch_ms`` (one
       per step's batch of saved chunks, copy-out to stored);
     * gauges per rank, the latest value kept: ``held_bytes_cpu``, ``held_bytes_disk``
@@ -87,6 +89,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                                       documentation="Time to load one request's chunk batch, per TP rank.")
         self.save_seconds = histogram(name="vllm:kvtier_save_seconds", labelnames=names, buckets=LATENCY_BUCKETS_S,
                                       documentation="Time from copy-out to stored for one step's chunk batch, per TP rank.")
+        self.shared_writes = counter(name="vllm:kvtier_shared_writes", labelnames=[*names, "outcome"],
+                                     documentation="Chunks written through to the shared tier, by outcome: "
+                                                   "written, dropped (backlog full or server down), failed.")
         self.held_bytes = gauge(name="vllm:kvtier_held_bytes", labelnames=tier, multiprocess_mode="mostrecent",
                                 documentation="Bytes kvtier holds in each tier, summed over TP ranks.")
 
@@ -99,6 +104,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                              (self.failed_loads, "failed_loads"), (self.dropped_saves, "dropped_saves")):
             if n := data.get(name, 0):
                 metric.labels(*labels).inc(n)
+        for outcome, name in (("written", "shared_writes"), ("dropped", "shared_dropped_writes"),
+                              ("failed", "shared_failed_writes")):
+            if n := data.get(name, 0):
+                self.shared_writes.labels(*labels, outcome).inc(n)
         for metric, name in ((self.load_seconds, "load_batch_ms"), (self.save_seconds, "save_batch_ms")):
             for ms in data.get(name, ()):
                 metric.labels(*labels).observe(ms / 1e3)

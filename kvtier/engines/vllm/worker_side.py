@@ -39,6 +39,7 @@ STATS_FIELDS = {
     "cpu_hit_tokens": "hit_tokens_cpu",
     "disk_hit_tokens": "hit_tokens_disk",
     "remote_hit_tokens": "hit_tokens_remote",
+    "shared_hit_tokens": "hit_tokens_shared",
     "loaded_bytes": "loaded_bytes",
     "saved_bytes": "saved_bytes",
     "load_ms": "load_ms",
@@ -46,7 +47,10 @@ STATS_FIELDS = {
     "dropped_saves": "dropped_saves",
     "failed_chunks": "failed_loads",
 }
-_RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens", "remote_hit_tokens")  # every rank loads the same tokens
+# ChunkStore.shared_stats() field -> name in the connector stats (per rank: each writes its shard).
+SHARED_STATS_FIELDS = {"writes": "shared_writes", "dropped_writes": "shared_dropped_writes",
+                       "failed_writes": "shared_failed_writes"}
+_RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens", "remote_hit_tokens", "shared_hit_tokens")  # every rank loads the same tokens
 
 
 class WorkerSide:
@@ -74,6 +78,7 @@ class WorkerSide:
         self._held_reported: dict[str, int] = {}  # held_bytes_<tier> as last reported
         self.events: TierEvents | None = None
         self._kv_events = kv_events and rank == 0  # one rank announces: every rank holds the same chunks
+        self._shared_reported: dict[str, int] = {}
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = build_layout(kv_caches, self.block_size, self.num_blocks, model=self.model,
@@ -85,10 +90,12 @@ class WorkerSide:
         self.store = store = ChunkStore(StoreConfig(
             cpu_bytes=config.cpu_bytes, disk_path=disk_path, disk_bytes=config.disk_bytes,
             namespace=layout.fingerprint.hex(), worker_id=self.rank, world_size=self.world_size,
-            o_direct=config.disk_io == "direct",
+            o_direct=config.disk_io == "direct", shared_url=config.shared_url,
+            shared_timeout_ms=config.shared_timeout_ms,
         ))
         if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
-            self.server = LookupServer(self.endpoint, self.world_size, self._chunk_load_ms)
+            shared = None if config.shared_url is None else self._shared_prefix
+            self.server = LookupServer(self.endpoint, self.world_size, self._chunk_load_ms, shared)
 
         def tier_of(key: bytes) -> str | None:
             tier = store.contains(key)
@@ -138,6 +145,12 @@ class WorkerSide:
                             cancelled=lambda: self.transfers.cancelled(job.req_id),
                             allocate=lambda n: self.store.allocate(n, wait=False),
                             chunk_bytes=lambda n: chunk_bytes(layout, n))
+
+    def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
+        """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
+        layout fingerprint), asked within half the scheduler's lookup timeout."""
+        timeout_ms = min(self.config.shared_timeout_ms, self.config.lookup_timeout_ms // 2)
+        return self.store.shared_prefix(chunks, tuple(fp.hex() for fp in fingerprints), timeout_ms)
 
     def _chunk_load_ms(self) -> dict[str, float]:
         return {} if self.transfers is None else self.transfers.chunk_load_ms()
@@ -218,6 +231,11 @@ class WorkerSide:
             if self._held_reported.get(name) != nbytes:  # a gauge travels only when it moved
                 delta[name] = {str(self.rank): nbytes}
         self._held_reported = held
+        shared = self.store.shared_stats() if self.store is not None else {}
+        last_shared, self._shared_reported = self._shared_reported, shared
+        for field, name in SHARED_STATS_FIELDS.items():
+            if field in shared:
+                delta[name] = shared[field] - last_shared.get(field, 0)
         return delta if any(delta.values()) else None
 
     def close(self) -> None:
