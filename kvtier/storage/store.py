@@ -25,6 +25,20 @@ _TIER_OF_BACKEND = {lm.CPU_BACKEND: Tier.CPU, lm.DISK_BACKEND: Tier.DISK}
 # How long allocate()/get() wait for in-flight disk writes to make CPU chunks evictable, and
 # remove() for a write of its own key. Writes take milliseconds; this only bounds a stuck disk.
 _WRITE_WAIT_S = 10.0
+_open_stores: weakref.WeakSet[ChunkStore] = weakref.WeakSet()
+
+
+def _close_open_stores() -> None:
+    """Close every store still open when the interpreter exits. LMCache's event-loop thread is
+    not a daemon, so a process whose engine died without closing its store (an exception out of
+    the engine loop) would otherwise wait for it forever; closing also lets in-flight disk writes
+    land whole."""
+    for store in list(_open_stores):
+        store.close()
+
+
+# Runs before the interpreter joins non-daemon threads (the hook concurrent.futures uses).
+threading._register_atexit(_close_open_stores)
 
 
 class ChunkStore:
@@ -65,6 +79,7 @@ class ChunkStore:
             self._sm.close()
             self._shutdown_loop()
             raise
+        _open_stores.add(self)
 
     # ------------------------------------------------------------------ public API
 

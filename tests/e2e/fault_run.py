@@ -22,7 +22,6 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 
 
 def build_llm(spec: dict):
@@ -255,13 +254,14 @@ def abort_parked_under_pressure(llm, spec, out):
     engine = llm.llm_engine
     for i, p in enumerate(prompts):
         engine.add_request(str(i), TokensPrompt(prompt_token_ids=p), params(spec))
-    done, aborted, parked_seen, preemptions = {}, [], set(), {}
+    done, aborted, parked_seen, preemptions, max_running = {}, [], set(), {}, 0
     deadline = time.monotonic() + 120
     while engine.has_unfinished_requests():
         assert time.monotonic() < deadline, "engine did not finish"
         for o in engine.step():
             if o.finished:
                 done[o.request_id] = {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0}
+        max_running = max(max_running, len(sched.running))
         for req in list(sched.requests.values()):
             preemptions[req.request_id] = max(preemptions.get(req.request_id, 0), req.num_preemptions)
             if req.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
@@ -276,18 +276,46 @@ def abort_parked_under_pressure(llm, spec, out):
     out["aborted"] = [r.split("-")[0] for r in aborted]
     out["parked_seen"] = len(parked_seen)
     out["preemptions"] = sum(preemptions.values())
+    out["num_blocks"] = sched.kv_cache_manager.block_pool.num_gpu_blocks
+    out["max_running"] = max_running
     out["requests_left"] = len(sched.requests)
     out["kv_usage_after"] = sched.kv_cache_manager.usage
     out["tracked_left"] = len(sched.connector.scheduler_side._requests)
     out["leaks"] = leaks(ws)
 
 
+def burst_then_delete(llm, spec, out):
+    """A burst, and the engine is deleted at once: its saves and disk writes are still in flight."""
+    out["burst"] = generate(llm, spec, spec["prompts"])
+
+
+def crash_mid_burst(llm, spec, out):
+    """The engine loop dies with an exception in the middle of a burst (a save raises): the
+    process must still exit, and what reached the disk must be whole."""
+    ws = worker_side()
+    save, calls = ws.save, []
+
+    def failing_save(jobs):
+        calls.append(1)
+        if len(calls) == spec["fail_at_save"]:
+            raise RuntimeError("injected engine failure")
+        return save(jobs)
+
+    ws.save = failing_save
+    generate(llm, spec, spec["prompts"])
+
+
 SCENARIOS = {f.__name__: f for f in (disk_full_mid_burst, disk_read_only, files_vanish, lookup_slow_then_dead,
-                                      reload_under_save_burst, abort_parked_under_pressure)}
+                                      reload_under_save_burst, abort_parked_under_pressure, burst_then_delete,
+                                      crash_mid_burst)}
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    if "kv_cache_bytes" in spec:  # vllm-cpu's env setting would override kv_cache_memory_bytes
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    else:
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     before = {t.ident for t in threading.enumerate()}
     llm = build_llm(spec)
     endpoint = worker_side().endpoint

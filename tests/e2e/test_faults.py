@@ -31,7 +31,7 @@ CHUNK = 64  # tokens: two 32-token engine blocks
 FULL = 4 * CHUNK  # tokens kvtier can hold of each prompt (four full chunks, then a 40-token tail)
 PROMPTS = [prompt(100 + i, FULL + 40) for i in range(32)]
 MAX_TOKENS = 12
-LONG_TOKENS = 48  # the memory-pressure scenario decodes longer, so that running requests grow
+LONG_TOKENS = 160  # the memory-pressure scenario decodes longer, so that running requests grow
 
 
 def kvtier_config(disk: Path | None, **extra) -> dict:
@@ -229,12 +229,12 @@ def test_reload_p99_under_a_save_burst_lmcache_3022(tiny_llama, baseline, tmp_pa
 def test_abort_and_preemption_of_requests_parked_waiting_for_kvs_leak_no_blocks_vllm_46283(
         tiny_llama, baseline, tmp_path):
     """vLLM #46283 / vllm-ascend #16662: a request aborted while parked in WAITING_FOR_REMOTE_KVS
-    kept its KV blocks forever. An engine with 20 blocks gets four reloads of 10-11 blocks each:
-    loads are slowed (0.3 s) so requests stay parked; one is aborted while parked, and running
+    kept its KV blocks forever. An engine with 22 blocks gets four reloads that grow to 15 blocks each:
+    loads are slowed (0.1 s) so requests stay parked; one is aborted while parked, and running
     ones are preempted as they grow (and park again when they come back)."""
     ids = [28, 29, 30, 31]
     result, _ = run_fault({"model": tiny_llama, "scenario": "abort_parked_under_pressure", "max_tokens": LONG_TOKENS,
-                           "kv_cache_bytes": 20 * 32 * 1024, "max_model_len": 512, "load_delay_s": 0.3,
+                           "kv_cache_bytes": 22 * 32 * 1024, "max_model_len": 512, "load_delay_s": 0.1,
                            "aborts": 1, "kvtier": kvtier_config(None), "prompts": [PROMPTS[i] for i in ids]}, tmp_path)
     assert len(result["aborted"]) == 1
     assert result["parked_seen"] >= 2

@@ -161,6 +161,10 @@ class SchedulerSide:
         if tracked is None or tracked.plan is None:
             return  # a second call, or a request resuming after its load (no lookup)
         plan, tracked.plan = tracked.plan, None
+        if tracked.state is ReqState.RUNNING:
+            # Admitted again after running: vLLM's own scheduler preempted it without telling the
+            # connector (only kvtier's scheduler calls preempted()), so its state starts over here.
+            self.preempted(req_id)
         self._vetoes = self._vetoes + 1 if plan.skip is Skip.SLOWER else 0 if plan.skip is None else self._vetoes
         if external_tokens == 0:
             kind = plan.kind if plan.kind is PlanKind.HANDOFF else PlanKind.NONE
