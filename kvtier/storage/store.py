@@ -204,6 +204,15 @@ class ChunkStore:
         if disk is not None:
             disk.drop(ek)
 
+    def drop_unreadable(self, keys: list[bytes]) -> int:
+        """Forget the disk copies of ``keys`` whose files are gone or cut short (a stat each, no
+        read), so the chunks count as not stored and are saved again; returns how many. For a
+        caller that just found one chunk's file broken and expects its neighbours may be too."""
+        self._check_open()
+        if self._disk is None:
+            return 0
+        return sum(self._disk.drop_if_unreadable(lm.engine_key(k, self._config)) for k in keys)
+
     def keys(self) -> list[bytes]:
         """Keys of every chunk stored now, in any tier (e.g. what a restarted disk tier holds)."""
         self._check_open()

@@ -151,9 +151,13 @@ def files_vanish(llm, spec, out):
         else:
             with open(path, "r+b") as f:
                 f.truncate(path.stat().st_size // 2)
+    failed = ws.transfers.stats.failed_chunks
     out["after"] = generate(llm, spec, victims, reset=True)
     settle(ws)
+    out["failed_loads_after"], failed = ws.transfers.stats.failed_chunks - failed, ws.transfers.stats.failed_chunks
     out["healed"] = generate(llm, spec, victims, reset=True)
+    settle(ws)
+    out["failed_loads_healed"] = ws.transfers.stats.failed_chunks - failed
     out["leaks"] = leaks(ws)
 
 

@@ -126,11 +126,13 @@ def test_disk_dir_made_read_only_while_running_keeps_serving_lmcache_3533(tiny_l
     assert bad_chunk_files(disk) == []
 
 
-def test_chunk_files_deleted_or_truncated_under_a_running_engine_are_recomputed_lmcache_4546(
+def test_chunk_files_deleted_or_truncated_under_a_running_engine_are_recomputed_and_replaced_lmcache_4546(
         tiny_llama, baseline, tmp_path):
     """LMCache #4546 (disk accounting leaked on every removal outside its eviction) and LMCache's
     read_file ignoring a missing file (an unread buffer served as KV): the victims' files are
-    deleted or cut in half while the engine indexes them and their CPU copies are evicted."""
+    deleted or cut in half while the engine indexes them and their CPU copies are evicted. A load
+    stops at the first broken chunk; the later broken ones must not stay indexed (they were
+    skipped as "stored" by the re-save and failed one more load per turn)."""
     disk = tmp_path / "disk"
     ids = [7, 8, 9, 10, 11, 12]
     config = kvtier_config(disk, cpu_bytes=1 << 20, save_backlog_bytes=1 << 20)  # ~15 chunks of CPU
@@ -140,7 +142,9 @@ def test_chunk_files_deleted_or_truncated_under_a_running_engine_are_recomputed_
     assert tokens(result["first"]) == expected(baseline, ids[:2])
     assert tokens(result["after"]) == expected(baseline, ids[:2])  # loads failed, recomputed
     assert tokens(result["healed"]) == expected(baseline, ids[:2])
-    assert [o["cached"] for o in result["healed"]] == [FULL, FULL]  # recomputed chunks were saved again
+    assert result["failed_loads_after"] == 2  # one failed load per victim; every broken file forgotten at once
+    assert result["failed_loads_healed"] == 0  # so the recomputed chunks were all saved again, and load
+    assert [o["cached"] for o in result["healed"]] == [FULL, FULL]
     dropped = [l for l in log.splitlines() if "dropping disk chunk" in l]
     assert dropped and any("bytes on disk" in l for l in dropped), log[-3000:]
     assert_clean_exit(result)
