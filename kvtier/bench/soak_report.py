@@ -104,11 +104,12 @@ def _n(value, scale: float = 1.0, fmt: str = "{:,.0f}") -> str:
 
 
 def trend_line(now: dict) -> str:
-    """One progress line per sample: each server's tree RSS, fds, threads, KV usage (and K's disk)."""
+    """One progress line per sample: each server's tree RSS, fds (+ client connections), threads,
+    KV usage (and K's disk)."""
     parts = []
     for name, s in now.items():
         disk = "" if s.disk_bytes is None else f" disk {s.disk_bytes / MiB:5.1f} MiB"
-        parts.append(f"{name}: rss {s.rss_bytes / MiB:6.0f} MiB fds {s.fds:4d} thr {s.threads:4d} "
+        parts.append(f"{name}: rss {s.rss_bytes / MiB:6.0f} MiB fds {s.fds:4d}+{s.client_fds:<2d} thr {s.threads:4d} "
                      f"kv {100 * s.kv_usage:3.0f}% run {s.running:2.0f} ok {_n(s.counters.get('requests_ok'))}{disk}")
     return "t=%5.0fs " % next(iter(now.values())).t_s + " | ".join(parts)
 
@@ -137,7 +138,7 @@ def format_report(result: dict) -> str:
         ("RSS after warm-up -> idle, MiB", f"{k['baseline']['rss_bytes'] / MiB:.0f} -> {k['idle']['rss_bytes'] / MiB:.0f}",
          f"{r['baseline']['rss_bytes'] / MiB:.0f} -> {r['idle']['rss_bytes'] / MiB:.0f}"),
         ("RSS growth per request, KiB", _kib(k["rss_growth_per_request"]), _kib(r["rss_growth_per_request"])),
-        ("fds after warm-up -> idle", f"{k['baseline']['fds']} -> {k['idle']['fds']}",
+        ("fds after warm-up -> idle (no client sockets)", f"{k['baseline']['fds']} -> {k['idle']['fds']}",
          f"{r['baseline']['fds']} -> {r['idle']['fds']}"),
         ("threads after warm-up -> idle", f"{k['baseline']['threads']} -> {k['idle']['threads']}",
          f"{r['baseline']['threads']} -> {r['idle']['threads']}"),

@@ -37,7 +37,8 @@ KVTIER_COUNTERS = {
 class Sample:
     t_s: float  # since the watch started
     rss_bytes: int
-    fds: int
+    fds: int  # open file descriptors, client connections to the server's HTTP port left out
+    client_fds: int  # the clients' connections (keep-alive sockets come and go with the sessions)
     threads: int
     processes: int
     kv_usage: float  # fraction of the engine's KV blocks in use, 0-1
@@ -62,13 +63,15 @@ def take_sample(pid: int, url: str, disk: Path | None, t_s: float) -> Sample:
 
     from kvtier.bench.servers import metrics
 
-    rss = fds = threads = alive = 0
+    port = int(url.rsplit(":", 1)[1].split("/")[0])
+    rss = fds = clients = threads = alive = 0
     for proc in tree(pid):
         try:
             with proc.oneshot():
                 rss += proc.memory_info().rss
                 fds += proc.num_fds()
                 threads += proc.num_threads()
+                clients += sum(1 for c in proc.net_connections(kind="tcp") if c.laddr and c.laddr.port == port and c.raddr)
                 alive += 1
         except psutil.NoSuchProcess:
             continue
@@ -80,7 +83,7 @@ def take_sample(pid: int, url: str, disk: Path | None, t_s: float) -> Sample:
 
     counters = {key: value(*spec) for key, spec in {**VLLM_COUNTERS, **KVTIER_COUNTERS}.items()}
     disk_bytes = None if disk is None else sum(p.stat().st_size for p in disk.rglob("*.kv") if p.is_file())
-    return Sample(t_s, rss, fds, threads, alive, value("vllm:kv_cache_usage_perc", {}) or 0.0,
+    return Sample(t_s, rss, fds - clients, clients, threads, alive, value("vllm:kv_cache_usage_perc", {}) or 0.0,
                   value("vllm:num_requests_running", {}) or 0.0, disk_bytes, counters)
 
 
