@@ -337,6 +337,10 @@ class TierWorker:
                 first, count = self._span(job, i, done)
                 fetched = self._fetch(key)
                 if fetched is None:
+                    # The blocks from here on are recomputed and saved again, but a later chunk
+                    # still indexed on disk would be skipped as stored: if its file went the way
+                    # of this one (deleted, cut short), forget it now so the save replaces it.
+                    self.store.drop_unreadable([self.skey(k) for k in local[i + 1:]])
                     break
                 buffer, checksum = fetched
                 buffers.append(buffer)

@@ -57,7 +57,7 @@ class LookupClient:
             return None
         try:
             reply = decode_reply(socket.recv())
-        except msgspec.DecodeError as exc:
+        except (msgspec.DecodeError, ValueError) as exc:  # msgspec raises UnicodeDecodeError on bad UTF-8
             logger.warning("kvtier lookup: malformed reply from %s: %s", self.endpoint, exc)
             return None
         if reply.error:

@@ -121,5 +121,5 @@ class HoldReporter:
             try:
                 reply = decode_reply(socket.recv_multipart()[-1])
                 logger.warning("kvtier: rank %d's chunk report was refused: %s", self.rank, reply.error)
-            except msgspec.DecodeError:
+            except (msgspec.DecodeError, ValueError):  # UnicodeDecodeError too
                 pass

@@ -66,7 +66,7 @@ class LookupServer:
         """The reply to ``message``; None for an accepted hold report."""
         try:
             request = decode_message(message)
-        except msgspec.DecodeError as exc:  # ValidationError included
+        except (msgspec.DecodeError, ValueError) as exc:  # ValidationError, and UnicodeDecodeError on bad UTF-8
             logger.warning("kvtier lookup: rejected a malformed message (%d bytes): %s", len(message), exc)
             return LookupReply(VERSION, [], error=f"malformed message: {exc}")
         if request.version != VERSION:

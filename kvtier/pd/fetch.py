@@ -102,7 +102,7 @@ class _Peer:
             try:
                 check_mac(self.secret, tag, body, None if payload is None else payload.buffer)
                 reply = decode_reply(body)
-            except (AuthError, msgspec.DecodeError) as exc:
+            except (AuthError, msgspec.DecodeError, ValueError) as exc:  # UnicodeDecodeError on bad UTF-8
                 raise PeerError(f"bad reply from {self.endpoint}: {exc}") from None
             if reply.version != VERSION:
                 raise PeerError(f"{self.endpoint} speaks protocol version {reply.version}, this is {VERSION}")

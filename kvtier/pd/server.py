@@ -123,7 +123,7 @@ class ChunkServer:
         try:
             check_mac(self._secret, tag, body)
             message = decode_request(body)
-        except (AuthError, msgspec.DecodeError) as exc:
+        except (AuthError, msgspec.DecodeError, ValueError) as exc:  # UnicodeDecodeError on bad UTF-8
             return self._reject(identity, str(exc))
         if message.version != VERSION:
             return self._reject(identity, f"protocol version {message.version} != {VERSION}")

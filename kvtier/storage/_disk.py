@@ -166,6 +166,20 @@ class DiskTier:
                 if ok and disk.dict.get(ek) is meta:
                     disk.cache_policy.update_on_hit(ek, disk.dict)
 
+    def drop_if_unreadable(self, ek: Any) -> bool:
+        """Drop ``ek`` (index entry and file) if its file is missing or not its chunk's size: a
+        stat, no read. True if dropped. Pinned entries (a read in progress) are left alone."""
+        disk = self.backend
+        with disk.disk_lock:
+            meta = disk.dict.get(ek)
+            if meta is None or meta.pin_count > 0:
+                return False
+        problem = _size_problem(meta.path, int(meta.shape.numel()))
+        if problem is None or not self.drop(ek, meta):
+            return False
+        logger.warning("dropping disk chunk %s: %s", meta.path, problem)
+        return True
+
     def drop(self, ek: Any, expected: Any = None) -> bool:
         """Remove ``ek`` from the index and delete its file; False if not indexed (or indexed
         with an entry other than ``expected``).

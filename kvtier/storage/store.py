@@ -31,6 +31,20 @@ _TIER_OF_BACKEND = {lm.CPU_BACKEND: Tier.CPU, lm.DISK_BACKEND: Tier.DISK}
 # remove() for a write of its own key. Writes take milliseconds; this only bounds a stuck disk.
 _WRITE_WAIT_S = 10.0
 SHARED_PASSWORD_ENV = "KVTIER_SHARED_PASSWORD"  # the shared server's password, when the URL has none
+_open_stores: weakref.WeakSet[ChunkStore] = weakref.WeakSet()
+
+
+def _close_open_stores() -> None:
+    """Close every store still open when the interpreter exits. LMCache's event-loop thread is
+    not a daemon, so a process whose engine died without closing its store (an exception out of
+    the engine loop) would otherwise wait for it forever; closing also lets in-flight disk writes
+    land whole."""
+    for store in list(_open_stores):
+        store.close()
+
+
+# Runs before the interpreter joins non-daemon threads (the hook concurrent.futures uses).
+threading._register_atexit(_close_open_stores)
 
 
 class ChunkStore:
@@ -72,6 +86,7 @@ class ChunkStore:
             self._sm.close()
             self._shutdown_loop()
             raise
+        _open_stores.add(self)
 
     # ------------------------------------------------------------------ public API
 
@@ -222,6 +237,15 @@ class ChunkStore:
             disk.drop(ek)
         if self._shared is not None:
             self._shared.remove(ek)
+
+    def drop_unreadable(self, keys: list[bytes]) -> int:
+        """Forget the disk copies of ``keys`` whose files are gone or cut short (a stat each, no
+        read), so the chunks count as not stored and are saved again; returns how many. For a
+        caller that just found one chunk's file broken and expects its neighbours may be too."""
+        self._check_open()
+        if self._disk is None:
+            return 0
+        return sum(self._disk.drop_if_unreadable(lm.engine_key(k, self._config)) for k in keys)
 
     def keys(self) -> list[bytes]:
         """Keys of every chunk stored now, in any tier (e.g. what a restarted disk tier holds)."""

@@ -117,3 +117,19 @@ def test_a_shared_hit_is_planned_and_counted_as_shared(side):
     assert side.hit_sources("a") == {"cpu": CHUNK, "shared": 3 * CHUNK}
     (job,) = side.take_plan([]).loads
     assert job.remote is None  # the workers read it from their store, not from a P/D producer
+
+
+def test_a_request_preempted_by_vllms_own_scheduler_is_admitted_again_with_a_load(side):
+    """vLLM's default scheduler preempts without telling the connector (only kvtier's scheduler
+    calls preempted()). A preempted request that comes back with a hit used to raise
+    IllegalTransition ('load' in state 'running') inside the engine loop and kill the engine;
+    pinned end to end by test_abort_and_preemption_of_requests_parked_waiting_for_kvs_... ."""
+    side.client = StubClient([])
+    admit(side, "a")  # nothing stored yet: computed
+    assert side.state("a") is ReqState.RUNNING
+    side.take_plan([])
+    side.client = StubClient(["cpu"] * 4)  # its chunks were saved meanwhile; then it was preempted
+    plan = admit(side, "a")
+    assert plan.kind is PlanKind.LOAD and side.state("a") is ReqState.WAITING_FOR_KV
+    (job,) = side.take_plan([]).loads
+    assert job.req_id == "a" and len(job.keys) == 4

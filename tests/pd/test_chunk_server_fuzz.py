@@ -3,6 +3,8 @@ messages are refused (and counted) and the server keeps serving well-formed peer
 
 from __future__ import annotations
 
+import os
+
 import msgspec
 import pytest
 import zmq
@@ -12,6 +14,7 @@ from hypothesis import strategies as st
 from kvtier.pd.protocol import VERSION, Fetch, Hello, HelloReply, Release, decode_reply, encode, mac
 
 SECRET = b"fuzz-secret"
+EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "60"))  # per test; the slow run sets 100000
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +62,7 @@ structs = st.one_of(
 raw_frames = st.lists(st.binary(max_size=200), min_size=0, max_size=4)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(message=structs, authenticated=st.booleans())
 def test_any_struct_signed_or_not_is_answered_or_refused(producer, message, authenticated):
     frames = signed(message, SECRET if authenticated else None)
@@ -70,7 +73,7 @@ def test_any_struct_signed_or_not_is_answered_or_refused(producer, message, auth
     still_serves(producer.endpoint)
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(frames=raw_frames)
 def test_garbage_frames_are_refused(producer, frames):
     before = producer.side.chunk_server.rejected

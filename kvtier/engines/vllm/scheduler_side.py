@@ -169,6 +169,10 @@ class SchedulerSide:
         if tracked is None or tracked.plan is None:
             return  # a second call, or a request resuming after its load (no lookup)
         plan, tracked.plan = tracked.plan, None
+        if tracked.state is ReqState.RUNNING:
+            # Admitted again after running: vLLM's own scheduler preempted it without telling the
+            # connector (only kvtier's scheduler calls preempted()), so its state starts over here.
+            self.preempted(req_id)
         self._vetoes = self._vetoes + 1 if plan.skip is Skip.SLOWER else 0 if plan.skip is None else self._vetoes
         if plan.skip is not None and tracked.tiers:
             logger.debug("kvtier: request %s loads nothing of %d stored chunks (%s: %s)", req_id,

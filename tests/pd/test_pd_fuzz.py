@@ -1,0 +1,197 @@
+"""Hypothesis fuzz of the P/D messages kvtier decodes, beyond the chunk server's own fuzz
+(``test_chunk_server_fuzz.py``): mutated encodings of valid requests against a real chunk server
+without a secret (so they reach the decoder), every reply a decode engine reads from a hostile
+producer (real ZMQ, real fetch code, a real CPU tier to land chunks in), and the
+``kv_transfer_params`` a proxy hands an engine.
+
+Each must be refused clearly (a ``refused`` reply, a ``PeerError``, ``None``), never crash, and
+the server must answer the next valid peer. ``KVTIER_FUZZ_EXAMPLES`` sets the examples per test
+(CI: 200; the slow run: 100000; the producer-reply test runs a tenth of it: a hostile producer
+that answers nothing costs a timeout).
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+
+import msgspec
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvtier.pd import params as pd
+from kvtier.pd.fetch import PeerError, fetch_chunks
+from kvtier.pd.protocol import (
+    VERSION, ChunkReply, Fetch, Hello, HelloReply, Release, decode_reply, decode_request, encode,
+)
+from kvtier.storage import ChunkStore, StoreConfig
+
+EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "200"))
+FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
+                suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+FP = b"f" * 16
+CHUNK_BYTES = 4096 + 64  # what the fetch below expects per chunk
+
+
+@st.composite
+def mutated(draw, base) -> bytes:
+    """A valid encoding with a few bytes flipped, cut or inserted."""
+    data = bytearray(draw(base))
+    for _ in range(draw(st.integers(1, 4))):
+        op = draw(st.sampled_from(["flip", "cut", "insert"]))
+        at = draw(st.integers(0, max(0, len(data) - 1)))
+        if op == "flip" and data:
+            data[at] ^= draw(st.integers(1, 255))
+        elif op == "cut":
+            del data[at:]
+        else:
+            data[at:at] = draw(st.binary(min_size=1, max_size=8))
+    return bytes(data)
+
+
+requests = st.one_of(
+    st.builds(Hello, st.just(VERSION), st.integers(0, 3), st.integers(0, 3), st.just(FP), st.text(max_size=20),
+              st.integers(0, 1 << 10)),
+    st.builds(Fetch, st.just(VERSION), st.text(min_size=1, max_size=20), st.integers(0, 9), st.binary(min_size=16, max_size=16),
+              st.integers(0, 9), st.booleans()),
+    st.builds(Release, st.just(VERSION), st.text(min_size=1, max_size=20)),
+).map(encode)
+
+
+@pytest.fixture(scope="module")
+def open_producer(tmp_path_factory):
+    """A real chunk server with no secret: every body reaches the decoder."""
+    from pd_workers import make_engine
+
+    engine = make_engine(tmp_path_factory.mktemp("pd-fuzz"), "p", 3)
+    yield engine
+    engine.side.close()
+
+
+def ask(endpoint: str, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes] | None:
+    socket = zmq.Context.instance().socket(zmq.DEALER)
+    socket.setsockopt(zmq.LINGER, 0)
+    socket.connect(endpoint)
+    try:
+        socket.send_multipart(frames)
+        return socket.recv_multipart() if socket.poll(timeout_ms) else None
+    finally:
+        socket.close()
+
+
+@FUZZ
+@given(body=st.one_of(mutated(requests), st.binary(max_size=200)))
+def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving(open_producer, body):
+    endpoint = open_producer.endpoint
+    try:
+        message = decode_request(body)
+        valid = message.version == VERSION
+    except (msgspec.DecodeError, ValueError):
+        message, valid = None, False
+    before = open_producer.side.chunk_server.rejected
+    reply = ask(endpoint, [b"", body], timeout_ms=5000 if not valid or not isinstance(message, Release) else 100)
+    if not valid:
+        assert reply is not None, "a malformed request got no answer"
+        answer = decode_reply(reply[1])
+        assert isinstance(answer, ChunkReply) and answer.status == "refused" and answer.error
+        assert open_producer.side.chunk_server.rejected == before + 1
+    hello = ask(endpoint, [b"", encode(Hello(VERSION, 0, 1, FP, "fuzz", 32))])
+    assert hello is not None and isinstance(decode_reply(hello[1]), HelloReply), "the chunk server stopped answering"
+
+
+class HostileProducer:
+    """A ROUTER that answers each message with the next queued list of frames."""
+
+    def __init__(self):
+        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        self.replies: list[list[bytes]] = []
+        self.lock = threading.Lock()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self.serve, daemon=True)
+        self.thread.start()
+
+    def serve(self) -> None:
+        while not self.stop.is_set():
+            if not self.socket.poll(10):
+                continue
+            identity = self.socket.recv_multipart()[0]
+            with self.lock:
+                reply = self.replies.pop(0) if self.replies else None
+            if reply is not None:
+                self.socket.send_multipart([identity, *reply])
+
+    def close(self) -> None:
+        self.stop.set()
+        self.thread.join()
+        self.socket.close()
+
+
+@pytest.fixture(scope="module")
+def hostile():
+    producer = HostileProducer()
+    store = ChunkStore(StoreConfig(cpu_bytes=8 << 20))
+    yield producer, store
+    producer.close()
+    store.close()
+
+
+good_hello = encode(HelloReply(VERSION, FP, "fuzz", 32, 1))
+chunk_bodies = st.one_of(
+    st.builds(ChunkReply, st.one_of(st.just(VERSION), st.integers(-2, 3)), st.integers(-1, 3),
+              st.sampled_from(["ok", "missing", "pending", "refused"]), st.text(max_size=10)).map(encode),
+    mutated(st.just(encode(ChunkReply(VERSION, 0, "ok")))),
+    st.binary(max_size=64),
+)
+reply_frames = st.one_of(
+    st.tuples(st.just(b""), chunk_bodies).map(list),
+    st.tuples(st.just(b""), chunk_bodies, st.one_of(st.binary(max_size=64), st.just(b"\0" * CHUNK_BYTES))).map(list),
+    st.lists(st.binary(max_size=32), max_size=4),
+)
+
+
+@settings(FUZZ, max_examples=max(20, EXAMPLES // 10))
+@given(hello=st.one_of(st.just([b"", good_hello]), reply_frames, st.tuples(st.just(b""), mutated(st.just(good_hello))).map(list)),
+       chunks=st.lists(reply_frames, max_size=3))
+def test_a_decode_engine_reads_any_producer_reply_as_chunks_or_a_peer_error(hostile, hello, chunks):
+    producer, store = hostile
+    with producer.lock:
+        producer.replies[:] = [hello, *chunks]
+    got = []
+    try:
+        for buffer in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32), "t",
+                                   [(b"k" * 16, 1), (b"l" * 16, 1)], wait=False, timeout_ms=100, secret=None,
+                                   allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES):
+            got.append(buffer)
+    except PeerError:
+        pass  # the clear refusal; anything else fails the test
+    finally:
+        for buffer in got:
+            assert buffer.data.numel() == CHUNK_BYTES
+            buffer.release()
+    assert store.cpu_bytes_used() == 0  # nothing that arrived leaked
+
+
+json_values = st.recursive(
+    st.one_of(st.none(), st.booleans(), st.integers(-2**70, 2**70), st.floats(), st.text(max_size=20)),
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)),
+    max_leaves=12,
+)
+fields = st.sampled_from(["do_remote_decode", "do_remote_prefill", "remote_request_id", "transfer_id",
+                          "kvtier_endpoints", "remote_host", "remote_port", "tp_size", "remote_engine_id"])
+transfer_params = st.one_of(
+    json_values,
+    st.dictionaries(fields, st.one_of(json_values, st.just(True), st.just(["tcp://127.0.0.1:1"])), max_size=9),
+)
+
+
+@FUZZ
+@given(params=transfer_params)
+def test_any_kv_transfer_params_give_a_role_or_none(params):
+    role = pd.parse(params)
+    assert role is None or isinstance(role, (pd.Produce, pd.Consume))
+    if isinstance(role, pd.Consume):
+        assert role.endpoints and all(e.startswith("tcp://") for e in role.endpoints) and role.tp_size >= 1
