@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import ipaddress
 import os
 import socket
@@ -15,6 +16,10 @@ import psutil
 from kvtier.urls import redact, shared_url_problem
 
 GiB = 1 << 30
+
+
+# LMCache users know the shared store as remote_url; in kvtier "remote" is a P/D producer.
+_RENAMED = {"remote_url": ["shared_url"], "remote_timeout_ms": ["shared_timeout_ms"]}
 
 
 class ConfigError(ValueError):
@@ -105,7 +110,10 @@ class KvtierConfig:
         known = {f.name: f for f in dataclasses.fields(cls)}
         unknown = sorted(set(raw) - set(known))
         if unknown:
-            raise ConfigError(f"unknown kvtier setting {unknown[0]!r}; known settings: {', '.join(sorted(known))}.")
+            close = difflib.get_close_matches(unknown[0], known, n=1) or _RENAMED.get(unknown[0], [])
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise ConfigError(f"unknown kvtier setting {unknown[0]!r}{hint}; known settings: "
+                              f"{', '.join(sorted(known))}.")
         values: dict[str, Any] = {}
         for name, value in raw.items():
             kind = known[name].type

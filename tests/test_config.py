@@ -39,3 +39,9 @@ def test_a_shared_url_password_never_shows_in_errors():
         KvtierConfig.from_dict({"shared_url": "redis://user:hunter2@host"})
     assert "hunter2" not in str(err.value) and "user:***@host" in str(err.value)
     assert KvtierConfig.from_dict({"shared_url": "valkey://:pw@host:6379/1"}).shared_url == "valkey://:pw@host:6379/1"
+
+
+@pytest.mark.parametrize("key,hint", [("remote_url", "shared_url"), ("cpu_byte", "cpu_bytes")])
+def test_an_unknown_key_names_the_setting_meant(key, hint):
+    with pytest.raises(ConfigError, match=f"'{key}' \\(did you mean '{hint}'\\?\\)"):
+        KvtierConfig.from_dict({key: 1})
