@@ -2,7 +2,8 @@
 
 Each engine runs in its own process, as a user's would: ``python engine_run.py SPEC_JSON``.
 SPEC: {"model": dir, "kvtier": extra_config or null,
-       "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional), "reset": bool}],
+       "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional), "reset": bool,
+                   "max_tokens": int (optional, else the spec's)}],
        "max_tokens": int, "block_size": int, "dtype": str, "tp": int, "log_stats": bool}
 Prints one line ``RESULT {"rounds": [[{"tokens": [...], "cached": int}]], "connector_stats": {...}}``;
 with ``log_stats`` the connector stats vLLM's stat logger received (summed) are in it.
@@ -50,7 +51,9 @@ def main() -> None:
             llm.reset_prefix_cache()
         salts = rnd.get("salts") or [None] * len(rnd["prompts"])
         prompts = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": s} if s else {})) for p, s in zip(rnd["prompts"], salts)]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        rnd_params = params if "max_tokens" not in rnd else SamplingParams(
+            temperature=0.0, max_tokens=rnd["max_tokens"], detokenize=False)
+        outs = llm.generate(prompts, rnd_params, use_tqdm=False)
         rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs])
     print("RESULT " + json.dumps({"rounds": rounds, "connector_stats": connector_stats}), flush=True)
     del llm
