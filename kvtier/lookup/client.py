@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import msgspec
 import zmq
@@ -11,9 +12,16 @@ from kvtier.lookup.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, VERSION, LookupR
 
 logger = logging.getLogger(__name__)
 
+BACKOFF_S = (1.0, 30.0)  # after a timeout, lookups are misses without asking for this long (doubling), s
+
 
 class LookupClient:
-    """``lookup(keys)`` / ``prefix_tiers(keys)`` ask the server at ``endpoint``; wait at most ``timeout_ms``."""
+    """``lookup(keys)`` / ``prefix_tiers(keys)`` ask the server at ``endpoint``; wait at most ``timeout_ms``.
+
+    After a lookup times out, the next ones are misses without asking for 1 s, doubling up to 30 s
+    while the server stays silent: a scheduler step that admits many requests then waits one
+    timeout, not one per request, and a dead server costs one timeout per back-off period.
+    """
 
     def __init__(self, endpoint: str, timeout_ms: int = 2000):
         self.endpoint = endpoint
@@ -21,6 +29,8 @@ class LookupClient:
         self._ctx = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
         self._warned = False
+        self._backoff_s = BACKOFF_S[0]
+        self._silent_until = 0.0  # time.monotonic() before which lookups are misses without asking
 
     def _connect(self) -> zmq.Socket:
         if self._socket is None:
@@ -47,10 +57,14 @@ class LookupClient:
         answer. Without keys it asks only if ``always`` (for the chunk servers' addresses)."""
         if not keys and not always:
             return None
+        if time.monotonic() < self._silent_until:
+            return None
         socket = self._connect()
         socket.send(encode(LookupRequest(VERSION, keys[:MAX_KEYS])))
         if not socket.poll(self.timeout_ms, zmq.POLLIN):
             self._reset()
+            self._silent_until = time.monotonic() + self._backoff_s
+            self._backoff_s = min(2 * self._backoff_s, BACKOFF_S[1])
             if not self._warned:
                 logger.warning("kvtier lookup server %s did not answer in %d ms; treating as a miss.", self.endpoint, self.timeout_ms)
                 self._warned = True
@@ -64,6 +78,7 @@ class LookupClient:
             logger.warning("kvtier lookup refused: %s", reply.error)
             return None
         self._warned = False
+        self._backoff_s = BACKOFF_S[0]
         return reply
 
     def close(self) -> None:

@@ -3,7 +3,8 @@
 Each engine runs in its own process, as a user's would: ``python engine_run.py SPEC_JSON``.
 SPEC: {"model": dir, "kvtier": extra_config or null,
        "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional), "reset": bool,
-                   "kill_group": process group to SIGKILL before the round (optional)}],
+                   "kill_group": process group to SIGKILL before the round (optional),
+                   "max_tokens": int (optional, else the spec's)}],
        "max_tokens": int, "block_size": int, "dtype": str, "tp": int, "log_stats": bool}
 Prints one line ``RESULT {"rounds": [[{"tokens": [...], "cached": int, "seconds": float}]], "connector_stats": {...}}``
 (seconds: the round's wall time);
@@ -34,7 +35,8 @@ def main() -> None:
 
         def summed(self, data):  # what crossed from the workers, after vLLM's own aggregation
             for name, value in data.items():
-                connector_stats[name] = connector_stats.get(name, 0) + value
+                if isinstance(value, (int, float)):  # counters (batch times and gauges are not summed)
+                    connector_stats[name] = connector_stats.get(name, 0) + value
             return observe(self, data)
 
         KVConnectorLogging.observe = summed
@@ -57,7 +59,9 @@ def main() -> None:
         start = time.monotonic()
         salts = rnd.get("salts") or [None] * len(rnd["prompts"])
         prompts = [TokensPrompt(prompt_token_ids=p, **({"cache_salt": s} if s else {})) for p, s in zip(rnd["prompts"], salts)]
-        outs = llm.generate(prompts, params, use_tqdm=False)
+        rnd_params = params if "max_tokens" not in rnd else SamplingParams(
+            temperature=0.0, max_tokens=rnd["max_tokens"], detokenize=False)
+        outs = llm.generate(prompts, rnd_params, use_tqdm=False)
         seconds = time.monotonic() - start
         rounds.append([{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0, "seconds": seconds}
                        for o in outs])

@@ -35,18 +35,18 @@ def build_llm(spec: dict):
                max_num_seqs=4, kv_transfer_config=kv, seed=0)
 
 
-def params(spec: dict):
+def params(spec: dict, max_tokens: int | None = None):
     from vllm import SamplingParams
 
-    return SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 12), detokenize=False)
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens or spec.get("max_tokens", 12), detokenize=False)
 
 
-def generate(llm, spec: dict, prompts: list[list[int]], reset: bool = False) -> list[dict]:
+def generate(llm, spec: dict, prompts: list[list[int]], reset: bool = False, max_tokens: int | None = None) -> list[dict]:
     from vllm.inputs import TokensPrompt
 
     if reset:
         llm.reset_prefix_cache()
-    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(spec), use_tqdm=False)
+    outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params(spec, max_tokens), use_tqdm=False)
     return [{"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs]
 
 
@@ -244,8 +244,8 @@ def abort_parked_under_pressure(llm, spec, out):
     ws = worker_side()
     sched = scheduler(llm)
     prompts = spec["prompts"]
-    for p in prompts:  # one at a time: saving needs no memory pressure
-        generate(llm, spec, [p])
+    for p in prompts:  # one at a time: saving needs no memory pressure, nor a long answer
+        generate(llm, spec, [p], max_tokens=1)
     settle(ws)
     llm.reset_prefix_cache()
     load = ws.transfers.load

@@ -43,10 +43,12 @@ def kvtier_config(disk: Path | None, **extra) -> dict:
 
 @pytest.fixture(scope="module")
 def baseline(tiny_llama, tmp_path_factory) -> list[list[int]]:
-    """Greedy tokens of every prompt on the same engine without kvtier (LONG_TOKENS of them)."""
-    rounds, _ = run_engine({"model": tiny_llama, "kvtier": None, "max_tokens": LONG_TOKENS,
-                            "rounds": [{"prompts": PROMPTS}]}, tmp_path_factory.mktemp("faults"), "baseline")
-    return [out["tokens"] for out in rounds[0]]
+    """Greedy tokens of every prompt on the same engine without kvtier (LONG_TOKENS of them for the
+    memory-pressure scenario's four, MAX_TOKENS for the rest)."""
+    rounds, _ = run_engine({"model": tiny_llama, "kvtier": None, "rounds": [
+        {"prompts": PROMPTS[:28], "max_tokens": MAX_TOKENS}, {"prompts": PROMPTS[28:], "max_tokens": LONG_TOKENS}]},
+        tmp_path_factory.mktemp("faults"), "baseline")
+    return [out["tokens"] for out in rounds[0] + rounds[1]]
 
 
 def expected(baseline, indices, n=MAX_TOKENS) -> list[list[int]]:
@@ -89,15 +91,11 @@ def test_disk_full_mid_burst_keeps_cpu_copies_and_leaks_nothing_lmcache_3533(tin
     assert [o["cached"] for o in result["again"]] == [FULL] * 4  # every chunk kept in the CPU tier
     assert "disk write failed" in log and "File too large" in log
     assert_clean_exit(result)
-    # No partial file stays behind; what did land is whole, and a restart reloads exactly it.
+    # No partial file stays behind: the failed writes were deleted, what landed is whole (a restart
+    # rebuilds its index from such a directory: test_kill_9_mid_disk_writes_...).
     assert bad_chunk_files(disk) == []
     landed = len(list(disk.glob("*.kv")))
     assert 1 <= landed < 16
-    rounds, restart_log = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [
-        {"prompts": [PROMPTS[i]]} for i in ids]}, tmp_path, "restart")
-    assert [r[0]["tokens"] for r in rounds] == expected(baseline, ids)
-    assert "unusable" not in restart_log and "deleting disk chunk" not in restart_log
-    assert bad_chunk_files(disk) == []
 
 
 def _drop_dac_override() -> None:
@@ -200,9 +198,10 @@ def test_slow_or_dead_lookup_server_is_a_miss_within_the_timeout_lmcache_5233(ti
     assert [o["cached"] for o in result["dead"]] == [0, 0]
     print(f"\nlookup server slow: max schedule() {result['slow_max_schedule_ms']:.0f} ms, run {result['slow_s']:.2f} s; "
           f"dead: max schedule() {result['dead_max_schedule_ms']:.0f} ms, run {result['dead_s']:.2f} s")
-    # One lookup per new request, each bounded by the timeout (plus a loaded box's scheduling noise).
-    assert result["slow_max_schedule_ms"] < 2 * 200 + 300
-    assert result["dead_max_schedule_ms"] < 2 * 200 + 300
+    # Both prompts are admitted in one step: the first lookup times out, the second is a miss
+    # without asking (the client backs off), so a step waits one timeout (plus a loaded box's noise).
+    assert result["slow_max_schedule_ms"] < 200 + 250
+    assert result["dead_max_schedule_ms"] < 200 + 250
     assert "did not answer in 200 ms" in log
     left = [t for t in result["threads_left"] if t.startswith(("kvtier", "storage-manager"))]
     assert left == [] and not result["socket_left"]

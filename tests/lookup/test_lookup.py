@@ -134,6 +134,28 @@ def test_dead_server_is_a_miss_not_a_hang(tmp_path, caplog):
     client.close()
 
 
+def test_after_a_timeout_lookups_back_off_instead_of_each_waiting(tmp_path):
+    """A scheduler step admitting many requests used to wait one timeout per request while the
+    server was silent (four requests: four timeouts); now one, then misses without asking until
+    the back-off ends, and answers again once the server does."""
+    address = endpoint(tmp_path)
+    client = LookupClient(address, 200)
+    try:
+        start = time.monotonic()
+        assert [client.lookup([A]) for _ in range(4)] == [None] * 4  # nobody serves the address yet
+        assert time.monotonic() - start < 0.2 + 0.15
+        server = LookupServer(address, 1)
+        try:
+            server.index.apply(HoldReport(VERSION, 0, 1, FINGERPRINTS[0], [storage_key(A, FINGERPRINTS[0])], ["cpu"]))
+            assert client.lookup([A]) is None  # still backing off (1 s)
+            time.sleep(1.1)
+            assert client.prefix_tiers([A]) == ["cpu"]
+        finally:
+            server.close()
+    finally:
+        client.close()
+
+
 _keys = st.lists(st.binary(min_size=0, max_size=20), max_size=4)
 _messages = st.one_of(
     st.binary(max_size=200),
