@@ -110,6 +110,8 @@ def run(args, tmp: Path, log_dir: Path, warmup_s: float, progress) -> dict:
         servers["kvtier"] = start_server(model, free_port(), log_dir / "kvtier.log", cores[0], kv, **engine)
         servers["plain"] = start_server(model, free_port(), log_dir / "plain.log", cores[1], None, **engine)
         ready_s = wait_ready(list(servers.values()), 600)
+        for name, server in servers.items():
+            _check_own_port(name, server)
         progress(f"both servers ready after {ready_s:.0f} s; {args.sessions} sessions each for {args.duration} s "
                  f"(warm-up {warmup_s:.0f} s), a sample every {args.sample_s} s")
         from kvtier.bench import soak_report
@@ -145,6 +147,23 @@ def run(args, tmp: Path, log_dir: Path, warmup_s: float, progress) -> dict:
                 "kv_cache_bytes": KV_CACHE_BYTES, "model": str(model), "seed": args.seed,
                 "rss_tolerance_kib": args.rss_tolerance_kib}
     return soak_report.evaluate(settings, loads, watch, idle, stopped, log_errors)
+
+
+def _check_own_port(name: str, server) -> None:
+    """Raise BenchError unless ``server``'s own process tree listens on its port: on a shared host
+    another process can take a port between free_port() and the server's bind, and the load and
+    the metrics would then go to someone else's server."""
+    from kvtier.bench.soak_watch import tree
+
+    for proc in tree(server.proc.pid):
+        try:
+            if any(c.status == "LISTEN" and c.laddr and c.laddr.port == server.port
+                   for c in proc.net_connections(kind="tcp")):
+                return
+        except Exception:  # noqa: BLE001 - a process that just ended: look at the others
+            continue
+    raise BenchError(f"server {name} (pid {server.proc.pid}) does not listen on port {server.port}: another "
+                     f"process took it; run again. Log: {server.log_path}")
 
 
 def _wait_idle(watch) -> dict:
