@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 import torch
 
 from kvtier import codec
+from kvtier.codec import checksums
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
@@ -102,11 +103,13 @@ class TierWorker:
     waiting to be stored (None: unbounded). ``on_held``: called with storage keys whose holding
     this worker changed (stored, found already stored, promoted from disk), from any thread.
     ``fetch_remote``: how chunks of a P/D producer are fetched (None: this worker never loads any).
+    ``checksum``: the chunk checksum computed after the copy when the backend does not compute
+    KVSUM64 while copying (:mod:`kvtier.codec.checksums`; None: the codec's default).
     """
 
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
                  save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
-                 fetch_remote: FetchRemote | None = None):
+                 fetch_remote: FetchRemote | None = None, checksum: str | None = None):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -117,7 +120,8 @@ class TierWorker:
         self.batch_ms: dict[str, deque[float]] = {"load": deque(), "save": deque()}
         self.backend = resolve_backend(layout, backend)
         self._gather, self._scatter = pick_backend(layout, self.backend)
-        self._kernel_sums = checksums_in_kernel(self.backend)  # else BLAKE3 on the host
+        self._kernel_sums = checksums_in_kernel(self.backend)  # else a separate pass on the host
+        self._host_checksum = codec.DEFAULT_HOST_CHECKSUM if checksum is None else checksums.kind_of(checksum)
         self._on_held = on_held or (lambda keys: None)
         cuda = layout.device.type == "cuda"
         self._load_stream = torch.cuda.Stream(layout.device) if cuda else None
@@ -285,7 +289,7 @@ class TierWorker:
             if item.ready is not None:
                 item.ready.synchronize()
             kvsum = None if item.sums is None else to_unsigned(int(item.sums[item.index]))
-            codec.write_header(item.buffer.data, self.layout, item.num_blocks, kvsum)
+            codec.write_header(item.buffer.data, self.layout, item.num_blocks, kvsum, self._host_checksum)
             self.store.put([item.key], [item.buffer])
             return True
         except Exception:
