@@ -59,7 +59,10 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--block-size", type=_positive, default=16, help="tokens per engine block (default 16)")
     reload.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per stored chunk (default 256)")
     reload.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    reload.add_argument("--backend", default="auto", help="ops backend: auto, torch, triton (CUDA), reference")
+    reload.add_argument("--backend", default="auto", help="ops backend: auto, cpu, torch, triton (CUDA), reference")
+    reload.add_argument("--no-checksum-rows", dest="checksum_rows", action="store_false",
+                        help="on a CPU, skip the whole-path rows of the other chunk-checksum candidates "
+                        "(torch copy + xxh3-128 / crc32c / blake3)")
     reload.add_argument("--disk", metavar="PATH", help="add a disk tier in PATH and also measure a cold disk reload")
     reload.add_argument("--repeats", type=_positive, default=3, help="samples per path (default 3)")
     reload.add_argument("--stat", choices=("best", "median"), default="best",
@@ -69,12 +72,13 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
-    from kvtier.bench import executors, lookup, pd, pd_transfer  # noqa: E402 - light: heavy imports wait for run
+    from kvtier.bench import executors, lookup, pd, pd_transfer, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
 
     executors.add_parser(commands, _positive, parse_tokens)
     lookup.add_parser(commands, _positive, parse_tokens)
     pd.add_parser(commands, _positive, parse_tokens)
     pd_transfer.add_parser(commands, _positive, parse_tokens)
+    ttft_tiers.add_parser(commands, _positive, parse_tokens)
     return parser
 
 
@@ -104,7 +108,8 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.backend != "auto" and args.backend not in backend_names():
         parser.error(f"argument --backend: {args.backend!r} is not available here; choose auto or one of {', '.join(backend_names())}.")
     geometry = Geometry(args.layers, args.kv_heads, args.head_dim, getattr(torch, DTYPES[args.dtype]), args.block_size)
-    spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats, args.seed)
+    spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats, args.seed,
+                               args.checksum_rows)
     device_bytes, host_bytes = spec.memory_needed()
     available = psutil.virtual_memory().available
     if host_bytes > 0.9 * available:
