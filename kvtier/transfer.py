@@ -105,11 +105,16 @@ class TierWorker:
     ``fetch_remote``: how chunks of a P/D producer are fetched (None: this worker never loads any).
     ``checksum``: the chunk checksum computed after the copy when the backend does not compute
     KVSUM64 while copying (:mod:`kvtier.codec.checksums`; None: the codec's default).
+    ``load_inline``: run loads from the local tiers on the caller's thread inside
+    :meth:`submit_load` (finished before it returns) instead of the load thread. For a worker
+    that shares its interpreter with the engine's loop: there the load thread waits for the GIL
+    behind the loop at every hand-over (up to one switch interval, 5 ms by default, each time),
+    while the loop has nothing better to do than wait for the load anyway.
     """
 
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
                  save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
-                 fetch_remote: FetchRemote | None = None, checksum: str | None = None):
+                 fetch_remote: FetchRemote | None = None, checksum: str | None = None, load_inline: bool = False):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -131,6 +136,7 @@ class TierWorker:
         self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
         self._remote_barrier = threading.Barrier(REMOTE_THREADS + 1)
         self._fetch_remote = fetch_remote
+        self.load_inline = load_inline
         self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
         self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
         self._fetch_ms: dict[str, float] = {}  # tier -> EWMA ms to fetch and verify one chunk
@@ -299,7 +305,13 @@ class TierWorker:
 
     # ---- load ---------------------------------------------------------------------------------
     def submit_load(self, job: LoadJob) -> Future:
-        """Load in the background; the outcome is reported by :meth:`take_finished`."""
+        """Load in the background (with ``load_inline``, a local-tier load runs now); the outcome
+        is reported by :meth:`take_finished`."""
+        if self.load_inline and job.remote is None:
+            done: Future = Future()
+            self._load_and_report(job)
+            done.set_result(None)
+            return done
         pool = self._load_pool if job.remote is None else self._remote_pool
         return pool.submit(self._load_and_report, job)
 

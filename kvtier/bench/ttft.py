@@ -21,6 +21,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -81,18 +82,38 @@ def run_child(spec: dict) -> dict:
     return result
 
 
-def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900) -> tuple[dict, str]:
-    """Run ``spec`` in a fresh Python process; returns (result, log). Raises with the log's tail on failure."""
+def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiprocess: bool = False) -> tuple[dict, str]:
+    """Run ``spec`` in a fresh Python process in its own session; returns (result, log). Raises
+    with the log's tail on failure. ``multiprocess``: vLLM's default engine (EngineCore and worker
+    in processes of their own) instead of everything in one interpreter. Whatever the engine left
+    running in the session is killed at the end."""
     path = os.path.join(workdir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.ttft", "--child", path], capture_output=True,
-                          text=True, timeout=timeout_s, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    log = proc.stdout + proc.stderr
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.ttft", "--child", path], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"engine {name} did not finish in {timeout_s} s:\n{(stdout + stderr)[-4000:]}") from None
+    finally:
+        _kill_session(proc.pid)
+    log = stdout + stderr
     if proc.returncode != 0:
         raise RuntimeError(f"engine {name} failed (exit {proc.returncode}):\n{log[-4000:]}")
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):]), log
+
+
+def _kill_session(pid: int) -> None:
+    """End the engine's process group (its session leader is ``pid``): EngineCore and workers too."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 # ---- the bench --------------------------------------------------------------------------------
