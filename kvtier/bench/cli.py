@@ -72,13 +72,14 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
-    from kvtier.bench import executors, lookup, pd, pd_transfer, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
+    from kvtier.bench import executors, lookup, overhead, pd, pd_transfer, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
 
     executors.add_parser(commands, _positive, parse_tokens)
     lookup.add_parser(commands, _positive, parse_tokens)
     pd.add_parser(commands, _positive, parse_tokens)
     pd_transfer.add_parser(commands, _positive, parse_tokens)
     ttft_tiers.add_parser(commands, _positive, parse_tokens)
+    overhead.add_parser(commands, _positive, parse_tokens)
     return parser
 
 

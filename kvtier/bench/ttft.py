@@ -55,8 +55,10 @@ def run_child(spec: dict) -> dict:
     extra = {"scheduler_cls": SCHEDULER} if spec.get("scheduler") else {}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=spec.get("block_size", 32), kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
-              max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, seed=0, kv_transfer_config=kv,
+              max_model_len=spec.get("max_model_len", 4096), max_num_seqs=spec.get("max_num_seqs", 4), seed=0,
+              kv_transfer_config=kv,
               max_num_batched_tokens=spec.get("max_batched", 4096), **extra)
+    timers = _time_connector() if spec.get("time_connector") else None
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)  # in-process only
     side = getattr(getattr(core, "scheduler", None), "kvtier", None)
     rounds = []
@@ -73,13 +75,43 @@ def run_child(spec: dict) -> dict:
         rounds.append({"seconds": seconds, "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs],
             "admissions": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
-    result = {"rounds": rounds, "counts": dict(side.counts) if side is not None else {}, "costs": None}
+    result = {"rounds": rounds, "counts": dict(side.counts) if side is not None else {}, "costs": None,
+              "connector_ms": timers}
     if side is not None:
         model = side.meter.model()
         result["costs"] = {"step": model.step and [model.step.fixed_s, model.step.per_token_s],
                            "loads": {t: [c.fixed_s, c.per_token_s] for t, c in model.loads.items()}}
     del llm
     return result
+
+
+def _time_connector() -> dict[str, float]:
+    """Wrap the connector's engine-thread hooks (and the copy inside a save) with wall-clock
+    timers; returns the dict of milliseconds they add up into. Only seen in-process."""
+    from kvtier.engines.vllm.connector import KvtierConnector
+    from kvtier.transfer import TierWorker
+
+    totals: dict[str, float] = {}
+
+    def timed(owner, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[key] = totals.get(key, 0.0) + (time.perf_counter() - begin) * 1e3
+                totals[key + ".calls"] = totals.get(key + ".calls", 0) + 1
+
+        setattr(owner, name, wrapper)
+
+    timed(KvtierConnector, "wait_for_save", "wait_for_save")
+    timed(KvtierConnector, "start_load_kv", "start_load_kv")
+    timed(KvtierConnector, "get_finished", "get_finished")
+    timed(TierWorker, "save", "save")
+    timed(TierWorker, "_gather_for_save", "save.gather")
+    return totals
 
 
 def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiprocess: bool = False) -> tuple[dict, str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kvtier.codec import checksums
@@ -73,8 +74,7 @@ def write_header(buf: torch.Tensor, layout: Layout, num_blocks: int, kvsum64: in
         kind, digest = CHECKSUM_KVSUM64, kvsum64
     packed = _HEADER.pack(MAGIC, FORMAT_VERSION, kind, layout.fingerprint, num_blocks, 0, payload_bytes,
                           digest & _M64, digest >> 64)
-    buf[:HEADER_BYTES].zero_()
-    buf[: len(packed)].copy_(torch.frombuffer(bytearray(packed), dtype=torch.uint8))
+    buf[:HEADER_BYTES].numpy()[:] = np.frombuffer(packed.ljust(HEADER_BYTES, b"\0"), dtype=np.uint8)
 
 
 def read_header(buf: torch.Tensor) -> ChunkHeader:
