@@ -7,7 +7,8 @@ built offline, with kvtier (CPU tier and a disk tier in a temporary directory):
 
 * engine A, per prompt length and repeat, on a new prompt: ``recompute`` (first sight; kvtier
   saves it), ``local`` (the same prompt again: vLLM's prefix cache), ``cpu`` (after
-  ``reset_prefix_cache()`` and a pause for the saves to land: a reload from the CPU tier);
+  ``reset_prefix_cache()``: a reload from the CPU tier); ``local`` and ``cpu`` each after a pause
+  of ``--settle-s`` so that neither runs beside the background saves;
 * then every chunk file is dropped from the page cache (``posix_fadvise(DONTNEED)``) and engine B
   starts on the same directory: ``disk`` (the same prompts, read cold from the disk tier).
 
@@ -130,7 +131,8 @@ def run(args, lengths: list[int], kinds: list[str], progress) -> TtftResult:
             warm = [{"prompts": [prompt(salt + 99_999, WARMUP_TOKENS)]}]
             first = list(warm)
             for (n, r), p in timed.items():
-                first += [{"prompts": [p], "timed": ["recompute", n]}, {"prompts": [p], "timed": ["local", n]},
+                first += [{"prompts": [p], "timed": ["recompute", n]},
+                          {"prompts": [p], "pause_s": args.settle_s, "timed": ["local", n]},
                           {"prompts": [p], "reset": True, "pause_s": args.settle_s, "timed": ["cpu", n]}]
             for n, p in checks.items():
                 first += [{"prompts": [p], "max_tokens": CHECK_TOKENS, "check": ["recompute", n]},
