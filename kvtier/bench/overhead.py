@@ -107,7 +107,7 @@ def run(args, progress) -> OverheadResult:
     tokens: dict[str, list] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-overhead-") as tmp:
         progress("building a random-weight Llama")
-        model = make_model(os.path.join(tmp, "model"), args.hidden, args.layers)
+        model = make_model(os.path.join(tmp, "model"), args.hidden, args.layers, max(8192, 2 * max_len))
         for a in range(args.alternations):
             for engine in ENGINES:
                 kvtier = {"chunk_tokens": args.chunk_tokens, "cpu_bytes": 2 << 30} if engine == "kvtier" else None

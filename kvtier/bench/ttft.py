@@ -149,7 +149,7 @@ def _kill_session(pid: int) -> None:
 
 
 # ---- the bench --------------------------------------------------------------------------------
-def make_model(path: str, hidden: int, layers: int) -> str:
+def make_model(path: str, hidden: int, layers: int, max_positions: int = 8192) -> str:
     """A random-weight Llama (no download): ``hidden`` wide, ``layers`` deep, 64-dim heads, GQA 2:1."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -158,7 +158,7 @@ def make_model(path: str, hidden: int, layers: int) -> str:
     heads = max(2, hidden // 64)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), vocab_size=VOCAB,
-                         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+                         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     return path
 

@@ -121,7 +121,7 @@ def run(args, lengths: list[int], kinds: list[str], progress) -> TtftResult:
     max_len = max(lengths)
     with tempfile.TemporaryDirectory(prefix="kvtier-ttft-") as tmp:
         progress("building a random-weight Llama")
-        model = make_model(os.path.join(tmp, "model"), args.hidden, args.layers)
+        model = make_model(os.path.join(tmp, "model"), args.hidden, args.layers, max(8192, 2 * max_len))
         for kind in kinds:
             disk = os.path.join(tmp, f"disk-{kind}")
             os.makedirs(disk)
