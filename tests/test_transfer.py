@@ -366,3 +366,27 @@ def test_a_chunk_of_the_previous_format_on_disk_reads_as_a_miss_and_is_removed(s
         assert [f for f in files if (tmp_path / f).exists()] == []
     finally:
         worker.close()
+
+
+def test_an_inline_load_runs_on_the_callers_thread_and_is_finished_when_submit_returns(stores):
+    """For a worker sharing the engine loop's interpreter: no load thread waiting for the GIL."""
+    alloc, layout = engine_kv()
+    worker = TierWorker(layout, stores(), CHUNK_BLOCKS, load_inline=True)
+    ks = keys(2)
+    threads = []
+    load = worker.load
+
+    def spy(job):
+        threads.append(threading.get_ident())
+        return load(job)
+
+    worker.load = spy
+    try:
+        worker.save([save_job(ks)])
+        worker.drain()
+        future = worker.submit_load(LoadJob("r", tuple(ks), 0, tuple(range(40, 44))))
+        assert future.done() and threads == [threading.get_ident()]
+        assert worker.take_finished() == ({"r"}, set())
+        assert torch.equal(blocks(alloc, range(40, 44)), blocks(alloc, range(4)))
+    finally:
+        worker.close()
