@@ -345,6 +345,8 @@ class TierWorker:
         spans, buffers, sums, done = [], [], [], 0
         tokens = {"cpu": 0, "disk": 0, "remote": 0}
         local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
+        if len(local) > 1:  # disk-resident chunks: read ahead all at once, not one by one
+            self.store.will_need([self.skey(k) for k in local])
         try:
             for i, key in enumerate(local):
                 if done == len(job.block_ids):

@@ -483,7 +483,7 @@ class _TimedStore:
 
     def __init__(self, store: ChunkStore, clock: _Clock):
         self._store = store
-        for name in ("allocate", "put", "contains", "prefix_hits", "get", "remove"):
+        for name in ("allocate", "put", "contains", "prefix_hits", "get", "remove", "will_need"):
             setattr(self, name, clock.wrap(getattr(store, name)))
 
     def __getattr__(self, name: str):  # anything else, untimed
