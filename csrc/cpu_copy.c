@@ -6,7 +6,7 @@
 // A batch is a table of *units*, one per (region, chunk block): int64 [n_units, 5] =
 //   engine address, chunk address, bytes, word index inside the chunk payload, span << 1 | write
 // ``write`` 0 marks a unit that is only read for the checksum (the rest of a partially loaded
-// chunk). Units are split into contiguous runs of about equal bytes, one per thread.
+// chunk). Threads claim runs of about 1 MiB of units from a shared counter.
 #include <immintrin.h>
 #include <pthread.h>
 #include <stdint.h>
@@ -66,16 +66,25 @@ __attribute__((target("avx2"))) static uint64_t avx2_words(const uint32_t *src, 
     return total + scalar_words(src + n, dst ? dst + n : NULL, words - n, pos + (uint32_t)n, sum);
 }
 
+#define GRAB_BYTES (1 << 20)  // units a thread claims at a time: about this many bytes
+
 typedef struct {
     const int64_t *units;
-    int64_t begin, end;
+    int64_t n_units, grab;
+    int64_t *next;  // shared: first unit nobody has claimed yet
     int gather, sum, avx2;
     uint64_t *sums;  // [n_spans], this thread's own
 } run_t;
 
+// Threads claim runs of units from a shared counter rather than fixed shares: on a machine where
+// another process takes a core, the thread still running does the rest instead of waiting.
 static void *run_units(void *arg) {
     run_t *r = (run_t *)arg;
-    for (int64_t u = r->begin; u < r->end; u++) {
+    for (;;) {
+    int64_t begin = __atomic_fetch_add(r->next, r->grab, __ATOMIC_RELAXED);
+    if (begin >= r->n_units) break;
+    int64_t end = begin + r->grab < r->n_units ? begin + r->grab : r->n_units;
+    for (int64_t u = begin; u < end; u++) {
         const int64_t *t = r->units + 5 * u;
         uint32_t *engine = (uint32_t *)(uintptr_t)t[0], *chunk = (uint32_t *)(uintptr_t)t[1];
         int64_t words = t[2] / 4, span = t[4] >> 1, write = t[4] & 1;
@@ -88,6 +97,7 @@ static void *run_units(void *arg) {
         uint64_t s = r->avx2 ? avx2_words(src, dst, words, (uint32_t)t[3], r->sum)
                              : scalar_words(src, dst, words, (uint32_t)t[3], r->sum);
         r->sums[span] += s;
+    }
     }
     if (r->avx2) _mm_sfence();  // streaming stores are globally visible before the call returns
     return NULL;
@@ -108,15 +118,12 @@ int kvt_copy(const int64_t *units, int64_t n_units, int gather, uint64_t *sums, 
         free(runs); free(partial); free(ids);
         return -1;
     }
-    int64_t total = 0;
+    int64_t total = 0, next = 0;
     for (int64_t u = 0; u < n_units; u++) total += units[5 * u + 2];
-    int64_t u = 0, acc = 0;
-    for (int t = 0; t < threads; t++) {  // contiguous runs of about total / threads bytes each
-        runs[t] = (run_t){units, u, u, gather, sums != NULL, avx2, partial + (size_t)t * (size_t)n_spans};
-        int64_t goal = total * (t + 1) / threads;
-        while (u < n_units && (acc < goal || t == threads - 1)) acc += units[5 * u++ + 2];
-        runs[t].end = u;
-    }
+    int64_t grab = GRAB_BYTES / (total / n_units > 0 ? total / n_units : 1);
+    if (grab < 1) grab = 1;
+    for (int t = 0; t < threads; t++)
+        runs[t] = (run_t){units, n_units, grab, &next, gather, sums != NULL, avx2, partial + (size_t)t * (size_t)n_spans};
     int started = 0;
     for (int t = 1; t < threads; t++) {
         if (pthread_create(&ids[t], NULL, run_units, &runs[t]) != 0) break;
