@@ -4,7 +4,9 @@
 default) through kvtier's tiers, reloads it into other blocks, checks the bytes, and prints one
 table next to a raw memcpy and the naive per-block copy. ``kvtier-bench pd`` times the first token
 of the same prompts recomputed, hit in the engine's prefix cache, and served P/D through
-kvtier-proxy (pull and push). Exit status: 0 measured and verified, 1 the bench failed
+kvtier-proxy (pull and push). ``kvtier-bench ttft`` times the first token recomputed, hit
+locally and reloaded from the CPU and disk tiers; ``kvtier-bench overhead`` compares a mixed
+batch's throughput with and without kvtier when nothing hits. Exit status: 0 measured and verified, 1 the bench failed
 (verification included), 2 bad arguments.
 """
 
