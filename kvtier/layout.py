@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-FORMAT_VERSION = 1
+# Version of the layout fingerprint's text. Not the chunk format's version (kvtier.codec.FORMAT_VERSION):
+# a chunk of an older format keeps its storage key, so a load finds it, rejects it and removes it.
+LAYOUT_VERSION = 1
 
 
 class LayoutError(ValueError):
@@ -49,7 +51,7 @@ class Layout:
     """All regions of all layers, in a fixed order, plus the fingerprint of their byte format.
 
     ``fingerprint`` (16 bytes) covers everything that changes the meaning of a block's bytes:
-    model, dtype, per-block shapes and strides, block size, TP rank and size, format version.
+    model, dtype, per-block shapes and strides, block size, TP rank and size, layout version.
     """
 
     regions: tuple[Region, ...]
@@ -134,7 +136,7 @@ def build_layout(
     devices = {r.blocks.device for r in regions}
     if len(devices) != 1:
         raise LayoutError(f"KV tensors span several devices ({sorted(map(str, devices))}); one device per worker is supported.")
-    text = "|".join([f"v{FORMAT_VERSION}", model, f"bs{block_size}", f"tp{tp_rank}/{tp_size}", *described])
+    text = "|".join([f"v{LAYOUT_VERSION}", model, f"bs{block_size}", f"tp{tp_rank}/{tp_size}", *described])
     fingerprint = hashlib.blake2b(text.encode(), digest_size=16).digest()
     description = (f"[model {model or '?'}, block size {block_size}, TP rank {tp_rank}/{tp_size}, "
                    f"{len(regions)} regions like {described[0]} (name:dtype:block shape:strides), "

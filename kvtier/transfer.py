@@ -35,6 +35,7 @@ from typing import Callable, Iterator
 import torch
 
 from kvtier import codec
+from kvtier.codec import checksums
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
@@ -103,11 +104,18 @@ class TierWorker:
     waiting to be stored (None: unbounded). ``on_held``: called with storage keys whose holding
     this worker changed (stored, found already stored, promoted from disk), from any thread.
     ``fetch_remote``: how chunks of a P/D producer are fetched (None: this worker never loads any).
+    ``checksum``: the chunk checksum computed after the copy when the backend does not compute
+    KVSUM64 while copying (:mod:`kvtier.codec.checksums`; None: the codec's default).
+    ``load_inline``: run loads from the local tiers on the caller's thread inside
+    :meth:`submit_load` (finished before it returns) instead of the load thread. For a worker
+    that shares its interpreter with the engine's loop: there the load thread waits for the GIL
+    behind the loop at every hand-over (up to one switch interval, 5 ms by default, each time),
+    while the loop has nothing better to do than wait for the load anyway.
     """
 
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
                  save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
-                 fetch_remote: FetchRemote | None = None):
+                 fetch_remote: FetchRemote | None = None, checksum: str | None = None, load_inline: bool = False):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -118,7 +126,8 @@ class TierWorker:
         self.batch_ms: dict[str, deque[float]] = {"load": deque(), "save": deque()}
         self.backend = resolve_backend(layout, backend)
         self._gather, self._scatter = pick_backend(layout, self.backend)
-        self._kernel_sums = checksums_in_kernel(self.backend)  # else BLAKE3 on the host
+        self._kernel_sums = checksums_in_kernel(self.backend)  # else a separate pass on the host
+        self._host_checksum = codec.DEFAULT_HOST_CHECKSUM if checksum is None else checksums.kind_of(checksum)
         self._on_held = on_held or (lambda keys: None)
         cuda = layout.device.type == "cuda"
         self._load_stream = torch.cuda.Stream(layout.device) if cuda else None
@@ -128,6 +137,7 @@ class TierWorker:
         self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
         self._remote_barrier = threading.Barrier(REMOTE_THREADS + 1)
         self._fetch_remote = fetch_remote
+        self.load_inline = load_inline
         self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
         self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
         self._fetch_ms: dict[str, float] = {}  # tier -> EWMA ms to fetch and verify one chunk
@@ -286,7 +296,7 @@ class TierWorker:
             if item.ready is not None:
                 item.ready.synchronize()
             kvsum = None if item.sums is None else to_unsigned(int(item.sums[item.index]))
-            codec.write_header(item.buffer.data, self.layout, item.num_blocks, kvsum)
+            codec.write_header(item.buffer.data, self.layout, item.num_blocks, kvsum, self._host_checksum)
             self.store.put([item.key], [item.buffer])
             return True
         except Exception:
@@ -296,7 +306,13 @@ class TierWorker:
 
     # ---- load ---------------------------------------------------------------------------------
     def submit_load(self, job: LoadJob) -> Future:
-        """Load in the background; the outcome is reported by :meth:`take_finished`."""
+        """Load in the background (with ``load_inline``, a local-tier load runs now); the outcome
+        is reported by :meth:`take_finished`."""
+        if self.load_inline and job.remote is None:
+            done: Future = Future()
+            self._load_and_report(job)
+            done.set_result(None)
+            return done
         pool = self._load_pool if job.remote is None else self._remote_pool
         return pool.submit(self._load_and_report, job)
 
@@ -330,6 +346,8 @@ class TierWorker:
         spans, buffers, sums, done = [], [], [], 0
         tokens = {"cpu": 0, "disk": 0, "shared": 0, "remote": 0}
         local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
+        if len(local) > 1:  # disk-resident chunks: read ahead all at once, not one by one
+            self.store.will_need([self.skey(k) for k in local])
         try:
             for i, key in enumerate(local):
                 if done == len(job.block_ids):

@@ -333,3 +333,60 @@ def test_cuda_load_of_a_corrupt_chunk_fails_from_that_chunk_on(stores, backend, 
         assert "unusable" in caplog.text
     finally:
         worker.close()
+
+
+def test_a_chunk_of_the_previous_format_on_disk_reads_as_a_miss_and_is_removed(stores, tmp_path):
+    """Regression for the format version 2 bump: a version-1 chunk file left by an older kvtier
+    (same storage key: the layout fingerprint did not change) is refused, not loaded, and deleted."""
+    from codec.test_chunk import old_format_chunk
+
+    alloc, layout = engine_kv()
+    ks = keys(2)
+    skeys = [storage_key(k, layout.fingerprint) for k in ks]
+    store = stores(disk=tmp_path)
+    for skey in skeys:
+        buffer = store.allocate(codec.chunk_bytes(layout, CHUNK_BLOCKS))
+        buffer.data.copy_(old_format_chunk(layout, CHUNK_BLOCKS))
+        store.put([skey], [buffer])
+    store.close()  # waits for the write-through
+    files = sorted(p.name for p in tmp_path.iterdir() if p.is_file())
+    assert len(files) == 2
+
+    store = stores(disk=tmp_path)  # a restarted kvtier of the new format
+    assert [store.contains(k) for k in skeys] == [Tier.DISK, Tier.DISK]
+    worker = TierWorker(layout, store, CHUNK_BLOCKS)
+    before = blocks(alloc, range(40, 44))
+    try:
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(40, 44)))) == {40, 41, 42, 43}
+        assert store.contains(skeys[0]) is None
+        assert sum((tmp_path / f).exists() for f in files) == 1  # the first is deleted; the load stopped there
+        assert torch.equal(blocks(alloc, range(40, 44)), before)  # nothing was scattered
+        assert worker.load(LoadJob("r", tuple(ks[1:]), 0, tuple(range(40, 42)))) == {40, 41}
+        assert [store.contains(k) for k in skeys] == [None, None]
+        assert [f for f in files if (tmp_path / f).exists()] == []
+    finally:
+        worker.close()
+
+
+def test_an_inline_load_runs_on_the_callers_thread_and_is_finished_when_submit_returns(stores):
+    """For a worker sharing the engine loop's interpreter: no load thread waiting for the GIL."""
+    alloc, layout = engine_kv()
+    worker = TierWorker(layout, stores(), CHUNK_BLOCKS, load_inline=True)
+    ks = keys(2)
+    threads = []
+    load = worker.load
+
+    def spy(job):
+        threads.append(threading.get_ident())
+        return load(job)
+
+    worker.load = spy
+    try:
+        worker.save([save_job(ks)])
+        worker.drain()
+        future = worker.submit_load(LoadJob("r", tuple(ks), 0, tuple(range(40, 44))))
+        assert future.done() and threads == [threading.get_ident()]
+        assert worker.take_finished() == ({"r"}, set())
+        assert torch.equal(blocks(alloc, range(40, 44)), blocks(alloc, range(4)))
+    finally:
+        worker.close()

@@ -4,7 +4,9 @@
 default) through kvtier's tiers, reloads it into other blocks, checks the bytes, and prints one
 table next to a raw memcpy and the naive per-block copy. ``kvtier-bench pd`` times the first token
 of the same prompts recomputed, hit in the engine's prefix cache, and served P/D through
-kvtier-proxy (pull and push). Exit status: 0 measured and verified, 1 the bench failed
+kvtier-proxy (pull and push). ``kvtier-bench ttft`` times the first token recomputed, hit
+locally and reloaded from the CPU and disk tiers; ``kvtier-bench overhead`` compares a mixed
+batch's throughput with and without kvtier when nothing hits. Exit status: 0 measured and verified, 1 the bench failed
 (verification included), 2 bad arguments.
 """
 
@@ -59,7 +61,10 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--block-size", type=_positive, default=16, help="tokens per engine block (default 16)")
     reload.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per stored chunk (default 256)")
     reload.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
-    reload.add_argument("--backend", default="auto", help="ops backend: auto, torch, triton (CUDA), reference")
+    reload.add_argument("--backend", default="auto", help="ops backend: auto, cpu, torch, triton (CUDA), reference")
+    reload.add_argument("--no-checksum-rows", dest="checksum_rows", action="store_false",
+                        help="on a CPU, skip the whole-path rows of the other chunk-checksum candidates "
+                        "(torch copy + xxh3-128 / crc32c / blake3)")
     reload.add_argument("--disk", metavar="PATH", help="add a disk tier in PATH and also measure a cold disk reload")
     reload.add_argument("--shared", "--remote", dest="shared", metavar="URL",
                         help="also reload through the shared tier on this Redis/Valkey server (redis://host:port), "
@@ -72,13 +77,15 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
-    from kvtier.bench import executors, lookup, pd, pd_transfer, soak  # noqa: E402 - light: heavy imports wait for run
+    from kvtier.bench import executors, lookup, overhead, pd, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
 
     executors.add_parser(commands, _positive, parse_tokens)
     lookup.add_parser(commands, _positive, parse_tokens)
     pd.add_parser(commands, _positive, parse_tokens)
     pd_transfer.add_parser(commands, _positive, parse_tokens)
     soak.add_parser(commands, _positive, parse_tokens)
+    ttft_tiers.add_parser(commands, _positive, parse_tokens)
+    overhead.add_parser(commands, _positive, parse_tokens)
     return parser
 
 
@@ -115,7 +122,8 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if problem:
             parser.error(f"--shared {problem}")
     spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats,
-                             args.seed, args.shared)
+                             args.seed, args.shared,
+                             args.checksum_rows)
     device_bytes, host_bytes = spec.memory_needed()
     available = psutil.virtual_memory().available
     if host_bytes > 0.9 * available:

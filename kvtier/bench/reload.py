@@ -5,14 +5,17 @@ run in this order because each frees memory the next one needs and the last over
 
 1. ``kvtier``: ``TierWorker.save`` + ``drain`` into a CPU-only store, then ``TierWorker.load``
    into the other blocks, compared byte for byte. The ops and store calls inside are timed in
-   place; what is left (``kvtier.rest``) is the checksum (seal on save, verify on load) and
-   overhead.
+   place; what is left (``kvtier.rest``) is the checksum (seal on save, verify on load, unless
+   the ops compute it while copying) and overhead. On a CPU the same again per chunk-checksum
+   candidate (``kvtier-xxh3-128``, ``kvtier-crc32c``, ``kvtier-blake3``: a plain torch copy, then
+   the checksum on the host), so the chosen one is picked by measurement.
 2. ``disk_cold`` (with a disk path): one save into a store with a disk tier, timed until the
    store's close has waited for the write-through; then per repeat a new store on the same
    directory, its files written back and dropped from the page cache, so the reload reads disk.
 3. ``naive``: the same gather/scatter through the ``reference`` ops backend (one copy per block
    and region), ops only; timed on a subset of chunks and scaled when the whole would be too slow.
-4. ``raw``: one contiguous copy of the same bytes (host to host on CPU, pinned D2H/H2D on CUDA).
+4. ``raw``: one contiguous copy of the same bytes (host to host on CPU, pinned D2H/H2D on CUDA),
+   measured in phase 1, once per repeat after the kvtier paths, so both see the same neighbours.
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from kvtier import keys as chain
 from kvtier.bench import BenchError
 from kvtier.bench.engine_kv import EngineKV, Geometry, clobber_blocks, host_buffer, make_engine_kv, verify_blocks
 from kvtier.jobs import LoadJob, SaveJob
-from kvtier.ops import ChunkSpan, pick_backend
+from kvtier.codec import DEFAULT_HOST_CHECKSUM
+from kvtier.codec.checksums import NAMES
+from kvtier.ops import ChunkSpan, checksums_in_kernel, pick_backend, resolve_backend
 from kvtier.storage import ChunkStore, StoreConfig, Tier
 from kvtier.transfer import TierWorker
 
@@ -57,6 +62,7 @@ class ReloadSpec:
     repeats: int = 3
     seed: int = 0
     shared_url: str | None = None
+    checksum_rows: bool = True  # on a CPU with backend auto: a whole-path row per checksum candidate
 
     @property
     def chunk_blocks(self) -> int:
@@ -135,7 +141,7 @@ def run(spec: ReloadSpec, progress: Progress) -> ReloadResult:
     keys = chain.chunk_keys(tokens.tolist(), spec.chunk_tokens, chain.namespace(NAMESPACE, uuid.uuid4().hex))
     progress(f"opening the CPU tier ({_gib(result.cpu_tier_bytes)})")
     with ChunkStore(StoreConfig(cpu_bytes=result.cpu_tier_bytes, namespace=NAMESPACE)) as store:
-        _measure_kvtier(spec, kv, keys, store, result, progress)
+        _measure_kvtier_and_raw(spec, kv, keys, store, result, progress)
     if spec.disk_path:
         config = StoreConfig(cpu_bytes=result.cpu_tier_bytes, disk_path=spec.disk_path,
                              disk_bytes=result.cpu_tier_bytes, namespace=NAMESPACE)
@@ -145,7 +151,6 @@ def run(spec: ReloadSpec, progress: Progress) -> ReloadResult:
 
         measure_shared(spec, kv, keys, result, progress, _jobs, _save, _load, PathTimes)
     _measure_naive(spec, kv, result, progress)
-    _measure_raw(spec, kv, result, progress)  # last: overwrites the engine KV
     del kv
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     result.elapsed_s = time.perf_counter() - start
@@ -159,41 +164,101 @@ def run(spec: ReloadSpec, progress: Progress) -> ReloadResult:
 # ---- phases -------------------------------------------------------------------------------------
 
 
-def _measure_kvtier(spec: ReloadSpec, kv: EngineKV, keys: list[bytes], store: ChunkStore,
-                    result: ReloadResult, progress: Progress) -> None:
-    ops, storage = _Clock(spec.device), _Clock(torch.device("cpu"))
-    worker = TierWorker(kv.layout, _TimedStore(store, storage), spec.chunk_blocks, spec.backend)
-    # Timed in place, inside the real path: TierWorker keeps no per-stage counters of its own.
-    if not (callable(getattr(worker, "_gather", None)) and callable(getattr(worker, "_scatter", None))):
-        worker.close()
-        raise BenchError("TierWorker no longer has _gather/_scatter: kvtier/bench/reload.py must learn its new shape.")
-    worker._gather, worker._scatter = ops.wrap(worker._gather), ops.wrap(worker._scatter)
-    skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
-    save_job, load_job = _jobs(kv, keys)
-    total = result.paths["kvtier"] = PathTimes("kvtier, CPU tier (whole path)")
-    part_ops = result.paths["kvtier.ops"] = PathTimes("  ops only: gather / scatter")
-    part_store = result.paths["kvtier.storage"] = PathTimes("  store: allocate+put / get")
-    part_rest = result.paths["kvtier.rest"] = PathTimes("  checksum + overhead (rest)")
+@dataclass(frozen=True, slots=True)
+class Variant:
+    """One whole-path row: ``name`` keys the result (``kvtier`` is what ``auto`` runs), ``backend``
+    the ops backend, ``checksum`` the host chunk checksum when the backend computes none."""
+
+    name: str
+    label: str
+    backend: str
+    checksum: str | None = None
+
+
+CHECKSUM_CANDIDATES = ("xxh3-128", "crc32c", "blake3")  # each after a plain torch copy, on the host
+
+
+def variants(spec: ReloadSpec, kv: EngineKV) -> list[Variant]:
+    """``kvtier`` (the chosen backend and checksum) and, on a CPU with ``--backend auto``, a row per
+    chunk-checksum candidate: the one folded into the copy is ``kvtier`` itself when the cpu op builds."""
+    backend = resolve_backend(kv.layout, spec.backend)
+    fused = checksums_in_kernel(backend)
+    what = f"{backend} ops, KVSUM64 in the copy" if fused else f"{backend} ops + {NAMES[DEFAULT_HOST_CHECKSUM]}"
+    out = [Variant("kvtier", f"kvtier whole path ({what})", spec.backend)]
+    if spec.device.type == "cpu" and spec.backend == "auto" and spec.checksum_rows:
+        out += [Variant(f"kvtier-{name}", f"kvtier whole path (torch ops + {name})", "torch", name)
+                for name in CHECKSUM_CANDIDATES]
+    return out
+
+
+class _KvtierPath:
+    """One variant's TierWorker on the shared store, its rows, and one save + reload per repeat."""
+
+    def __init__(self, spec: ReloadSpec, kv: EngineKV, keys: list[bytes], store: ChunkStore,
+                 result: ReloadResult, variant: Variant):
+        self.spec, self.kv, self.store, self.variant = spec, kv, store, variant
+        self.ops, self.storage = _Clock(spec.device), _Clock(torch.device("cpu"))
+        worker = TierWorker(kv.layout, _TimedStore(store, self.storage), spec.chunk_blocks, variant.backend,
+                            checksum=variant.checksum)
+        # Timed in place, inside the real path: TierWorker keeps no per-stage counters of its own.
+        if not (callable(getattr(worker, "_gather", None)) and callable(getattr(worker, "_scatter", None))):
+            worker.close()
+            raise BenchError("TierWorker no longer has _gather/_scatter: kvtier/bench/reload.py must learn its new shape.")
+        worker._gather, worker._scatter = self.ops.wrap(worker._gather), self.ops.wrap(worker._scatter)
+        self.worker = worker
+        self.skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
+        self.save_job, self.load_job = _jobs(kv, keys)
+        fused = checksums_in_kernel(worker.backend)
+        name = variant.name
+        self.total = result.paths[name] = PathTimes(variant.label)
+        self.parts = (
+            result.paths.setdefault(f"{name}.ops", PathTimes(
+                "  ops only: gather / scatter" + (" (KVSUM64 included)" if fused else ""))),
+            result.paths.setdefault(f"{name}.storage", PathTimes("  store: allocate+put / get")),
+            result.paths.setdefault(f"{name}.rest", PathTimes(
+                "  header + overhead (rest)" if fused else "  checksum + header + overhead (rest)")),
+        )
+
+    def repeat(self, r: int, progress: Progress) -> None:
+        ops, storage, (part_ops, part_store, part_rest) = self.ops, self.storage, self.parts
+        for skey in self.skeys:  # so that this save stores every chunk again (not timed)
+            self.store.remove(skey)
+        ops.ms = storage.ms = 0.0
+        save_ms = _save(self.worker, self.save_job, self.spec.num_chunks)
+        for path, ms in ((self.total, save_ms), (part_ops, ops.ms), (part_store, storage.ms),
+                         (part_rest, save_ms - ops.ms - storage.ms)):
+            path.save_ms.append(ms)
+        clobber_blocks(self.kv.layout, self.kv.dst)
+        ops.ms = storage.ms = 0.0
+        load_ms = _load(self.worker, self.load_job, "the CPU tier")
+        for path, ms in ((self.total, load_ms), (part_ops, ops.ms), (part_store, storage.ms),
+                         (part_rest, load_ms - ops.ms - storage.ms)):
+            path.reload_ms.append(ms)
+        verify_blocks(self.kv.layout, self.kv.src, self.kv.dst, f"{self.variant.name} reload from the CPU tier")
+        progress(f"{self.variant.name} CPU tier {r + 1}/{self.spec.repeats}: save {save_ms:.0f} ms, "
+                 f"reload {load_ms:.0f} ms, verified")
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def _measure_kvtier_and_raw(spec: ReloadSpec, kv: EngineKV, keys: list[bytes], store: ChunkStore,
+                            result: ReloadResult, progress: Progress) -> None:
+    """Every variant and the raw memcpy once per repeat, in turn: a neighbour's burst on a shared
+    machine then hits one repeat of each, not every repeat of one path."""
+    paths: list[_KvtierPath] = []
     try:
+        for variant in variants(spec, kv):
+            paths.append(_KvtierPath(spec, kv, keys, store, result, variant))
+        raw = _Raw(spec, kv, result)
         for r in range(spec.repeats):
-            for skey in skeys:  # so that this save stores every chunk again (not timed)
-                store.remove(skey)
-            ops.ms = storage.ms = 0.0
-            save_ms = _save(worker, save_job, spec.num_chunks)
-            for path, ms in ((total, save_ms), (part_ops, ops.ms), (part_store, storage.ms),
-                             (part_rest, save_ms - ops.ms - storage.ms)):
-                path.save_ms.append(ms)
-            clobber_blocks(kv.layout, kv.dst)
-            ops.ms = storage.ms = 0.0
-            load_ms = _load(worker, load_job, "the CPU tier")
-            for path, ms in ((total, load_ms), (part_ops, ops.ms), (part_store, storage.ms),
-                             (part_rest, load_ms - ops.ms - storage.ms)):
-                path.reload_ms.append(ms)
-            verify_blocks(kv.layout, kv.src, kv.dst, "kvtier reload from the CPU tier")
-            progress(f"kvtier CPU tier {r + 1}/{spec.repeats}: save {save_ms:.0f} ms, reload {load_ms:.0f} ms, verified")
+            for path in paths:
+                path.repeat(r, progress)
+            raw.repeat(r, progress)
     finally:
-        worker.close()
-    result.verified.append("kvtier")
+        for path in paths:
+            path.close()
+    result.verified += [path.variant.name for path in paths]
 
 
 def _measure_disk_cold(spec: ReloadSpec, kv: EngineKV, keys: list[bytes], config: StoreConfig,
@@ -286,19 +351,27 @@ def _measure_naive(spec: ReloadSpec, kv: EngineKV, result: ReloadResult, progres
     result.verified.append("naive")
 
 
-def _measure_raw(spec: ReloadSpec, kv: EngineKV, result: ReloadResult, progress: Progress) -> None:
-    nbytes = spec.prompt_bytes
-    engine = kv.memory[:nbytes]
-    cuda = spec.device.type == "cuda"
-    label = "raw memcpy, pinned D2H / H2D" if cuda else "raw memcpy, host to host"
-    times = result.paths["raw"] = PathTimes(label, note="one contiguous copy of the prompt's bytes: the ceiling")
-    # On CPU the engine allocation's other half is the far side: no extra memory.
-    with host_buffer(nbytes if cuda else 0, spec.device) as pinned:
-        host = pinned if cuda else kv.memory[nbytes : 2 * nbytes]
-        for r in range(spec.repeats):
+class _Raw:
+    """One contiguous copy of the prompt's bytes: the ceiling. On CPU the engine allocation's two
+    halves are the two sides (no extra memory): save copies the first half onto the second,
+    reload copies it back, so the first half keeps its bytes; the second then holds a copy of the
+    first, which later repeats save and verify as they find it."""
+
+    def __init__(self, spec: ReloadSpec, kv: EngineKV, result: ReloadResult):
+        self.spec, self.kv = spec, kv
+        cuda = spec.device.type == "cuda"
+        label = "raw memcpy, pinned D2H / H2D" if cuda else "raw memcpy, host to host"
+        self.times = result.paths["raw"] = PathTimes(label, note="one contiguous copy of the prompt's bytes: the ceiling")
+
+    def repeat(self, r: int, progress: Progress) -> None:
+        spec, times, nbytes = self.spec, self.times, self.spec.prompt_bytes
+        engine = self.kv.memory[:nbytes]
+        cuda = spec.device.type == "cuda"
+        with host_buffer(nbytes if cuda else 0, spec.device) as pinned:
+            host = pinned if cuda else self.kv.memory[nbytes : 2 * nbytes]
             times.save_ms.append(_timed_ms(spec.device, lambda: host.copy_(engine)))
             times.reload_ms.append(_timed_ms(spec.device, lambda: engine.copy_(host)))
-            progress(f"raw memcpy {r + 1}/{spec.repeats}: {times.save_ms[-1]:.0f} ms / {times.reload_ms[-1]:.0f} ms")
+        progress(f"raw memcpy {r + 1}/{spec.repeats}: {times.save_ms[-1]:.0f} ms / {times.reload_ms[-1]:.0f} ms")
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -415,7 +488,7 @@ class _TimedStore:
 
     def __init__(self, store: ChunkStore, clock: _Clock):
         self._store = store
-        for name in ("allocate", "put", "contains", "prefix_hits", "get", "remove"):
+        for name in ("allocate", "put", "contains", "prefix_hits", "get", "remove", "will_need"):
             setattr(self, name, clock.wrap(getattr(store, name)))
 
     def __getattr__(self, name: str):  # anything else, untimed

@@ -61,7 +61,7 @@ def format_table(result: ReloadResult, statistic: str = "best") -> str:
     notes: list[str] = []
     rows = []
     for name, times in result.paths.items():
-        if name.count(".") and name.split(".")[0] != "kvtier":
+        if name.count(".") and not name.startswith("kvtier"):
             continue  # sub-paths other than kvtier's breakdown go to the JSON only
         label = times.label
         if times.note and name != "raw":

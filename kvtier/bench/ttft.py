@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import signal
 import statistics
 import subprocess
 import sys
@@ -56,8 +57,10 @@ def run_child(spec: dict) -> dict:
     extra = {"scheduler_cls": SCHEDULER} if spec.get("scheduler") else {}
     llm = LLM(model=spec["model"], skip_tokenizer_init=True, enforce_eager=True, dtype="float32",
               block_size=spec.get("block_size", 32), kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
-              max_model_len=spec.get("max_model_len", 4096), max_num_seqs=4, seed=0, kv_transfer_config=kv,
+              max_model_len=spec.get("max_model_len", 4096), max_num_seqs=spec.get("max_num_seqs", 4), seed=0,
+              kv_transfer_config=kv,
               max_num_batched_tokens=spec.get("max_batched", 4096), **extra)
+    timers = _time_connector() if spec.get("time_connector") else None
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)  # in-process only
     side = getattr(getattr(core, "scheduler", None), "kvtier", None)
     rounds = []
@@ -74,7 +77,8 @@ def run_child(spec: dict) -> dict:
         rounds.append({"seconds": seconds, "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs],
             "admissions": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
-    result = {"rounds": rounds, "counts": dict(side.counts) if side is not None else {}, "costs": None}
+    result = {"rounds": rounds, "counts": dict(side.counts) if side is not None else {}, "costs": None,
+              "connector_ms": timers}
     if side is not None:
         model = side.meter.model()
         result["costs"] = {"step": model.step and [model.step.fixed_s, model.step.per_token_s],
@@ -83,22 +87,71 @@ def run_child(spec: dict) -> dict:
     return result
 
 
-def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900) -> tuple[dict, str]:
-    """Run ``spec`` in a fresh Python process; returns (result, log). Raises with the log's tail on failure."""
+def _time_connector() -> dict[str, float]:
+    """Wrap the connector's engine-thread hooks (and the copy inside a save) with wall-clock
+    timers; returns the dict of milliseconds they add up into. Only seen in-process."""
+    from kvtier.engines.vllm.connector import KvtierConnector
+    from kvtier.transfer import TierWorker
+
+    totals: dict[str, float] = {}
+
+    def timed(owner, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        def wrapper(*args, **kwargs):
+            begin = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[key] = totals.get(key, 0.0) + (time.perf_counter() - begin) * 1e3
+                totals[key + ".calls"] = totals.get(key + ".calls", 0) + 1
+
+        setattr(owner, name, wrapper)
+
+    timed(KvtierConnector, "wait_for_save", "wait_for_save")
+    timed(KvtierConnector, "start_load_kv", "start_load_kv")
+    timed(KvtierConnector, "get_finished", "get_finished")
+    timed(TierWorker, "save", "save")
+    timed(TierWorker, "_gather_for_save", "save.gather")
+    return totals
+
+
+def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiprocess: bool = False) -> tuple[dict, str]:
+    """Run ``spec`` in a fresh Python process in its own session; returns (result, log). Raises
+    with the log's tail on failure. ``multiprocess``: vLLM's default engine (EngineCore and worker
+    in processes of their own) instead of everything in one interpreter. Whatever the engine left
+    running in the session is killed at the end."""
     path = os.path.join(workdir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    proc = subprocess.run([sys.executable, "-m", "kvtier.bench.ttft", "--child", path], capture_output=True,
-                          text=True, timeout=timeout_s, env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"})
-    log = proc.stdout + proc.stderr
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.ttft", "--child", path], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill_session(proc.pid)
+        stdout, stderr = proc.communicate()
+        raise RuntimeError(f"engine {name} did not finish in {timeout_s} s:\n{(stdout + stderr)[-4000:]}") from None
+    finally:
+        _kill_session(proc.pid)
+    log = stdout + stderr
     if proc.returncode != 0:
         raise RuntimeError(f"engine {name} failed (exit {proc.returncode}):\n{log[-4000:]}")
-    line = next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))
+    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
     return json.loads(line[len("RESULT "):]), log
 
 
+def _kill_session(pid: int) -> None:
+    """End the engine's process group (its session leader is ``pid``): EngineCore and workers too."""
+    try:
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+
+
 # ---- the bench --------------------------------------------------------------------------------
-def make_model(path: str, hidden: int, layers: int) -> str:
+def make_model(path: str, hidden: int, layers: int, max_positions: int = 8192) -> str:
     """A random-weight Llama (no download): ``hidden`` wide, ``layers`` deep, 64-dim heads, GQA 2:1."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -107,7 +160,7 @@ def make_model(path: str, hidden: int, layers: int) -> str:
     heads = max(2, hidden // 64)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
                          num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), vocab_size=VOCAB,
-                         max_position_embeddings=8192, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+                         max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     return path
 

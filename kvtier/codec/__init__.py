@@ -5,12 +5,15 @@ of that region, each ``region.block_bytes`` long. Block ``j`` of region ``r`` th
 ``HEADER_BYTES + n * sum(block_bytes of regions before r) + j * block_bytes[r]``, so any
 sub-range of blocks can be read without touching the rest.
 
-Header (little-endian): magic ``b"KVTC"``, format version (u16), checksum kind (u16),
-layout fingerprint (16 B), block count (u32), reserved (u32), payload bytes (u64),
-payload checksum (u64), zero padding to 64 bytes.
+Header (little-endian): magic ``b"KVTC"``, format version (u16, now 2), checksum kind (u16,
+:mod:`kvtier.codec.checksums`), layout fingerprint (16 B), block count (u32), reserved (u32),
+payload bytes (u64), payload checksum low 64 bits (u64), high 64 bits (u64, xxh3-128 only, else
+0), zero padding to 64 bytes. A chunk of another format version never loads.
 """
 
 from kvtier.codec.chunk import (
+    DEFAULT_HOST_CHECKSUM,
+    FORMAT_VERSION,
     HEADER_BYTES,
     ChunkError,
     ChunkHeader,
@@ -23,6 +26,8 @@ from kvtier.codec.chunk import (
 )
 
 __all__ = [
+    "DEFAULT_HOST_CHECKSUM",
+    "FORMAT_VERSION",
     "HEADER_BYTES",
     "ChunkError",
     "ChunkHeader",

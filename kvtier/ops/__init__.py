@@ -2,11 +2,13 @@
 
 ``gather`` copies engine blocks into chunk buffers (save); ``scatter`` copies chunk buffers into
 engine blocks (load). Both take a batch of :class:`ChunkSpan` so a backend can serve a whole
-batch with one launch. Backends: ``torch`` (``index_select`` / ``index_copy_``, any device),
+batch with one launch. Backends: ``cpu`` (host only: one C pass that copies and computes the chunk checksum, on a few threads,
+outside the GIL), ``torch`` (``index_select`` / ``index_copy_``, any device),
 ``reference`` (one ``copy_`` per block and region: the naive baseline and the tests' oracle), and
 on CUDA ``triton`` (zero-copy kernel over UVA), ``cuda`` (its CUDA C++ twin in ``csrc/``) and
-``dma`` (a device-side pack into staging memory, then the copy engines). The CUDA backends compute
-the chunk checksum (:mod:`kvtier.ops.checksum`) while they copy and verify it while they load.
+``dma`` (a device-side pack into staging memory, then the copy engines). The CUDA backends and
+``cpu`` compute the chunk checksum (:mod:`kvtier.ops.checksum`) while they copy and verify it
+while they load. ``auto`` on a CPU takes ``cpu`` when it builds here, else ``torch``.
 ``auto`` on CUDA takes ``dma``: it alone keeps ≥ 40 GB/s beside a running model without slowing
 it (measurements and the full rule: :func:`kvtier.ops.dma_ops.choose_path`).
 """
@@ -47,9 +49,11 @@ Op = Callable[[Layout, Sequence[ChunkSpan]], None]
 
 
 def _backends() -> dict[str, tuple[Op, Op]]:
-    from kvtier.ops import reference, torch_ops
+    from kvtier.ops import cpu_ops, reference, torch_ops
 
     table = {"torch": (torch_ops.gather, torch_ops.scatter), "reference": (reference.gather, reference.scatter)}
+    if cpu_ops.available():
+        table["cpu"] = (cpu_ops.gather, cpu_ops.scatter)
     if torch.cuda.is_available():
         from kvtier.ops import cuda_ops, dma_ops, triton_ops
 
@@ -61,7 +65,7 @@ def _backends() -> dict[str, tuple[Op, Op]]:
 
 def checksums_in_kernel(name: str) -> bool:
     """Whether backend ``name`` computes and verifies the KVSUM64 chunk checksum while copying."""
-    return name in ("dma", "triton", "cuda")
+    return name in ("dma", "triton", "cuda", "cpu")
 
 
 def backend_names() -> list[str]:
@@ -70,11 +74,14 @@ def backend_names() -> list[str]:
 
 
 def resolve_backend(layout: Layout, name: str = "auto") -> str:
-    """The backend ``name`` stands for on this machine; ``auto``: ``dma`` > ``triton`` > ``cuda`` on CUDA, else ``torch``."""
+    """The backend ``name`` stands for on this machine; ``auto``: ``dma`` > ``triton`` > ``cuda`` on CUDA,
+    ``cpu`` > ``torch`` on a CPU."""
     table = _backends()
     if name == "auto":
-        on_cuda = layout.device.type == "cuda"
-        name = next((n for n in ("dma", "triton", "cuda") if on_cuda and n in table), "torch")
+        order = ("dma", "triton", "cuda") if layout.device.type == "cuda" else ("cpu",)
+        name = next((n for n in order if n in table), "torch")
+    if name == "cpu" and layout.device.type != "cpu":
+        raise ValueError(f"ops backend 'cpu' copies host memory; the KV is on {layout.device}.")
     if name not in table:
         raise ValueError(f"ops backend {name!r} is not available here; choose one of {sorted(table)}.")
     return name

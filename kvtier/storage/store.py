@@ -221,6 +221,13 @@ class ChunkStore:
         """The shared tier's counters (see ``SharedTier.stats``); empty without one."""
         return {} if self._shared is None else self._shared.stats()
 
+    def will_need(self, keys: list[bytes]) -> None:
+        """Hint that ``keys`` are about to be read: those held only on disk start loading into
+        the page cache now, in parallel. No effect on CPU-resident or unknown keys."""
+        self._check_open()
+        if self._disk is not None:
+            self._disk.will_need([lm.engine_key(k, self._config) for k in keys])
+
     def remove(self, key: bytes) -> None:
         """Drop ``key`` from every tier and delete its disk file (e.g. found corrupt).
 

@@ -46,6 +46,9 @@ def test_reload_writes_verified_json_and_plot(tmp_path):
             assert row[key] > 0, (name, key, row)
         assert len(row["save_ms_samples"]) == 2
     assert data["results"]["raw"]["save_vs_raw"] == pytest.approx(1.0)
+    for candidate in ("kvtier-xxh3-128", "kvtier-crc32c", "kvtier-blake3"):  # a row per chunk checksum, verified
+        assert candidate in data["verified_paths"] and data["results"][f"{candidate}.rest"]["save_ms_samples"]
+    assert "KVSUM64 in the copy" in data["results"]["kvtier"]["label"]
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.stat().st_size > 0
 

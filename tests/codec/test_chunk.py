@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from kvtier import codec
+from kvtier.codec import checksums  # noqa: F401 - codec.checksums below
 from kvtier.layout import build_layout
 
 
@@ -47,3 +48,44 @@ def test_wrong_layout_block_count_and_truncation_are_detected(layout):
         codec.verify_chunk(buf[:-1], layout, 4)
     with pytest.raises(codec.ChunkError, match="magic"):
         codec.verify_chunk(torch.zeros(128, dtype=torch.uint8), layout, 4)
+
+
+@pytest.mark.parametrize("kind", sorted(codec.checksums.NAMES))
+def test_every_checksum_kind_verifies_and_catches_a_flipped_payload_bit(layout, kind):
+    buf = torch.randint(0, 256, (codec.chunk_bytes(layout, 4),), dtype=torch.uint8)
+    codec.write_header(buf, layout, 4, kind=kind)
+    header = codec.verify_chunk(buf, layout, 4)
+    assert header.checksum_kind == kind and header.checksum != 0
+    buf[codec.HEADER_BYTES + 777] ^= 0x04
+    with pytest.raises(codec.ChunkError, match=f"{codec.checksums.NAMES[kind]} checksum mismatch"):
+        codec.verify_chunk(buf, layout, 4)
+
+
+def test_xxh3_keeps_all_128_bits(layout):
+    buf = sealed(layout)
+    header = codec.verify_chunk(buf, layout, 4)
+    assert header.checksum_kind == codec.chunk.CHECKSUM_XXH3_128 and header.checksum >> 64
+    buf[48] ^= 0x01  # low byte of the high half
+    with pytest.raises(codec.ChunkError, match="checksum mismatch"):
+        codec.verify_chunk(buf, layout, 4)
+
+
+def old_format_chunk(layout, n=4):
+    """A chunk as format version 1 wrote it: 64-bit BLAKE3 in a 48-byte header, intact otherwise."""
+    import struct
+
+    import blake3
+
+    buf = torch.randint(0, 256, (codec.chunk_bytes(layout, n),), dtype=torch.uint8)
+    payload = buf[codec.HEADER_BYTES :]
+    digest = int.from_bytes(blake3.blake3(memoryview(payload.numpy())).digest(8), "little")
+    packed = struct.Struct("<4sHH16sIIQQ").pack(b"KVTC", 1, 1, layout.fingerprint, n, 0, payload.numel(), digest)
+    buf[: codec.HEADER_BYTES].zero_()
+    buf[: len(packed)] = torch.frombuffer(bytearray(packed), dtype=torch.uint8)
+    return buf
+
+
+def test_a_chunk_of_the_previous_format_version_is_refused(layout):
+    assert codec.FORMAT_VERSION == 2
+    with pytest.raises(codec.ChunkError, match="format version 1"):
+        codec.verify_chunk(old_format_chunk(layout), layout, 4)

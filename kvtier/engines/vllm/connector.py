@@ -77,6 +77,7 @@ class KvtierConnector(KVConnectorBase_V1):
             self._worker = WorkerSide(
                 self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
                 parallel.rank, parallel.world_size, produce=transfer.kv_role != "kv_consumer", kv_events=kv_events,
+                load_inline=parallel.distributed_executor_backend == "uni",  # worker shares the engine loop's GIL
             )
 
     # ---- worker side ------------------------------------------------------------------------------

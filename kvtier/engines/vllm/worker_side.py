@@ -57,7 +57,7 @@ class WorkerSide:
     """Owns this worker's store, transfer worker, reporter and (rank 0) lookup server; closes all."""
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, num_blocks: int, endpoint: str,
-                 rank: int, world_size: int, produce: bool = True, kv_events: bool = False):
+                 rank: int, world_size: int, produce: bool = True, kv_events: bool = False, load_inline: bool = False):
         self.config = config
         self.model = model
         self.block_size = block_size
@@ -66,6 +66,7 @@ class WorkerSide:
         self.world_size = world_size
         self.endpoint = endpoint
         self.produce = produce
+        self.load_inline = load_inline  # local-tier loads on the engine thread (see TierWorker)
         self.holds: PublishHolds | None = None
         self.chunk_server: ChunkServer | None = None
         self._hello: Hello | None = None
@@ -115,7 +116,7 @@ class WorkerSide:
             self.holds.stored(keys)
 
         self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
-                                    on_held=held, fetch_remote=self._fetch_remote)
+                                    on_held=held, fetch_remote=self._fetch_remote, load_inline=self.load_inline)
         pd = "no P/D chunk server (kv_consumer)"
         if self.produce:
             bind, advertised = config.pd_endpoints(self.rank)
