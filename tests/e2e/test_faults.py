@@ -199,9 +199,10 @@ def test_slow_or_dead_lookup_server_is_a_miss_within_the_timeout_lmcache_5233(ti
     print(f"\nlookup server slow: max schedule() {result['slow_max_schedule_ms']:.0f} ms, run {result['slow_s']:.2f} s; "
           f"dead: max schedule() {result['dead_max_schedule_ms']:.0f} ms, run {result['dead_s']:.2f} s")
     # Both prompts are admitted in one step: the first lookup times out, the second is a miss
-    # without asking (the client backs off), so a step waits one timeout (plus a loaded box's noise).
-    assert result["slow_max_schedule_ms"] < 200 + 250
-    assert result["dead_max_schedule_ms"] < 200 + 250
+    # without asking (the client backs off), so a step waits one timeout. The bound leaves room
+    # for a loaded box and still fails a step that waits for the answer the server sends 1 s late.
+    assert result["slow_max_schedule_ms"] < 200 + 700
+    assert result["dead_max_schedule_ms"] < 200 + 700
     assert "did not answer in 200 ms" in log
     left = [t for t in result["threads_left"] if t.startswith(("kvtier", "storage-manager"))]
     assert left == [] and not result["socket_left"]
