@@ -231,6 +231,7 @@ def reload_under_save_burst(llm, spec, out):
     out["idle_load_ms"], times[:] = list(times), []
     out["busy"] = [generate(llm, spec, [hot] + burst[i * per:(i + 1) * per], reset=True) for i in range(rounds)]
     out["busy_load_ms"] = list(times)
+    settle(ws)  # saves land in the background: count them once they have
     out["saved_chunks"] = ws.transfers.stats.saved_chunks
     out["leaks"] = leaks(ws)
 
