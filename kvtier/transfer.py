@@ -343,7 +343,7 @@ class TierWorker:
         lookup offers it again.
         """
         start = _now_ms()
-        spans, buffers, sums, done = [], [], [], 0
+        spans, buffers, sums, tiers, done = [], [], [], [], 0
         tokens = {"cpu": 0, "disk": 0, "shared": 0, "remote": 0}
         local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
         if len(local) > 1:  # disk-resident chunks: read ahead all at once, not one by one
@@ -363,7 +363,7 @@ class TierWorker:
                 buffer, checksum = fetched
                 buffers.append(buffer)
                 sums.append(checksum)
-                tokens[buffer.tier.value] += count * self.layout.block_size
+                tiers.append(buffer.tier.value)
                 ids = self._ids(job.block_ids[done : done + count])
                 spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids))
                 done += count
@@ -379,10 +379,17 @@ class TierWorker:
         finally:
             for buffer in buffers:
                 buffer.release()
-        loaded = len(spans)
+        loaded = blocks = 0  # chunks scattered intact: one failing the kernel's check is no hit
+        for span, tier in zip(spans, tiers):
+            blocks += span.block_ids.numel()
+            if blocks > done:
+                break
+            tokens[tier] += span.block_ids.numel() * self.layout.block_size
+            loaded += 1
         if job.remote is not None and len(local) == loaded and done < len(job.block_ids):
+            local_done = done
             done, remote_chunks = self._load_remote(job, done)
-            tokens["remote"] = (done - sum(s.block_ids.numel() for s in spans)) * self.layout.block_size
+            tokens["remote"] = (done - local_done) * self.layout.block_size
             loaded += remote_chunks
         stats = self.stats
         stats.loaded_chunks += loaded

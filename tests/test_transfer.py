@@ -201,6 +201,10 @@ def test_a_corrupt_chunk_is_removed_and_the_store_reports_it_gone(stores):
         buffer.release()
         assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(40, 44)))) == {42, 43}
         assert store.contains(bad) is None and bad in changed.keys
+        # Only the intact chunk counts as a hit, whether the check ran on fetch or in the copy.
+        stats = worker.stats
+        assert (stats.loaded_chunks, stats.failed_chunks) == (1, 1)
+        assert stats.cpu_hit_tokens == CHUNK_BLOCKS * layout.block_size
         assert torch.equal(blocks(alloc, range(40, 42)), blocks(alloc, range(2)))
     finally:
         worker.close()
