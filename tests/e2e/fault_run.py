@@ -85,27 +85,26 @@ def kv_files(disk: Path) -> list[Path]:
 
 # ---- scenarios --------------------------------------------------------------------------------
 def disk_full_mid_burst(llm, spec, out):
-    """A file-size limit lands once the burst's first chunk file exists: every later write fails
-    part-way with EFBIG (SIGXFSZ ignored, as a server would). The whole burst is then asked again."""
+    """A file-size limit lands as soon as the burst's first chunk file is written: every later
+    write fails part-way with EFBIG (SIGXFSZ ignored, as a server would). The whole burst is then
+    asked again."""
     disk = Path(spec["kvtier"]["disk_path"])
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
     _, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
-    done = threading.Event()
-
-    def limit_when_writing():
-        while not done.is_set():
-            if any(disk.glob("*.kv")):
-                resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], hard))
-                out["files_when_full"] = len(list(disk.glob("*.kv")))
-                return
-            time.sleep(0.001)
-
-    watcher = threading.Thread(target=limit_when_writing, daemon=True)
-    watcher.start()
     ws = worker_side()
+    tier, full = ws.store._disk, threading.Event()
+    write = tier._orig_write_file  # LMCache's own file write, under kvtier's failure handling
+
+    def write_then_fill(buffer, path):
+        write(buffer, path)
+        if not full.is_set():  # on the writing thread itself: no race with a fast disk
+            full.set()
+            resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], hard))
+            out["files_when_full"] = len(list(disk.glob("*.kv")))
+
+    tier._orig_write_file = write_then_fill
     out["burst"] = generate(llm, spec, spec["prompts"])
     settle(ws)
-    done.set()
     out["again"] = generate(llm, spec, spec["prompts"], reset=True)
     out["leaks"] = leaks(ws)
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
