@@ -39,7 +39,7 @@ from kvtier.codec import checksums
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
-from kvtier.ops import ChunkSpan, checksums_in_kernel, pick_backend, resolve_backend
+from kvtier.ops import ChunkSpan, checksums_in_kernel, copies_in_background, pick_backend, resolve_backend
 from kvtier.ops.checksum import to_unsigned
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 
@@ -53,6 +53,9 @@ REMOTE_THREADS = 4  # P/D transfers in flight at once
 SAVE_NICE = 10  # the save thread's extra niceness: under CPU contention the load thread runs first
 _YIELD_S = 0.0005  # how often a save waiting for loads to finish looks again
 _EWMA = 0.2  # weight of the newest sample in the per-tier load cost
+PIPELINE_BYTES = 128 << 20  # with a backend that copies in the background (dma), a save or load is
+# started in batches of about this many bytes (one staging slot), so allocating, sealing and storing
+# chunks (save) or fetching them (load) overlaps the copies of the batches before
 
 
 @dataclass(slots=True)
@@ -91,7 +94,7 @@ class _PendingSave:
     buffer: ChunkBuffer
     num_blocks: int
     ready: torch.cuda.Event | None
-    sums: torch.Tensor | None = None  # int64 [spans] KVSUM64s the copy kernel computed, if it does
+    sums: torch.Tensor | None = None  # int64 [chunks of its batch], host memory: KVSUM64s the copy computed, if it does
     index: int = 0  # this chunk's entry in ``sums``
     batch: _SaveBatch | None = None
 
@@ -126,6 +129,7 @@ class TierWorker:
         self.batch_ms: dict[str, deque[float]] = {"load": deque(), "save": deque()}
         self.backend = resolve_backend(layout, backend)
         self._gather, self._scatter = pick_backend(layout, self.backend)
+        self._gather_async, self._scatter_async = copies_in_background(self.backend) or (None, None)
         self._kernel_sums = checksums_in_kernel(self.backend)  # else a separate pass on the host
         self._host_checksum = codec.DEFAULT_HOST_CHECKSUM if checksum is None else checksums.kind_of(checksum)
         self._on_held = on_held or (lambda keys: None)
@@ -188,30 +192,52 @@ class TierWorker:
         if not wanted:
             return 0
         wanted = self._make_room(wanted)
-        spans, pending = [], []
-        unallocated = 0
-        for skey, ids in wanted:
-            buffer = self.store.allocate(codec.chunk_bytes(self.layout, len(ids)), wait=False)
-            if buffer is None:
-                unallocated += codec.chunk_bytes(self.layout, len(ids))
-                continue
-            spans.append(ChunkSpan(buffer.data, len(ids), 0, self._ids(ids)))
-            pending.append(_PendingSave(skey, buffer, len(ids), None, index=len(pending)))
+        ids = self._ids([b for _, blocks in wanted for b in blocks])  # one host-to-device copy for all
         start = _now_ms()
-        batch = _SaveBatch(start, len(pending))
-        if spans:
-            sums = torch.empty(len(spans), dtype=torch.int64, device=self.layout.device) if self._kernel_sums else None
-            ready = self._gather_for_save(spans, sums)
-            for item in pending:
-                item.ready, item.sums, item.batch = ready, sums, batch
+        batch = _SaveBatch(start, 1)  # one more than its chunks until every chunk is queued
+        group: list[tuple[_PendingSave, ChunkSpan]] = []
+        queued = unallocated = at = 0
+        for skey, blocks in wanted:
+            nbytes = codec.chunk_bytes(self.layout, len(blocks))
+            span_ids, at = ids[at : at + len(blocks)], at + len(blocks)
+            buffer = self.store.allocate(nbytes, wait=False)
+            if buffer is None:
+                unallocated += nbytes
+                continue
+            group.append((_PendingSave(skey, buffer, len(blocks), None, batch=batch),
+                          ChunkSpan(buffer.data, len(blocks), 0, span_ids)))
+            if self._gather_async is not None and len(group) * nbytes >= PIPELINE_BYTES:
+                queued += self._gather_and_queue(group)
+                group = []
+        if group:
+            queued += self._gather_and_queue(group)
         with self._cond:
             self._backlog_bytes -= unallocated  # give back their reservation
-            self.stats.dropped_saves += len(wanted) - len(pending)
+            self.stats.dropped_saves += len(wanted) - queued
             self.stats.save_ms += _now_ms() - start
-            self._backlog.extend(pending)
-            self._saving.update(item.key for item in pending)
+            self._batch_done(batch)
+        return queued
+
+    def _gather_and_queue(self, group: list[tuple[_PendingSave, ChunkSpan]]) -> int:
+        """Start copying ``group``'s chunks out and hand them to the save thread, which stores each
+        once its copy has landed. Returns how many were queued."""
+        spans = [span for _, span in group]
+        sums = None
+        if self._kernel_sums:  # host memory (pinned for the copy engines): the save thread reads it
+            on_host = self._gather_async is not None or self.layout.device.type == "cpu"
+            sums = torch.empty(len(spans), dtype=torch.int64, device="cpu" if on_host else self.layout.device,
+                               pin_memory=on_host and self.layout.device.type == "cuda")
+        ready = self._gather_for_save(spans, sums)
+        if sums is not None and sums.device.type != "cpu":
+            sums = sums.cpu()  # a kernel backend: its gather has finished
+        with self._cond:
+            for i, ((item, _), event) in enumerate(zip(group, ready)):
+                item.ready, item.sums, item.index = event, sums, i
+                item.batch.left += 1
+                self._backlog.append(item)
+                self._saving.add(item.key)
             self._cond.notify_all()
-        return len(pending)
+        return len(group)
 
     def _make_room(self, wanted: list[tuple[bytes, list[int]]]) -> list[tuple[bytes, list[int]]]:
         """Reserve backlog bytes for ``wanted``, dropping the oldest pending chunks to make room;
@@ -238,22 +264,30 @@ class TierWorker:
                 wanted, sizes = wanted[:room], sizes[:room]
             self._backlog_bytes += sum(sizes)
         for item in dropped:
+            if item.ready is not None:
+                item.ready.synchronize()  # its copy may still be landing in the buffer
             item.buffer.release()
         return wanted
 
-    def _gather_for_save(self, spans: list[ChunkSpan], sums: torch.Tensor | None) -> torch.cuda.Event | None:
-        gather = self._gather if sums is None else partial(self._gather, checksums_out=sums)
+    def _gather_for_save(self, spans: list[ChunkSpan], sums: torch.Tensor | None) -> list[torch.cuda.Event | None]:
+        """Copy ``spans`` out of the engine blocks (their KVSUM64s into ``sums``, if given); per
+        span, the CUDA event after which its chunk is on the host (None: it is already)."""
+        kw = {} if sums is None else {"checksums_out": sums}
         if self._save_stream is None:
-            gather(self.layout, spans)
-            return None
+            self._gather(self.layout, spans, **kw)
+            return [None] * len(spans)
         engine = torch.cuda.current_stream(self.layout.device)
         self._save_stream.wait_stream(engine)  # the forward that wrote the blocks comes first
         with torch.cuda.stream(self._save_stream):
-            gather(self.layout, spans)
+            if self._gather_async is not None:
+                copying = self._gather_async(self.layout, spans, **kw)
+                engine.wait_event(copying.blocks_read)  # a later step reuses the blocks only once read
+                return copying.done
+            self._gather(self.layout, spans, **kw)
         ready = torch.cuda.Event()
         ready.record(self._save_stream)
         engine.wait_event(ready)  # and a later step that reuses the blocks comes after
-        return ready
+        return [ready] * len(spans)
 
     def _save_loop(self) -> None:
         try:
@@ -284,11 +318,13 @@ class TierWorker:
                 self._on_held([item.key])
 
     def _batch_item_done(self, item: _PendingSave) -> None:
-        batch = item.batch
-        if batch is not None:
-            batch.left -= 1  # under _cond
-            if batch.left == 0:
-                self.batch_ms["save"].append(_now_ms() - batch.start_ms)
+        if item.batch is not None:
+            self._batch_done(item.batch)
+
+    def _batch_done(self, batch: _SaveBatch) -> None:
+        batch.left -= 1  # under _cond
+        if batch.left == 0:
+            self.batch_ms["save"].append(_now_ms() - batch.start_ms)
 
     @torch.inference_mode()  # buffers may be inference tensors made on the engine's thread
     def _seal_and_put(self, item: _PendingSave) -> bool:
@@ -344,10 +380,13 @@ class TierWorker:
         """
         start = _now_ms()
         spans, buffers, sums, tiers, done = [], [], [], [], 0
+        copies: list = []  # started scatters, in span order: each has wait() -> ok per span
+        launched, begin = 0, None
         tokens = {"cpu": 0, "disk": 0, "shared": 0, "remote": 0}
         local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
         if len(local) > 1:  # disk-resident chunks: read ahead all at once, not one by one
             self.store.will_need([self.skey(k) for k in local])
+        ids = self._ids(job.block_ids)  # one host-to-device copy, before any chunk copy is in flight
         try:
             for i, key in enumerate(local):
                 if done == len(job.block_ids):
@@ -364,19 +403,28 @@ class TierWorker:
                 buffers.append(buffer)
                 sums.append(checksum)
                 tiers.append(buffer.tier.value)
-                ids = self._ids(job.block_ids[done : done + count])
-                spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids))
+                spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids[done : done + count]))
                 done += count
+                if self._scatter_async is not None and (len(spans) - launched) * self.chunk_bytes >= PIPELINE_BYTES:
+                    begin = _now_ms() if begin is None else begin
+                    copies.append(self._start_scatter(spans[launched:], sums[launched:]))
+                    launched = len(spans)
+            if launched < len(spans):
+                begin = _now_ms() if begin is None else begin
+                copies.append(self._start_scatter(spans[launched:], sums[launched:]))
+            ok = [flag for copy in copies for flag in copy.wait()]
             if spans:
-                begin = _now_ms()
-                if self._kernel_sums:
-                    done = self._scatter_verified(job, spans, buffers, sums, done)
-                else:
-                    self._scatter(self.layout, spans)
-                per_chunk = (_now_ms() - begin) * self.chunk_blocks / done
+                if not all(ok):
+                    done = self._first_bad(job, spans, ok)
+                per_chunk = (_now_ms() - begin) * self.chunk_blocks / max(1, done)
                 old = self._scatter_ms
                 self._scatter_ms = per_chunk if old == 0 else old + _EWMA * (per_chunk - old)
         finally:
+            for copy in copies:  # no buffer goes back while a copy may still read it
+                try:
+                    copy.wait()
+                except Exception:  # noqa: BLE001 - the load already failed; nothing reads these blocks
+                    pass
             for buffer in buffers:
                 buffer.release()
         loaded = blocks = 0  # chunks scattered intact: one failing the kernel's check is no hit
@@ -461,14 +509,19 @@ class TierWorker:
             self._on_held(held)
         return done, count_chunks
 
-    def _scatter_verified(self, job: LoadJob, spans: list[ChunkSpan], buffers: list[ChunkBuffer],
-                          sums: list[int], done: int) -> int:
-        """Scatter with the kernel checking each chunk's KVSUM64; returns how many blocks loaded
-        intact. From the first bad chunk on, every block counts as failed: vLLM recomputes from
-        the first failed block, and the bad chunk's blocks hold garbage until then."""
-        ok = self._scatter(self.layout, spans, sums)
-        if all(ok):
-            return done
+    def _start_scatter(self, spans: list[ChunkSpan], sums: list[int]):
+        """Start scattering ``spans`` (checked against their chunks' KVSUM64s ``sums`` when the
+        backend verifies while copying); returns what ``wait()`` gives ``ok`` per span."""
+        expected = sums if self._kernel_sums else None
+        if self._scatter_async is not None:
+            return self._scatter_async(self.layout, spans, expected)
+        ok = self._scatter(self.layout, spans, expected) if expected is not None else self._scatter(self.layout, spans)
+        return _Copied(ok if expected is not None else [True] * len(spans))
+
+    def _first_bad(self, job: LoadJob, spans: list[ChunkSpan], ok: list[bool]) -> int:
+        """Blocks loaded intact before the first chunk the copy found corrupt, which is removed.
+        From that chunk on every block counts as failed: vLLM recomputes from the first failed
+        block, and the bad chunk's blocks hold garbage until then."""
         bad = ok.index(False)
         self._discard(job.keys[bad], "payload checksum mismatch in the copy kernel")
         return sum(span.block_ids.numel() for span in spans[:bad])
@@ -557,6 +610,16 @@ class TierWorker:
             self._closing = True
             self._cond.notify_all()
         self._save_thread.join()
+
+
+class _Copied:
+    """A scatter that already ran: ``wait()`` gives its ``ok`` per span."""
+
+    def __init__(self, ok: list[bool]):
+        self.ok = ok
+
+    def wait(self) -> list[bool]:
+        return self.ok
 
 
 def _now_ms() -> float:

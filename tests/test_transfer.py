@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from kvtier import codec
+from kvtier import codec, transfer
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import chunk_keys, namespace, storage_key
 from kvtier.layout import build_layout
@@ -311,6 +311,35 @@ def test_cuda_save_then_load_on_their_own_streams(stores, backend):
         worker.submit_load(LoadJob("r", tuple(ks), 0, tuple(range(32, 48)))).result(timeout=30)
         assert worker.take_finished() == ({"r"}, set())
         assert torch.equal(alloc[:, :, 32:48], expected)  # visible on the engine's stream at once
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_pipelined_save_and_load_at_once_keep_their_bytes(stores, monkeypatch):
+    """dma copies in the background, a batch at a time: with one-chunk batches, a save of 8 chunks
+    and a load of 8 others run at once on one worker, each with copies still in flight while it
+    stores or fetches the next chunks. Both must land byte for byte."""
+    if "dma" not in backend_names():
+        pytest.skip("ops backend dma is not available on this machine")
+    monkeypatch.setattr(transfer, "PIPELINE_BYTES", 1)
+    alloc, layout = cuda_kv()
+    worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, "dma")
+    first, second = keys(8), keys(8, seed=1)
+    try:
+        worker.save([save_job(first)])
+        worker.drain()
+        expected_load, expected_save = alloc[:, :, :16].clone(), alloc[:, :, 16:32].clone()
+        loading = worker.submit_load(LoadJob("r", tuple(first), 0, tuple(range(32, 48))))
+        assert worker.save([SaveJob("s", tuple(second), tuple(range(16, 32)))]) == 8
+        loading.result(timeout=30)
+        worker.drain()
+        assert worker.take_finished() == ({"r"}, set())
+        assert torch.equal(alloc[:, :, 32:48], expected_load)
+        alloc[:, :, 16:32].zero_()
+        assert worker.load(LoadJob("r2", tuple(second), 0, tuple(range(48, 64)))) == set()
+        assert torch.equal(alloc[:, :, 48:64], expected_save)
     finally:
         worker.close()
 

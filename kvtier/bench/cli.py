@@ -69,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--shared", "--remote", dest="shared", metavar="URL",
                         help="also reload through the shared tier on this Redis/Valkey server (redis://host:port), "
                              "against raw GETs of the same bytes from it")
+    reload.add_argument("--beside-gemm", action="store_true",
+                        help="CUDA: also save and reload in a loop beside a bf16 GEMM loop; reports the GEMMs' "
+                             "slowdown and kvtier's GB/s meanwhile")
     reload.add_argument("--repeats", type=_positive, default=3, help="samples per path (default 3)")
     reload.add_argument("--stat", choices=("best", "median"), default="best",
                         help="which repeat the table shows: best (fastest; default, as interference on a shared "
@@ -122,8 +125,9 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         if problem:
             parser.error(f"--shared {problem}")
     spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats,
-                             args.seed, args.shared,
-                             args.checksum_rows)
+                             args.seed, args.shared, args.checksum_rows, args.beside_gemm)
+    if args.beside_gemm and device.type != "cuda":
+        parser.error("argument --beside-gemm: needs a CUDA device (it measures what kvtier costs a model's GEMMs).")
     device_bytes, host_bytes = spec.memory_needed()
     available = psutil.virtual_memory().available
     if host_bytes > 0.9 * available:

@@ -63,6 +63,7 @@ class ReloadSpec:
     seed: int = 0
     shared_url: str | None = None
     checksum_rows: bool = True  # on a CPU with backend auto: a whole-path row per checksum candidate
+    beside_gemm: bool = False  # CUDA: also save and reload in a loop beside a GEMM loop (kvtier.bench.beside_gemm)
 
     @property
     def chunk_blocks(self) -> int:
@@ -121,6 +122,7 @@ class ReloadResult:
     verified: list[str] = field(default_factory=list)
     peak_rss_bytes: int = 0
     elapsed_s: float = 0.0
+    beside_gemm: object | None = None  # kvtier.bench.beside_gemm.BesideGemm, when measured
 
 
 def run(spec: ReloadSpec, progress: Progress) -> ReloadResult:
@@ -142,6 +144,12 @@ def run(spec: ReloadSpec, progress: Progress) -> ReloadResult:
     progress(f"opening the CPU tier ({_gib(result.cpu_tier_bytes)})")
     with ChunkStore(StoreConfig(cpu_bytes=result.cpu_tier_bytes, namespace=NAMESPACE)) as store:
         _measure_kvtier_and_raw(spec, kv, keys, store, result, progress)
+        if spec.beside_gemm:
+            from kvtier.bench import beside_gemm
+
+            result.beside_gemm = beside_gemm.measure(kv, keys, store, spec.chunk_blocks, spec.backend,
+                                                     spec.prompt_bytes, progress)
+            result.verified.append("beside_gemm")
     if spec.disk_path:
         config = StoreConfig(cpu_bytes=result.cpu_tier_bytes, disk_path=spec.disk_path,
                              disk_bytes=result.cpu_tier_bytes, namespace=NAMESPACE)
@@ -200,24 +208,41 @@ class _KvtierPath:
         self.ops, self.storage = _Clock(spec.device), _Clock(torch.device("cpu"))
         worker = TierWorker(kv.layout, _TimedStore(store, self.storage), spec.chunk_blocks, variant.backend,
                             checksum=variant.checksum)
-        # Timed in place, inside the real path: TierWorker keeps no per-stage counters of its own.
         if not (callable(getattr(worker, "_gather", None)) and callable(getattr(worker, "_scatter", None))):
             worker.close()
             raise BenchError("TierWorker no longer has _gather/_scatter: kvtier/bench/reload.py must learn its new shape.")
-        worker._gather, worker._scatter = self.ops.wrap(worker._gather), self.ops.wrap(worker._scatter)
+        # Copies in the background overlap the store work: timing them in place (synchronized)
+        # would serialize what the path overlaps, so their ops are timed alone on the same chunks.
+        self.background = getattr(worker, "_gather_async", None) is not None
+        if not self.background:  # timed in place, inside the real path
+            worker._gather, worker._scatter = self.ops.wrap(worker._gather), self.ops.wrap(worker._scatter)
         self.worker = worker
         self.skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
         self.save_job, self.load_job = _jobs(kv, keys)
         fused = checksums_in_kernel(worker.backend)
         name = variant.name
         self.total = result.paths[name] = PathTimes(variant.label)
+        ops_label = "  ops only: gather / scatter" + (" (KVSUM64 included)" if fused else "")
         self.parts = (
-            result.paths.setdefault(f"{name}.ops", PathTimes(
-                "  ops only: gather / scatter" + (" (KVSUM64 included)" if fused else ""))),
-            result.paths.setdefault(f"{name}.storage", PathTimes("  store: allocate+put / get")),
+            result.paths.setdefault(f"{name}.ops", PathTimes(ops_label + (", timed alone" if self.background else ""))),
+            result.paths.setdefault(f"{name}.storage", PathTimes(
+                "  store: allocate+put / get" + (", overlapping the copies" if self.background else ""))),
             result.paths.setdefault(f"{name}.rest", PathTimes(
+                "  whole path less ops alone: what the copies do not hide" if self.background else
                 "  header + overhead (rest)" if fused else "  checksum + header + overhead (rest)")),
         )
+
+    def _ops_alone(self) -> tuple[float, float]:
+        """(save ms, reload ms) of the worker's own ops over the same chunks, nothing else."""
+        spec, kv, worker = self.spec, self.kv, self.worker
+        chunk_bytes = codec.chunk_bytes(kv.layout, spec.chunk_blocks)
+        sums = torch.empty(spec.num_chunks, dtype=torch.int64, device=spec.device)
+        with host_buffer(spec.num_chunks * chunk_bytes, spec.device) as host:
+            out = _chunk_spans(host, spec.num_chunks, kv.src, spec.chunk_blocks, chunk_bytes)
+            back = _chunk_spans(host, spec.num_chunks, kv.dst, spec.chunk_blocks, chunk_bytes)
+            save_ms = _timed_ms(spec.device, lambda: worker._gather(kv.layout, out, checksums_out=sums))
+            reload_ms = _timed_ms(spec.device, lambda: worker._scatter(kv.layout, back, sums))
+        return save_ms, reload_ms
 
     def repeat(self, r: int, progress: Progress) -> None:
         ops, storage, (part_ops, part_store, part_rest) = self.ops, self.storage, self.parts
@@ -225,16 +250,19 @@ class _KvtierPath:
             self.store.remove(skey)
         ops.ms = storage.ms = 0.0
         save_ms = _save(self.worker, self.save_job, self.spec.num_chunks)
-        for path, ms in ((self.total, save_ms), (part_ops, ops.ms), (part_store, storage.ms),
-                         (part_rest, save_ms - ops.ms - storage.ms)):
-            path.save_ms.append(ms)
+        save_parts = (ops.ms, storage.ms)
         clobber_blocks(self.kv.layout, self.kv.dst)
         ops.ms = storage.ms = 0.0
         load_ms = _load(self.worker, self.load_job, "the CPU tier")
-        for path, ms in ((self.total, load_ms), (part_ops, ops.ms), (part_store, storage.ms),
-                         (part_rest, load_ms - ops.ms - storage.ms)):
-            path.reload_ms.append(ms)
+        load_parts = (ops.ms, storage.ms)
         verify_blocks(self.kv.layout, self.kv.src, self.kv.dst, f"{self.variant.name} reload from the CPU tier")
+        if self.background:
+            alone = self._ops_alone()
+            save_parts, load_parts = (alone[0], save_parts[1]), (alone[1], load_parts[1])
+        for whole, (ops_ms, store_ms), times in ((save_ms, save_parts, "save_ms"), (load_ms, load_parts, "reload_ms")):
+            rest = whole - ops_ms - (0.0 if self.background else store_ms)
+            for path, ms in ((self.total, whole), (part_ops, ops_ms), (part_store, store_ms), (part_rest, rest)):
+                getattr(path, times).append(ms)
         progress(f"{self.variant.name} CPU tier {r + 1}/{self.spec.repeats}: save {save_ms:.0f} ms, "
                  f"reload {load_ms:.0f} ms, verified")
 
@@ -323,8 +351,7 @@ def _measure_naive(spec: ReloadSpec, kv: EngineKV, result: ReloadResult, progres
     chunk_bytes = codec.chunk_bytes(kv.layout, cb)
 
     def spans(host: torch.Tensor, count: int, ids: torch.Tensor) -> list[ChunkSpan]:
-        return [ChunkSpan(host[i * chunk_bytes : (i + 1) * chunk_bytes], cb, 0, ids[i * cb : (i + 1) * cb])
-                for i in range(count)]
+        return _chunk_spans(host, count, ids, cb, chunk_bytes)
 
     with host_buffer(chunk_bytes, spec.device) as probe:  # the faster of two: the first warms up
         probe_ms = min(_timed_ms(spec.device, lambda: gather(kv.layout, spans(probe, 1, kv.src))) for _ in range(2))
@@ -375,6 +402,12 @@ class _Raw:
 
 
 # ---- helpers ------------------------------------------------------------------------------------
+
+
+def _chunk_spans(host: torch.Tensor, count: int, ids: torch.Tensor, chunk_blocks: int, chunk_bytes: int) -> list[ChunkSpan]:
+    """``count`` whole chunks back to back in ``host``, chunk ``i`` over blocks ``ids[i*cb:(i+1)*cb]``."""
+    return [ChunkSpan(host[i * chunk_bytes : (i + 1) * chunk_bytes], chunk_blocks, 0,
+                      ids[i * chunk_blocks : (i + 1) * chunk_blocks]) for i in range(count)]
 
 
 def device_name(device: torch.device) -> str:

@@ -63,6 +63,16 @@ def _backends() -> dict[str, tuple[Op, Op]]:
     return table
 
 
+def copies_in_background(name: str) -> tuple[Callable, Callable] | None:
+    """``(gather_async, scatter_async)`` of backend ``name`` when its copies run on the GPU's copy
+    engines after the call returns (``dma``: :class:`kvtier.ops.dma_ops.Copying`), else None."""
+    if name != "dma":
+        return None
+    from kvtier.ops import dma_ops
+
+    return dma_ops.gather_async, dma_ops.scatter_async
+
+
 def checksums_in_kernel(name: str) -> bool:
     """Whether backend ``name`` computes and verifies the KVSUM64 chunk checksum while copying."""
     return name in ("dma", "triton", "cuda", "cpu")

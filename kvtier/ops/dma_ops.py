@@ -18,6 +18,8 @@ all backends from measured numbers.
 
 from __future__ import annotations
 
+import threading
+from collections import deque
 from dataclasses import dataclass
 from typing import Collection, Sequence
 
@@ -62,32 +64,78 @@ def _launch(kernel: str, max_ctas: int | None):
 
 
 class _Stager:
-    """Per-device staging memory and streams. ``copy`` (DMA) is non-default: the batch API refuses
-    the legacy stream. ``pack`` runs the short, few-CTA pack/unpack and checksum kernels at the
-    highest priority, so they go first when SMs free up; they still wait for SMs behind long model
-    kernels (priority alone did not lift 8 x 32 MiB slots above ~21 GB/s), hence the large slots."""
+    """Staging memory and streams of one device and one direction (saves and loads each have their
+    own, so D2H and H2D run on their own copy engines and a load never queues behind a save).
+    ``copy`` (DMA) is non-default: the batch API refuses the legacy stream. ``pack`` runs the
+    short, few-CTA pack/unpack and checksum kernels at the highest priority, so they go first
+    when SMs free up; they still wait for SMs behind long model kernels (priority alone did not
+    lift 8 x 32 MiB slots above ~21 GB/s), hence the large slots.
+
+    The slots form a ring that outlives a call: a call may return with its copies in flight (see
+    :class:`Copying`), and the next one takes the next slots, each waiting on the GPU for the
+    last copy that used it. ``lock`` serializes enqueueing (never waiting) between threads."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.copy = torch.cuda.Stream(device)
         self.pack = torch.cuda.Stream(device, priority=-100)  # clamped to the highest priority
+        self.lock = threading.Lock()
         self.buffer: torch.Tensor | None = None
+        self.slot_bytes = 0
+        self.busy: list[torch.cuda.Event | None] = []  # per slot: its last use, on either stream
+        self.next = 0  # the ring's next slot
+        self.in_flight: deque[tuple[torch.cuda.Event, object]] = deque()  # device temporaries of running calls
 
-    def ensure(self, nbytes: int) -> torch.Tensor:
-        # Called at the start of a call, when no copy of ours is in flight, so regrowing is safe.
-        if self.buffer is None or self.buffer.numel() < nbytes:
+    def ring(self, slot_bytes: int, slots: int) -> torch.Tensor:
+        """The staging buffer as ``slots`` slots of ``slot_bytes``; (re)made only once every copy
+        of ours has ended."""
+        if self.buffer is None or self.slot_bytes != slot_bytes or len(self.busy) != slots:
+            self.copy.synchronize()
+            self.pack.synchronize()
+            self.in_flight.clear()
             self.buffer = None
-            self.buffer = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+            self.buffer = torch.empty(slot_bytes * slots, dtype=torch.uint8, device=self.device)
+            self.slot_bytes, self.busy, self.next = slot_bytes, [None] * slots, 0
         return self.buffer
 
+    def keep(self, done: torch.cuda.Event, temporaries: object) -> None:
+        """Hold a call's device temporaries (plan tables, checksums) until ``done``: the caching
+        allocator would otherwise hand their memory out while our streams still read it."""
+        while self.in_flight and self.in_flight[0][0].query():
+            self.in_flight.popleft()
+        self.in_flight.append((done, temporaries))
 
-_stagers: dict[torch.device, _Stager] = {}
+
+_stagers: dict[tuple[torch.device, bool], _Stager] = {}
 
 
-def _stager(device: torch.device) -> _Stager:
-    if device not in _stagers:
-        _stagers[device] = _Stager(device)
-    return _stagers[device]
+def _stager(device: torch.device, gather: bool) -> _Stager:
+    if (device, gather) not in _stagers:
+        _stagers[device, gather] = _Stager(device)
+    return _stagers[device, gather]
+
+
+@dataclass(slots=True)
+class Copying:
+    """A batch of spans on its way. ``done[i]``: CUDA event recorded once span ``i`` is complete
+    (gather: its bytes, and its KVSUM64 in ``checksums_out``, are in place; scatter: its engine
+    blocks are written). ``blocks_read``: after it the engine blocks a gather reads may be
+    overwritten. :meth:`wait` blocks until every span is complete and returns ``ok`` per span
+    (a scatter's checksum verdicts; a gather's are all True). The caller keeps the spans' chunk
+    buffers and ``block_ids`` alive until then."""
+
+    done: list[torch.cuda.Event]
+    blocks_read: torch.cuda.Event | None
+    sums: torch.Tensor | None = None
+    expected: Sequence[int] | torch.Tensor | None = None
+    _ok: list[bool] | None = None
+
+    def wait(self) -> list[bool]:
+        if self._ok is None:
+            for event in dict.fromkeys(self.done):  # each distinct event once
+                event.synchronize()
+            self._ok = compare_sums(self.sums, self.expected) if self.expected is not None else [True] * len(self.done)
+        return self._ok
 
 
 def _ranges(layout: Layout, span: ChunkSpan, whole: bool) -> list[tuple[int, int]]:
@@ -120,46 +168,58 @@ def _groups(layout: Layout, spans: Sequence[ChunkSpan], slot_bytes: int) -> tupl
     return groups, offsets, need
 
 
-def _staged(layout, spans, sums, gather: bool, verify: bool, max_ctas, stage_bytes: int, slots: int, kernel: str) -> None:
-    st = _stager(layout.device)
+def _staged(layout, spans, sums, gather: bool, verify: bool, max_ctas, stage_bytes: int, slots: int, kernel: str,
+            checksums_out: torch.Tensor | None) -> tuple[list[torch.cuda.Event], torch.cuda.Event]:
+    """Enqueue the staged copy of ``spans``; returns (per span, its completion event; the event
+    after which the engine blocks have been read). ``checksums_out`` gets each group's sums as
+    soon as the group is packed (a gather's)."""
+    st = _stager(layout.device, gather)
     caller, pack, copy = torch.cuda.current_stream(layout.device), st.pack, st.copy
-    groups, offsets, slot = _groups(layout, spans, max(_ALIGN, stage_bytes // slots))
-    slots = min(slots, len(groups))
-    buf = st.ensure(slot * slots)
-    slot_of = {i: g % slots for g, (i0, i1) in enumerate(groups) for i in range(i0, i1)}
-    where = [slot_of[i] * slot + offsets[i] for i in range(len(spans))]
+    groups, offsets, need = _groups(layout, spans, max(_ALIGN, stage_bytes // slots))
+    slot = max(need, -(-max(_ALIGN, stage_bytes // slots) // _ALIGN) * _ALIGN)
     per_block = layout.bytes_per_block
-    staged = [ChunkSpan(buf[w : w + HEADER_BYTES + s.num_blocks * per_block], s.num_blocks, s.first, s.block_ids) for s, w in zip(spans, where)]
-    plan = build_plan(layout, staged, complement=verify)  # one plan; each group launches its rows
-    launch, ctas = _launch(kernel, max_ctas)
-    pack.wait_stream(caller)  # plan tables, zeroed sums, and earlier work on the engine blocks
-    busy: list[torch.cuda.Event | None] = [None] * slots  # last use of each slot, on the other stream
-    for g, (i0, i1) in enumerate(groups):
-        k = g % slots
-        if gather:  # pack, then DMA to the host chunks
-            if busy[k] is not None:
-                pack.wait_event(busy[k])
-            with torch.cuda.stream(pack):
-                launch(plan.spans_slice(i0, i1), gather=True, sums=sums, max_ctas=ctas)
-            copy.wait_event(pack.record_event())
-            with torch.cuda.stream(copy):
-                for i in range(i0, i1):
-                    for a, b in _ranges(layout, spans[i], whole=False):
-                        spans[i].buffer[a:b].copy_(buf[where[i] + a : where[i] + b], non_blocking=True)
-            busy[k] = copy.record_event()
-        else:  # DMA the host chunks in, then unpack (and verify)
-            if busy[k] is not None:
-                copy.wait_event(busy[k])
-            with torch.cuda.stream(copy):
-                for i in range(i0, i1):
-                    for a, b in _ranges(layout, spans[i], whole=verify):
-                        buf[where[i] + a : where[i] + b].copy_(spans[i].buffer[a:b], non_blocking=True)
-            pack.wait_event(copy.record_event())
-            with torch.cuda.stream(pack):
-                launch(plan.spans_slice(i0, i1), gather=False, sums=sums, max_ctas=ctas)
-            busy[k] = pack.record_event()
-    copy.synchronize()
-    pack.synchronize()
+    done: list[torch.cuda.Event] = []
+    with st.lock:
+        buf = st.ring(slot, slots)
+        first = st.next
+        slot_of = {i: (first + g) % slots for g, (i0, i1) in enumerate(groups) for i in range(i0, i1)}
+        where = [slot_of[i] * slot + offsets[i] for i in range(len(spans))]
+        staged = [ChunkSpan(buf[w : w + HEADER_BYTES + s.num_blocks * per_block], s.num_blocks, s.first, s.block_ids)
+                  for s, w in zip(spans, where)]
+        plan = build_plan(layout, staged, complement=verify)  # one plan; each group launches its rows
+        launch, ctas = _launch(kernel, max_ctas)
+        pack.wait_stream(caller)  # plan tables, zeroed sums, and earlier work on the engine blocks
+        for g, (i0, i1) in enumerate(groups):
+            k = (first + g) % slots
+            if gather:  # pack, then DMA to the host chunks
+                if st.busy[k] is not None:
+                    pack.wait_event(st.busy[k])
+                with torch.cuda.stream(pack):
+                    launch(plan.spans_slice(i0, i1), gather=True, sums=sums, max_ctas=ctas)
+                copy.wait_event(pack.record_event())
+                with torch.cuda.stream(copy):
+                    for i in range(i0, i1):
+                        for a, b in _ranges(layout, spans[i], whole=False):
+                            spans[i].buffer[a:b].copy_(buf[where[i] + a : where[i] + b], non_blocking=True)
+                    if checksums_out is not None:
+                        checksums_out[i0:i1].copy_(sums[i0:i1], non_blocking=True)
+                st.busy[k] = copy.record_event()
+            else:  # DMA the host chunks in, then unpack (and verify)
+                if st.busy[k] is not None:
+                    copy.wait_event(st.busy[k])
+                with torch.cuda.stream(copy):
+                    for i in range(i0, i1):
+                        for a, b in _ranges(layout, spans[i], whole=verify):
+                            buf[where[i] + a : where[i] + b].copy_(spans[i].buffer[a:b], non_blocking=True)
+                pack.wait_event(copy.record_event())
+                with torch.cuda.stream(pack):
+                    launch(plan.spans_slice(i0, i1), gather=False, sums=sums, max_ctas=ctas)
+                st.busy[k] = pack.record_event()
+            done += [st.busy[k]] * (i1 - i0)
+        st.next = (first + len(groups)) % slots
+        blocks_read = pack.record_event()
+        st.keep(done[-1], (plan, sums))
+    return done, blocks_read
 
 
 def _block_addresses(layout: Layout, spans: Sequence[ChunkSpan]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -180,7 +240,7 @@ def _per_block(layout, spans, sums, gather: bool, verify: bool, batched: bool, m
     per_block, pinned = layout.bytes_per_block, {}
     for i, s in enumerate(spans):
         triton_ops._check_buffer(layout, s, i, per_block, pinned)
-    st = _stager(layout.device)
+    st = _stager(layout.device, gather)
     caller, pack, copy = torch.cuda.current_stream(layout.device), st.pack, st.copy
     eng, chk, sizes = _block_addresses(layout, spans)
     copy.wait_stream(caller)  # blocks written (or read) by earlier work on the caller's stream
@@ -201,22 +261,26 @@ def _per_block(layout, spans, sums, gather: bool, verify: bool, batched: bool, m
     copy.synchronize()
 
 
-def _run(layout, spans, *, gather, checksums_out=None, expected=None, mode=DEFAULT_MODE, max_ctas=None, stage_bytes=DEFAULT_STAGE_BYTES, slots=SLOTS, kernel="auto"):
+def _run(layout, spans, *, gather, checksums_out=None, expected=None, mode=DEFAULT_MODE, max_ctas=None,
+         stage_bytes=DEFAULT_STAGE_BYTES, slots=SLOTS, kernel="auto") -> Copying:
     if mode not in MODES:
         raise ValueError(f"DMA mode {mode!r} is unknown; choose one of {MODES}.")
     verify = expected is not None and not gather
     sums = torch.zeros(len(spans), dtype=torch.int64, device=layout.device) if (checksums_out is not None or verify) else None
-    if spans:
-        if mode == "staged":
-            _staged(layout, spans, sums, gather, verify, max_ctas, stage_bytes, slots, kernel)
-        else:
-            _per_block(layout, spans, sums, gather, verify, mode == "batch", max_ctas, kernel)
+    if not spans:
+        return Copying([], None, sums, expected if verify else None)
+    if mode == "staged":
+        done, blocks_read = _staged(layout, spans, sums, gather, verify, max_ctas, stage_bytes, slots, kernel,
+                                    checksums_out if gather else None)
+        return Copying(done, blocks_read, sums, expected if verify else None)
+    _per_block(layout, spans, sums, gather, verify, mode == "batch", max_ctas, kernel)
     if gather and checksums_out is not None:
         checksums_out.copy_(sums)
-    return compare_sums(sums, expected) if verify else [True] * len(spans)
+    finished = torch.cuda.current_stream(layout.device).record_event()
+    return Copying([finished] * len(spans), finished, sums, expected if verify else None)
 
 
-def gather(
+def gather_async(
     layout: Layout,
     spans: Sequence[ChunkSpan],
     checksums_out: torch.Tensor | None = None,
@@ -226,18 +290,21 @@ def gather(
     stage_bytes: int = DEFAULT_STAGE_BYTES,
     slots: int = SLOTS,
     kernel: str = "auto",
-) -> None:
-    """Copy engine blocks into the spans' chunk payloads through the copy engines.
+) -> Copying:
+    """Start copying engine blocks into the spans' chunk payloads through the copy engines; see
+    :class:`Copying` for when each span is there. ``checksums_out``: ``int64 [len(spans)]``,
+    written span by span as the copies land (pinned host memory: read it after ``done[i]``
+    without touching the GPU). ``staged`` returns at once; ``batch`` / ``loop`` when done.
 
-    ``checksums_out``: as in :func:`kvtier.ops.triton_ops.gather`. ``max_ctas``: CTAs of the
-    device-side kernel (staged pack, or checksum pass). ``stage_bytes``: device staging memory of
-    ``staged``, split into ``slots`` ring slots (one kernel launch each; a chunk larger than a slot
-    gets a larger slot). ``kernel``: which backend's kernel packs and checksums. Returns when the bytes are in the chunks.
-    """
-    _run(layout, spans, gather=True, checksums_out=checksums_out, mode=mode, max_ctas=max_ctas, stage_bytes=stage_bytes, slots=slots, kernel=kernel)
+    ``max_ctas``: CTAs of the device-side kernel (staged pack, or checksum pass). ``stage_bytes``:
+    device staging memory of ``staged``, split into ``slots`` ring slots (one kernel launch each;
+    a chunk larger than a slot gets a larger slot). ``kernel``: which backend's kernel packs and
+    checksums."""
+    return _run(layout, spans, gather=True, checksums_out=checksums_out, mode=mode, max_ctas=max_ctas,
+                stage_bytes=stage_bytes, slots=slots, kernel=kernel)
 
 
-def scatter(
+def scatter_async(
     layout: Layout,
     spans: Sequence[ChunkSpan],
     expected_checksums: Sequence[int] | torch.Tensor | None = None,
@@ -247,14 +314,24 @@ def scatter(
     stage_bytes: int = DEFAULT_STAGE_BYTES,
     slots: int = SLOTS,
     kernel: str = "auto",
-) -> list[bool]:
-    """Copy the spans' chunk payloads into engine blocks through the copy engines.
+) -> Copying:
+    """Start copying the spans' chunk payloads into engine blocks; :meth:`Copying.wait` gives
+    ``ok`` per span. ``expected_checksums``: whole-chunk KVSUM64 per span, as in
+    :func:`kvtier.ops.triton_ops.scatter` (staged mode then stages a partial span's whole chunk).
+    A span with ``ok == False`` has left garbage in its engine blocks: report them as load
+    errors, never use. Other arguments as in :func:`gather_async`."""
+    return _run(layout, spans, gather=False, expected=expected_checksums, mode=mode, max_ctas=max_ctas,
+                stage_bytes=stage_bytes, slots=slots, kernel=kernel)
 
-    ``expected_checksums``: whole-chunk KVSUM64 per span, as in :func:`kvtier.ops.triton_ops.scatter`
-    (staged mode then stages a partial span's whole chunk). Returns ``ok`` per span; a span with
-    ``ok == False`` has left garbage in its engine blocks: report them as load errors, never use.
-    """
-    return _run(layout, spans, gather=False, expected=expected_checksums, mode=mode, max_ctas=max_ctas, stage_bytes=stage_bytes, slots=slots, kernel=kernel)
+
+def gather(layout: Layout, spans: Sequence[ChunkSpan], checksums_out: torch.Tensor | None = None, **kw) -> None:
+    """:func:`gather_async`, returning when the bytes (and checksums) are in place."""
+    gather_async(layout, spans, checksums_out, **kw).wait()
+
+
+def scatter(layout: Layout, spans: Sequence[ChunkSpan], expected_checksums=None, **kw) -> list[bool]:
+    """:func:`scatter_async`, returning ``ok`` per span once the engine blocks are written."""
+    return scatter_async(layout, spans, expected_checksums, **kw).wait()
 
 
 @dataclass(frozen=True, slots=True)

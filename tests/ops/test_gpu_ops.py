@@ -1,6 +1,7 @@
 """GPU copy backends (Triton, CUDA C++, DMA) equal the per-block reference byte for byte, and their
 KVSUM64 checksums equal the CPU reference and catch corrupted chunks. Skipped without CUDA."""
 
+import threading
 from functools import partial
 
 import pytest
@@ -227,3 +228,50 @@ def test_triton_and_cuda_are_identical(data):
         x.copy_(old)
     assert cuda_ops.scatter(layout, src, expected, max_ctas=ctas) == [True] * len(src)
     assert all(torch.equal(x, y) for x, y in zip(backings, after_triton))
+
+
+def test_staged_calls_in_flight_from_two_threads_keep_their_bytes():
+    """Regression for the staging ring shared between calls: several gathers and scatters left in
+    flight at once, from two threads (the engine's saves and the load thread), each through a
+    ring of tiny slots that later calls reuse. Every byte must equal the per-block reference."""
+    if not dma_ops.available("staged"):
+        pytest.skip("DMA staged mode unavailable")
+    alloc = torch.randint(0, 256, (2, 2, 64, 16, 2, 64), dtype=torch.uint8, device="cuda").view(torch.bfloat16)
+    layout = build_layout({f"l{i}": alloc[i] for i in range(2)}, 16, 64)
+    kw = dict(stage_bytes=1 << 18, slots=3)
+    perm = torch.randperm(64).tolist()
+    out_plans = [[(4, 0, perm[8 * c : 8 * c + 4]), (4, 1, perm[8 * c + 4 : 8 * c + 7])] for c in range(4)]
+    in_plans = [[(4, 0, perm[32 + 8 * c : 36 + 8 * c])] for c in range(4)]  # blocks no gather reads
+    outs = [make_spans(layout, p) for p in out_plans]
+    ins = [make_spans(layout, p) for p in in_plans]
+    want_out = [clone_spans(s) for s in outs]
+    for spans in want_out:
+        reference.gather(layout, spans)
+    errors = []
+
+    def saves():
+        try:
+            sums = [torch.zeros(len(s), dtype=torch.int64).pin_memory() for s in outs]
+            copying = [dma_ops.gather_async(layout, s, out, **kw) for s, out in zip(outs, sums)]  # all in flight
+            for c in copying:
+                c.wait()
+            assert [[to_unsigned(v) for v in out.tolist()] for out in sums] == \
+                [[span_checksum(layout, s) for s in spans] for spans in want_out]
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    thread = threading.Thread(target=saves)
+    thread.start()
+    copying = [dma_ops.scatter_async(layout, s, [chunk_checksum(layout, x) for x in s], **kw) for s in ins]
+    assert [c.wait() for c in copying] == [[True]] * len(ins)
+    thread.join()
+    assert not errors, errors
+    for got, want in zip(outs, want_out):
+        for a, b in zip(got, want):
+            assert torch.equal(a.buffer, b.buffer)
+    for spans in ins:  # read back through the reference: the scattered blocks hold the chunks
+        back = clone_spans(spans)
+        reference.gather(layout, back)
+        torch.cuda.synchronize()
+        for a, b in zip(spans, back):
+            assert torch.equal(a.buffer, b.buffer)

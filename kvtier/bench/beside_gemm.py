@@ -1,0 +1,121 @@
+"""kvtier beside a running model (CUDA): ``TierWorker`` saves and reloads the prompt in a loop
+while the default stream runs a loop of bf16 GEMMs, as a model's forward would.
+
+Reported: the GEMMs' TFLOP/s alone and beside the copies (the slowdown is what kvtier costs the
+model), and the whole path's GB/s meanwhile (save = ``save`` + ``drain``, reload = ``load``,
+each moving the prompt's bytes). The worker's "engine stream" is a side stream of the copier
+thread, so a save waits for nothing of the GEMMs (a real save waits for the one forward that
+wrote its blocks). The last reload is checked byte for byte.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kvtier import keys as chain
+from kvtier.bench import BenchError
+from kvtier.bench.engine_kv import EngineKV, verify_blocks
+from kvtier.jobs import LoadJob, SaveJob
+from kvtier.storage import ChunkStore
+from kvtier.transfer import TierWorker
+
+GEMM_N = 8192  # bf16 [N, N] @ [N, N], like a large model's MLP
+WINDOW_S = 4.0  # seconds of GEMMs beside the copies
+
+
+@dataclass(frozen=True, slots=True)
+class BesideGemm:
+    """GEMM TFLOP/s alone and beside the copies; the copies' GB/s (1e9 B/s) in the window."""
+
+    gemm_alone_tflops: float
+    gemm_tflops: float
+    save_gbps: float
+    reload_gbps: float
+    copy_gbps: float  # both directions together
+    copies: int  # saves and reloads that ran wholly inside the window
+
+    @property
+    def slowdown_pct(self) -> float:
+        return 100 * (1 - self.gemm_tflops / self.gemm_alone_tflops)
+
+
+class _Gemm:
+    def __init__(self, device: torch.device):
+        self.a, self.b = (torch.randn(GEMM_N, GEMM_N, device=device, dtype=torch.bfloat16) for _ in range(2))
+        self.c = torch.empty_like(self.a)
+
+    def run(self, iters: int) -> tuple[float, float]:
+        """(TFLOP/s, seconds) of ``iters`` GEMMs on the current stream."""
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(iters):
+            torch.matmul(self.a, self.b, out=self.c)
+        end.record()
+        end.synchronize()
+        seconds = start.elapsed_time(end) / 1e3
+        return 2 * GEMM_N**3 * iters / seconds / 1e12, seconds
+
+
+def measure(kv: EngineKV, keys: list[bytes], store: ChunkStore, chunk_blocks: int, backend: str,
+            nbytes: int, progress) -> BesideGemm:
+    """Run the loop beside the GEMMs; ``nbytes``: the prompt's KV bytes (one save or reload)."""
+    device = kv.layout.device
+    gemm = _Gemm(device)
+    gemm.run(20)  # warm up (cuBLAS heuristics, clocks)
+    _, seconds = gemm.run(50)
+    iters = max(50, int(WINDOW_S / (seconds / 50)))
+    alone, _ = gemm.run(iters)
+    progress(f"beside a GEMM loop: GEMMs alone {alone:.0f} TFLOP/s; now with kvtier saving and reloading")
+    skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
+    save_job = SaveJob("beside-gemm", tuple(keys), tuple(kv.src.tolist()))
+    load_job = LoadJob("beside-gemm", tuple(keys), 0, tuple(kv.dst.tolist()))
+    worker = TierWorker(kv.layout, store, chunk_blocks, backend)
+    log: list[tuple[str, float, float]] = []
+    errors: list[BaseException] = []
+    stop = threading.Event()
+
+    def copier() -> None:
+        try:
+            with torch.cuda.stream(torch.cuda.Stream(device)):
+                while not stop.is_set():
+                    for skey in skeys:
+                        store.remove(skey)
+                    begin = time.perf_counter()
+                    worker.save([save_job])
+                    worker.drain()
+                    log.append(("save", begin, time.perf_counter()))
+                    begin = time.perf_counter()
+                    if worker.load(load_job):
+                        raise BenchError("a reload beside the GEMMs left blocks unloaded; see the log above.")
+                    log.append(("reload", begin, time.perf_counter()))
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            errors.append(exc)
+
+    thread = threading.Thread(target=copier, name="kvtier-bench-copier", daemon=True)
+    try:
+        thread.start()
+        while len(log) < 2 and thread.is_alive():  # steady state: one save and one reload done
+            time.sleep(0.01)
+        w0 = time.perf_counter()
+        busy, _ = gemm.run(iters)
+        w1 = time.perf_counter()
+    finally:
+        stop.set()
+        thread.join()
+        worker.close()
+    if errors:
+        raise errors[0]
+    verify_blocks(kv.layout, kv.src, kv.dst, "kvtier reload beside a GEMM loop")
+    inside = [x for x in log if x[1] >= w0 and x[2] <= w1]
+    if not inside:
+        raise BenchError(f"no save or reload ran wholly inside the {w1 - w0:.1f} s GEMM window.")
+
+    def gbps(kind: str | None) -> float:
+        runs = [x for x in inside if kind is None or x[0] == kind]
+        return nbytes * len(runs) / max(1e-9, sum(x[2] - x[1] for x in runs)) / 1e9 if runs else 0.0
+
+    return BesideGemm(alone, busy, gbps("save"), gbps("reload"), gbps(None), len(inside))
