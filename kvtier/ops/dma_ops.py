@@ -29,7 +29,8 @@ import torch
 from kvtier.codec import HEADER_BYTES, region_offsets
 from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan, cuda_ops, triton_ops
-from kvtier.ops.triton_ops import build_plan, compare_sums
+from kvtier.ops.checksum import to_signed
+from kvtier.ops.triton_ops import build_plan
 
 MODES = ("staged", "batch", "loop")
 KERNELS = ("auto", "cuda", "triton")
@@ -94,7 +95,8 @@ class _Stager:
             self.pack.synchronize()
             self.in_flight.clear()
             self.buffer = None
-            self.buffer = torch.empty(slot_bytes * slots, dtype=torch.uint8, device=self.device)
+            with torch.inference_mode(False):  # a normal tensor: later calls may run in or out of inference mode
+                self.buffer = torch.empty(slot_bytes * slots, dtype=torch.uint8, device=self.device)
             self.slot_bytes, self.busy, self.next = slot_bytes, [None] * slots, 0
         return self.buffer
 
@@ -134,7 +136,12 @@ class Copying:
         if self._ok is None:
             for event in dict.fromkeys(self.done):  # each distinct event once
                 event.synchronize()
-            self._ok = compare_sums(self.sums, self.expected) if self.expected is not None else [True] * len(self.done)
+            self._ok = [True] * len(self.done)
+            if self.expected is not None:  # on the host: a kernel here would queue for SMs behind the model's
+                want = self.expected.tolist() if isinstance(self.expected, torch.Tensor) else self.expected
+                if len(want) != len(self.done):
+                    raise ValueError(f"{len(want)} expected checksums for {len(self.done)} spans.")
+                self._ok = [got == to_signed(int(w)) for got, w in zip(self.sums.cpu().tolist(), want)]
         return self._ok
 
 
@@ -170,11 +177,11 @@ def _groups(layout: Layout, spans: Sequence[ChunkSpan], slot_bytes: int) -> tupl
 
 def _staged(layout, spans, sums, gather: bool, verify: bool, max_ctas, stage_bytes: int, slots: int, kernel: str,
             checksums_out: torch.Tensor | None) -> tuple[list[torch.cuda.Event], torch.cuda.Event]:
-    """Enqueue the staged copy of ``spans``; returns (per span, its completion event; the event
-    after which the engine blocks have been read). ``checksums_out`` gets each group's sums as
-    soon as the group is packed (a gather's)."""
+    """Enqueue the staged copy of ``spans``, from the pack stream (current; it has waited for the
+    caller's). Returns (per span, its completion event; the event after which the engine blocks
+    have been read). ``checksums_out`` gets each group's sums as soon as the group is packed."""
     st = _stager(layout.device, gather)
-    caller, pack, copy = torch.cuda.current_stream(layout.device), st.pack, st.copy
+    pack, copy = st.pack, st.copy
     groups, offsets, need = _groups(layout, spans, max(_ALIGN, stage_bytes // slots))
     slot = max(need, -(-max(_ALIGN, stage_bytes // slots) // _ALIGN) * _ALIGN)
     per_block = layout.bytes_per_block
@@ -188,7 +195,6 @@ def _staged(layout, spans, sums, gather: bool, verify: bool, max_ctas, stage_byt
                   for s, w in zip(spans, where)]
         plan = build_plan(layout, staged, complement=verify)  # one plan; each group launches its rows
         launch, ctas = _launch(kernel, max_ctas)
-        pack.wait_stream(caller)  # plan tables, zeroed sums, and earlier work on the engine blocks
         for g, (i0, i1) in enumerate(groups):
             k = (first + g) % slots
             if gather:  # pack, then DMA to the host chunks
@@ -266,13 +272,20 @@ def _run(layout, spans, *, gather, checksums_out=None, expected=None, mode=DEFAU
     if mode not in MODES:
         raise ValueError(f"DMA mode {mode!r} is unknown; choose one of {MODES}.")
     verify = expected is not None and not gather
-    sums = torch.zeros(len(spans), dtype=torch.int64, device=layout.device) if (checksums_out is not None or verify) else None
     if not spans:
-        return Copying([], None, sums, expected if verify else None)
+        return Copying([], None, None, expected if verify else None)
     if mode == "staged":
-        done, blocks_read = _staged(layout, spans, sums, gather, verify, max_ctas, stage_bytes, slots, kernel,
-                                    checksums_out if gather else None)
+        # Everything this call launches runs on its own high-priority streams: beside a model, a
+        # helper kernel (zeroing the sums, joining the block ids) on the caller's stream would
+        # wait for SMs behind the model's kernels, and the copies behind it.
+        pack = _stager(layout.device, gather).pack
+        pack.wait_stream(torch.cuda.current_stream(layout.device))
+        with torch.cuda.stream(pack):
+            sums = torch.zeros(len(spans), dtype=torch.int64, device=layout.device) if (checksums_out is not None or verify) else None
+            done, blocks_read = _staged(layout, spans, sums, gather, verify, max_ctas, stage_bytes, slots, kernel,
+                                        checksums_out if gather else None)
         return Copying(done, blocks_read, sums, expected if verify else None)
+    sums = torch.zeros(len(spans), dtype=torch.int64, device=layout.device) if (checksums_out is not None or verify) else None
     _per_block(layout, spans, sums, gather, verify, mode == "batch", max_ctas, kernel)
     if gather and checksums_out is not None:
         checksums_out.copy_(sums)
