@@ -3,7 +3,8 @@ while the default stream runs a loop of bf16 GEMMs in steps, as a model's forwar
 
 Reported: the GEMMs' TFLOP/s alone and beside the copies (the slowdown is what kvtier costs the
 model), and the whole path's GB/s meanwhile (save = ``save`` + ``drain``, reload = ``load``,
-each moving the prompt's bytes). The worker's "engine stream" is a side stream of the copier
+each moving the prompt's bytes); then the same for the worker's ops alone on the same chunks
+(no store work), which tells the copies' cost from the store work's. The worker's "engine stream" is a side stream of the copier
 thread, so a save waits for nothing of the GEMMs (a real save waits for the one forward that
 wrote its blocks). The last reload is checked byte for byte.
 """
@@ -13,13 +14,16 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass
+from typing import Iterator
 
 import torch
 
+from kvtier import codec
 from kvtier import keys as chain
 from kvtier.bench import BenchError
-from kvtier.bench.engine_kv import EngineKV, verify_blocks
+from kvtier.bench.engine_kv import EngineKV, host_buffer, verify_blocks
 from kvtier.jobs import LoadJob, SaveJob
+from kvtier.ops import ChunkSpan
 from kvtier.storage import ChunkStore
 from kvtier.transfer import TierWorker
 
@@ -30,8 +34,10 @@ WINDOW_S = 4.0  # seconds of GEMMs beside the copies
 
 @dataclass(frozen=True, slots=True)
 class BesideGemm:
-    """GEMM TFLOP/s alone and beside the copies; the copies' GB/s (1e9 B/s) in the window."""
+    """One copy loop beside the GEMMs: their TFLOP/s alone and beside it, and its GB/s (1e9 B/s)
+    meanwhile."""
 
+    path: str
     gemm_alone_tflops: float
     gemm_tflops: float
     save_gbps: float
@@ -64,19 +70,63 @@ class _Gemm:
 
 
 def measure(kv: EngineKV, keys: list[bytes], store: ChunkStore, chunk_blocks: int, backend: str,
-            nbytes: int, progress) -> BesideGemm:
-    """Run the loop beside the GEMMs; ``nbytes``: the prompt's KV bytes (one save or reload)."""
+            nbytes: int, progress) -> list[BesideGemm]:
+    """Both loops beside the GEMMs, the whole path and then its ops alone (the same copies, no
+    store work); ``nbytes``: the prompt's KV bytes (one save or reload)."""
     device = kv.layout.device
     gemm = _Gemm(device)
-    gemm.run(20)  # warm up (cuBLAS heuristics, clocks)
-    _, seconds = gemm.run(50)
-    iters = max(50, int(WINDOW_S / (seconds / 50)))
+    gemm.run(24)  # warm up (cuBLAS heuristics, clocks)
+    _, seconds = gemm.run(48)
+    iters = max(48, int(WINDOW_S / (seconds / 48)))
     alone, _ = gemm.run(iters)
     progress(f"beside a GEMM loop: GEMMs alone {alone:.0f} TFLOP/s; now with kvtier saving and reloading")
     skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
     save_job = SaveJob("beside-gemm", tuple(keys), tuple(kv.src.tolist()))
     load_job = LoadJob("beside-gemm", tuple(keys), 0, tuple(kv.dst.tolist()))
     worker = TierWorker(kv.layout, store, chunk_blocks, backend)
+    try:
+        def save() -> Iterator[None]:
+            for skey in skeys:  # so that the save stores every chunk again
+                store.remove(skey)
+            yield
+            worker.save([save_job])
+            worker.drain()
+
+        def reload() -> Iterator[None]:
+            yield
+            if worker.load(load_job):
+                raise BenchError("a reload beside the GEMMs left blocks unloaded; see the log above.")
+
+        whole = _beside(gemm, iters, save, reload, device, alone, nbytes, "kvtier whole path")
+        verify_blocks(kv.layout, kv.src, kv.dst, "kvtier reload beside a GEMM loop")
+        chunk_bytes = codec.chunk_bytes(kv.layout, chunk_blocks)
+        num_chunks = len(keys)
+        with host_buffer(num_chunks * chunk_bytes, device) as host:
+            sums = torch.empty(num_chunks, dtype=torch.int64, device=device)
+            out = [ChunkSpan(host[i * chunk_bytes : (i + 1) * chunk_bytes], chunk_blocks, 0,
+                             kv.src[i * chunk_blocks : (i + 1) * chunk_blocks]) for i in range(num_chunks)]
+            back = [ChunkSpan(span.buffer, chunk_blocks, 0, kv.dst[i * chunk_blocks : (i + 1) * chunk_blocks])
+                    for i, span in enumerate(out)]
+
+            def gather() -> Iterator[None]:
+                yield
+                worker._gather(kv.layout, out, checksums_out=sums)
+
+            def scatter() -> Iterator[None]:
+                yield
+                if not all(worker._scatter(kv.layout, back, sums)):
+                    raise BenchError("ops-only reload beside the GEMMs failed its checksums.")
+
+            ops = _beside(gemm, iters, gather, scatter, device, alone, nbytes, f"ops only ({worker.backend})")
+    finally:
+        worker.close()
+    return [whole, ops]
+
+
+def _beside(gemm: _Gemm, iters: int, save, reload, device: torch.device, alone: float, nbytes: int,
+            path: str) -> BesideGemm:
+    """Loop ``save`` and ``reload`` (generators: set-up, ``yield``, then the timed part) on a
+    thread with its own stream while ``gemm`` runs ``iters`` GEMMs."""
     log: list[tuple[str, float, float]] = []
     errors: list[BaseException] = []
     stop = threading.Event()
@@ -85,16 +135,12 @@ def measure(kv: EngineKV, keys: list[bytes], store: ChunkStore, chunk_blocks: in
         try:
             with torch.cuda.stream(torch.cuda.Stream(device)):
                 while not stop.is_set():
-                    for skey in skeys:
-                        store.remove(skey)
-                    begin = time.perf_counter()
-                    worker.save([save_job])
-                    worker.drain()
-                    log.append(("save", begin, time.perf_counter()))
-                    begin = time.perf_counter()
-                    if worker.load(load_job):
-                        raise BenchError("a reload beside the GEMMs left blocks unloaded; see the log above.")
-                    log.append(("reload", begin, time.perf_counter()))
+                    for kind, step in (("save", save), ("reload", reload)):
+                        steps = step()
+                        next(steps)  # untimed set-up
+                        begin = time.perf_counter()
+                        next(steps, None)
+                        log.append((kind, begin, time.perf_counter()))
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             errors.append(exc)
 
@@ -109,16 +155,14 @@ def measure(kv: EngineKV, keys: list[bytes], store: ChunkStore, chunk_blocks: in
     finally:
         stop.set()
         thread.join()
-        worker.close()
     if errors:
         raise errors[0]
-    verify_blocks(kv.layout, kv.src, kv.dst, "kvtier reload beside a GEMM loop")
     inside = [x for x in log if x[1] >= w0 and x[2] <= w1]
     if not inside:
-        raise BenchError(f"no save or reload ran wholly inside the {w1 - w0:.1f} s GEMM window.")
+        raise BenchError(f"{path}: no save or reload ran wholly inside the {w1 - w0:.1f} s GEMM window.")
 
     def gbps(kind: str | None) -> float:
         runs = [x for x in inside if kind is None or x[0] == kind]
         return nbytes * len(runs) / max(1e-9, sum(x[2] - x[1] for x in runs)) / 1e9 if runs else 0.0
 
-    return BesideGemm(alone, busy, gbps("save"), gbps("reload"), gbps(None), len(inside))
+    return BesideGemm(path, alone, busy, gbps("save"), gbps("reload"), gbps(None), len(inside))

@@ -122,7 +122,7 @@ class ReloadResult:
     verified: list[str] = field(default_factory=list)
     peak_rss_bytes: int = 0
     elapsed_s: float = 0.0
-    beside_gemm: object | None = None  # kvtier.bench.beside_gemm.BesideGemm, when measured
+    beside_gemm: list | None = None  # [kvtier.bench.beside_gemm.BesideGemm], when measured
 
 
 def run(spec: ReloadSpec, progress: Progress) -> ReloadResult:

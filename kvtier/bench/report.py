@@ -104,10 +104,9 @@ def format_table(result: ReloadResult, statistic: str = "best") -> str:
                       f"{gets['reload_ms'] / n:.2f} ms; raw GET {raw_get['reload_ms'] / n:.2f} ms (store get = "
                       f"{raw_get['reload_ms'] / gets['reload_ms']:.2f} x raw GET's GB/s; whole reload "
                       f"{raw_get['reload_ms'] / shared['reload_ms']:.2f} x)")
-    if result.beside_gemm is not None:
-        b = result.beside_gemm
-        bottom.append(f"beside a bf16 GEMM loop: GEMMs {b.gemm_alone_tflops:.0f} -> {b.gemm_tflops:.0f} TFLOP/s "
-                      f"({b.slowdown_pct:.1f}% slower) while kvtier moved {b.copy_gbps:.1f} GB/s "
+    for b in result.beside_gemm or ():
+        bottom.append(f"beside a bf16 GEMM loop, {b.path}: GEMMs {b.gemm_alone_tflops:.0f} -> {b.gemm_tflops:.0f} "
+                      f"TFLOP/s ({b.slowdown_pct:.1f}% slower) while it moved {b.copy_gbps:.1f} GB/s "
                       f"(save {b.save_gbps:.1f}, reload {b.reload_gbps:.1f}; {b.copies} runs in the window)")
     bottom += [f"[{i}] {note}" for i, note in enumerate(notes, 1)]
     return "\n".join([*top, rule, line(head), rule, *map(line, rows), rule, *bottom])
@@ -142,8 +141,8 @@ def to_json(result: ReloadResult, statistic: str = "best") -> dict:
         "load_avg_1min": {"start": result.load_avg[0], "end": result.load_avg[1]},
         "others_cpu_s": result.others_cpu_s,
         "elapsed_s": result.elapsed_s,
-        "beside_gemm": None if result.beside_gemm is None else {
-            **dataclasses.asdict(result.beside_gemm), "slowdown_pct": result.beside_gemm.slowdown_pct},
+        "beside_gemm": None if result.beside_gemm is None else [
+            {**dataclasses.asdict(b), "slowdown_pct": b.slowdown_pct} for b in result.beside_gemm],
     }
 
 

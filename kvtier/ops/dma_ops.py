@@ -80,6 +80,7 @@ class _Stager:
         self.device = device
         self.copy = torch.cuda.Stream(device)
         self.pack = torch.cuda.Stream(device, priority=-100)  # clamped to the highest priority
+        self.tables = torch.cuda.Stream(device)  # plan tables to the device, ahead of the copies behind them
         self.lock = threading.Lock()
         self.buffer: torch.Tensor | None = None
         self.slot_bytes = 0
@@ -193,7 +194,7 @@ def _staged(layout, spans, sums, gather: bool, verify: bool, max_ctas, stage_byt
         where = [slot_of[i] * slot + offsets[i] for i in range(len(spans))]
         staged = [ChunkSpan(buf[w : w + HEADER_BYTES + s.num_blocks * per_block], s.num_blocks, s.first, s.block_ids)
                   for s, w in zip(spans, where)]
-        plan = build_plan(layout, staged, complement=verify)  # one plan; each group launches its rows
+        plan = build_plan(layout, staged, complement=verify, tables_stream=st.tables)  # each group launches its rows
         launch, ctas = _launch(kernel, max_ctas)
         for g, (i0, i1) in enumerate(groups):
             k = (first + g) % slots

@@ -114,13 +114,16 @@ def _check_buffer(layout: Layout, span: ChunkSpan, index: int, bytes_per_block: 
 
 
 def build_plan(
-    layout: Layout, spans: Sequence[ChunkSpan], *, write: bool = True, span_rows: bool = True, complement: bool = False
+    layout: Layout, spans: Sequence[ChunkSpan], *, write: bool = True, span_rows: bool = True, complement: bool = False,
+    tables_stream: torch.cuda.Stream | None = None,
 ) -> CopyPlan:
     """Descriptor tables for copying ``spans`` (see :class:`CopyPlan`).
 
     ``write``: the spans' own blocks are copied (else only read, for a checksum). ``span_rows``:
     include the spans' own blocks at all. ``complement``: also read (never write) the chunk
     blocks outside each span, so a partial span's checksum covers its whole chunk.
+    ``tables_stream``: where the tables' host-to-device copy runs (the current stream waits for
+    it), so that it need not queue behind earlier copies on the current stream.
     """
     device = layout.device
     anchor = _anchor(device)
@@ -159,7 +162,13 @@ def build_plan(
         raise ValueError(f"batch of {len(regions) * len(blocks)} units is too large for one launch; split it.")
     host = torch.from_numpy(np.concatenate([regions.ravel(), blocks.ravel()]))
     if device.type == "cuda":  # pinned + async: a pageable copy would make the host wait for the stream
-        tables = host.pin_memory().to(device, non_blocking=True)
+        pinned = host.pin_memory()
+        if tables_stream is None:
+            tables = pinned.to(device, non_blocking=True)
+        else:
+            with torch.cuda.stream(tables_stream):
+                tables = pinned.to(device, non_blocking=True)
+            torch.cuda.current_stream(device).wait_stream(tables_stream)
     else:
         tables = host
     return CopyPlan(
