@@ -4,13 +4,14 @@ Engine-agnostic: the vLLM adapter turns its metadata into :class:`LoadJob` / :cl
 benches and GPU tests drive :class:`TierWorker` directly.
 
 * **Load executor** (latency-critical): one thread (and on CUDA its own stream) that fetches,
-  verifies and scatters a request's chunks, then reports it finished. Chunks a P/D producer
+  verifies and scatters a request's chunks, then reports it finished. With ``dma`` each batch's
+  copies start as soon as its chunks are fetched, so fetching overlaps copying. Chunks a P/D producer
   serves (``LoadJob.remote``) go through the same load, on a few threads of their own (a
   transfer may wait for the producer's prefill; a reload must not wait behind it), scattered
   one by one as they arrive while the next ones are on the wire, then kept in the CPU tier.
 * **Save executor** (background): ``save()`` copies the blocks out on the caller's thread (on
-  CUDA on a save stream the engine's stream then waits for), and one thread seals and stores
-  them, at a lower OS priority, and only while no load is running: saves yield to loads, never
+  CUDA on a save stream the engine's stream then waits for; with ``dma`` it only starts the
+  copies, in batches, and returns), and one thread seals and stores each chunk once it is out, at a lower OS priority, and only while no load is running: saves yield to loads, never
   the reverse. Its backlog is bounded in bytes: overflow drops the oldest pending chunks,
   counted, instead of blocking the engine.
 
@@ -164,8 +165,11 @@ class TierWorker:
 
     # ---- save ---------------------------------------------------------------------------------
     def save(self, jobs: list[SaveJob]) -> int:
-        """Copy the jobs' new chunks out now (the engine may reuse the blocks once this returns)
-        and queue them for storing; returns how many were queued. Never waits for storage.
+        """Copy the jobs' new chunks out and queue them for storing; returns how many were queued.
+        The engine may reuse the blocks once this returns (on CUDA its stream waits until the
+        copies have read them; with ``dma`` they run on in the background, a batch of about
+        :data:`PIPELINE_BYTES` at a time, and the save thread stores each chunk as it lands).
+        Never waits for storage.
 
         Chunks already stored are not saved again (they are reported held again, so a chunk
         withdrawn because another rank lost it becomes visible once that rank saves it anew).
@@ -194,9 +198,10 @@ class TierWorker:
         wanted = self._make_room(wanted)
         ids = self._ids([b for _, blocks in wanted for b in blocks])  # one host-to-device copy for all
         start = _now_ms()
-        batch = _SaveBatch(start, 1)  # one more than its chunks until every chunk is queued
+        batch = _SaveBatch(start, 0)
         group: list[tuple[_PendingSave, ChunkSpan]] = []
-        queued = unallocated = at = 0
+        started: list[_PendingSave] = []
+        unallocated = at = 0
         for skey, blocks in wanted:
             nbytes = codec.chunk_bytes(self.layout, len(blocks))
             span_ids, at = ids[at : at + len(blocks)], at + len(blocks)
@@ -207,20 +212,25 @@ class TierWorker:
             group.append((_PendingSave(skey, buffer, len(blocks), None, batch=batch),
                           ChunkSpan(buffer.data, len(blocks), 0, span_ids)))
             if self._gather_async is not None and len(group) * nbytes >= PIPELINE_BYTES:
-                queued += self._gather_and_queue(group)
+                started += self._start_gather(group)
                 group = []
         if group:
-            queued += self._gather_and_queue(group)
+            started += self._start_gather(group)
+        # Queued only once every copy has started: the save thread's Python would otherwise slow
+        # (through the GIL) the starting of the copies it waits for.
         with self._cond:
+            batch.left = len(started)
+            self._backlog.extend(started)
+            self._saving.update(item.key for item in started)
             self._backlog_bytes -= unallocated  # give back their reservation
-            self.stats.dropped_saves += len(wanted) - queued
+            self.stats.dropped_saves += len(wanted) - len(started)
             self.stats.save_ms += _now_ms() - start
-            self._batch_done(batch)
-        return queued
+            self._cond.notify_all()
+        return len(started)
 
-    def _gather_and_queue(self, group: list[tuple[_PendingSave, ChunkSpan]]) -> int:
-        """Start copying ``group``'s chunks out and hand them to the save thread, which stores each
-        once its copy has landed. Returns how many were queued."""
+    def _start_gather(self, group: list[tuple[_PendingSave, ChunkSpan]]) -> list[_PendingSave]:
+        """Start copying ``group``'s chunks out; returns its items, each knowing when its copy has
+        landed (and where its KVSUM64 will be)."""
         spans = [span for _, span in group]
         sums = None
         if self._kernel_sums:  # host memory (pinned for the copy engines): the save thread reads it
@@ -230,14 +240,9 @@ class TierWorker:
         ready = self._gather_for_save(spans, sums)
         if sums is not None and sums.device.type != "cpu":
             sums = sums.cpu()  # a kernel backend: its gather has finished
-        with self._cond:
-            for i, ((item, _), event) in enumerate(zip(group, ready)):
-                item.ready, item.sums, item.index = event, sums, i
-                item.batch.left += 1
-                self._backlog.append(item)
-                self._saving.add(item.key)
-            self._cond.notify_all()
-        return len(group)
+        for i, ((item, _), event) in enumerate(zip(group, ready)):
+            item.ready, item.sums, item.index = event, sums, i
+        return [item for item, _ in group]
 
     def _make_room(self, wanted: list[tuple[bytes, list[int]]]) -> list[tuple[bytes, list[int]]]:
         """Reserve backlog bytes for ``wanted``, dropping the oldest pending chunks to make room;
@@ -318,13 +323,11 @@ class TierWorker:
                 self._on_held([item.key])
 
     def _batch_item_done(self, item: _PendingSave) -> None:
-        if item.batch is not None:
-            self._batch_done(item.batch)
-
-    def _batch_done(self, batch: _SaveBatch) -> None:
-        batch.left -= 1  # under _cond
-        if batch.left == 0:
-            self.batch_ms["save"].append(_now_ms() - batch.start_ms)
+        batch = item.batch
+        if batch is not None:
+            batch.left -= 1  # under _cond
+            if batch.left == 0:
+                self.batch_ms["save"].append(_now_ms() - batch.start_ms)
 
     @torch.inference_mode()  # buffers may be inference tensors made on the engine's thread
     def _seal_and_put(self, item: _PendingSave) -> bool:
