@@ -5,7 +5,9 @@ Modes (``mode=``):
 - ``staged``: a short device-side kernel packs the engine blocks into a device staging buffer
   laid out as the chunk (HBM to HBM, a few CTAs, ~10x faster than PCIe so it runs a small
   fraction of the time), then one contiguous ``cudaMemcpyAsync`` per chunk moves it (reverse
-  order for loads). A ring of ``SLOTS`` staging slots pipelines kernel and DMA on two streams.
+  order for loads). A ring of ``SLOTS`` staging slots pipelines kernel and DMA on two streams;
+  :func:`gather_async` / :func:`scatter_async` return with the copies in flight (:class:`Copying`),
+  so a caller can fetch or store other chunks meanwhile.
 - ``batch``: one ``cudaMemcpyBatchAsync`` with one copy per block and region (needs the CUDA C++
   extension, :mod:`kvtier.ops.cuda_ops`).
 - ``loop``: one ``cudaMemcpyAsync`` per block and region (the naive DMA baseline).
@@ -35,7 +37,8 @@ from kvtier.ops.triton_ops import build_plan
 MODES = ("staged", "batch", "loop")
 KERNELS = ("auto", "cuda", "triton")
 DEFAULT_MODE = "staged"
-# Staging: SLOTS slots of DEFAULT_STAGE_BYTES / SLOTS. Every slot is one kernel launch, and beside
+# Staging, per device and direction (saves and loads each have their own, so 2 x this in all once
+# both have run): SLOTS slots of DEFAULT_STAGE_BYTES / SLOTS. Every slot is one kernel launch, and beside
 # long model kernels a launch waits ~1-2 of them for SMs (H200, 8192^3 GEMM loop: 8 x 32 MiB slots
 # moved 21-25 GB/s, 4 x 128 MiB 41.8-43.7 GB/s at <= 1.5% GEMM slowdown), so slots are large; 4 of
 # them keep the DMA engine fed while one slot is packed. Idle, both reach ~52.5 GB/s.
