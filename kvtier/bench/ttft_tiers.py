@@ -10,7 +10,9 @@ built offline, with kvtier (CPU tier and a disk tier in a temporary directory):
   ``reset_prefix_cache()``: a reload from the CPU tier); ``local`` and ``cpu`` each after a pause
   of ``--settle-s`` so that neither runs beside the background saves;
 * then every chunk file is dropped from the page cache (``posix_fadvise(DONTNEED)``) and engine B
-  starts on the same directory: ``disk`` (the same prompts, read cold from the disk tier).
+  starts on the same directory, recomputes an unrelated prompt of each length (engine A's first
+  long-context steps were its recomputes), then ``disk``: the same prompts, read cold from the
+  disk tier.
 
 Each timed call is ``generate(prompt, max_tokens=1)``; its wall time is the TTFT. Both engines
 first run a short warm-up prompt. Then a check prompt per length is run 16 tokens greedy in
@@ -139,7 +141,11 @@ def run(args, lengths: list[int], kinds: list[str], progress) -> TtftResult:
                           {"prompts": [p], "reset": True, "pause_s": args.settle_s, "max_tokens": CHECK_TOKENS,
                            "check": ["cpu", n]}]
             first[-1]["pause_s"] = args.settle_s
-            second = warm + [{"prompts": [p], "timed": ["disk", n]} for (n, r), p in timed.items()]
+            # B first recomputes an unrelated prompt of each length, as A did before its first hit: a
+            # fresh engine's first long-context step pays one-off costs no reload should be charged.
+            warm_b = warm + [{"prompts": [prompt(salt + 70_000 + n, n)]} for n in lengths]
+            second = warm_b + [{"prompts": [p], "timed": ["disk", n]} for (n, r), p in timed.items()]
+            second[len(warm_b)]["pause_s"] = args.settle_s  # its saves land before the first timed load
             second += [{"prompts": [p], "max_tokens": CHECK_TOKENS, "check": ["disk", n]} for n, p in checks.items()]
             progress(f"{kind}: engine A (recompute, local hit, CPU-tier reload) at {', '.join(map(str, lengths))} tokens")
             out_a, _ = spawn(_spec(args, model, disk, first, max_len), tmp, f"{kind}-a", multiprocess=kind != "in-process")
