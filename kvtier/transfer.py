@@ -11,7 +11,8 @@ benches and GPU tests drive :class:`TierWorker` directly.
   one by one as they arrive while the next ones are on the wire, then kept in the CPU tier.
 * **Save executor** (background): ``save()`` copies the blocks out on the caller's thread (on
   CUDA on a save stream the engine's stream then waits for; with ``dma`` it only starts the
-  copies, in batches, and returns), and one thread seals and stores each chunk once it is out, at a lower OS priority, and only while no load is running: saves yield to loads, never
+  copies, in batches, and returns), and one thread seals and stores each chunk once it is out,
+  at a lower OS priority, and only while no load is running: saves yield to loads, never
   the reverse. Its backlog is bounded in bytes: overflow drops the oldest pending chunks,
   counted, instead of blocking the engine.
 
@@ -30,7 +31,6 @@ import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from functools import partial
 from typing import Callable, Iterator
 
 import torch
