@@ -152,11 +152,13 @@ def format_table(result: OverheadResult, args) -> str:
     wall = result.wall_s["kvtier"] * 1e3
     if hooks and wall:
         parts = []
-        for key in ("wait_for_save", "save.gather", "start_load_kv", "get_finished"):
-            if key in hooks:
-                parts.append(f"{key} {hooks[key]:.0f} ms in {int(hooks.get(key + '.calls', 0))} calls "
-                             f"({100 * hooks[key] / wall:.1f}%)")
-        lines.append("kvtier's engine-thread time over the timed rounds' wall time: " + "; ".join(parts))
+        hook_names = sorted((k for k in hooks if not k.endswith(".calls") and k != "save"), key=lambda k: -hooks[k])
+        for key in hook_names:
+            parts.append(f"{key} {hooks[key]:.0f} ms in {int(hooks.get(key + '.calls', 0))} calls "
+                         f"({100 * hooks[key] / wall:.1f}%)")
+        total = sum(hooks[k] for k in hook_names if k != "save.gather")  # the gather runs inside wait_for_save
+        lines.append(f"kvtier's engine-thread time over the timed rounds' wall time: {100 * total / wall:.1f}% in all: "
+                     + "; ".join(parts))
     lines.append("greedy outputs identical with and without kvtier: " + ("yes" if result.identical else "NO"))
     return "\n".join(lines)
 

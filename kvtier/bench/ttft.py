@@ -88,8 +88,8 @@ def run_child(spec: dict) -> dict:
 
 
 def _time_connector() -> dict[str, float]:
-    """Wrap the connector's engine-thread hooks (and the copy inside a save) with wall-clock
-    timers; returns the dict of milliseconds they add up into. Only seen in-process."""
+    """Wrap the connector's engine-thread hooks, scheduler and worker side (and the copy inside a
+    save), with wall-clock timers; returns the dict of milliseconds they add up into. Only seen in-process."""
     from kvtier.engines.vllm.connector import KvtierConnector
     from kvtier.transfer import TierWorker
 
@@ -108,9 +108,10 @@ def _time_connector() -> dict[str, float]:
 
         setattr(owner, name, wrapper)
 
-    timed(KvtierConnector, "wait_for_save", "wait_for_save")
-    timed(KvtierConnector, "start_load_kv", "start_load_kv")
-    timed(KvtierConnector, "get_finished", "get_finished")
+    for hook in ("wait_for_save", "start_load_kv", "get_finished",  # worker side
+                 "get_num_new_matched_tokens", "update_state_after_alloc", "build_connector_meta",  # scheduler side
+                 "update_connector_output", "request_finished", "get_kv_connector_stats", "take_events"):
+        timed(KvtierConnector, hook, hook)
     timed(TierWorker, "save", "save")
     timed(TierWorker, "_gather_for_save", "save.gather")
     return totals
