@@ -22,8 +22,7 @@ from kvtier import codec
 from kvtier import keys as chain
 from kvtier.bench import BenchError
 from kvtier.bench.engine_kv import EngineKV, host_buffer, verify_blocks
-from kvtier.jobs import LoadJob, SaveJob
-from kvtier.ops import ChunkSpan
+from kvtier.bench.reload import chunk_spans, prompt_jobs
 from kvtier.storage import ChunkStore
 from kvtier.transfer import TierWorker
 
@@ -81,8 +80,7 @@ def measure(kv: EngineKV, keys: list[bytes], store: ChunkStore, chunk_blocks: in
     alone, _ = gemm.run(iters)
     progress(f"beside a GEMM loop: GEMMs alone {alone:.0f} TFLOP/s; now with kvtier saving and reloading")
     skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
-    save_job = SaveJob("beside-gemm", tuple(keys), tuple(kv.src.tolist()))
-    load_job = LoadJob("beside-gemm", tuple(keys), 0, tuple(kv.dst.tolist()))
+    save_job, load_job = prompt_jobs(kv, keys)
     worker = TierWorker(kv.layout, store, chunk_blocks, backend)
     try:
         def save() -> Iterator[None]:
@@ -103,10 +101,8 @@ def measure(kv: EngineKV, keys: list[bytes], store: ChunkStore, chunk_blocks: in
         num_chunks = len(keys)
         with host_buffer(num_chunks * chunk_bytes, device) as host:
             sums = torch.empty(num_chunks, dtype=torch.int64, device=device)
-            out = [ChunkSpan(host[i * chunk_bytes : (i + 1) * chunk_bytes], chunk_blocks, 0,
-                             kv.src[i * chunk_blocks : (i + 1) * chunk_blocks]) for i in range(num_chunks)]
-            back = [ChunkSpan(span.buffer, chunk_blocks, 0, kv.dst[i * chunk_blocks : (i + 1) * chunk_blocks])
-                    for i, span in enumerate(out)]
+            out = chunk_spans(host, num_chunks, kv.src, chunk_blocks, chunk_bytes)
+            back = chunk_spans(host, num_chunks, kv.dst, chunk_blocks, chunk_bytes)
 
             def gather() -> Iterator[None]:
                 yield

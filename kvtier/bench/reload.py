@@ -157,7 +157,7 @@ def run(spec: ReloadSpec, progress: Progress) -> ReloadResult:
     if spec.shared_url:
         from kvtier.bench.shared import measure_shared
 
-        measure_shared(spec, kv, keys, result, progress, _jobs, _save, _load, PathTimes)
+        measure_shared(spec, kv, keys, result, progress, prompt_jobs, _save, _load, PathTimes)
     _measure_naive(spec, kv, result, progress)
     del kv
     result.peak_rss_bytes = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -218,7 +218,7 @@ class _KvtierPath:
             worker._gather, worker._scatter = self.ops.wrap(worker._gather), self.ops.wrap(worker._scatter)
         self.worker = worker
         self.skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
-        self.save_job, self.load_job = _jobs(kv, keys)
+        self.save_job, self.load_job = prompt_jobs(kv, keys)
         fused = checksums_in_kernel(worker.backend)
         name = variant.name
         self.total = result.paths[name] = PathTimes(variant.label)
@@ -238,8 +238,8 @@ class _KvtierPath:
         chunk_bytes = codec.chunk_bytes(kv.layout, spec.chunk_blocks)
         sums = torch.empty(spec.num_chunks, dtype=torch.int64, device=spec.device)
         with host_buffer(spec.num_chunks * chunk_bytes, spec.device) as host:
-            out = _chunk_spans(host, spec.num_chunks, kv.src, spec.chunk_blocks, chunk_bytes)
-            back = _chunk_spans(host, spec.num_chunks, kv.dst, spec.chunk_blocks, chunk_bytes)
+            out = chunk_spans(host, spec.num_chunks, kv.src, spec.chunk_blocks, chunk_bytes)
+            back = chunk_spans(host, spec.num_chunks, kv.dst, spec.chunk_blocks, chunk_bytes)
             save_ms = _timed_ms(spec.device, lambda: worker._gather(kv.layout, out, checksums_out=sums))
             reload_ms = _timed_ms(spec.device, lambda: worker._scatter(kv.layout, back, sums))
         return save_ms, reload_ms
@@ -299,7 +299,7 @@ def _measure_disk_cold(spec: ReloadSpec, kv: EngineKV, keys: list[bytes], config
     )
     reads = result.paths["disk_cold.storage"] = PathTimes("  store: get (disk read)")
     skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
-    save_job, load_job = _jobs(kv, keys)
+    save_job, load_job = prompt_jobs(kv, keys)
     progress(f"disk tier: saving to {config.disk_path}")
     done = False
     try:
@@ -351,7 +351,7 @@ def _measure_naive(spec: ReloadSpec, kv: EngineKV, result: ReloadResult, progres
     chunk_bytes = codec.chunk_bytes(kv.layout, cb)
 
     def spans(host: torch.Tensor, count: int, ids: torch.Tensor) -> list[ChunkSpan]:
-        return _chunk_spans(host, count, ids, cb, chunk_bytes)
+        return chunk_spans(host, count, ids, cb, chunk_bytes)
 
     with host_buffer(chunk_bytes, spec.device) as probe:  # the faster of two: the first warms up
         probe_ms = min(_timed_ms(spec.device, lambda: gather(kv.layout, spans(probe, 1, kv.src))) for _ in range(2))
@@ -404,7 +404,7 @@ class _Raw:
 # ---- helpers ------------------------------------------------------------------------------------
 
 
-def _chunk_spans(host: torch.Tensor, count: int, ids: torch.Tensor, chunk_blocks: int, chunk_bytes: int) -> list[ChunkSpan]:
+def chunk_spans(host: torch.Tensor, count: int, ids: torch.Tensor, chunk_blocks: int, chunk_bytes: int) -> list[ChunkSpan]:
     """``count`` whole chunks back to back in ``host``, chunk ``i`` over blocks ``ids[i*cb:(i+1)*cb]``."""
     return [ChunkSpan(host[i * chunk_bytes : (i + 1) * chunk_bytes], chunk_blocks, 0,
                       ids[i * chunk_blocks : (i + 1) * chunk_blocks]) for i in range(count)]
@@ -422,7 +422,7 @@ def device_name(device: torch.device) -> str:
     return f"{model}, {torch.get_num_threads()} threads"
 
 
-def _jobs(kv: EngineKV, keys: list[bytes]) -> tuple[SaveJob, LoadJob]:
+def prompt_jobs(kv: EngineKV, keys: list[bytes]) -> tuple[SaveJob, LoadJob]:
     """Save the prompt from ``kv.src``; load it into ``kv.dst``."""
     return (SaveJob("bench", tuple(keys), tuple(kv.src.tolist())),
             LoadJob("bench", tuple(keys), 0, tuple(kv.dst.tolist())))
