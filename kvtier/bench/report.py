@@ -14,6 +14,7 @@ import datetime
 import json
 import os
 
+from kvtier.bench import NO_MATPLOTLIB, pyplot, save_figure
 from kvtier.bench.reload import ReloadResult
 from kvtier.urls import redact
 
@@ -158,13 +159,9 @@ def write_plot(result: ReloadResult, path: str, statistic: str = "best") -> str 
 
     Returns None, or the reason the plot was skipped (matplotlib missing).
     """
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed; skipped the plot (pip install matplotlib)."
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     numbers = _numbers(result, statistic)
     main = [name for name in numbers if "." not in name or name == "kvtier.ops"]
     fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.8), gridspec_kw={"width_ratios": [3, 2]})
@@ -191,10 +188,7 @@ def write_plot(result: ReloadResult, path: str, statistic: str = "best") -> str 
         f"kvtier reload, {spec.prompt_tokens} tokens ({_gib(spec.prompt_bytes)}), {g.layers}L x {g.kv_heads}H x {g.head_dim}, "
         f"{str(g.dtype).removeprefix('torch.')} on {result.device_name}", fontsize=10,
     )
-    fig.tight_layout()
-    _make_parent(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return None
 
 

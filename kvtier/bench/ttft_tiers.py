@@ -30,6 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from kvtier.bench import NO_MATPLOTLIB, pyplot, save_figure
 from kvtier.bench.ttft import make_model, prompt, spawn
 
 MODES = ("recompute", "local", "cpu", "disk")
@@ -225,13 +226,9 @@ def to_json(result: TtftResult, args) -> dict:
 
 def write_plot(result: TtftResult, path: str) -> str | None:
     """Grouped bars of median TTFT per mode, one group per (engine, length). None or why skipped."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        return "matplotlib is not installed; skipped the plot."
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     groups = [(kind, n) for kind in result.ms for n in result.lengths]
     fig, ax = plt.subplots(figsize=(max(6, 2.2 * len(groups)), 4.2))
     width = 0.8 / len(MODES)
@@ -244,7 +241,5 @@ def write_plot(result: TtftResult, path: str) -> str | None:
     ax.set_ylabel(f"TTFT ms (median of {result.repeats})")
     ax.legend(fontsize=8)
     ax.set_title("kvtier: time to first token by where the prompt's KV comes from", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    save_figure(fig, path)
     return None

@@ -278,6 +278,10 @@ def _run(layout, spans, *, gather, checksums_out=None, expected=None, mode=DEFAU
     verify = expected is not None and not gather
     if not spans:
         return Copying([], None, None, expected if verify else None)
+
+    def zeroed_sums() -> torch.Tensor | None:
+        return torch.zeros(len(spans), dtype=torch.int64, device=layout.device) if (checksums_out is not None or verify) else None
+
     if mode == "staged":
         # Everything this call launches runs on its own high-priority streams: beside a model, a
         # helper kernel (zeroing the sums, joining the block ids) on the caller's stream would
@@ -285,11 +289,11 @@ def _run(layout, spans, *, gather, checksums_out=None, expected=None, mode=DEFAU
         pack = _stager(layout.device, gather).pack
         pack.wait_stream(torch.cuda.current_stream(layout.device))
         with torch.cuda.stream(pack):
-            sums = torch.zeros(len(spans), dtype=torch.int64, device=layout.device) if (checksums_out is not None or verify) else None
+            sums = zeroed_sums()
             done, blocks_read = _staged(layout, spans, sums, gather, verify, max_ctas, stage_bytes, slots, kernel,
                                         checksums_out if gather else None)
         return Copying(done, blocks_read, sums, expected if verify else None)
-    sums = torch.zeros(len(spans), dtype=torch.int64, device=layout.device) if (checksums_out is not None or verify) else None
+    sums = zeroed_sums()
     _per_block(layout, spans, sums, gather, verify, mode == "batch", max_ctas, kernel)
     if gather and checksums_out is not None:
         checksums_out.copy_(sums)

@@ -23,6 +23,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fuzzing import mutated
 from kvtier.lookup import HoldReporter, LookupClient, LookupServer
 from kvtier.lookup.protocol import (
     KEY_BYTES, VERSION, HoldReport, LookupReply, LookupRequest, PeerAddress, decode_message, decode_reply, encode,
@@ -48,22 +49,6 @@ valid_structs = st.one_of(
               st.lists(st.sampled_from(["cpu", "disk", "", "tape"]), max_size=5)),
     st.builds(PeerAddress, versions, ints, ints, st.text(max_size=40)),
 )
-
-
-@st.composite
-def mutated(draw, base) -> bytes:
-    """A valid encoding with a few bytes flipped, cut or inserted."""
-    data = bytearray(draw(base))
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "cut", "insert"]))
-        at = draw(st.integers(0, max(0, len(data) - 1)))
-        if op == "flip" and data:
-            data[at] ^= draw(st.integers(1, 255))
-        elif op == "cut":
-            del data[at:]
-        else:
-            data[at:at] = draw(st.binary(min_size=1, max_size=8))
-    return bytes(data)
 
 
 encoded = valid_structs.map(encode)

@@ -7,10 +7,10 @@ import os
 
 import msgspec
 import pytest
-import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fuzzing import ask
 from kvtier.pd.protocol import VERSION, Fetch, Hello, HelloReply, Release, decode_reply, encode, mac
 
 SECRET = b"fuzz-secret"
@@ -26,17 +26,6 @@ def producer(tmp_path_factory):
     engine.side.close()
 
 
-def ask(endpoint: str, frames: list[bytes], timeout_ms: int = 2000) -> list[bytes] | None:
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(endpoint)
-    try:
-        socket.send_multipart(frames)
-        return socket.recv_multipart() if socket.poll(timeout_ms) else None
-    finally:
-        socket.close()
-
-
 def hello() -> Hello:
     return Hello(VERSION, 0, 1, b"f" * 16, "fuzz", 32)
 
@@ -47,7 +36,7 @@ def signed(message: msgspec.Struct, secret: bytes | None = SECRET) -> list[bytes
 
 
 def still_serves(endpoint: str) -> None:
-    reply = ask(endpoint, signed(hello()))
+    reply = ask(endpoint, signed(hello()), timeout_ms=2000)
     assert reply is not None, "the chunk server stopped answering"
     assert isinstance(decode_reply(reply[1]), HelloReply)
 
@@ -92,7 +81,7 @@ def test_tampered_body_fails_its_mac(producer):
     frames = signed(Release(VERSION, "t"))
     frames[1] = frames[1][:-1] + b"u"
     before = producer.side.chunk_server.rejected
-    reply = ask(producer.endpoint, frames)
+    reply = ask(producer.endpoint, frames, timeout_ms=2000)
     assert producer.side.chunk_server.rejected == before + 1
     assert decode_reply(reply[1]).status == "refused"
 

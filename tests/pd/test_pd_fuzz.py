@@ -21,6 +21,7 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from fuzzing import ask, mutated
 from kvtier.pd import params as pd
 from kvtier.pd.fetch import PeerError, fetch_chunks
 from kvtier.pd.protocol import (
@@ -33,22 +34,6 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 FP = b"f" * 16
 CHUNK_BYTES = 4096 + 64  # what the fetch below expects per chunk
-
-
-@st.composite
-def mutated(draw, base) -> bytes:
-    """A valid encoding with a few bytes flipped, cut or inserted."""
-    data = bytearray(draw(base))
-    for _ in range(draw(st.integers(1, 4))):
-        op = draw(st.sampled_from(["flip", "cut", "insert"]))
-        at = draw(st.integers(0, max(0, len(data) - 1)))
-        if op == "flip" and data:
-            data[at] ^= draw(st.integers(1, 255))
-        elif op == "cut":
-            del data[at:]
-        else:
-            data[at:at] = draw(st.binary(min_size=1, max_size=8))
-    return bytes(data)
 
 
 requests = st.one_of(
@@ -70,17 +55,6 @@ def open_producer(tmp_path_factory):
     engine.side.close()
 
 
-def ask(endpoint: str, frames: list[bytes], timeout_ms: int = 5000) -> list[bytes] | None:
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 0)
-    socket.connect(endpoint)
-    try:
-        socket.send_multipart(frames)
-        return socket.recv_multipart() if socket.poll(timeout_ms) else None
-    finally:
-        socket.close()
-
-
 @FUZZ
 @given(body=st.one_of(mutated(requests), st.binary(max_size=200)))
 def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving(open_producer, body):
@@ -97,7 +71,7 @@ def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving
         answer = decode_reply(reply[1])
         assert isinstance(answer, ChunkReply) and answer.status == "refused" and answer.error
         assert open_producer.side.chunk_server.rejected == before + 1
-    hello = ask(endpoint, [b"", encode(Hello(VERSION, 0, 1, FP, "fuzz", 32))])
+    hello = ask(endpoint, [b"", encode(Hello(VERSION, 0, 1, FP, "fuzz", 32))], timeout_ms=5000)
     assert hello is not None and isinstance(decode_reply(hello[1]), HelloReply), "the chunk server stopped answering"
 
 
