@@ -9,6 +9,8 @@ the bytes inside a block; it only moves them.
 from __future__ import annotations
 
 import hashlib
+import itertools
+import math
 from dataclasses import dataclass
 
 import torch
@@ -77,24 +79,89 @@ class Layout:
         return num_blocks * self.bytes_per_block
 
 
-def _byte_view(tensor: torch.Tensor, name: str) -> torch.Tensor:
-    """``tensor`` with blocks on dim 0 as a ``uint8 [num_blocks, block_bytes]`` alias."""
+_MAX_PARTS = 64  # regions one tensor may split into (K/V, or a few more outer dims): past it, refuse
+
+
+def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int | None:
+    """The dim that indexes blocks: dim 0, or dim 1 behind a leading K/V dim of 2 (vLLM's flash
+    layout ``[2, num_blocks, ...]``), whichever has ``num_blocks`` entries (dim 0 first, unless it
+    is that K/V dim)."""
+    shape = tensor.shape
+    if tensor.dim() >= 3 and shape[0] == 2 and shape[1] == num_blocks and tensor.stride(0) > tensor.stride(1):
+        return 1
+    if shape[0] == num_blocks:
+        return 0
+    if tensor.dim() >= 3 and shape[0] == 2 and shape[1] == num_blocks:
+        return 1
+    return None
+
+
+def _split_blocks(tensor: torch.Tensor, name: str, num_blocks: int) -> list[tuple[str, torch.Tensor, int]]:
+    """``tensor`` as regions: ``(name, view whose dim 0 indexes blocks, block bytes)`` per region.
+
+    A block is the set of elements at one index of the block dim. Dims whose stride is larger than
+    the block dim's lie *outside* a block: each index of them is a region of its own (K and V in
+    vLLM's flash layout). Every other dim lies *inside* the block and, sorted by stride, must pack
+    it densely: the view may list them in any order (vLLM permutes dims with each attention
+    backend's stride order), but the block's bytes must be one gap-free range.
+    """
+    def refuse(why: str) -> LayoutError:
+        return LayoutError(f"KV tensor {name!r} (shape {tuple(tensor.shape)}, strides {tensor.stride()}, "
+                           f"dtype {tensor.dtype}) {why}; kvtier copies whole blocks and refuses to guess this layout.")
+
     if tensor.dim() < 2:
-        raise LayoutError(f"KV tensor {name!r} has shape {tuple(tensor.shape)}: need blocks on dim 0 and at least one more dim.")
-    block = tensor[0]
-    if not block.is_contiguous():
+        raise LayoutError(f"KV tensor {name!r} has shape {tuple(tensor.shape)}: need a block dim and at least one more dim.")
+    dim = _block_dim(tensor, num_blocks)
+    if dim is None:
         raise LayoutError(
-            f"KV tensor {name!r} (shape {tuple(tensor.shape)}, strides {tensor.stride()}) does not keep each "
-            "block contiguous; kvtier copies whole blocks and refuses to guess this layout."
+            f"KV tensor {name!r} has shape {tuple(tensor.shape)}; expected [num_blocks={num_blocks}, ...] "
+            f"or [2, num_blocks={num_blocks}, ...]."
         )
-    item = tensor.element_size()
-    block_bytes = block.numel() * item
-    stride = tensor.stride(0) * item
-    if stride < block_bytes:
-        raise LayoutError(f"KV tensor {name!r}: blocks overlap (stride {stride} B < block {block_bytes} B).")
-    offset = tensor.storage_offset() * item
-    view = torch.empty(0, dtype=torch.uint8, device=tensor.device)
-    view.set_(tensor.untyped_storage(), offset, (tensor.shape[0], block_bytes), (stride, 1))
+    shape, strides = tensor.shape, tensor.stride()
+    block_stride = strides[dim]
+    others = [d for d in range(tensor.dim()) if d != dim and shape[d] > 1]
+    outer = [d for d in others if strides[d] > block_stride]
+    inner = sorted((d for d in others if strides[d] <= block_stride), key=lambda d: strides[d])
+    dense = 1
+    for d in inner:
+        if strides[d] != dense:
+            raise refuse("does not keep each block in one dense range of bytes")
+        dense *= shape[d]
+    if block_stride < dense and num_blocks > 1:
+        raise refuse(f"has overlapping blocks (block stride {block_stride} < {dense} elements per block)")
+    parts = math.prod(shape[d] for d in outer)
+    if parts > _MAX_PARTS:
+        raise refuse(f"splits each block into {parts} separate ranges")
+    if outer and not _disjoint(tensor, dim, outer, dense):
+        raise refuse("interleaves its blocks with those of another index of an outer dim")
+    kv_pair = len(outer) == 1 and shape[outer[0]] == 2
+    regions = []
+    for index in itertools.product(*(range(shape[d]) for d in outer)):
+        part = tensor
+        for d, i in sorted(zip(outer, index), reverse=True):  # select from the back: earlier dims keep their number
+            part = part.select(d, i)
+        block = part.movedim(dim - sum(d < dim for d in outer), 0)
+        suffix = ("." + "kv"[index[0]]) if kv_pair else "".join(f".{i}" for i in index)
+        regions.append((name + suffix, block, dense * tensor.element_size()))
+    return regions
+
+
+def _disjoint(tensor: torch.Tensor, dim: int, outer: list[int], dense: int) -> bool:
+    """Whether the regions of ``tensor`` (split on ``outer``) cover disjoint byte ranges: each
+    region's block span ends before the next region starts, in address order."""
+    starts = sorted(sum(i * tensor.stride(d) for d, i in zip(outer, index))
+                    for index in itertools.product(*(range(tensor.shape[d]) for d in outer)))
+    span = (tensor.shape[dim] - 1) * tensor.stride(dim) + dense
+    return all(b - a >= span for a, b in zip(starts, starts[1:]))
+
+
+def _byte_view(block: torch.Tensor, block_bytes: int) -> torch.Tensor:
+    """``block`` (dim 0 indexes blocks, each one dense range starting at its element 0) as a
+    ``uint8 [num_blocks, block_bytes]`` alias of the engine's memory."""
+    item = block.element_size()
+    view = torch.empty(0, dtype=torch.uint8, device=block.device)
+    view.set_(block.untyped_storage(), block.storage_offset() * item, (block.shape[0], block_bytes),
+              (block.stride(0) * item, 1))
     return view
 
 
@@ -109,10 +176,14 @@ def build_layout(
 ) -> Layout:
     """Layout of the per-layer KV tensors an engine registers.
 
-    Each tensor is either ``[num_blocks, ...]`` (one region: vLLM-CPU's
-    ``[num_blocks, kv_heads, block_size, 2*head_size]``, FlashInfer's ``[num_blocks, 2, ...]``) or
-    ``[2, num_blocks, ...]`` (K and V as two regions: vLLM's flash-attention layout). Anything
-    else, or a block that is not contiguous, raises :class:`LayoutError`.
+    Each tensor is ``[num_blocks, ...]`` or ``[2, num_blocks, ...]`` in its view's dim order, with
+    any strides that keep each block one dense range of bytes, or a few ranges when a dim lies
+    outside the block dim in memory (see :func:`_split_blocks`): vLLM-CPU's ``[num_blocks,
+    kv_heads, block_size, 2*head_size]``, flash attention's ``[2, num_blocks, block_size, kv_heads,
+    head_size]`` (K and V as two regions) in NHD or HND order, FlashInfer's and Triton attention's
+    ``[num_blocks, 2, ...]``, MLA's ``[num_blocks, block_size, latent]``, in any dtype (fp8 too).
+    Layers that alias the same memory (KV sharing) give one region. Anything else raises
+    :class:`LayoutError` naming the tensor, its shape and its strides.
     """
     if not kv_caches:
         raise LayoutError("no KV tensors were registered.")
@@ -120,19 +191,16 @@ def build_layout(
         raise LayoutError(f"block_size ({block_size}) and num_blocks ({num_blocks}) must be positive.")
     regions: list[Region] = []
     described: list[str] = []
+    seen: set[tuple[int, int, int]] = set()
     for name, tensor in kv_caches.items():
-        if tensor.shape[0] == num_blocks:
-            parts = {name: tensor}
-        elif tensor.dim() >= 3 and tensor.shape[0] == 2 and tensor.shape[1] == num_blocks:
-            parts = {f"{name}.k": tensor[0], f"{name}.v": tensor[1]}
-        else:
-            raise LayoutError(
-                f"KV tensor {name!r} has shape {tuple(tensor.shape)}; expected [num_blocks={num_blocks}, ...] "
-                f"or [2, num_blocks={num_blocks}, ...]."
-            )
-        for part_name, part in parts.items():
-            regions.append(Region(part_name, _byte_view(part, part_name)))
-            described.append(f"{part_name}:{part.dtype}:{tuple(part.shape[1:])}:{part[0].stride()}")
+        for part_name, block, block_bytes in _split_blocks(tensor, name, num_blocks):
+            view = _byte_view(block, block_bytes)
+            where = (view.data_ptr(), view.stride(0), block_bytes)
+            if where in seen:  # a layer that shares another's KV (vLLM's KV sharing): its bytes are saved once
+                continue
+            seen.add(where)
+            regions.append(Region(part_name, view))
+            described.append(f"{part_name}:{block.dtype}:{tuple(block.shape[1:])}:{block[0].stride()}")
     devices = {r.blocks.device for r in regions}
     if len(devices) != 1:
         raise LayoutError(f"KV tensors span several devices ({sorted(map(str, devices))}); one device per worker is supported.")

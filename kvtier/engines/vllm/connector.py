@@ -22,10 +22,10 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
 )
-from vllm.v1.metrics.cache_hit_source import CacheHitSource
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
+from kvtier.engines.vllm.compat import CacheHitSource, check_version
 from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
 from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
 from kvtier.engines.vllm.stats import KvtierPromMetrics, build_stats
@@ -41,8 +41,9 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-_SOURCES = {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P,
-            "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
+_SOURCES = {} if CacheHitSource is None else {
+    "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P,
+    "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # not aborted, not failed
 
 
@@ -53,6 +54,7 @@ class KvtierMetadata(KVConnectorMetadata):
 
 class KvtierConnector(KVConnectorBase_V1):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
+        check_version()
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = KvtierConfig.from_dict(transfer.kv_connector_extra_config)
@@ -149,7 +151,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
+        """Tokens per tier (vLLM >= 0.32 asks; older releases never call it)."""
         counts = self._scheduler.hit_sources(request.request_id)
         if sum(counts.values()) != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)

@@ -18,8 +18,9 @@ from collections import OrderedDict
 from typing import Callable, Iterable
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVCacheEvent, KVConnectorKVEvents
-from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash, to_event_extra_keys
+from vllm.v1.core.kv_cache_utils import generate_block_hash_extra_keys, maybe_convert_block_hash
 
+from kvtier.engines.vllm.compat import to_event_extra_keys
 from kvtier.jobs import ChunkBlocks
 
 # kvtier.storage.Tier value -> event medium. (kvtier.storage itself is not imported: it loads

@@ -1,0 +1,55 @@
+"""What differs between the vLLM releases kvtier runs on (0.26 on CUDA through 0.32 on CPU).
+
+The connector API's core methods have the same signatures across these releases; what moves is
+around them: names that newer releases add (``CacheHitSource``, ``to_event_extra_keys``) and
+optional hooks of ``KVConnectorBase_V1`` that the engine calls only when they exist. Everything
+version-dependent is decided here, once, by looking at what the installed vLLM has, never by
+comparing version numbers alone: a release newer than the last one tried works as long as the
+names kvtier needs are there.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import vllm
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+
+MIN_VERSION = (0, 26)  # the oldest release whose connector API kvtier was run on
+VERSION: str = getattr(vllm, "__version__", "unknown")
+
+try:  # vLLM >= 0.32: per-source counts of cached prompt tokens (host, disk, p2p)
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+except ImportError:
+    CacheHitSource = None  # type: ignore[assignment,misc]
+
+try:  # vLLM >= 0.32: block-hash extra keys in the untagged form KV events publish
+    from vllm.v1.core.kv_cache_utils import to_event_extra_keys
+except ImportError:
+    def to_event_extra_keys(extra_keys: Iterable[tuple[Any, ...] | None] | None) -> list | None:
+        """Older releases publish extra keys exactly as the block hash uses them."""
+        keys = list(extra_keys or ())
+        return keys or None
+
+
+def release(version: str = VERSION) -> tuple[int, int]:
+    """``(major, minor)`` of a version string such as ``0.26.0``, ``0.32.0+cpu`` or ``0.27.0rc1.dev5``."""
+    parts = []
+    for piece in version.split(".")[:2]:
+        digits = "".join(c for c in piece if c.isdigit()) if piece[:1].isdigit() else ""
+        parts.append(int(digits) if digits else 0)
+    return (parts + [0, 0])[0], (parts + [0, 0])[1]
+
+
+def check_version(version: str = VERSION) -> None:
+    """Raise one sentence when ``version`` is older than kvtier's connector API needs."""
+    if version != "unknown" and release(version) < MIN_VERSION:
+        raise RuntimeError(
+            f"kvtier needs vLLM {MIN_VERSION[0]}.{MIN_VERSION[1]} or newer (its KV connector API); "
+            f"this is vLLM {version}: upgrade vLLM, or remove kv_connector='kvtier'."
+        )
+
+
+def has_hook(name: str) -> bool:
+    """Whether this vLLM's connector base class defines hook ``name`` (so the engine may call it)."""
+    return callable(getattr(KVConnectorBase_V1, name, None))
