@@ -43,10 +43,19 @@ def test_fingerprint_changes_with_dtype_block_size_and_rank():
     "kv, match",
     [
         ({"l0": torch.zeros(7, 4, 4)}, "expected \\[num_blocks=6"),
-        ({"l0": torch.zeros(4, 6, 4).transpose(0, 1)}, "does not keep each block contiguous"),
+        ({"l0": torch.zeros(6, 4, 8)[:, :, :4]}, "shape \\(6, 4, 4\\), strides \\(32, 8, 1\\).* does not keep each block in one dense range"),
         ({}, "no KV tensors"),
     ],
 )
 def test_unsupported_layouts_are_refused_with_one_sentence(kv, match):
     with pytest.raises(LayoutError, match=match):
         build_layout(kv, 16, 6)
+
+
+def test_an_outer_dim_splits_blocks_into_regions():
+    """A dim laid out outside the block dim (here 4 parts, as K/V are 2 in flash attention) gives
+    one region per index; each still holds whole blocks."""
+    alloc = torch.arange(4 * 6 * 4, dtype=torch.float32).view(4, 6, 4)
+    layout = build_layout({"l0": alloc.transpose(0, 1)}, 16, 6)
+    assert [r.name for r in layout.regions] == ["l0.0", "l0.1", "l0.2", "l0.3"]
+    assert layout.regions[2].blocks[5].view(torch.float32).tolist() == alloc[2, 5].tolist()

@@ -5,7 +5,8 @@ default) through kvtier's tiers, reloads it into other blocks, checks the bytes,
 table next to a raw memcpy and the naive per-block copy. ``kvtier-bench pd`` times the first token
 of the same prompts recomputed, hit in the engine's prefix cache, and served P/D through
 kvtier-proxy (pull and push). ``kvtier-bench ttft`` times the first token recomputed, hit
-locally and reloaded from the CPU and disk tiers; ``kvtier-bench overhead`` compares a mixed
+locally and reloaded from the CPU and disk tiers; ``kvtier-bench engine`` does that and more in a
+real CUDA vLLM beside vLLM's own ``OffloadingConnector``; ``kvtier-bench overhead`` compares a mixed
 batch's throughput with and without kvtier when nothing hits. Exit status: 0 measured and verified, 1 the bench failed
 (verification included), 2 bad arguments.
 """
@@ -80,7 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
-    from kvtier.bench import executors, lookup, overhead, pd, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
+    from kvtier.bench import engine, executors, lookup, overhead, pd, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
+
+    engine.add_parser(commands, _positive, parse_tokens)
 
     executors.add_parser(commands, _positive, parse_tokens)
     lookup.add_parser(commands, _positive, parse_tokens)

@@ -117,7 +117,8 @@ def _time_connector() -> dict[str, float]:
     return totals
 
 
-def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiprocess: bool = False) -> tuple[dict, str]:
+def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiprocess: bool = False,
+          module: str = "kvtier.bench.ttft") -> tuple[dict, str]:
     """Run ``spec`` in a fresh Python process in its own session; returns (result, log). Raises
     with the log's tail on failure. ``multiprocess``: vLLM's default engine (EngineCore and worker
     in processes of their own) instead of everything in one interpreter. Whatever the engine left
@@ -126,7 +127,7 @@ def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiproces
     with open(path, "w") as f:
         json.dump(spec, f)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.ttft", "--child", path], stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, "-m", module, "--child", path], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)

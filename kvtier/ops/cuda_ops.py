@@ -2,8 +2,9 @@
 
 Same :class:`~kvtier.ops.triton_ops.CopyPlan`, same semantics and checksum as
 :mod:`kvtier.ops.triton_ops`; the tests check both give identical bytes and sums. The extension
-is built on first use with ``torch.utils.cpp_extension.load`` (JIT with nvcc and ninja, once per
-machine, cached under ``TORCH_EXTENSIONS_DIR``; the binding avoids torch headers to build fast). It is optional: when CUDA, nvcc, the
+is built with ``torch.utils.cpp_extension.load`` (nvcc and ninja, once per machine and sources,
+into :func:`build_directory`; the binding avoids torch headers to build fast): ahead of time by
+``python -m kvtier.ops.build``, or on first use outside an engine. It is optional: when CUDA, nvcc, the
 ``csrc/`` sources or the build are missing, :func:`available` is False and :func:`build_error`
 says why. Importing this module builds nothing.
 """
@@ -11,6 +12,8 @@ says why. Importing this module builds nothing.
 from __future__ import annotations
 
 import ctypes
+import hashlib
+import os
 import threading
 from pathlib import Path
 from typing import Sequence
@@ -29,6 +32,36 @@ DEFAULT_THREADS = 512  # 16 warps x 32 lanes x 8 vectors x 16 B = 64 KiB in flig
 _lock = threading.Lock()
 _ext = None
 _error: str | None = None
+_build_allowed = True
+
+
+def _build_name() -> str:
+    """The extension's name: fixed by its sources, torch and CUDA, so a build on disk is the one
+    these sources need, and a check for it never compiles anything."""
+    digest = hashlib.blake2b(digest_size=6)
+    for path in (CSRC / "kv_copy.cu", CSRC / "binding.cpp"):
+        digest.update(path.read_bytes() if path.exists() else b"")
+    digest.update(f"{torch.__version__}|{torch.version.cuda}".encode())
+    return f"kvtier_kv_copy_{digest.hexdigest()}"
+
+
+def build_directory() -> Path:
+    """Where the build lives: ``$KVTIER_BUILD_DIR``, else ``~/.cache/kvtier/ext`` (one folder per build name)."""
+    root = os.environ.get("KVTIER_BUILD_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "kvtier", "ext")
+    return Path(root) / _build_name()
+
+
+def is_built() -> bool:
+    """Whether the extension for these sources is on disk (so loading it compiles nothing)."""
+    return (build_directory() / f"{_build_name()}.so").exists()
+
+
+def allow_build(allowed: bool) -> None:
+    """Whether :func:`available` may compile the extension (tens of seconds with nvcc) when it is
+    not built yet. An engine's worker forbids it: nothing compiles while an engine starts, and the
+    copies take the Triton kernels until ``python -m kvtier.ops.build`` has built it."""
+    global _build_allowed
+    _build_allowed = allowed
 
 
 def _load():
@@ -48,11 +81,16 @@ def _load():
             missing = [str(p) for p in sources if not p.exists()]
             if missing:
                 raise RuntimeError(f"sources missing: {missing}")
+            if not _build_allowed and not is_built():
+                raise RuntimeError("not built yet (build it ahead with: python -m kvtier.ops.build)")
+            directory = build_directory()
+            directory.mkdir(parents=True, exist_ok=True)
             _ext = load(
-                name="kvtier_kv_copy",
+                name=_build_name(),
                 sources=[str(p) for p in sources],
                 extra_cflags=["-O3"],
                 extra_cuda_cflags=["-O3"],
+                build_directory=str(directory),
                 verbose=False,
             )
         except Exception as exc:  # noqa: BLE001 - optional backend: record why and carry on
@@ -61,7 +99,8 @@ def _load():
 
 
 def available() -> bool:
-    """True when the extension is built (building it now if needed) and CUDA is usable."""
+    """True when the extension is loaded (built now if needed and :func:`allow_build` allows it)
+    and CUDA is usable."""
     return _load() is not None
 
 

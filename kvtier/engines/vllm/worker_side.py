@@ -21,6 +21,7 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
+from kvtier.engines.vllm.compat import VERSION as VLLM_VERSION
 from kvtier.engines.vllm.events import TierEvents
 from kvtier.layout import build_layout
 from kvtier.lookup import HoldReporter, LookupServer
@@ -115,6 +116,10 @@ class WorkerSide:
             self._changed(keys)
             self.holds.stored(keys)
 
+        if layout.device.type == "cuda":  # nothing compiles while an engine starts (Triton until a build exists)
+            from kvtier.ops import cuda_ops
+
+            cuda_ops.allow_build(False)
         self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
                                     on_held=held, fetch_remote=self._fetch_remote, load_inline=self.load_inline)
         pd = "no P/D chunk server (kv_consumer)"
@@ -127,9 +132,21 @@ class WorkerSide:
             self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
-        logger.info("kvtier rank %d/%d: %d regions, %d B per block, chunk of %d tokens, %d chunks kept on disk; "
-                    "lookup at %s; %s", self.rank, self.world_size, len(layout.regions), layout.bytes_per_block,
-                    config.chunk_tokens, len(kept), self.endpoint, pd)
+        logger.info("kvtier rank %d/%d on vLLM %s: %d regions, %d B per block, chunk of %d tokens, copies by %s, "
+                    "%d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size, VLLM_VERSION,
+                    len(layout.regions), layout.bytes_per_block, config.chunk_tokens, self._copies(), len(kept),
+                    self.endpoint, pd)
+
+    def _copies(self) -> str:
+        """The copy backend in words, e.g. ``dma (cuda kernels)`` or ``dma (triton kernels; ...)``."""
+        name = self.transfers.backend
+        if name != "dma":
+            return name
+        from kvtier.ops import cuda_ops
+
+        if cuda_ops.available():
+            return "dma (cuda kernels)"
+        return f"dma (triton kernels; CUDA C++ kernels: {cuda_ops.build_error()})"
 
     def _changed(self, keys: list[bytes]) -> None:
         self.reporter.changed(keys)

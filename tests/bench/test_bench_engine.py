@@ -1,0 +1,41 @@
+"""``kvtier-bench engine``'s report from a made-up result (the bench itself needs a CUDA vLLM):
+the table's ratios and target columns, the identical-output check, the plot."""
+
+from __future__ import annotations
+
+from kvtier.bench import engine
+
+
+def made_up(chat_b=None) -> dict:
+    ttft = {"none": {"8192": {"recompute": [210.0], "local": [20.0]}},
+            "kvtier": {"8192": {"recompute": [215.0], "local": [21.0], "reload": [40.0]}},
+            "offload": {"8192": {"recompute": [215.0], "local": [21.0], "reload": [50.0]}},
+            "disk": {"8192": {"disk": [300.0]}}}
+    chat = [[1, 2], [3, 4]]
+    return {"lengths": [8192], "repeats": 1, "ttft_ms": ttft, "h2d_gbps": 53.7, "kv_bytes_per_token": 128 << 10,
+            "vllm": "0.26.0", "device": "H100", "start_s": {"none": 9.0, "kvtier": 15.0, "offload": 17.0},
+            "prefill_tok_s": {"none": [1000.0], "kvtier": [990.0]}, "chat_s": {"none": [5, 3, 3], "kvtier": [5, 1, 1]},
+            "checks": {"8192": {"none:check": [1, 2], "kvtier:check-reload": [1, 2]}},
+            "chat_tokens": {"none": chat, "kvtier": chat_b or chat}}
+
+
+def test_table_gives_the_ratios_against_vllm_and_the_floor():
+    result = made_up()
+    result["identical"] = engine._identical(result)
+    table = engine.format_table(result)
+    row = next(line for line in table.splitlines() if line.lstrip().startswith("8192"))
+    floor = 20 + 8192 * (128 << 10) / 53.7e9 * 1e3  # local + bytes / raw H2D
+    assert f"{floor:.0f}" in row.split()
+    assert "0.80" in row.split()  # kvtier / vLLM: 40 / 50
+    assert "(0.990 x none)" in table and "identical across engines (16-token checks, every chat reply): yes" in table
+
+
+def test_a_differing_chat_reply_fails_the_identity_check():
+    assert not engine._identical(made_up(chat_b=[[1, 2], [3, 5]]))
+
+
+def test_plot_is_written(tmp_path):
+    result = made_up()
+    result["identical"] = True
+    skipped = engine.write_plot(result, str(tmp_path / "engine.png"))
+    assert skipped or (tmp_path / "engine.png").stat().st_size > 1000
