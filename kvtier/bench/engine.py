@@ -24,6 +24,7 @@ import argparse
 import json
 import os
 import random
+import re
 import statistics
 import sys
 import tempfile
@@ -187,8 +188,12 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
         for name in (e for e in ("none", "kvtier", "offload") if e in engines):
             rounds = _ttft_rounds(args, lengths, 0, reload=name != "none") + _workload_rounds(args)
             progress(f"engine {name}: TTFT at {', '.join(map(str, lengths))} tokens, prefill, {args.sessions}-session chat")
-            out, _ = spawn(_spec(args, model, name, rounds), tmp, name, timeout_s=1200, module=CHILD)
+            env = {"KVTIER_LOG_LEVEL": "DEBUG"} if name == "kvtier" else None  # one line per reload
+            out, log = spawn(_spec(args, model, name, rounds), tmp, name, timeout_s=1200, multiprocess=True,
+                             module=CHILD, env=env)
             _collect(result, name, rounds, out)
+            if name == "kvtier":
+                result["kvtier_load_ms"] = load_times(log)
             progress(f"engine {name}: started in {out['start_s']:.1f} s; " + _summary(result, name))
         if "disk" in engines:
             _run_disk(args, lengths, model, tmp, result, progress)
@@ -203,16 +208,28 @@ def _run_disk(args, lengths, model, tmp, result, progress) -> None:
              for n in lengths for r in range(args.repeats)]
     write += [{"prompts": [prompt(7 + n, n)], "tag": ["write", n]} for n in lengths]
     progress("engine disk-write: computes the disk prompts (written through to the disk tier)")
-    spawn(_spec(args, model, "kvtier", write, config), tmp, "disk-write", timeout_s=900, module=CHILD)
+    spawn(_spec(args, model, "kvtier", write, config), tmp, "disk-write", timeout_s=900, multiprocess=True, module=CHILD)
     progress(f"dropped {drop_page_cache(disk)} chunk files from the page cache; engine disk (fresh, same directory)")
     read = [{"prompts": [prompt(1, 1024)], "tag": ["warmup"]}]
     read += [{"prompts": [prompt(400_000 + n, n)], "tag": ["warmup"]} for n in lengths]  # long-context first steps
     read += [{"prompts": [prompt(300_000 + 1000 * r + n, n)], "tag": ["disk", n]}
              for n in lengths for r in range(args.repeats)]
     read += [{"prompts": [prompt(7 + n, n)], "max_tokens": CHECK_TOKENS, "tag": ["check-disk", n]} for n in lengths]
-    out, _ = spawn(_spec(args, model, "kvtier", read, config), tmp, "disk", timeout_s=900, module=CHILD)
+    out, _ = spawn(_spec(args, model, "kvtier", read, config), tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD)
     _collect(result, "disk", read, out)
     progress("engine disk: " + _summary(result, "disk"))
+
+
+_LOADED = re.compile(r"loaded (\d+) of \d+ blocks \((\d+) tokens from cpu\) in ([\d.]+) ms")
+
+
+def load_times(log: str) -> dict[str, list[float]]:
+    """kvtier's own time per CPU-tier load (its worker's DEBUG lines: from the load's start to its
+    last copy's end), by tokens loaded: the part of a reload's TTFT that is kvtier's copy."""
+    times: dict[str, list[float]] = {}
+    for _, tokens, ms in _LOADED.findall(log):
+        times.setdefault(tokens, []).append(float(ms))
+    return times
 
 
 def _vllm_version() -> str:
@@ -266,11 +283,11 @@ def _summary(result: dict, name: str) -> str:
 
 
 def format_table(result: dict) -> str:
-    ms, floor_rate = result["ttft_ms"], result["h2d_gbps"]
+    ms = result["ttft_ms"]
     lines = [f"kvtier-bench engine: vLLM {result['vllm']} on {result['device']}; TTFT ms, median of {result['repeats']}; "
-             f"raw pinned H2D {floor_rate:.1f} GB/s; KV {result['kv_bytes_per_token'] >> 10} KiB/token"]
+             f"raw pinned H2D {result['h2d_gbps']:.1f} GB/s; KV {result['kv_bytes_per_token'] >> 10} KiB/token"]
     head = (f"{'tokens':>6} {'recompute':>9} {'local':>6} {'kvtier cpu':>10} {'kvtier disk':>11} {'vLLM offload':>12} "
-            f"{'floor':>6}  kvtier/vLLM  kvtier/floor")
+            f"{'target':>6}  kvtier/vLLM  kvtier/target")
     lines += [head, "-" * len(head)]
     for n in map(str, result["lengths"]):
         def cell(engine: str, mode: str) -> float | None:
@@ -279,11 +296,16 @@ def format_table(result: dict) -> str:
 
         local = cell("none", "local") or cell("kvtier", "local")
         kv, off = cell("kvtier", "reload"), cell("offload", "reload")
-        floor = None if local is None else local + int(n) * result["kv_bytes_per_token"] / floor_rate / 1e6
+        target = None if local is None else local + 1.1 * copy_ms(result, int(n))
         fmt = lambda v, w: f"{v:>{w}.0f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
         ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
         lines.append(f"{n:>6} {fmt(cell('none', 'recompute'), 9)} {fmt(local, 6)} {fmt(kv, 10)} "
-                     f"{fmt(cell('disk', 'disk'), 11)} {fmt(off, 12)} {fmt(floor, 6)}  {ratio(kv, off):>11}  {ratio(kv, floor):>12}")
+                     f"{fmt(cell('disk', 'disk'), 11)} {fmt(off, 12)} {fmt(target, 6)}  {ratio(kv, off):>11}  {ratio(kv, target):>13}")
+    loads = result.get("kvtier_load_ms") or {}
+    if loads:
+        lines.append("where a kvtier reload's time goes (median ms): " + "; ".join(
+            f"{n} tokens: load in the worker {_med(loads[n]):.0f} (raw H2D of its bytes {copy_ms(result, int(n)):.0f})"
+            for n in map(str, result["lengths"]) if n in loads))
     if result["chat_s"]:
         lines.append("multi-turn chat, rounds 2+ (s): " + ", ".join(
             f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))
@@ -295,9 +317,14 @@ def format_table(result: dict) -> str:
     lines.append("engine start (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["start_s"].items()))
     lines.append("greedy outputs identical across engines (16-token checks, every chat reply): "
                  + ("yes" if result["identical"] else "NO"))
-    lines.append("targets: kvtier cpu <= vLLM offload; kvtier cpu <= floor x 1.1 (floor = local + KV bytes / raw H2D); "
+    lines.append("targets: kvtier cpu <= vLLM offload; kvtier cpu <= target = local + 1.1 x (KV bytes / raw pinned H2D); "
                  "chat rounds 2+ <= vLLM's; prefill >= 0.98 x none; start <= vLLM's + 5 s")
     return "\n".join(lines)
+
+
+def copy_ms(result: dict, tokens: int) -> float:
+    """Milliseconds the raw pinned host-to-device memcpy takes for ``tokens`` tokens' KV."""
+    return tokens * result["kv_bytes_per_token"] / result["h2d_gbps"] / 1e6
 
 
 def write_plot(result: dict, path: str) -> str | None:

@@ -118,15 +118,16 @@ def _time_connector() -> dict[str, float]:
 
 
 def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiprocess: bool = False,
-          module: str = "kvtier.bench.ttft") -> tuple[dict, str]:
+          module: str = "kvtier.bench.ttft", env: dict | None = None) -> tuple[dict, str]:
     """Run ``spec`` in a fresh Python process in its own session; returns (result, log). Raises
     with the log's tail on failure. ``multiprocess``: vLLM's default engine (EngineCore and worker
     in processes of their own) instead of everything in one interpreter. Whatever the engine left
-    running in the session is killed at the end."""
+    running in the session is killed at the end. ``module``: whose ``--child`` runs ``spec``;
+    ``env``: variables set for the child on top of this process's."""
     path = os.path.join(workdir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
-    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0"}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **(env or {})}
     proc = subprocess.Popen([sys.executable, "-m", module, "--child", path], stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 NAME = "kvtier"
@@ -28,11 +29,12 @@ def register() -> None:
 
 def _show_logs() -> None:
     """kvtier's start-up line and warnings in the engine's output, beside vLLM's own lines (vLLM
-    configures only its own logger; without this, kvtier's INFO lines would go nowhere)."""
+    configures only its own logger; without this, kvtier's INFO lines would go nowhere). Level:
+    ``KVTIER_LOG_LEVEL``, else ``VLLM_LOGGING_LEVEL``, else INFO (DEBUG: one line per reload)."""
     logger = logging.getLogger(NAME)
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
+    logger.setLevel(os.environ.get("KVTIER_LOG_LEVEL") or os.environ.get("VLLM_LOGGING_LEVEL") or "INFO")
