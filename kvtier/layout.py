@@ -99,60 +99,67 @@ def _block_dim(tensor: torch.Tensor, num_blocks: int) -> int | None:
 def _split_blocks(tensor: torch.Tensor, name: str, num_blocks: int) -> list[tuple[str, torch.Tensor, int]]:
     """``tensor`` as regions: ``(name, view whose dim 0 indexes blocks, block bytes)`` per region.
 
-    A block is the set of elements at one index of the block dim. Dims whose stride is larger than
-    the block dim's lie *outside* a block: each index of them is a region of its own (K and V in
-    vLLM's flash layout). Every other dim lies *inside* the block and, sorted by stride, must pack
-    it densely: the view may list them in any order (vLLM permutes dims with each attention
-    backend's stride order), but the block's bytes must be one gap-free range.
+    A block is the set of elements at one index of the block dim. The other dims, taken by
+    increasing stride, pack the block densely for as long as each stride equals the elements
+    packed so far: the view may list its dims in any order (vLLM permutes them with each attention
+    backend's stride order). The first dim that breaks that, and every dim after it, splits the
+    block: each index of those dims is a region of its own (K and V in vLLM's ``[2, num_blocks,
+    ...]`` flash layout; heads whose blocks interleave with other layers' in vLLM 0.32's BHLNC).
+    Regions may interleave in memory but never share a byte.
     """
     def refuse(why: str) -> LayoutError:
         return LayoutError(f"KV tensor {name!r} (shape {tuple(tensor.shape)}, strides {tensor.stride()}, "
                            f"dtype {tensor.dtype}) {why}; kvtier copies whole blocks and refuses to guess this layout.")
 
-    if tensor.dim() < 2:
-        raise LayoutError(f"KV tensor {name!r} has shape {tuple(tensor.shape)}: need a block dim and at least one more dim.")
-    dim = _block_dim(tensor, num_blocks)
+    dim = _block_dim(tensor, num_blocks) if tensor.dim() >= 2 else None
     if dim is None:
-        raise LayoutError(
-            f"KV tensor {name!r} has shape {tuple(tensor.shape)}; expected [num_blocks={num_blocks}, ...] "
-            f"or [2, num_blocks={num_blocks}, ...]."
-        )
+        raise refuse(f"has no block dim: expected [num_blocks={num_blocks}, ...] or [2, num_blocks={num_blocks}, ...]")
     shape, strides = tensor.shape, tensor.stride()
     block_stride = strides[dim]
-    others = [d for d in range(tensor.dim()) if d != dim and shape[d] > 1]
-    outer = [d for d in others if strides[d] > block_stride]
-    inner = sorted((d for d in others if strides[d] <= block_stride), key=lambda d: strides[d])
-    dense = 1
-    for d in inner:
-        if strides[d] != dense:
-            raise refuse("does not keep each block in one dense range of bytes")
-        dense *= shape[d]
+    others = sorted((d for d in range(tensor.dim()) if d != dim and shape[d] > 1), key=lambda d: strides[d])
+    dense, split = 1, []
+    for d in others:
+        if not split and strides[d] == dense and strides[d] < block_stride:
+            dense *= shape[d]
+        elif strides[d] < dense:
+            raise refuse(f"packs dim {d} into bytes other dims already use")
+        else:
+            split.append(d)
     if block_stride < dense and num_blocks > 1:
         raise refuse(f"has overlapping blocks (block stride {block_stride} < {dense} elements per block)")
-    parts = math.prod(shape[d] for d in outer)
+    parts = math.prod(shape[d] for d in split)
     if parts > _MAX_PARTS:
         raise refuse(f"splits each block into {parts} separate ranges")
-    if outer and not _disjoint(tensor, dim, outer, dense):
-        raise refuse("interleaves its blocks with those of another index of an outer dim")
-    kv_pair = len(outer) == 1 and shape[outer[0]] == 2
+    starts = [sum(i * strides[d] for d, i in zip(split, index))
+              for index in itertools.product(*(range(shape[d]) for d in split))]
+    if not _disjoint(starts, block_stride, dense, shape[dim]):
+        raise refuse("has blocks that share bytes across the dims that split them")
+    kv_pair = dim == 1 and split == [0] and shape[0] == 2  # vLLM's [2, num_blocks, ...]: K, then V
     regions = []
-    for index in itertools.product(*(range(shape[d]) for d in outer)):
+    for index in itertools.product(*(range(shape[d]) for d in split)):
         part = tensor
-        for d, i in sorted(zip(outer, index), reverse=True):  # select from the back: earlier dims keep their number
+        for d, i in sorted(zip(split, index), reverse=True):  # select from the back: earlier dims keep their number
             part = part.select(d, i)
-        block = part.movedim(dim - sum(d < dim for d in outer), 0)
+        block = part.movedim(dim - sum(d < dim for d in split), 0)
         suffix = ("." + "kv"[index[0]]) if kv_pair else "".join(f".{i}" for i in index)
         regions.append((name + suffix, block, dense * tensor.element_size()))
     return regions
 
 
-def _disjoint(tensor: torch.Tensor, dim: int, outer: list[int], dense: int) -> bool:
-    """Whether the regions of ``tensor`` (split on ``outer``) cover disjoint byte ranges: each
-    region's block span ends before the next region starts, in address order."""
-    starts = sorted(sum(i * tensor.stride(d) for d, i in zip(outer, index))
-                    for index in itertools.product(*(range(tensor.shape[d]) for d in outer)))
-    span = (tensor.shape[dim] - 1) * tensor.stride(dim) + dense
-    return all(b - a >= span for a, b in zip(starts, starts[1:]))
+def _disjoint(starts: list[int], stride: int, size: int, count: int) -> bool:
+    """Whether regions starting at ``starts`` (elements), each ``count`` blocks of ``size``
+    elements ``stride`` apart, share no element: two regions either lie apart as wholes, or their
+    offset modulo the block stride leaves room for a block on both sides."""
+    span = (count - 1) * stride + size
+    ordered = sorted(starts)
+    for i, a in enumerate(ordered):
+        for b in ordered[i + 1:]:
+            if b - a >= span:
+                break
+            gap = (b - a) % stride if count > 1 else b - a
+            if b == a or gap < size or (count > 1 and stride - gap < size):
+                return False
+    return True
 
 
 def _byte_view(block: torch.Tensor, block_bytes: int) -> torch.Tensor:
