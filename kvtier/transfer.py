@@ -112,6 +112,10 @@ class TierWorker:
     ``fetch_remote``: how chunks of a P/D producer are fetched (None: this worker never loads any).
     ``checksum``: the chunk checksum computed after the copy when the backend does not compute
     KVSUM64 while copying (:mod:`kvtier.codec.checksums`; None: the codec's default).
+    ``defer_reuse``: a save returns without making the engine's stream wait until its engine
+    blocks have been read; the caller must then call :meth:`guard_reuse` with every step's newly
+    allocated blocks before that step's kernels (without it, a freed block could be overwritten
+    while a save still reads it). Else the engine's stream waits for every save's reads.
     ``load_inline``: run loads from the local tiers on the caller's thread inside
     :meth:`submit_load` (finished before it returns) instead of the load thread. For a worker
     that shares its interpreter with the engine's loop: there the load thread waits for the GIL
@@ -121,7 +125,8 @@ class TierWorker:
 
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
                  save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
-                 fetch_remote: FetchRemote | None = None, checksum: str | None = None, load_inline: bool = False):
+                 fetch_remote: FetchRemote | None = None, checksum: str | None = None, load_inline: bool = False,
+                 defer_reuse: bool = False):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -139,6 +144,12 @@ class TierWorker:
         cuda = layout.device.type == "cuda"
         self._load_stream = torch.cuda.Stream(layout.device) if cuda else None
         self._save_stream = torch.cuda.Stream(layout.device) if cuda else None
+        # Saves whose engine blocks may still be unread: (event after which they are read, block
+        # ids), oldest first. Engine thread only.
+        self.defer_reuse = defer_reuse and cuda
+        self._unread: deque[tuple[torch.cuda.Event, frozenset[int]]] = deque()
+        self._last_read: torch.cuda.Event | None = None
+        self._reuse_after: torch.cuda.Event | None = None  # loads wait for it: their blocks may be being read
         # load side
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
         self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
@@ -218,6 +229,8 @@ class TierWorker:
                 group = []
         if group:
             started += self._start_gather(group)
+        if self.defer_reuse and self._last_read is not None:
+            self._unread.append((self._last_read, frozenset(b for _, blocks in wanted for b in blocks)))
         # Queued only once every copy has started: the save thread's Python would otherwise slow
         # (through the GIL) the starting of the copies it waits for.
         with self._cond:
@@ -288,13 +301,39 @@ class TierWorker:
         with torch.cuda.stream(self._save_stream):
             if self._gather_async is not None:
                 copying = self._gather_async(self.layout, spans, **kw)
-                engine.wait_event(copying.blocks_read)  # a later step reuses the blocks only once read
+                self._blocks_read(engine, copying.blocks_read)
                 return copying.done
             self._gather(self.layout, spans, **kw)
         ready = torch.cuda.Event()
         ready.record(self._save_stream)
-        engine.wait_event(ready)  # and a later step that reuses the blocks comes after
+        self._blocks_read(engine, ready)
         return [ready] * len(spans)
+
+    def _blocks_read(self, engine: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        """A later step may reuse the blocks a save reads only once ``event`` has passed: the
+        engine's stream waits for it now, or (``defer_reuse``) :meth:`guard_reuse` makes it wait
+        only for a step that was given one of those blocks."""
+        if self.defer_reuse:
+            self._last_read = event
+        else:
+            engine.wait_event(event)
+
+    def guard_reuse(self, allocated) -> None:
+        """Before a step's kernels (engine thread): if any of ``allocated`` (engine block ids the
+        step was given) is a block an earlier save may still be reading, the engine's stream and
+        later loads wait until it has been read. Cheap when nothing overlaps, which is the rule:
+        blocks of running requests are never reallocated, only those of finished or preempted ones."""
+        unread = self._unread
+        while unread and unread[0][0].query():
+            unread.popleft()
+        if not unread or not allocated:
+            return
+        wanted = set(allocated)
+        for event, blocks in reversed(unread):  # the newest overlapping save; events are in stream order
+            if not blocks.isdisjoint(wanted):
+                torch.cuda.current_stream(self.layout.device).wait_event(event)
+                self._reuse_after = event
+                return
 
     def _save_loop(self) -> None:
         try:
@@ -365,6 +404,8 @@ class TierWorker:
             if self._load_stream is None:
                 failed = self.load(job)
             else:
+                if self._reuse_after is not None:
+                    self._load_stream.wait_event(self._reuse_after)
                 with torch.cuda.stream(self._load_stream):
                     failed = self.load(job)
                 self._load_stream.synchronize()  # the blocks are whole before the request resumes

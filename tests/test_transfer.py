@@ -423,3 +423,30 @@ def test_an_inline_load_runs_on_the_callers_thread_and_is_finished_when_submit_r
         assert torch.equal(blocks(alloc, range(40, 44)), blocks(alloc, range(4)))
     finally:
         worker.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_deferred_save_reads_are_guarded_when_their_blocks_are_given_out_again(stores, monkeypatch):
+    """defer_reuse: a save leaves the engine's stream free; a step that is given one of the
+    blocks being read (guard_reuse) waits for the read, so zeroing them right after the guard
+    cannot reach the saved chunk. Staging of one small slot keeps the reads in flight a while."""
+    if "dma" not in backend_names():
+        pytest.skip("ops backend dma is not available on this machine")
+    monkeypatch.setattr(transfer, "PIPELINE_BYTES", 1)
+    alloc, layout = cuda_kv()
+    worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, "dma", defer_reuse=True)
+    ks = keys(8)
+    try:
+        expected = alloc[:, :, :16].clone()
+        assert worker.save([save_job(ks)]) == 8
+        worker.guard_reuse(tuple(range(40, 44)))  # unrelated blocks: nothing to wait for
+        worker.guard_reuse((3, 200))  # block 3 is being read
+        alloc[:, :, :16].zero_()  # the step's kernels, on the engine's stream
+        worker.drain()
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(32, 48)))) == set()
+        assert torch.equal(alloc[:, :, 32:48], expected)
+        worker.guard_reuse((3,))  # every read has passed: the record of it is dropped
+        assert not worker._unread
+    finally:
+        worker.close()

@@ -4,6 +4,8 @@ an older vLLM gets."""
 from __future__ import annotations
 
 import logging
+import sys
+import types
 
 import pytest
 
@@ -26,16 +28,27 @@ def test_an_older_vllm_gets_one_sentence():
     compat.check_version("0.33.0")  # a newer release is tried, not refused
 
 
-def test_the_plugin_registers_nothing_on_an_older_vllm(monkeypatch, caplog):
-    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
-
-    monkeypatch.setattr(compat, "VERSION", "0.20.0")
+def test_the_plugin_registers_nothing_on_an_older_vllm(monkeypatch):
+    registered = []
+    factory = types.SimpleNamespace(KVConnectorFactory=types.SimpleNamespace(
+        _registry={}, register_connector=lambda *args: registered.append(args)))
+    # A stand-in for vLLM's factory module: importing the real one configures vLLM's logging.
+    monkeypatch.setitem(sys.modules, "vllm.distributed.kv_transfer.kv_connector.factory", factory)
     monkeypatch.setattr(compat.check_version, "__defaults__", ("0.20.0",))
-    monkeypatch.setattr(KVConnectorFactory, "_registry", {})
-    with caplog.at_level(logging.WARNING, logger="kvtier"):
+    said: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: said.append(record.getMessage())
+    logger = logging.getLogger("kvtier")
+    logger.addHandler(handler)
+    try:
         plugin.register()
-    assert "kvtier" not in KVConnectorFactory._registry
-    assert "kvtier needs vLLM 0.26 or newer" in caplog.text
+    finally:
+        logger.removeHandler(handler)
+    assert registered == []
+    assert any("kvtier needs vLLM 0.26 or newer" in line for line in said), said
+    monkeypatch.setattr(compat.check_version, "__defaults__", ("0.26.0",))
+    plugin.register()
+    assert registered == [("kvtier", "kvtier.engines.vllm.connector", "KvtierConnector")]
 
 
 def test_names_newer_releases_add_are_detected():

@@ -89,6 +89,7 @@ class KvtierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
+        self._worker.guard_reuse(meta.plan.allocated)  # before this step's kernels write any block
         if meta.plan.reset:
             self._worker.reset()
         self._worker.start_loads(meta.plan.loads, meta.plan.cancels)
@@ -159,20 +160,23 @@ class KvtierConnector(KVConnectorBase_V1):
         return {_SOURCES[tier]: n for tier, n in counts.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        scheduler, saves = self._scheduler, []
+        scheduler, saves, allocated = self._scheduler, [], []
         for new in scheduler_output.scheduled_new_reqs:
             computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
             saves.append(scheduler.scheduled(new.req_id, new.block_ids[0], True, computed))
+            allocated += new.block_ids[0]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
+            if new_blocks:
+                allocated += new_blocks[0]
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             saves.append(
                 scheduler.scheduled(
                     req_id, new_blocks[0] if new_blocks else None, req_id in cached.resumed_req_ids, computed
                 )
             )
-        return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None]))
+        return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         events = connector_output.kv_cache_events

@@ -30,11 +30,13 @@ def register() -> None:
 def _show_logs() -> None:
     """kvtier's start-up line and warnings in the engine's output, beside vLLM's own lines (vLLM
     configures only its own logger; without this, kvtier's INFO lines would go nowhere). Level:
-    ``KVTIER_LOG_LEVEL``, else ``VLLM_LOGGING_LEVEL``, else INFO (DEBUG: one line per reload)."""
+    ``KVTIER_LOG_LEVEL``, else DEBUG when ``VLLM_LOGGING_LEVEL`` is DEBUG (one line per reload),
+    else INFO: quieting vLLM does not hide kvtier's warnings."""
     logger = logging.getLogger(NAME)
     if logger.handlers:
         return
     handler = logging.StreamHandler(sys.stdout)
     handler.setFormatter(logging.Formatter("%(levelname)s %(asctime)s %(message)s", "%m-%d %H:%M:%S"))
     logger.addHandler(handler)
-    logger.setLevel(os.environ.get("KVTIER_LOG_LEVEL") or os.environ.get("VLLM_LOGGING_LEVEL") or "INFO")
+    debug = os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "DEBUG"
+    logger.setLevel(os.environ.get("KVTIER_LOG_LEVEL") or ("DEBUG" if debug else "INFO"))

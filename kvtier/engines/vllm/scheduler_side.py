@@ -69,6 +69,7 @@ class StepPlan:
     cancels: tuple[str, ...] = ()  # aborted requests whose P/D transfer may still be waiting: stop it
     withdrawn: tuple[str, ...] = ()  # transfer ids of aborted producer requests: nothing more comes
     reset: bool = False  # empty the tiers before anything else
+    allocated: tuple[int, ...] = ()  # engine block ids given to requests this step (saves may still read some)
 
 
 class SchedulerSide:
@@ -285,8 +286,8 @@ class SchedulerSide:
         tracked.published = final
         return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names)
 
-    def take_plan(self, saves: list[SaveJob]) -> StepPlan:
-        """This step's jobs; loads count as issued from now."""
+    def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
+        """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""
         # Without kvtier's scheduler nobody reports step completions; vLLM keeps at most one
         # step in flight while it plans the next, so every step before that one has run.
         self._complete_through(self._step - 1)
@@ -300,7 +301,7 @@ class SchedulerSide:
         if reset:
             self._reset_step = self._step
         self._step += 1
-        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset)
+        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset, allocated)
 
     def reset(self) -> None:
         """Empty this engine's tiers (vLLM's ``reset_cache``): the next step's plan tells the

@@ -121,7 +121,8 @@ class WorkerSide:
 
             cuda_ops.allow_build(False)
         self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
-                                    on_held=held, fetch_remote=self._fetch_remote, load_inline=self.load_inline)
+                                    on_held=held, fetch_remote=self._fetch_remote, load_inline=self.load_inline,
+                                    defer_reuse=True)
         pd = "no P/D chunk server (kv_consumer)"
         if self.produce:
             bind, advertised = config.pd_endpoints(self.rank)
@@ -172,6 +173,11 @@ class WorkerSide:
 
     def _chunk_load_ms(self) -> dict[str, float]:
         return {} if self.transfers is None else self.transfers.chunk_load_ms()
+
+    def guard_reuse(self, allocated: tuple[int, ...]) -> None:
+        """Before a step's kernels: blocks given out this step wait for saves still reading them
+        (saves no longer hold the engine's stream; see :meth:`TierWorker.guard_reuse`)."""
+        self.transfers.guard_reuse(allocated)
 
     def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = ()) -> None:
         for req_id in cancels:
