@@ -5,18 +5,20 @@ if __name__ == "__main__":
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
-    mode = sys.argv[1]
+    mode, backend, dtype = sys.argv[1], sys.argv[2], sys.argv[3]
     kw = dict(model="/tmp/llama8b", load_format="dummy", skip_tokenizer_init=True, enforce_eager=True,
-              max_model_len=40000, gpu_memory_utilization=0.8, seed=0)
+              max_model_len=40000, gpu_memory_utilization=0.8, seed=0, kv_cache_dtype=dtype)
+    if backend != "default":
+        kw["attention_backend"] = backend
     if mode == "kvtier":
         kw["kv_transfer_config"] = KVTransferConfig(kv_connector="kvtier", kv_role="kv_both", kv_load_failure_policy="recompute",
                                                     kv_connector_extra_config={"cpu_bytes": 12 << 30})
     elif mode == "offload":
         kw["kv_offloading_size"] = 12
     t0 = time.perf_counter(); llm = LLM(**kw); start = time.perf_counter() - t0
-    sp = SamplingParams(temperature=0, max_tokens=8, detokenize=False)
-    res = {"mode": mode, "start_s": start}
-    for n in (8192, 32768):
+    sp = SamplingParams(temperature=0, max_tokens=int(os.environ.get('MAXTOK', '1')), detokenize=False)
+    res = {"mode": mode, "backend": backend, "dtype": dtype, "start_s": start}
+    for n in [int(x) for x in os.environ.get('LENS', '8192,32768').split(',')]:
         p = TokensPrompt(prompt_token_ids=[(i * 7919 + n) % 120000 + 100 for i in range(n)])
         rows = []
         for rep in range(3):

@@ -141,7 +141,16 @@ class SchedulerSide:
         """
         tracked = self.track(req_id, prompt, cache_salt, transfer_params)
         # A producer must learn where its chunk servers are, whatever the prompt's length.
-        reply = self.client.lookup(tracked.keys, always=isinstance(tracked.role, pd.Produce) and not self.peer_endpoints)
+        always = isinstance(tracked.role, pd.Produce) and not self.peer_endpoints
+        stored_at_most = len(prompt) - len(prompt) % self.chunk_tokens  # tiers hold full chunks only
+        if tracked.role is None and stored_at_most - local_tokens < self.policy.min_load_tokens:
+            # Nothing any tier holds could be worth loading beyond the engine's own prefix hit:
+            # the lookup's round trip to rank 0 is spared (a local hit's time to first token).
+            tracked.plan = LoadPlan(PlanKind.NONE, local_tokens, local_tokens, local_tokens,
+                                    Skip.SMALL if stored_at_most > local_tokens else Skip.NO_HIT)
+            tracked.tiers = ()
+            return tracked.plan
+        reply = self.client.lookup(tracked.keys, always=always)
         if reply is not None and reply.chunk_load_ms:
             self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
         if reply is not None and reply.endpoints:
