@@ -141,16 +141,7 @@ class SchedulerSide:
         """
         tracked = self.track(req_id, prompt, cache_salt, transfer_params)
         # A producer must learn where its chunk servers are, whatever the prompt's length.
-        always = isinstance(tracked.role, pd.Produce) and not self.peer_endpoints
-        stored_at_most = len(prompt) - len(prompt) % self.chunk_tokens  # tiers hold full chunks only
-        if tracked.role is None and stored_at_most - local_tokens < self.policy.min_load_tokens:
-            # Nothing any tier holds could be worth loading beyond the engine's own prefix hit:
-            # the lookup's round trip to rank 0 is spared (a local hit's time to first token).
-            tracked.plan = LoadPlan(PlanKind.NONE, local_tokens, local_tokens, local_tokens,
-                                    Skip.SMALL if stored_at_most > local_tokens else Skip.NO_HIT)
-            tracked.tiers = ()
-            return tracked.plan
-        reply = self.client.lookup(tracked.keys, always=always)
+        reply = self.client.lookup(tracked.keys, always=isinstance(tracked.role, pd.Produce) and not self.peer_endpoints)
         if reply is not None and reply.chunk_load_ms:
             self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
         if reply is not None and reply.endpoints:
@@ -179,6 +170,12 @@ class SchedulerSide:
         if tracked is None or tracked.plan is None:
             return  # a second call, or a request resuming after its load (no lookup)
         plan, tracked.plan = tracked.plan, None
+        if tracked.role is None:
+            # What every rank's tiers hold needs no save (a local hit's or a load's chunks): the
+            # workers would only find each stored again, a store look-up per chunk on the engine's
+            # thread. A load that fails gives its chunks back to the save plan (loads_reported).
+            stored = len(tracked.tiers) - tracked.tiers.count("remote")
+            tracked.saved_chunks = max(tracked.saved_chunks, stored)
         if tracked.state is ReqState.RUNNING:
             # Admitted again after running: vLLM's own scheduler preempted it without telling the
             # connector (only kvtier's scheduler calls preempted()), so its state starts over here.
@@ -354,6 +351,8 @@ class SchedulerSide:
                 tracked.remote_failed = True  # a re-admission recomputes, it never asks the producer again
             if failed:
                 chunk = (load.job.first_block + failed[0]) // self.chunk_blocks
+                # recomputed from the failed chunk on: saved again from there
+                tracked.saved_chunks = min(tracked.saved_chunks, load.start // self.chunk_tokens + chunk)
                 remote = load.job.remote
                 if remote is None or chunk < remote.first_chunk:  # a producer's chunk is not ours to distrust
                     self._distrust(load.job.keys[chunk])
@@ -417,8 +416,6 @@ class SchedulerSide:
             role = tracked.role
             remote = RemoteSource(role.transfer_id, role.endpoints, tracked.tiers[first:last].index("remote"), role.wait)
         job = LoadJob(req_id, keys, (start % c) // b, blocks, tail_blocks, remote)
-        # Loaded chunks stay in the save plan: the worker skips the ones still stored, and a
-        # chunk whose load failed is recomputed and must be saved again.
         tracked.load = _Load(job, tracked.tiers[first:last], start)
         self._loads.append(tracked.load)
 
