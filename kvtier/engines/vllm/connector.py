@@ -13,6 +13,8 @@ through the same plan, waiting state and load executor as a reload.
 
 from __future__ import annotations
 
+import importlib
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
 
@@ -47,6 +49,17 @@ _SOURCES = {} if CacheHitSource is None else {
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # not aborted, not failed
 
 
+_WORKER_MODULE = "kvtier.engines.vllm.worker_side"
+
+
+def _import_quietly(name: str) -> None:
+    """Import ``name`` now; an error shows when the module is imported again in the foreground."""
+    try:
+        importlib.import_module(name)
+    except Exception:  # noqa: BLE001
+        pass
+
+
 @dataclass
 class KvtierMetadata(KVConnectorMetadata):
     plan: StepPlan
@@ -74,16 +87,21 @@ class KvtierConnector(KVConnectorBase_V1):
                                             tp_size=parallel.world_size,
                                             name_chunk=self._name_chunk if kv_events else None)
         else:
-            from kvtier.engines.vllm.worker_side import WorkerSide
-
-            self._worker = WorkerSide(
-                self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
-                parallel.rank, parallel.world_size, produce=transfer.kv_role != "kv_consumer", kv_events=kv_events,
-                load_inline=parallel.distributed_executor_backend == "uni",  # worker shares the engine loop's GIL
-            )
+            # The worker half's module loads LMCache (seconds): it is imported in the background
+            # while vLLM loads the model and profiles, and waited for at register_kv_caches.
+            self._worker_args = (self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
+                                 parallel.rank, parallel.world_size)
+            self._worker_kwargs = dict(produce=transfer.kv_role != "kv_consumer", kv_events=kv_events,
+                                       load_inline=parallel.distributed_executor_backend == "uni")  # shares the loop's GIL
+            self._importing = threading.Thread(target=_import_quietly, args=(_WORKER_MODULE,), daemon=True,
+                                               name="kvtier-import")
+            self._importing.start()
 
     # ---- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        self._importing.join()
+        WorkerSide = importlib.import_module(_WORKER_MODULE).WorkerSide  # raises here if the import failed
+        self._worker = WorkerSide(*self._worker_args, **self._worker_kwargs)
         self._worker.register(kv_caches)
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
