@@ -145,9 +145,9 @@ class TierWorker:
         self._load_stream = torch.cuda.Stream(layout.device) if cuda else None
         self._save_stream = torch.cuda.Stream(layout.device) if cuda else None
         # Saves whose engine blocks may still be unread: (event after which they are read, block
-        # ids), oldest first. Engine thread only.
+        # ids, the device tensor of those ids), oldest first. Engine thread only.
         self.defer_reuse = defer_reuse and cuda
-        self._unread: deque[tuple[torch.cuda.Event, frozenset[int]]] = deque()
+        self._unread: deque[tuple[torch.cuda.Event, frozenset[int], torch.Tensor]] = deque()
         self._last_read: torch.cuda.Event | None = None
         self._reuse_after: torch.cuda.Event | None = None  # loads wait for it: their blocks may be being read
         # load side
@@ -230,7 +230,9 @@ class TierWorker:
         if group:
             started += self._start_gather(group)
         if self.defer_reuse and self._last_read is not None:
-            self._unread.append((self._last_read, frozenset(b for _, blocks in wanted for b in blocks)))
+            # ``ids`` too stays alive until the blocks are read: the copies read it on their own
+            # stream, and freed now its memory could go to the engine's next kernels first.
+            self._unread.append((self._last_read, frozenset(b for _, blocks in wanted for b in blocks), ids))
         # Queued only once every copy has started: the save thread's Python would otherwise slow
         # (through the GIL) the starting of the copies it waits for.
         with self._cond:
@@ -329,7 +331,7 @@ class TierWorker:
         if not unread or not allocated:
             return
         wanted = set(allocated)
-        for event, blocks in reversed(unread):  # the newest overlapping save; events are in stream order
+        for event, blocks, _ in reversed(unread):  # the newest overlapping save; events are in stream order
             if not blocks.isdisjoint(wanted):
                 torch.cuda.current_stream(self.layout.device).wait_event(event)
                 self._reuse_after = event
