@@ -1,9 +1,11 @@
 """What kvtier knows of an engine's paged KV memory: regions of opaque fixed-size blocks.
 
 A *region* is one paged tensor seen as bytes: ``num_blocks`` blocks, each ``block_bytes``
-contiguous bytes, ``block_stride`` bytes apart. A layer has one region (vLLM-CPU: K and V in
-one block) or two (CUDA flash layouts: K and V as separate tensors). kvtier never interprets
-the bytes inside a block; it only moves them.
+contiguous bytes, ``block_stride`` bytes apart. A layer has one region when each of its blocks
+is one dense range of bytes, whatever the order of its dims (vLLM-CPU; vLLM 0.26's CUDA backends
+in NHD or HND order; MLA), or several when a dim lies outside the block in memory (K and V in
+the older ``[2, num_blocks, ...]`` flash layout; heads in vLLM 0.32's BHLNC). kvtier never
+interprets the bytes inside a block; it only moves them.
 """
 
 from __future__ import annotations
