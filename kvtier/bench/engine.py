@@ -30,7 +30,7 @@ import sys
 import tempfile
 import time
 
-from kvtier.bench import NO_MATPLOTLIB, pyplot, save_figure
+from kvtier.bench import NO_MATPLOTLIB, names_from, progress_printer, pyplot, save_figure, token_lengths
 from kvtier.bench.ttft import spawn
 from kvtier.bench.ttft_tiers import drop_page_cache
 
@@ -70,30 +70,21 @@ def add_parser(commands, positive, parse_tokens) -> None:
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    try:
-        lengths = [args.parse_tokens(x) for x in args.prompt_lens.split(",") if x.strip()]
-    except argparse.ArgumentTypeError as exc:
-        parser.error(f"argument --prompt-lens: {exc}")
-    engines = [e.strip() for e in args.engines.split(",") if e.strip()]
-    if not engines or any(e not in ENGINES for e in engines):
-        parser.error(f"argument --engines: choose from {', '.join(ENGINES)}.")
+    lengths = token_lengths(parser, args.prompt_lens, args.parse_tokens)
+    engines = names_from(parser, args.engines, ENGINES)
     if max(lengths) + 64 > args.hbm_tokens:
         parser.error(f"argument --hbm-tokens: {args.hbm_tokens} cannot hold a {max(lengths)}-token prompt.")
     import torch
 
     if not torch.cuda.is_available():
         parser.error("kvtier-bench engine needs a CUDA GPU and a CUDA build of vLLM.")
-    start = time.perf_counter()
-
-    def progress(message: str) -> None:
-        print(f"kvtier-bench engine [{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("engine")
     try:
         result = run(args, lengths, engines, progress)
     except RuntimeError as exc:
         print(f"kvtier-bench engine: error: {exc}", file=sys.stderr)
         return 1
-    result["elapsed_s"] = time.perf_counter() - start
+    result["elapsed_s"] = time.perf_counter() - progress.start
     print(format_table(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:

@@ -30,7 +30,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from kvtier.bench import NO_MATPLOTLIB, pyplot, save_figure
+from kvtier.bench import NO_MATPLOTLIB, names_from, progress_printer, pyplot, save_figure, token_lengths
 from kvtier.bench.ttft import make_model, prompt, spawn
 
 MODES = ("recompute", "local", "cpu", "disk")
@@ -75,28 +75,19 @@ def add_parser(commands, positive, parse_tokens) -> None:
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    try:
-        lengths = [args.parse_tokens(x) for x in args.prompt_lens.split(",") if x.strip()]
-    except argparse.ArgumentTypeError as exc:
-        parser.error(f"argument --prompt-lens: {exc}")
-    kinds = [k.strip() for k in args.engines.split(",") if k.strip()]
-    if not lengths or any(n % args.chunk_tokens for n in lengths):
+    lengths = token_lengths(parser, args.prompt_lens, args.parse_tokens)
+    kinds = names_from(parser, args.engines, KINDS)
+    if any(n % args.chunk_tokens for n in lengths):
         parser.error(f"argument --prompt-lens: each length must be a whole number of --chunk-tokens {args.chunk_tokens}.")
-    if not kinds or any(k not in KINDS for k in kinds):
-        parser.error(f"argument --engines: choose from {', '.join(KINDS)}.")
     if args.chunk_tokens % args.block_size:
         parser.error(f"argument --chunk-tokens: not a multiple of --block-size {args.block_size}.")
-    start = time.perf_counter()
-
-    def progress(message: str) -> None:
-        print(f"kvtier-bench ttft [{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
+    progress = progress_printer("ttft")
     try:
         result = run(args, lengths, kinds, progress)
     except RuntimeError as exc:
         print(f"kvtier-bench ttft: error: {exc}", file=sys.stderr)
         return 1
-    result.elapsed_s = time.perf_counter() - start
+    result.elapsed_s = time.perf_counter() - progress.start
     print(format_table(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:
