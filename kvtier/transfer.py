@@ -233,6 +233,7 @@ class TierWorker:
             # ``ids`` too stays alive until the blocks are read: the copies read it on their own
             # stream, and freed now its memory could go to the engine's next kernels first.
             self._unread.append((self._last_read, frozenset(b for _, blocks in wanted for b in blocks), ids))
+            self._last_read = None  # this save's: a later save that starts no copy records nothing
         # Queued only once every copy has started: the save thread's Python would otherwise slow
         # (through the GIL) the starting of the copies it waits for.
         with self._cond:

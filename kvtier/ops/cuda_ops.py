@@ -12,6 +12,7 @@ says why. Importing this module builds nothing.
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import threading
@@ -35,6 +36,7 @@ _error: str | None = None
 _build_allowed = True
 
 
+@functools.lru_cache(maxsize=1)
 def _build_name() -> str:
     """The extension's name: fixed by its sources, torch and CUDA, so a build on disk is the one
     these sources need, and a check for it never compiles anything."""
