@@ -3,6 +3,7 @@ right storage key for every rank, only while every rank has reported, and tagged
 
 from __future__ import annotations
 
+import time
 import uuid
 
 from kvtier.keys import storage_key
@@ -29,6 +30,17 @@ class SharedStore:
         return count
 
 
+def wait_for(client: LookupClient, keys: list[bytes], expected: list[str], timeout: float = 10.0) -> bool:
+    """Ask until the answer is `expected`; False (with the last answer logged by pytest) on timeout."""
+    deadline = time.monotonic() + timeout
+    while (got := client.prefix_tiers(keys)) != expected:
+        if time.monotonic() > deadline:
+            print(f"last answer: {got}")
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_the_shared_tier_answers_past_the_local_hit_for_every_rank(tmp_path):
     both = {storage_key(k, fp) for k in (B, C) for fp in FINGERPRINTS}
     shared = SharedStore(both | {storage_key(D, FINGERPRINTS[0])})  # rank 1 lacks D
@@ -43,7 +55,8 @@ def test_the_shared_tier_answers_past_the_local_hit_for_every_rank(tmp_path):
         for reporter in reporters:
             reporter.changed([storage_key(A, reporter.fingerprint)])
             assert reporter.flush()
-        assert client.prefix_tiers([A, B, C, D]) == ["cpu", "shared", "shared"]  # D: not every rank's shard
+        # flush() means sent; the server applies the reports on its own thread
+        assert wait_for(client, [A, B, C, D], ["cpu", "shared", "shared"])  # D: not every rank's shard
         chunks, fingerprints = shared.asked[-1]
         assert fingerprints == FINGERPRINTS
         assert chunks == [tuple(storage_key(k, fp) for fp in FINGERPRINTS) for k in (B, C, D)]  # past the local hit
@@ -65,7 +78,7 @@ def test_a_fresh_rank_is_known_before_it_saves_anything(tmp_path):
     client = LookupClient(server.endpoint, 2000)
     try:
         assert reporter.flush()
-        assert client.prefix_tiers([A, B]) == ["shared"]
+        assert wait_for(client, [A, B], ["shared"])
     finally:
         client.close()
         reporter.close()

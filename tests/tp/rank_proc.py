@@ -50,7 +50,11 @@ def rank_main(conn, rank: int, world_size: int, endpoint: str, config: dict) -> 
             from kvtier.storage import _lmcache as lm
 
             store = side.store
-            conn.send(store._disk.backend.dict[lm.engine_key(side.transfers.skey(args[0]), store._config)].path)
+            key = lm.engine_key(side.transfers.skey(args[0]), store._config)
+            deadline = time.monotonic() + 30
+            while (meta := store._disk.backend.dict.get(key)) is None and time.monotonic() < deadline:
+                time.sleep(0.01)  # LMCache writes disk copies on its own thread
+            conn.send(None if meta is None else meta.path)
         elif cmd == "load":
             keys, block_ids, source_ids = args
             req = f"load-{time.monotonic_ns()}"

@@ -143,7 +143,9 @@ def test_restart_rebuilds_the_index_from_every_ranks_files_and_drops_a_corrupt_o
     g = group(configs)
     g.save(keys, first_block=0)
     g.wait_for(keys, ["cpu"] * 4)
-    endpoint, victim = g.endpoint, Path(g.ask(1, "file_of", keys[2]))  # rank 1's third chunk
+    files = [g.ask(1, "file_of", k) for k in keys]  # written on LMCache's own thread: waited for
+    assert None not in files, f"rank 1 never wrote some chunks to disk: {files}"
+    endpoint, victim = g.endpoint, Path(files[2])  # rank 1's third chunk
     g.close()
 
     assert len(list((tmp_path / "disk" / "rank1").glob("*.kv"))) == 4
