@@ -56,7 +56,9 @@ class KvtierConfig:
     pd_timeout_ms: a transfer that makes no progress for this long fails and is recomputed.
     pd_hold_bytes: most bytes of published chunks a prefill engine pins for decode engines
     (default: a quarter of cpu_bytes). pd_hold_s: how long a published request's chunks stay
-    pinned when no decode engine fetches them.
+    pinned when no decode engine fetches them. pd_transport: how chunks travel, ``auto`` (NIXL
+    when both engines have it, else ZMQ), ``nixl`` (NIXL required: start-up fails without it;
+    a producer without it is still read over ZMQ) or ``zmq``. ZMQ stays the control plane.
 
     Shared tier (a Redis or Valkey server many engines use; named "shared" because "remote" is
     P/D's producer): shared_url: ``redis://[:password@]host:port[/db]`` (``valkey://`` alike;
@@ -83,6 +85,7 @@ class KvtierConfig:
     pd_timeout_ms: int = 5000
     pd_hold_bytes: int | None = None
     pd_hold_s: int = 120
+    pd_transport: str = "auto"
     shared_url: str | None = None
     shared_timeout_ms: int = 1000
 
@@ -91,6 +94,8 @@ class KvtierConfig:
             raise ConfigError(f"kvtier setting 'unaligned' must be 'partial', 'handoff' or 'auto', got {self.unaligned!r}.")
         if self.disk_io not in ("buffered", "direct"):
             raise ConfigError(f"kvtier setting 'disk_io' must be 'buffered' or 'direct', got {self.disk_io!r}.")
+        if self.pd_transport not in ("auto", "nixl", "zmq"):
+            raise ConfigError(f"kvtier setting 'pd_transport' must be 'auto', 'nixl' or 'zmq', got {self.pd_transport!r}.")
         if self.shared_url is not None and (problem := shared_url_problem(self.shared_url)):
             raise ConfigError(f"kvtier setting 'shared_url' ({redact(self.shared_url)!r}) {problem}.")
         if not _is_loopback(self.pd_bind) and not self.secret:

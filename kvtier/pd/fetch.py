@@ -4,12 +4,19 @@ One DEALER socket per transfer (a timed-out transfer's late replies can never re
 a handshake that compares layouts, then a window of fetches in flight: while the caller
 verifies and scatters chunk ``i``, chunks ``i+1 …`` are on the wire (ZMQ's I/O thread receives
 them). Any failure raises :class:`PeerError` after the chunks that did arrive were yielded.
+
+Over NIXL the replies carry addresses instead of payloads: as each arrives, a buffer of this
+engine's CPU tier (registered with NIXL) is allocated and a READ posted into it, so the READs of
+the window are in flight together; a chunk is yielded once its READ is done and its MAC checked.
+Buffers and READs not handed to the caller are settled and released when the transfer ends,
+however it ends.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import msgspec
@@ -19,6 +26,7 @@ import zmq
 from kvtier.pd.protocol import (
     VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_reply, encode, mac,
 )
+from kvtier.pd.nixl import Agent, NixlError, Transfer
 from kvtier.storage import ChunkBuffer
 
 logger = logging.getLogger(__name__)
@@ -27,6 +35,7 @@ WINDOW = 4  # fetches in flight per transfer
 _CANCEL_CHECK_S = 0.05  # how often a waiting transfer checks whether its request was aborted
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
 _warned: set[str] = set()  # peers whose layout mismatch was logged (one line per peer)
+_told: set[tuple[str, str]] = set()  # (peer, transport) pairs already logged
 
 
 class PeerError(RuntimeError):
@@ -35,33 +44,46 @@ class PeerError(RuntimeError):
 
 def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tuple[bytes, int]], *,
                  wait: bool, timeout_ms: int, secret: bytes | None, allocate: Allocate,
-                 chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool) -> Iterator[ChunkBuffer]:
+                 chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool,
+                 nixl: Agent | None = None) -> Iterator[ChunkBuffer]:
     """Yield the chunks ``items`` (chain key, block count) of ``transfer_id`` from ``endpoint``, in
     order, each in a fresh buffer from ``allocate`` that the caller owns.
 
     ``wait``: the producer may still be computing them (push). ``timeout_ms``: longest silence
     (no chunk, no heartbeat) before giving up. ``chunk_bytes(num_blocks)``: a chunk's size.
     ``cancelled()``: checked while waiting; True stops the transfer (the request was aborted).
-    Tells the producer it is done (releases its pins) when the generator ends, however it ends.
+    ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
+    which picks NIXL or ZMQ (None: ZMQ only). Tells the producer it is done (releases its pins
+    and lent buffers) when the generator ends, however it ends.
     """
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)
     socket.setsockopt(zmq.MAXMSGSIZE, max(chunk_bytes(n) for _, n in items) + (64 << 10))
     socket.connect(endpoint)
-    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled)
+    sizes = [chunk_bytes(n) for _, n in items]
+    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate)
     try:
+        if nixl is not None:
+            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"))
         peer.send(hello)
         reply = peer.receive()
         if not isinstance(reply, HelloReply):
             raise PeerError(f"{endpoint} answered the handshake with {type(reply).__name__}")
         _check_layouts(endpoint, hello, reply)
+        if reply.transport == "nixl" and nixl is not None:
+            peer.use_nixl(nixl, reply.nixl)
+        if (endpoint, reply.transport) not in _told:
+            _told.add((endpoint, reply.transport))
+            logger.info("kvtier P/D: fetching from %s over %s.", endpoint,
+                        "NIXL (UCX READs into this engine's CPU tier)" if peer.nixl else "ZMQ")
         sent = 0
         for index, (key, num_blocks) in enumerate(items):
             while sent < len(items) and sent < index + WINDOW:
                 peer.send(Fetch(VERSION, transfer_id, sent, items[sent][0], items[sent][1], wait))
                 sent += 1
-            yield peer.chunk(index, chunk_bytes(num_blocks), allocate)
+            yield peer.chunk(index)
     finally:
+        peer.close()
         try:
             peer.send(Release(VERSION, transfer_id))
         except zmq.ZMQError:
@@ -69,22 +91,49 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         socket.close()
 
 
+@dataclass(slots=True)
+class _Arrived:
+    """A chunk reply ahead of its turn. ZMQ: its ``payload`` frame. NIXL: the ``buffer`` being
+    read into by ``transfer``, and the ``tag`` and ``body`` whose MAC covers the bytes read."""
+
+    reply: ChunkReply
+    payload: zmq.Frame | None = None
+    buffer: ChunkBuffer | None = None
+    transfer: Transfer | None = None
+    tag: bytes = b""
+    body: bytes = b""
+
+
 class _Peer:
     def __init__(self, socket: zmq.Socket, endpoint: str, secret: bytes | None, timeout_ms: int,
-                 cancelled: Callable[[], bool]):
+                 cancelled: Callable[[], bool], sizes: list[int], allocate: Allocate):
         self.socket = socket
         self.cancelled = cancelled
         self.endpoint = endpoint
         self.secret = secret
         self.timeout_ms = timeout_ms
-        self.early: dict[int, tuple[ChunkReply, zmq.Frame | None]] = {}  # replies ahead of their turn
+        self.sizes = sizes  # bytes of chunk i
+        self.allocate = allocate
+        self.nixl: Agent | None = None
+        self.nixl_peer = ""
+        self.nixl_metadata = b""
+        self.failed = False  # a NIXL transfer with this peer failed
+        self.early: dict[int, _Arrived] = {}  # replies ahead of their turn
+
+    def use_nixl(self, agent: Agent, metadata: bytes) -> None:
+        try:
+            self.nixl_peer = agent.connect(metadata)
+        except Exception as exc:  # nixlBind's own errors: bad metadata, UCX could not reach it
+            raise PeerError(f"could not reach {self.endpoint} over NIXL: {exc}") from None
+        self.nixl, self.nixl_metadata = agent, metadata
 
     def send(self, message: msgspec.Struct) -> None:
         body = encode(message)
         self.socket.send_multipart([mac(self.secret, body), body], flags=zmq.NOBLOCK)
 
-    def receive(self) -> HelloReply | tuple[ChunkReply, zmq.Frame | None]:
-        """The next authenticated reply; heartbeats extend the deadline. Raises PeerError."""
+    def receive(self) -> HelloReply | _Arrived:
+        """The next authenticated reply; heartbeats extend the deadline. Raises PeerError. A NIXL
+        chunk reply is authenticated once its bytes are read (:meth:`chunk`)."""
         deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
             left = deadline - time.monotonic()
@@ -100,8 +149,10 @@ class _Peer:
             tag, body = frames[0].bytes, frames[1].bytes
             payload = frames[2] if len(frames) == 3 else None
             try:
-                check_mac(self.secret, tag, body, None if payload is None else payload.buffer)
                 reply = decode_reply(body)
+                lent = isinstance(reply, ChunkReply) and reply.status == "ok" and payload is None and self.nixl
+                if not lent:
+                    check_mac(self.secret, tag, body, None if payload is None else payload.buffer)
             except (AuthError, msgspec.DecodeError, ValueError) as exc:  # UnicodeDecodeError on bad UTF-8
                 raise PeerError(f"bad reply from {self.endpoint}: {exc}") from None
             if reply.version != VERSION:
@@ -113,24 +164,95 @@ class _Peer:
                 continue
             if reply.status == "refused":
                 raise PeerError(f"{self.endpoint} refused a request: {reply.error}")
-            return reply, payload
+            return _Arrived(reply, payload, tag=tag, body=body)
 
-    def chunk(self, index: int, nbytes: int, allocate: Allocate) -> ChunkBuffer:
+    def chunk(self, index: int) -> ChunkBuffer:
         while index not in self.early:
             got = self.receive()
             if isinstance(got, HelloReply):
                 raise PeerError(f"{self.endpoint} sent a second handshake reply")
-            self.early[got[0].index] = got
-        reply, payload = self.early.pop(index)
-        if reply.status != "ok" or payload is None:
-            raise PeerError(f"{self.endpoint} no longer has chunk {index} ({reply.status})")
+            if not 0 <= got.reply.index < len(self.sizes) or got.reply.index in self.early:
+                raise PeerError(f"{self.endpoint} answered for chunk {got.reply.index}, which was not asked")
+            self.early[got.reply.index] = got
+            if got.reply.status == "ok" and got.payload is None:
+                self._start_read(got)
+        arrived = self.early.pop(index)
+        nbytes = self.sizes[index]
+        if arrived.reply.status != "ok":
+            raise PeerError(f"{self.endpoint} no longer has chunk {index} ({arrived.reply.status})")
+        if arrived.payload is None:
+            return self._finish_read(index, arrived)
+        payload = arrived.payload
         if len(payload.buffer) != nbytes:
             raise PeerError(f"{self.endpoint} sent chunk {index} of {len(payload.buffer)} B, expected {nbytes} B")
-        buffer = allocate(nbytes)
+        buffer = self.allocate(nbytes)
         if buffer is None:
             raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
         np.copyto(buffer.data.numpy(), np.frombuffer(payload.buffer, dtype=np.uint8))
         return buffer
+
+    def _start_read(self, arrived: _Arrived) -> None:
+        """Post the READ of a lent chunk into a fresh buffer (a failure is raised by its turn)."""
+        reply, nbytes = arrived.reply, self.sizes[arrived.reply.index]
+        if reply.nbytes != nbytes or self.nixl is None:
+            return
+        buffer = self.allocate(nbytes)
+        if buffer is None:
+            return
+        arrived.buffer = buffer
+        try:
+            arrived.transfer = self.nixl.read(self.nixl_peer, [(buffer.data.data_ptr(), nbytes)],
+                                              [(reply.address, nbytes)])
+        except NixlError:
+            pass  # reported when its turn comes
+
+    def _finish_read(self, index: int, arrived: _Arrived) -> ChunkBuffer:
+        reply, buffer, transfer = arrived.reply, arrived.buffer, arrived.transfer
+        nbytes = self.sizes[index]
+        try:
+            if self.nixl is None:
+                raise PeerError(f"{self.endpoint} lent chunk {index} but NIXL was not agreed on")
+            if reply.nbytes != nbytes:
+                raise PeerError(f"{self.endpoint} lent chunk {index} of {reply.nbytes} B, expected {nbytes} B")
+            if buffer is None:
+                raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
+            if transfer is None:
+                raise PeerError(f"NIXL could not post the READ of chunk {index} from {self.endpoint}")
+            try:
+                transfer.wait(self.timeout_ms / 1000, self.cancelled)
+            except NixlError as exc:
+                self.failed = True  # forgotten once its READs are settled (close)
+                raise PeerError(f"NIXL READ of chunk {index} from {self.endpoint}: {exc}") from None
+            try:
+                check_mac(self.secret, arrived.tag, arrived.body, memoryview(buffer.data.numpy()))
+            except AuthError as exc:
+                raise PeerError(f"bad chunk {index} from {self.endpoint}: {exc}") from None
+        except BaseException:
+            self._discard(arrived)
+            raise
+        transfer.release()
+        return buffer
+
+    def _discard(self, arrived: _Arrived) -> None:
+        """Release a chunk that will not be handed out; a READ still running keeps its buffer."""
+        settled = arrived.transfer is None or arrived.transfer.settle(self.timeout_ms / 1000)
+        if arrived.transfer is not None and settled:
+            arrived.transfer.release()
+        if arrived.buffer is not None:
+            if settled:
+                arrived.buffer.release()
+            else:
+                logger.warning("kvtier P/D: a NIXL READ from %s did not end; its %d B buffer is kept out of use.",
+                               self.endpoint, arrived.buffer.data.numel())
+        arrived.buffer = arrived.transfer = None
+
+    def close(self) -> None:
+        """Settle and release every READ and buffer not handed out."""
+        for arrived in self.early.values():
+            self._discard(arrived)
+        self.early.clear()
+        if self.failed and self.nixl is not None:
+            self.nixl.forget(self.nixl_metadata)  # a restarted producer comes back under a new name
 
 
 def _check_layouts(endpoint: str, hello: Hello, reply: HelloReply) -> None:

@@ -11,6 +11,14 @@ authenticated whole.
 D → P: :class:`Hello` (once per connection; answered with :class:`HelloReply`) and one
 :class:`Fetch` per chunk (answered with a :class:`ChunkReply`, possibly preceded by ``pending``
 heartbeats while the chunk is being computed). :class:`Release` ends a transfer: P unpins it.
+
+Transports: D offers what it has (``Hello.transports``), P picks one (``HelloReply.transport``).
+Over ``zmq`` the chunk follows its reply as a payload frame. Over ``nixl`` (:mod:`kvtier.pd.nixl`)
+the reply carries no payload but the chunk's address in P's registered CPU pool and P's NIXL
+metadata came with the handshake reply; D READs the bytes itself, then checks the MAC over the
+bytes it read, exactly as it would over a payload frame. P lends that buffer until D releases the
+transfer. P gives its NIXL metadata only in an authenticated handshake reply: a peer that fails
+the handshake never learns how to reach P's memory.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ import msgspec
 from kvtier.codec import HEADER_BYTES
 from kvtier.codec.chunk import CHECKSUM_BLAKE3, read_header
 
-VERSION = 1
+VERSION = 2
 MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larger ones unread
 KEY_BYTES = 16
 MAC_BYTES = 32
@@ -44,6 +52,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     fingerprint: Key
     layout: Text
     chunk_tokens: Count
+    transports: tuple[Literal["nixl", "zmq"], ...] = ("zmq",)
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
@@ -72,19 +81,24 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     chunk_tokens: int
     tp_size: int
     error: str = ""
+    transport: str = "zmq"
+    nixl: bytes = b""  # P's NIXL agent metadata, with transport "nixl"
 
 
 ChunkStatus = Literal["ok", "missing", "pending", "refused"]
 
 
 class ChunkReply(msgspec.Struct, frozen=True, tag="chunk"):
-    """``ok``: the payload frame follows. ``missing``: P does not have it (and will not).
-    ``pending``: a heartbeat, P is still computing the transfer. ``refused``: a bad request."""
+    """``ok``: the payload frame follows, or (NIXL) the chunk is at ``address`` in P's registered
+    memory, ``nbytes`` long. ``missing``: P does not have it (and will not). ``pending``: a
+    heartbeat, P is still computing the transfer. ``refused``: a bad request."""
 
     version: int
     index: int
     status: ChunkStatus
     error: str = ""
+    address: int = 0
+    nbytes: int = 0
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -5,6 +5,13 @@ yet but coming (its save is queued, or its transfer is still being computed: pus
 moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
 while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed, oversized, unauthenticated or
 wrong-version message is refused and logged; the server keeps serving.
+
+Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
+the reply carries its address in the registered CPU pool, and the server keeps the chunk's
+buffer (a reference to the pool memory, so LMCache neither evicts nor reuses it) until the peer
+releases the transfer, or, should the peer vanish, until it has asked nothing for twice
+``timeout_ms`` (it has given up by then). While NIXL peers are known the thread wakes every
+10 ms to let NIXL make progress (no progress thread, see :mod:`kvtier.pd.nixl`).
 """
 
 from __future__ import annotations
@@ -20,11 +27,12 @@ import zmq
 
 from kvtier.keys import storage_key
 from kvtier.pd.holds import PublishHolds
+from kvtier.pd.nixl import Agent
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_request,
     encode, mac,
 )
-from kvtier.storage import ChunkStore
+from kvtier.storage import ChunkBuffer, ChunkStore
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +56,14 @@ class ServedLayout:
 
 
 @dataclass(slots=True)
+class _Lent:
+    """Buffers lent to a NIXL peer for one transfer; ``last_s``: its last fetch (monotonic s)."""
+
+    buffers: list[ChunkBuffer]
+    last_s: float
+
+
+@dataclass(slots=True)
 class _Waiting:
     identity: bytes
     fetch: Fetch
@@ -59,11 +75,18 @@ class ChunkServer:
 
     ``holds``: published transfers. ``saving(storage_key)``: a save of that chunk is queued.
     ``secret``: authenticates every message both ways (None: no authentication, loopback only).
+    ``nixl``: this process's NIXL agent with the CPU pool registered (None: ZMQ only).
     """
 
     def __init__(self, bind: str, store: ChunkStore, holds: PublishHolds, layout: ServedLayout,
-                 saving: Callable[[bytes], bool], secret: bytes | None, timeout_ms: int):
+                 saving: Callable[[bytes], bool], secret: bytes | None, timeout_ms: int,
+                 nixl: Agent | None = None):
         self.store = store
+        self.nixl = nixl
+        self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
+        self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
+        self.lent_total = 0  # chunks lent over NIXL since start
+        self._lend_s = 2 * timeout_ms / 1000
         self.holds = holds
         self.layout = layout
         self._saving = saving
@@ -94,7 +117,7 @@ class ChunkServer:
         poller.register(self._socket, zmq.POLLIN)
         last_beat = last_expire = time.monotonic()
         while not self._stop.is_set():
-            events = dict(poller.poll(10 if self._waiting else 100))
+            events = dict(poller.poll(10 if self._waiting or self._nixl_peers else 100))
             try:
                 if events:
                     for _ in range(64):  # bounded, so waiting fetches and expiry still run
@@ -103,6 +126,8 @@ class ChunkServer:
                         except zmq.Again:
                             break
                         self._handle(frames)
+                if self._nixl_peers:
+                    self.nixl.progress()
                 now = time.monotonic()
                 self._serve_waiting(now)
                 if now - last_beat >= self._heartbeat_s:
@@ -110,9 +135,12 @@ class ChunkServer:
                     last_beat = now
                 if now - last_expire >= 1.0:
                     self.holds.expire()
+                    self._expire_lent(now)
                     last_expire = now
             except Exception:  # the server must outlive any one message
                 logger.exception("kvtier P/D chunk server: unexpected error; still serving")
+        for transfer_id in list(self._lent):
+            self._return(transfer_id)
         self._socket.close()
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -132,6 +160,8 @@ class ChunkServer:
         elif isinstance(message, Fetch):
             self._fetch(identity, message, time.monotonic())
         elif isinstance(message, Release):
+            self._nixl_peers.pop(identity, None)  # one connection per transfer
+            self._return(message.transfer_id)
             self.holds.release(message.transfer_id)
             self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
 
@@ -140,14 +170,23 @@ class ChunkServer:
         error = ""
         if hello.tp_size != mine.tp_size:
             error = f"tensor-parallel size {hello.tp_size} on the decode engine, {mine.tp_size} here"
+        transport, metadata = "zmq", b""
+        if not error and self.nixl is not None and "nixl" in hello.transports:
+            transport, metadata = "nixl", self.nixl.metadata()
+            self._nixl_peers[identity] = time.monotonic()
+        else:
+            self._nixl_peers.pop(identity, None)
         self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
-                                        mine.tp_size, error))
+                                        mine.tp_size, error, transport, metadata))
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)
         if buffer is not None:
+            if identity in self._nixl_peers and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
+                self._lend(identity, fetch, buffer, now)
+                return True
             try:
                 payload = memoryview(buffer.data.numpy())
                 self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), payload)
@@ -165,6 +204,39 @@ class ChunkServer:
                 return True
             self._waiting.append(_Waiting(identity, fetch, now))
         return False
+
+    def _lend(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer, now: float) -> None:
+        """Reply with where the chunk lies; keep its buffer until the transfer is released."""
+        lent = self._lent.setdefault(fetch.transfer_id, _Lent([], now))
+        lent.buffers.append(buffer)
+        self.lent_total += 1
+        lent.last_s = self._nixl_peers[identity] = time.monotonic()
+        reply = ChunkReply(VERSION, fetch.index, "ok", address=buffer.data.data_ptr(), nbytes=buffer.data.numel())
+        body = encode(reply)
+        try:  # the MAC covers the bytes the peer will read, as it would a payload frame
+            self._socket.send_multipart([identity, mac(self._secret, body, memoryview(buffer.data.numpy())), body],
+                                        flags=zmq.NOBLOCK)
+        except zmq.ZMQError:
+            pass  # the peer is gone: the buffer goes back when the loan expires
+
+    def _return(self, transfer_id: str) -> None:
+        lent = self._lent.pop(transfer_id, None)
+        for buffer in lent.buffers if lent else ():
+            buffer.release()
+
+    def _expire_lent(self, now: float) -> None:
+        for identity in [i for i, last_s in self._nixl_peers.items() if now - last_s > self._lend_s]:
+            del self._nixl_peers[identity]
+        for transfer_id in [t for t, lent in self._lent.items() if now - lent.last_s > self._lend_s]:
+            logger.info("kvtier P/D chunk server: transfer %s was not released within %.0f s; its %d lent "
+                        "chunks go back to the CPU tier.", transfer_id, self._lend_s,
+                        len(self._lent[transfer_id].buffers))
+            self._return(transfer_id)
+
+    @property
+    def lent_chunks(self) -> int:
+        """Chunks lent to NIXL peers right now (tests, stats)."""
+        return sum(len(lent.buffers) for lent in list(self._lent.values()))
 
     def _serve_waiting(self, now: float) -> None:
         if not self._waiting or not self.holds.changed.is_set():

@@ -5,6 +5,10 @@ LRU pool; the disk tier is written through at put time (asynchronously, on LMCac
 workers) and is rebuilt from its files when a store starts on an existing directory. The shared
 tier (a Redis/Valkey server, through LMCache's RemoteBackend) is written through too, in the
 background, and read last; its hits are promoted into CPU like disk hits.
+
+The module is one piece: every method of :class:`ChunkStore` moves chunks between the same tiers
+under the same reference counts and locks (who owns a buffer, the CPU pool's LRU order, writes in
+flight), and each tier's own work already lives in ``_disk``, ``_shared`` and ``_lmcache``.
 """
 
 from __future__ import annotations
@@ -297,6 +301,12 @@ class ChunkStore:
         """Bytes allocated in the CPU pool (4 KiB-aligned chunk sizes): cached chunks plus
         buffers held by callers. 0 after close() or once everything is released and removed."""
         return int(self._pool.total_allocated_size)
+
+    def pool_memory(self) -> tuple[int, int]:
+        """``(address, bytes)`` of the CPU pool every buffer of this store lies in (for transfer
+        libraries that register memory once, such as NIXL). Freed by close()."""
+        buffer = self._pool.buffer
+        return buffer.data_ptr(), buffer.numel() * buffer.element_size()
 
     def close(self) -> None:
         """Stop LMCache's threads and free the pool; idempotent. Waits for in-flight disk writes

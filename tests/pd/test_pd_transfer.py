@@ -18,7 +18,7 @@ P_BLOCKS = list(range(10, 17))
 D_BLOCKS = list(range(40, 47))
 
 
-def test_consumer_gets_the_whole_prompt_byte_for_byte_and_keeps_full_chunks(engines):
+def test_consumer_gets_the_whole_prompt_byte_for_byte_and_keeps_full_chunks(engines, transport):
     p, d = engines("p", 1), engines("d", 2)
     keys = publish(p, PROMPT, P_BLOCKS, "t1")
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
@@ -31,6 +31,9 @@ def test_consumer_gets_the_whole_prompt_byte_for_byte_and_keeps_full_chunks(engi
     while p.side.holds.stats.released == 0 and time.monotonic() < deadline:
         time.sleep(0.01)
     assert p.side.holds.stats.released == 1 and p.side.holds.pinned_bytes() == 0
+    # NIXL: the four chunks (three full and the tail) were lent, READ by D, and all given back
+    assert p.side.chunk_server.lent_total == (4 if transport == "nixl" else 0)
+    assert p.side.chunk_server.lent_chunks == 0
 
 
 def test_consumer_starting_after_its_own_tiers_fetches_only_the_rest(engines):

@@ -15,16 +15,18 @@ from __future__ import annotations
 
 import copy
 import logging
+import threading
 
 import torch
 
-from kvtier.config import KvtierConfig
+from kvtier.config import ConfigError, KvtierConfig
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
 from kvtier.engines.vllm.compat import VERSION as VLLM_VERSION
 from kvtier.engines.vllm.events import TierEvents
 from kvtier.layout import build_layout
 from kvtier.lookup import HoldReporter, LookupServer
+from kvtier.pd import nixl
 from kvtier.pd.fetch import PeerError, fetch_chunks
 from kvtier.pd.holds import PublishHolds
 from kvtier.pd.protocol import VERSION as PD_VERSION
@@ -81,6 +83,8 @@ class WorkerSide:
         self.events: TierEvents | None = None
         self._kv_events = kv_events and rank == 0  # one rank announces: every rank holds the same chunks
         self._shared_reported: dict[str, int] = {}
+        self.nixl: nixl.Agent | None = None  # set once NIXL is up with the CPU pool registered
+        self._nixl_started: threading.Thread | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layout = build_layout(kv_caches, self.block_size, self.num_blocks, model=self.model,
@@ -131,12 +135,47 @@ class WorkerSide:
                                             config.pd_timeout_ms)
             pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"
             self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
+        pd += self._start_nixl()
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
         logger.info("kvtier rank %d/%d on vLLM %s: %d regions, %d B per block, chunk of %d tokens, copies by %s, "
                     "%d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size, VLLM_VERSION,
                     len(layout.regions), layout.bytes_per_block, config.chunk_tokens, self._copies(), len(kept),
                     self.endpoint, pd)
+
+    def _start_nixl(self) -> str:
+        """Start NIXL in the background (UCX takes ~2 s to start) and register the CPU pool with
+        it; until it is up, transfers go over ZMQ. The start-up line's words for the transport."""
+        transport = self.config.pd_transport
+        if transport == "zmq":
+            return "; P/D chunks over ZMQ"
+        if not nixl.available():
+            if transport == "nixl":
+                raise ConfigError("kvtier setting 'pd_transport' is 'nixl', but NIXL is not installed here "
+                                  "(pip install nixl-cu12, or nixl on CUDA hosts).")
+            return "; P/D chunks over ZMQ (NIXL is not installed)"
+        self._nixl_started = threading.Thread(target=self._register_nixl, name="kvtier-nixl-start", daemon=True)
+        self._nixl_started.start()
+        return "; P/D chunks over NIXL where the peer has it (starting), else ZMQ"
+
+    def _register_nixl(self) -> None:
+        try:
+            agent = nixl.make_agent()
+            agent.register([self.store.pool_memory()])
+        except Exception as exc:  # UCX could not start: ZMQ carries every transfer
+            logger.warning("kvtier P/D: NIXL did not start (%s); chunks go over ZMQ.", exc)
+            return
+        self.nixl = agent
+        if self.chunk_server is not None:
+            self.chunk_server.nixl = agent
+        logger.info("kvtier rank %d: NIXL agent %s up, %.1f GiB of CPU pool registered (UCX, no progress "
+                    "thread).", self.rank, agent.name, self.store.pool_memory()[1] / (1 << 30))
+
+    def nixl_ready(self, timeout_s: float = 30.0) -> bool:
+        """Wait until NIXL is up (True), or is not to be used here (False)."""
+        if self._nixl_started is not None:
+            self._nixl_started.join(timeout_s)
+        return self.nixl is not None
 
     def _copies(self) -> str:
         """The copy backend in words, e.g. ``dma (cuda kernels)`` or ``dma (triton kernels; ...)``."""
@@ -163,7 +202,7 @@ class WorkerSide:
                             timeout_ms=self.config.pd_timeout_ms, secret=self.config.secret,
                             cancelled=lambda: self.transfers.cancelled(job.req_id),
                             allocate=lambda n: self.store.allocate(n, wait=False),
-                            chunk_bytes=lambda n: chunk_bytes(layout, n))
+                            chunk_bytes=lambda n: chunk_bytes(layout, n), nixl=self.nixl)
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
@@ -263,6 +302,8 @@ class WorkerSide:
         return delta if any(delta.values()) else None
 
     def close(self) -> None:
+        if self._nixl_started is not None:
+            self._nixl_started.join(30)
         if self.chunk_server is not None:
             self.chunk_server.close()
         if self.holds is not None:
@@ -276,6 +317,9 @@ class WorkerSide:
         if self.server is not None:
             self.server.close()
         if self.store is not None:
+            if self.nixl is not None:
+                self.nixl.deregister([self.store.pool_memory()])
+                self.nixl = None
             self.store.close()
         self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = None
 

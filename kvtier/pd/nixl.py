@@ -1,0 +1,195 @@
+"""NIXL, the data plane of P/D transfers when both engines have it: the only module that imports it.
+
+One agent per engine rank (:func:`make_agent`), shared by its chunk server (P, the passive side
+of a READ) and its fetch threads (D, the initiator), with NIXL's strict thread sync (calls from
+several threads are serialized inside NIXL). Backend UCX; on one host it moves host memory with ``cma``
+(``process_vm_readv``), across hosts with RDMA NICs where UCX finds them.
+
+**Progress thread off.** NIXL's progress thread spins a core (and on a 2-core box halves the
+throughput: 2.0 GB/s instead of 4.3–4.5). Without it the passive side must call
+:meth:`Agent.progress` now and then: a new peer's first transfer waits for it (connection
+wire-up); the bytes of a ``cma`` READ do not. The chunk server calls it every 10 ms while it has
+NIXL peers.
+
+**Registration** is once per agent and memory region, never per transfer: each engine
+registers its CPU tier's pool (LMCache's pinned pool), the buffers chunks are served from (P)
+and received into (D). Registering costs no copy; it lets a peer that holds this agent's
+metadata READ or WRITE that memory. NIXL authenticates nobody, so kvtier hands out the metadata
+only in an authenticated handshake reply (see :mod:`kvtier.pd.protocol`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+import uuid
+from typing import Callable
+
+import numpy as np
+
+logger = logging.getLogger(__name__)
+
+_POLL_S = 20e-6  # how often a waiting transfer looks at its state
+
+
+class NixlError(RuntimeError):
+    """A NIXL transfer failed (the peer vanished, a bad address) or timed out."""
+
+
+def _api():
+    """NIXL's Python API, or None. ``nixl`` (the meta package) or a CUDA variant's own module."""
+    for name in ("nixl._api", "nixl_cu13._api", "nixl_cu12._api"):
+        try:
+            module = __import__(name, fromlist=["nixl_agent"])
+            return module
+        except ImportError:
+            continue
+    return None
+
+
+def available() -> bool:
+    """True when NIXL imports here (``pip install nixl-cu12``, or ``nixl`` on CUDA hosts)."""
+    return _api() is not None
+
+
+class Transfer:
+    """One posted READ or WRITE. :meth:`wait` until it is done, then :meth:`release` (always)."""
+
+    def __init__(self, agent: Agent, handle, peer: str, nbytes: int):
+        self._agent = agent
+        self._handle = handle
+        self.peer = peer
+        self.nbytes = nbytes
+
+    def state(self) -> str:
+        """``DONE``, ``PROC`` (in flight) or ``ERR``."""
+        return self._agent._nixl.check_xfer_state(self._handle)
+
+    def wait(self, timeout_s: float, cancelled: Callable[[], bool] = bool) -> None:
+        """Return once done; raise :class:`NixlError` on a failure, on timeout or when ``cancelled()``."""
+        deadline = time.monotonic() + timeout_s
+        while (state := self.state()) == "PROC":
+            if time.monotonic() > deadline:
+                raise NixlError(f"a {self.nbytes} B transfer with {self.peer} made no progress for {timeout_s:.1f} s")
+            if cancelled():
+                raise NixlError("the request was aborted")
+            time.sleep(_POLL_S)
+        if state != "DONE":
+            raise NixlError(f"a {self.nbytes} B transfer with {self.peer} failed ({state})")
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until it no longer runs (done or failed), so its buffers may be reused: True then;
+        False if it still runs after ``timeout_s`` (its local buffer must then never be reused)."""
+        deadline = time.monotonic() + timeout_s
+        while self.state() == "PROC":
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(_POLL_S)
+        return True
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._agent._nixl.release_xfer_handle(self._handle)
+            self._handle = None
+
+
+class Agent:
+    """This process's NIXL agent. ``name``: unique per process (host, pid and a random tag)."""
+
+    def __init__(self, name: str):
+        api = _api()
+        if api is None:
+            raise NixlError("NIXL is not installed (pip install nixl-cu12)")
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        self._nixl = api.nixl_agent(name, config)
+        self.name = name
+        self._lock = threading.Lock()  # guards the bookkeeping below, not NIXL's calls
+        self._registered: dict[tuple[int, int], object] = {}  # (address, bytes) -> NIXL's descriptor list
+        self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent name
+        self.registered_bytes = 0
+
+    def register(self, regions: list[tuple[int, int]]) -> None:
+        """Register host memory ``(address, bytes)`` regions for transfers (each once)."""
+        with self._lock:
+            for region in regions:
+                if region in self._registered or region[1] <= 0:
+                    continue
+                descs = self._nixl.get_reg_descs(np.array([[region[0], region[1], 0]], dtype=np.uint64), "DRAM")
+                self._nixl.register_memory(descs)
+                self._registered[region] = descs
+                self.registered_bytes += region[1]
+
+    def deregister(self, regions: list[tuple[int, int]]) -> None:
+        """Forget regions about to be freed (their owner closes)."""
+        with self._lock:
+            for region in regions:
+                descs = self._registered.pop(region, None)
+                if descs is not None:
+                    self._nixl.deregister_memory(descs)
+                    self.registered_bytes -= region[1]
+
+    def covers(self, address: int, nbytes: int) -> bool:
+        """True if ``[address, address + nbytes)`` lies in one registered region."""
+        with self._lock:
+            return any(a <= address and address + nbytes <= a + n for a, n in self._registered)
+
+    def metadata(self) -> bytes:
+        """What a peer needs to reach this agent and its registered memory."""
+        return self._nixl.get_agent_metadata()
+
+    def connect(self, metadata: bytes) -> str:
+        """Add a peer from its metadata (once); its agent name."""
+        with self._lock:
+            name = self._peers.get(metadata)
+            if name is None:
+                name = self._nixl.add_remote_agent(metadata)
+                name = name.decode() if isinstance(name, bytes) else name
+                self._peers[metadata] = name
+            return name
+
+    def forget(self, metadata: bytes) -> None:
+        """Drop a peer that failed: a restarted peer comes back under a new name."""
+        with self._lock:
+            name = self._peers.pop(metadata, None)
+        if name is not None:
+            try:
+                self._nixl.remove_remote_agent(name)
+            except Exception as exc:  # a peer already gone on NIXL's side
+                logger.debug("kvtier NIXL: removing %s: %s", name, exc)
+
+    def read(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
+        """Post a one-sided READ of the peer's ``remote`` ``(address, bytes)`` into ``local``."""
+        return self._post("READ", peer, local, remote)
+
+    def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
+        """Post a one-sided WRITE of ``local`` into the peer's ``remote``."""
+        return self._post("WRITE", peer, local, remote)
+
+    def _post(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
+        local_descs = self._nixl.get_xfer_descs(np.array([[a, n, 0] for a, n in local], dtype=np.uint64), "DRAM")
+        remote_descs = self._nixl.get_xfer_descs(np.array([[a, n, 0] for a, n in remote], dtype=np.uint64), "DRAM")
+        try:
+            handle = self._nixl.initialize_xfer(op, local_descs, remote_descs, peer)
+            transfer = Transfer(self, handle, peer, sum(n for _, n in local))
+            if self._nixl.transfer(handle) == "ERR":
+                transfer.release()
+                raise NixlError(f"NIXL refused a {op} with {peer}")
+        except NixlError:
+            raise
+        except Exception as exc:  # nixlBind raises its own exceptions (e.g. NIXL_ERR_NOT_FOUND)
+            raise NixlError(f"NIXL could not post a {op} with {peer}: {exc}") from None
+        return transfer
+
+    def progress(self) -> None:
+        """Let NIXL make progress on this side (needed without a progress thread; cheap)."""
+        self._nixl.get_new_notifs()
+
+
+def make_agent() -> Agent:
+    """A new agent with a unique name (host, pid, a random tag). Raises :class:`NixlError` without NIXL."""
+    os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    return Agent(f"kvtier-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
