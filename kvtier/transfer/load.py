@@ -1,0 +1,351 @@
+"""The load side (latency-critical): fetch, verify and scatter a request's chunks into engine blocks.
+
+Threads:
+
+* One load thread (``kvtier-load``) runs loads from the local tiers, one job at a time, and
+  reports each request finished. With ``load_inline`` they run on the caller's thread inside
+  :meth:`LoadSide.submit` instead.
+* :data:`REMOTE_THREADS` threads (``kvtier-remote``) run loads with chunks a P/D producer serves
+  (``LoadJob.remote``): a transfer may wait for the producer's prefill; a reload must not wait
+  behind it. Their producer chunks are scattered one by one as they arrive while the next ones are
+  on the wire (:meth:`LoadSide._load_remote`), then kept in the CPU tier.
+
+On CUDA every load runs on the load stream (made here, one for all those threads), which first
+waits for the event after which blocks a save reads are free (``reuse_after``, from the save
+side), and the load is synchronized before it is reported finished. With ``dma`` each batch's
+copies start as soon as its chunks are fetched, so fetching overlaps copying.
+
+Buffers: a local chunk's buffer comes from ``store.get`` and is released here once every copy
+that reads it has finished. A producer's chunk comes in a buffer :data:`FetchRemote` hands over:
+it goes to ``store.put`` (which takes it) or is released here. A load's block-id tensor lives
+until its copies have been waited for.
+
+Locks: the load side takes none of kvtier's. It bumps a counter the save thread reads
+(:meth:`LoadSide.running`) and reports finished requests through a queue the engine thread
+drains. The store's own locks guard its index updates only.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+import torch
+
+from kvtier import codec
+from kvtier.jobs import LoadJob
+from kvtier.keys import storage_key
+from kvtier.layout import Layout
+from kvtier.ops import ChunkSpan
+from kvtier.storage import ChunkBuffer, ChunkStore, Tier
+from kvtier.transfer.common import Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms
+
+logger = logging.getLogger(__name__)
+
+REMOTE_THREADS = 4  # P/D transfers in flight at once
+
+
+class LoadSide:
+    """Runs load jobs for ``layout`` from ``store``.
+
+    ``chunk_blocks``: engine blocks per chunk. ``copies``: the backend's copy functions (this side
+    scatters). ``stats``: counters shared with the save side. ``batch_ms``: ms per load job,
+    appended here. ``on_held``: called with storage keys promoted into the CPU tier or kept from a
+    producer. ``fetch_remote``: how chunks of a P/D producer are fetched (None: never any).
+    ``load_inline``: local-tier loads run on the caller's thread inside :meth:`submit` (see
+    :class:`~kvtier.transfer.TierWorker`). ``pipeline_bytes``: with a backend that copies in the
+    background, scatters start in batches of about this many bytes. ``reuse_after``: the CUDA
+    event after which blocks a save reads are free (None: none pending); a load waits for it.
+    """
+
+    def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, copies: Copies, stats: TransferStats,
+                 batch_ms: deque[float], on_held: HeldChanged, fetch_remote: FetchRemote | None, load_inline: bool,
+                 pipeline_bytes: int, reuse_after: Callable[[], torch.cuda.Event | None]):
+        self.layout = layout
+        self.store = store
+        self.chunk_blocks = chunk_blocks
+        self.chunk_bytes = codec.chunk_bytes(layout, chunk_blocks)
+        self.stats = stats
+        self.batch_ms = batch_ms
+        self.cost = LoadCost()
+        self.load_inline = load_inline
+        self._scatter, self._scatter_async, self._kernel_sums = copies.scatter, copies.scatter_async, copies.kernel_sums
+        self._pipeline_bytes = pipeline_bytes
+        self._on_held = on_held
+        self._fetch_remote = fetch_remote
+        self._reuse_after = reuse_after
+        self._load_stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
+        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
+        self._remote_barrier = threading.Barrier(REMOTE_THREADS + 1)
+        self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
+        self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
+        self._loads_running = 0  # written by whichever thread runs local loads; the save thread yields while > 0
+
+    def skey(self, key: bytes) -> bytes:
+        return storage_key(key, self.layout.fingerprint)
+
+    def _ids(self, block_ids) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.layout.device)
+
+    def running(self) -> int:
+        """Local loads running now (remote ones wait on their producer: saves need not yield to them)."""
+        return self._loads_running
+
+    def submit(self, job: LoadJob) -> Future:
+        """Load in the background (with ``load_inline``, a local-tier load runs now); the outcome
+        is reported by :meth:`take_finished`."""
+        if self.load_inline and job.remote is None:
+            done: Future = Future()
+            self._load_and_report(job)
+            done.set_result(None)
+            return done
+        pool = self._load_pool if job.remote is None else self._remote_pool
+        return pool.submit(self._load_and_report, job)
+
+    @torch.inference_mode()
+    def _load_and_report(self, job: LoadJob) -> None:
+        local = job.remote is None  # a transfer may wait on its producer: saves need not yield to it
+        self._loads_running += local
+        try:
+            if self._load_stream is None:
+                failed = self.load(job)
+            else:
+                reuse_after = self._reuse_after()
+                if reuse_after is not None:
+                    self._load_stream.wait_event(reuse_after)
+                with torch.cuda.stream(self._load_stream):
+                    failed = self.load(job)
+                self._load_stream.synchronize()  # the blocks are whole before the request resumes
+        except Exception:
+            logger.exception("kvtier: load for request %s failed; its blocks will be recomputed", job.req_id)
+            failed = set(job.block_ids)
+        finally:
+            self._loads_running -= local
+            self._cancelled.discard(job.req_id)
+        self._finished.put((job.req_id, failed))
+
+    def load(self, job: LoadJob) -> set[int]:
+        """Load ``job`` now. Returns the engine block ids that were not loaded (empty on success).
+
+        A chunk that is gone or fails verification ends the load there: it and every later block
+        are reported failed, and a corrupt chunk is removed from the store so that no later
+        lookup offers it again.
+        """
+        start = now_ms()
+        spans, buffers, sums, tiers, done = [], [], [], [], 0
+        copies: list = []  # started scatters, in span order: each has wait() -> ok per span
+        launched, begin = 0, None
+        tokens = {"cpu": 0, "disk": 0, "shared": 0, "remote": 0}
+        local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
+        if len(local) > 1:  # disk-resident chunks: read ahead all at once, not one by one
+            self.store.will_need([self.skey(k) for k in local])
+        ids = self._ids(job.block_ids)  # one host-to-device copy, before any chunk copy is in flight
+        try:
+            for i, key in enumerate(local):
+                if done == len(job.block_ids):
+                    break
+                first, count = self._span(job, i, done)
+                fetched = self._fetch(key)
+                if fetched is None:
+                    # The blocks from here on are recomputed and saved again, but a later chunk
+                    # still indexed on disk would be skipped as stored: if its file went the way
+                    # of this one (deleted, cut short), forget it now so the save replaces it.
+                    self.store.drop_unreadable([self.skey(k) for k in local[i + 1:]])
+                    break
+                buffer, checksum = fetched
+                buffers.append(buffer)
+                sums.append(checksum)
+                tiers.append(buffer.tier.value)
+                spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids[done : done + count]))
+                done += count
+                pending = (len(spans) - launched) * self.chunk_bytes
+                if self._scatter_async is not None and pending >= self._pipeline_bytes:
+                    begin = now_ms() if begin is None else begin
+                    copies.append(self._start_scatter(spans[launched:], sums[launched:]))
+                    launched = len(spans)
+            if launched < len(spans):
+                begin = now_ms() if begin is None else begin
+                copies.append(self._start_scatter(spans[launched:], sums[launched:]))
+            ok = [flag for copy in copies for flag in copy.wait()]
+            if spans:
+                if not all(ok):
+                    done = self._first_bad(job, spans, ok)
+                per_chunk = (now_ms() - begin) * self.chunk_blocks / max(1, done)
+                self.cost.scattered(per_chunk)
+        finally:
+            for copy in copies:  # no buffer goes back while a copy may still read it
+                try:
+                    copy.wait()
+                except Exception:  # noqa: BLE001 - the load already failed; nothing reads these blocks
+                    pass
+            for buffer in buffers:
+                buffer.release()
+        loaded = blocks = 0  # chunks scattered intact: one failing the kernel's check is no hit
+        for span, tier in zip(spans, tiers):
+            blocks += span.block_ids.numel()
+            if blocks > done:
+                break
+            tokens[tier] += span.block_ids.numel() * self.layout.block_size
+            loaded += 1
+        if job.remote is not None and len(local) == loaded and done < len(job.block_ids):
+            local_done = done
+            done, remote_chunks = self._load_remote(job, done)
+            tokens["remote"] = (done - local_done) * self.layout.block_size
+            loaded += remote_chunks
+        stats = self.stats
+        stats.loaded_chunks += loaded
+        stats.loaded_bytes += done * self.layout.bytes_per_block
+        stats.cpu_hit_tokens += tokens["cpu"]
+        stats.disk_hit_tokens += tokens["disk"]
+        stats.remote_hit_tokens += tokens["remote"]
+        stats.shared_hit_tokens += tokens["shared"]
+        elapsed = now_ms() - start
+        stats.load_ms += elapsed
+        self.batch_ms.append(elapsed)
+        logger.debug("kvtier: request %s loaded %d of %d blocks (%s) in %.1f ms", job.req_id, done,
+                     len(job.block_ids), ", ".join(f"{n} tokens from {t}" for t, n in tokens.items() if n), elapsed)
+        if done < len(job.block_ids):
+            stats.failed_chunks += 1
+        return set(job.block_ids[done:])
+
+    def _span(self, job: LoadJob, i: int, done: int) -> tuple[int, int]:
+        """(first block within chunk ``i`` of ``job``, blocks loaded from it) when ``done`` are loaded."""
+        first = job.first_block if i == 0 else 0
+        return first, min(self._num_blocks(job, i) - first, len(job.block_ids) - done)
+
+    def _num_blocks(self, job: LoadJob, i: int) -> int:
+        return job.tail_blocks if job.tail_blocks and i == len(job.keys) - 1 else self.chunk_blocks
+
+    def _load_remote(self, job: LoadJob, done: int) -> tuple[int, int]:
+        """Fetch ``job``'s producer chunks and scatter each as it arrives (the next ones are on the
+        wire meanwhile); full chunks then stay in this worker's CPU tier for the next turn.
+        Returns (blocks loaded in all, chunks loaded from the producer). Verified on the host:
+        a producer's chunk may carry either checksum kind."""
+        remote = job.remote
+        first = remote.first_chunk
+        items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
+        held, count_chunks, chunks = [], 0, None
+        try:
+            chunks = self._fetch_remote(job, items)
+            for i, buffer in enumerate(chunks, start=first):
+                if done == len(job.block_ids):
+                    buffer.release()
+                    break
+                num_blocks = self._num_blocks(job, i)
+                try:
+                    codec.verify_chunk(buffer.data, self.layout, num_blocks)
+                except codec.ChunkError as exc:
+                    buffer.release()
+                    logger.warning("kvtier P/D: chunk %d of transfer %s from %s is unusable (%s); recomputing from there.",
+                                   i, remote.transfer_id, remote.endpoints[0], exc)
+                    break
+                block, count = self._span(job, i, done)
+                ids = self._ids(job.block_ids[done : done + count])
+                self._scatter(self.layout, [ChunkSpan(buffer.data, num_blocks, block, ids)])
+                if self._load_stream is not None:
+                    self._load_stream.synchronize()  # the buffer is stored or freed next
+                done += count
+                count_chunks += 1
+                if num_blocks == self.chunk_blocks:
+                    skey = self.skey(job.keys[i])
+                    self.store.put([skey], [buffer])  # takes the buffer; a key already stored is skipped
+                    held.append(skey)
+                else:
+                    buffer.release()  # a prompt's partial tail: no later prompt can look it up
+        except Exception as exc:  # kvtier.pd.PeerError, or the producer's socket failing under us
+            logger.warning("kvtier P/D: transfer %s failed after %d of %d chunks (%s); recomputing the rest.",
+                           remote.transfer_id, count_chunks, len(items), exc)
+        finally:
+            if chunks is not None:
+                chunks.close()
+        if held:
+            self._on_held(held)
+        return done, count_chunks
+
+    def _start_scatter(self, spans: list[ChunkSpan], sums: list[int]):
+        """Start scattering ``spans`` (checked against their chunks' KVSUM64s ``sums`` when the
+        backend verifies while copying); returns what ``wait()`` gives ``ok`` per span."""
+        expected = sums if self._kernel_sums else None
+        if self._scatter_async is not None:
+            return self._scatter_async(self.layout, spans, expected)
+        ok = self._scatter(self.layout, spans, expected) if expected is not None else self._scatter(self.layout, spans)
+        return _Copied(ok if expected is not None else [True] * len(spans))
+
+    def _first_bad(self, job: LoadJob, spans: list[ChunkSpan], ok: list[bool]) -> int:
+        """Blocks loaded intact before the first chunk the copy found corrupt, which is removed.
+        From that chunk on every block counts as failed: vLLM recomputes from the first failed
+        block, and the bad chunk's blocks hold garbage until then."""
+        bad = ok.index(False)
+        self._discard(job.keys[bad], "payload checksum mismatch in the copy kernel")
+        return sum(span.block_ids.numel() for span in spans[:bad])
+
+    def _discard(self, key: bytes, reason: str) -> None:
+        """Remove a corrupt chunk so no later lookup offers it (the store's watcher reports it gone)."""
+        self.store.remove(self.skey(key))
+        logger.warning("kvtier: stored chunk %s is unusable (%s); removed it and recomputing.", key.hex(), reason)
+
+    def _fetch(self, key: bytes) -> tuple[ChunkBuffer, int] | None:
+        """The stored chunk for chain key ``key`` and its header checksum, or None (missing or
+        corrupt). The payload is verified here unless the copy kernel verifies it while loading."""
+        skey = self.skey(key)
+        start = now_ms()
+        buffer = self.store.get(skey)
+        if buffer is None:
+            logger.warning("kvtier: chunk %s was evicted before it could be loaded; recomputing.", key.hex())
+            return None
+        try:
+            header = codec.verify_chunk(buffer.data, self.layout, self.chunk_blocks, payload=not self._kernel_sums)
+        except codec.ChunkError as exc:
+            buffer.release()
+            self._discard(key, str(exc))
+            return None
+        self.cost.fetched(buffer.tier.value, now_ms() - start)
+        if buffer.tier in (Tier.DISK, Tier.SHARED):
+            self._on_held([skey])  # promoted into the CPU tier
+        return buffer, header.checksum
+
+    def take_finished(self) -> tuple[set[str], set[int]]:
+        """Requests whose loads ended since the last call, and the block ids that failed."""
+        req_ids: set[str] = set()
+        failed: set[int] = set()
+        while True:
+            try:
+                req_id, bad = self._finished.get_nowait()
+            except queue.Empty:
+                return req_ids, failed
+            req_ids.add(req_id)
+            failed |= bad
+
+    def cancel(self, req_id: str) -> None:
+        """Stop ``req_id``'s P/D transfer (the request was aborted); it still reports, failed."""
+        self._cancelled.add(req_id)
+
+    def cancelled(self, req_id: str) -> bool:
+        return req_id in self._cancelled
+
+    def drain(self) -> None:
+        """Wait for every submitted load, local and remote."""
+        self._load_pool.submit(lambda: None).result()
+        for _ in range(REMOTE_THREADS):  # each remote thread takes one barrier: all earlier transfers ended
+            self._remote_pool.submit(self._remote_barrier.wait)
+        self._remote_barrier.wait()
+
+    def close(self) -> None:
+        """Finish pending loads, then stop the load and remote threads."""
+        self._load_pool.shutdown(wait=True)
+        self._remote_pool.shutdown(wait=True)
+
+
+class _Copied:
+    """A scatter that already ran: ``wait()`` gives its ``ok`` per span."""
+
+    def __init__(self, ok: list[bool]):
+        self.ok = ok
+
+    def wait(self) -> list[bool]:
+        return self.ok

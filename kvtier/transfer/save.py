@@ -1,0 +1,373 @@
+"""The save side (background): copy engine blocks out into chunks, then seal and store them.
+
+Threads:
+
+* :meth:`SaveSide.save` runs on the caller's thread (the engine's): it copies the blocks out,
+  on CUDA on the save stream (made here), which first waits for the engine's stream; with ``dma``
+  it only starts the copies, in batches of about ``pipeline_bytes``, and returns. The engine's
+  stream then waits until the copies have read the blocks, or with ``defer_reuse`` only a step
+  given one of those blocks does (:class:`ReuseGuard`, also the engine thread's).
+* One save thread (``kvtier-save``) seals and stores each chunk once it is out, at a lower OS
+  priority, and only while no load is running (``loads_running``, from the load side): saves
+  yield to loads, never the reverse.
+
+The backlog is bounded in bytes: overflow drops the oldest pending chunks, counted, instead of
+blocking the engine.
+
+Buffers: :meth:`SaveSide.save` allocates each chunk's buffer from the store (never waiting for
+room). The save thread hands it to ``store.put``, which takes it, or releases it if storing fails;
+a chunk dropped from the backlog is released once its copy has landed. With a backend that
+computes KVSUM64 while copying, each batch's checksums land in a host tensor (pinned on CUDA)
+allocated here and read by the save thread. A save's block-id device tensor lives in the
+:class:`ReuseGuard` until its blocks are read when reads are deferred.
+
+Locks: the only lock is the save side's own condition (backlog, its bytes, keys being saved,
+save counters), never held during a copy or a store. The store's own locks guard its index
+updates only.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from typing import Callable, Iterable
+
+import torch
+
+from kvtier import codec
+from kvtier.codec import checksums
+from kvtier.jobs import SaveJob
+from kvtier.keys import storage_key
+from kvtier.layout import Layout
+from kvtier.ops import ChunkSpan
+from kvtier.ops.checksum import to_unsigned
+from kvtier.storage import ChunkBuffer, ChunkStore
+from kvtier.transfer.common import Copies, HeldChanged, TransferStats, now_ms
+
+logger = logging.getLogger(__name__)
+
+SAVE_NICE = 10  # the save thread's extra niceness: under CPU contention the load thread runs first
+_YIELD_S = 0.0005  # how often a save waiting for loads to finish looks again
+
+
+@dataclass(slots=True)
+class _SaveBatch:
+    """The chunks one save() call queued: timed from their copy-out until the last is handled."""
+
+    start_ms: float
+    left: int
+
+
+@dataclass(slots=True)
+class _PendingSave:
+    """One gathered chunk waiting for the save thread. ``ready``: CUDA event of its gather."""
+
+    key: bytes
+    buffer: ChunkBuffer
+    num_blocks: int
+    ready: torch.cuda.Event | None
+    sums: torch.Tensor | None = None  # int64 [chunks of its batch], host memory: KVSUM64s the copy computed, if it does
+    index: int = 0  # this chunk's entry in ``sums``
+    batch: _SaveBatch | None = None
+
+
+class ReuseGuard:
+    """When the engine may reuse blocks a save reads (CUDA). Without ``defer``, the engine's stream
+    waits for every save's reads. With ``defer``, it waits only in :meth:`guard`, for a step given
+    a block a save may still be reading. Engine thread only, but for :attr:`reuse_after`, which
+    the load threads read."""
+
+    def __init__(self, device: torch.device, defer: bool):
+        self.device = device
+        self.defer = defer
+        # Saves whose engine blocks may still be unread: (event after which they are read, block
+        # ids, the device tensor of those ids), oldest first.
+        self._unread: deque[tuple[torch.cuda.Event, frozenset[int], torch.Tensor]] = deque()
+        self._last_read: torch.cuda.Event | None = None
+        self.reuse_after: torch.cuda.Event | None = None  # loads wait for it: their blocks may be being read
+
+    def blocks_read(self, engine: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        """A later step may reuse the blocks a save reads only once ``event`` has passed: the
+        engine's stream waits for it now, or (``defer``) :meth:`guard` makes it wait only for a
+        step that was given one of those blocks."""
+        if self.defer:
+            self._last_read = event
+        else:
+            engine.wait_event(event)
+
+    def saved(self, blocks: Iterable[int], ids: torch.Tensor) -> None:
+        """A save has started its copies from engine blocks ``blocks`` (device tensor ``ids``)."""
+        if self.defer and self._last_read is not None:
+            # ``ids`` too stays alive until the blocks are read: the copies read it on their own
+            # stream, and freed now its memory could go to the engine's next kernels first.
+            self._unread.append((self._last_read, frozenset(blocks), ids))
+            self._last_read = None  # this save's: a later save that starts no copy records nothing
+
+    def guard(self, allocated) -> None:
+        """Before a step's kernels (engine thread): if any of ``allocated`` (engine block ids the
+        step was given) is a block an earlier save may still be reading, the engine's stream and
+        later loads wait until it has been read. Cheap when nothing overlaps, which is the rule:
+        blocks of running requests are never reallocated, only those of finished or preempted ones."""
+        unread = self._unread
+        while unread and unread[0][0].query():
+            unread.popleft()
+        if not unread or not allocated:
+            return
+        wanted = set(allocated)
+        for event, blocks, _ in reversed(unread):  # the newest overlapping save; events are in stream order
+            if not blocks.isdisjoint(wanted):
+                torch.cuda.current_stream(self.device).wait_event(event)
+                self.reuse_after = event
+                return
+
+
+class SaveSide:
+    """Runs save jobs for ``layout`` into ``store``.
+
+    ``chunk_blocks``: engine blocks per chunk. ``copies``: the backend's copy functions (this side
+    gathers). ``stats``: counters shared with the load side. ``batch_ms``: ms per save batch,
+    appended here. ``on_held``: called with storage keys stored or found already stored.
+    ``checksum``: the chunk checksum computed after the copy when the backend does not compute
+    KVSUM64 while copying (:mod:`kvtier.codec.checksums`; None: the codec's default).
+    ``backlog_bytes``: most bytes of gathered chunks waiting to be stored (None: unbounded).
+    ``reuse``: when the engine may reuse blocks read here. ``loads_running``: local loads running
+    now; the save thread waits while there are any. ``pipeline_bytes``: with a backend that copies
+    in the background, gathers start in batches of about this many bytes.
+    """
+
+    def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, copies: Copies, stats: TransferStats,
+                 batch_ms: deque[float], on_held: HeldChanged, checksum: str | None, backlog_bytes: int | None,
+                 reuse: ReuseGuard, loads_running: Callable[[], int], pipeline_bytes: int):
+        self.layout = layout
+        self.store = store
+        self.chunk_blocks = chunk_blocks
+        self.backlog_bytes = backlog_bytes
+        self.stats = stats
+        self.batch_ms = batch_ms
+        self.reuse = reuse
+        self._gather, self._gather_async, self._kernel_sums = copies.gather, copies.gather_async, copies.kernel_sums
+        self._host_checksum = codec.DEFAULT_HOST_CHECKSUM if checksum is None else checksums.kind_of(checksum)
+        self._on_held = on_held
+        self._loads_running = loads_running
+        self._pipeline_bytes = pipeline_bytes
+        self._save_stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
+        # everything below is guarded by _cond
+        self._cond = threading.Condition()
+        self._backlog: deque[_PendingSave] = deque()
+        self._backlog_bytes = 0  # pending chunks plus the one being stored
+        self._saving: set[bytes] = set()
+        self._closing = False
+        self._save_thread = threading.Thread(target=self._save_loop, name="kvtier-save", daemon=True)
+        self._save_thread.start()
+
+    def skey(self, key: bytes) -> bytes:
+        return storage_key(key, self.layout.fingerprint)
+
+    def _ids(self, block_ids) -> torch.Tensor:
+        return torch.tensor(block_ids, dtype=torch.int64, device=self.layout.device)
+
+    def save(self, jobs: list[SaveJob]) -> int:
+        """Copy the jobs' new chunks out and queue them for storing; returns how many were queued.
+        The engine may reuse the blocks once this returns (on CUDA its stream waits until the
+        copies have read them; with ``dma`` they run on in the background, a batch of about
+        ``pipeline_bytes`` at a time, and the save thread stores each chunk as it lands).
+        Never waits for storage.
+
+        Chunks already stored are not saved again (they are reported held again, so a chunk
+        withdrawn because another rank lost it becomes visible once that rank saves it anew).
+        Called from one thread (the engine's).
+        """
+        cb = self.chunk_blocks
+        wanted: list[tuple[bytes, list[int]]] = []
+        stored: list[bytes] = []
+        with self._cond:
+            saving = set(self._saving)
+        for job in jobs:
+            for i, key in enumerate(job.keys):
+                skey = self.skey(key)
+                if skey in saving:
+                    self.stats.skipped_saves += 1
+                elif self.store.contains(skey) is not None:
+                    self.stats.skipped_saves += 1
+                    stored.append(skey)
+                else:
+                    saving.add(skey)
+                    wanted.append((skey, list(job.block_ids[i * cb : (i + 1) * cb])))
+        if stored:
+            self._on_held(stored)
+        if not wanted:
+            return 0
+        wanted = self._make_room(wanted)
+        ids = self._ids([b for _, blocks in wanted for b in blocks])  # one host-to-device copy for all
+        start = now_ms()
+        batch = _SaveBatch(start, 0)
+        group: list[tuple[_PendingSave, ChunkSpan]] = []
+        started: list[_PendingSave] = []
+        unallocated = at = 0
+        for skey, blocks in wanted:
+            nbytes = codec.chunk_bytes(self.layout, len(blocks))
+            span_ids, at = ids[at : at + len(blocks)], at + len(blocks)
+            buffer = self.store.allocate(nbytes, wait=False)
+            if buffer is None:
+                unallocated += nbytes
+                continue
+            group.append((_PendingSave(skey, buffer, len(blocks), None, batch=batch),
+                          ChunkSpan(buffer.data, len(blocks), 0, span_ids)))
+            if self._gather_async is not None and len(group) * nbytes >= self._pipeline_bytes:
+                started += self._start_gather(group)
+                group = []
+        if group:
+            started += self._start_gather(group)
+        self.reuse.saved((b for _, blocks in wanted for b in blocks), ids)
+        # Queued only once every copy has started: the save thread's Python would otherwise slow
+        # (through the GIL) the starting of the copies it waits for.
+        with self._cond:
+            batch.left = len(started)
+            self._backlog.extend(started)
+            self._saving.update(item.key for item in started)
+            self._backlog_bytes -= unallocated  # give back their reservation
+            self.stats.dropped_saves += len(wanted) - len(started)
+            self.stats.save_ms += now_ms() - start
+            self._cond.notify_all()
+        return len(started)
+
+    def _start_gather(self, group: list[tuple[_PendingSave, ChunkSpan]]) -> list[_PendingSave]:
+        """Start copying ``group``'s chunks out; returns its items, each knowing when its copy has
+        landed (and where its KVSUM64 will be)."""
+        spans = [span for _, span in group]
+        sums = None
+        if self._kernel_sums:  # host memory (pinned for the copy engines): the save thread reads it
+            on_host = self._gather_async is not None or self.layout.device.type == "cpu"
+            sums = torch.empty(len(spans), dtype=torch.int64, device="cpu" if on_host else self.layout.device,
+                               pin_memory=on_host and self.layout.device.type == "cuda")
+        ready = self._gather_for_save(spans, sums)
+        if sums is not None and sums.device.type != "cpu":
+            sums = sums.cpu()  # a kernel backend: its gather has finished
+        for i, ((item, _), event) in enumerate(zip(group, ready)):
+            item.ready, item.sums, item.index = event, sums, i
+        return [item for item, _ in group]
+
+    def _make_room(self, wanted: list[tuple[bytes, list[int]]]) -> list[tuple[bytes, list[int]]]:
+        """Reserve backlog bytes for ``wanted``, dropping the oldest pending chunks to make room;
+        returns the part of ``wanted`` that may be gathered (its leading chunks: a chunk is only
+        reachable by lookups through the chunks before it)."""
+        limit = self.backlog_bytes
+        sizes = [codec.chunk_bytes(self.layout, len(ids)) for _, ids in wanted]
+        dropped: list[_PendingSave] = []
+        with self._cond:
+            if limit is not None:
+                need = sum(sizes)
+                while self._backlog and self._backlog_bytes + need > limit:
+                    item = self._backlog.popleft()
+                    dropped.append(item)
+                    self._backlog_bytes -= item.buffer.data.numel()
+                    self._saving.discard(item.key)
+                    self._batch_item_done(item)
+                # The chunk being stored right now cannot be dropped; what still won't fit is.
+                room, total = 0, self._backlog_bytes
+                while room < len(sizes) and total + sizes[room] <= limit:
+                    total += sizes[room]
+                    room += 1
+                self.stats.dropped_saves += len(dropped) + len(wanted) - room
+                wanted, sizes = wanted[:room], sizes[:room]
+            self._backlog_bytes += sum(sizes)
+        for item in dropped:
+            if item.ready is not None:
+                item.ready.synchronize()  # its copy may still be landing in the buffer
+            item.buffer.release()
+        return wanted
+
+    def _gather_for_save(self, spans: list[ChunkSpan], sums: torch.Tensor | None) -> list[torch.cuda.Event | None]:
+        """Copy ``spans`` out of the engine blocks (their KVSUM64s into ``sums``, if given); per
+        span, the CUDA event after which its chunk is on the host (None: it is already)."""
+        kw = {} if sums is None else {"checksums_out": sums}
+        if self._save_stream is None:
+            self._gather(self.layout, spans, **kw)
+            return [None] * len(spans)
+        engine = torch.cuda.current_stream(self.layout.device)
+        self._save_stream.wait_stream(engine)  # the forward that wrote the blocks comes first
+        with torch.cuda.stream(self._save_stream):
+            if self._gather_async is not None:
+                copying = self._gather_async(self.layout, spans, **kw)
+                self.reuse.blocks_read(engine, copying.blocks_read)
+                return copying.done
+            self._gather(self.layout, spans, **kw)
+        ready = torch.cuda.Event()
+        ready.record(self._save_stream)
+        self.reuse.blocks_read(engine, ready)
+        return [ready] * len(spans)
+
+    def _save_loop(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)  # this thread only
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._cond:
+                while not self._backlog and not self._closing:
+                    self._cond.wait()
+                if not self._backlog:
+                    return
+                item = self._backlog.popleft()
+            while self._loads_running() and not self._closing:
+                time.sleep(_YIELD_S)  # a latency-critical load has the CPU and memory bandwidth
+            start = now_ms()
+            stored = self._seal_and_put(item)
+            with self._cond:
+                self._backlog_bytes -= codec.chunk_bytes(self.layout, item.num_blocks)
+                self._saving.discard(item.key)
+                self.stats.save_ms += now_ms() - start
+                if stored:
+                    self.stats.saved_chunks += 1
+                    self.stats.saved_bytes += self.layout.payload_bytes(item.num_blocks)
+                self._batch_item_done(item)
+                self._cond.notify_all()
+            if stored:
+                self._on_held([item.key])
+
+    def _batch_item_done(self, item: _PendingSave) -> None:
+        batch = item.batch
+        if batch is not None:
+            batch.left -= 1  # under _cond
+            if batch.left == 0:
+                self.batch_ms.append(now_ms() - batch.start_ms)
+
+    @torch.inference_mode()  # buffers may be inference tensors made on the engine's thread
+    def _seal_and_put(self, item: _PendingSave) -> bool:
+        try:
+            if item.ready is not None:
+                item.ready.synchronize()
+            kvsum = None if item.sums is None else to_unsigned(int(item.sums[item.index]))
+            codec.write_header(item.buffer.data, self.layout, item.num_blocks, kvsum, self._host_checksum)
+            self.store.put([item.key], [item.buffer])
+            return True
+        except Exception:
+            logger.exception("kvtier: saving chunk %s failed; it will be recomputed when needed", item.key.hex())
+            item.buffer.release()
+            return False
+
+    def pending_bytes(self) -> int:
+        """Bytes of chunks gathered and not stored yet."""
+        with self._cond:
+            return self._backlog_bytes
+
+    def saving(self, key: bytes) -> bool:
+        """A save of storage key ``key`` is queued or running. Safe from any thread."""
+        with self._cond:
+            return key in self._saving
+
+    def wait_saved(self) -> None:
+        """Wait until every queued save is stored (or failed)."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._backlog_bytes == 0)
+
+    def close(self) -> None:
+        """Store what is queued, then stop the save thread."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._save_thread.join()
