@@ -110,7 +110,8 @@ class LoadSide:
     @torch.inference_mode()
     def _load_and_report(self, job: LoadJob) -> None:
         local = job.remote is None  # a transfer may wait on its producer: saves need not yield to it
-        self._loads_running += local
+        if local:  # only local loads touch it: a remote thread's `+= 0` could write back a stale count
+            self._loads_running += 1
         try:
             if self._load_stream is None:
                 failed = self.load(job)
@@ -125,7 +126,8 @@ class LoadSide:
             logger.exception("kvtier: load for request %s failed; its blocks will be recomputed", job.req_id)
             failed = set(job.block_ids)
         finally:
-            self._loads_running -= local
+            if local:
+                self._loads_running -= 1
             self._cancelled.discard(job.req_id)
         self._finished.put((job.req_id, failed))
 
