@@ -20,9 +20,9 @@ import torch
 
 from kvtier import codec
 from kvtier import keys as chain
-from kvtier.bench import BenchError
+from kvtier.bench.common import BenchError, Progress
 from kvtier.bench.engine_kv import EngineKV, host_buffer, verify_blocks
-from kvtier.bench.reload import chunk_spans, prompt_jobs
+from kvtier.bench.reload_timing import chunk_spans, prompt_jobs
 from kvtier.storage import ChunkStore
 from kvtier.transfer import TierWorker
 
@@ -69,7 +69,7 @@ class _Gemm:
 
 
 def measure(kv: EngineKV, keys: list[bytes], store: ChunkStore, chunk_blocks: int, backend: str,
-            nbytes: int, progress) -> list[BesideGemm]:
+            nbytes: int, progress: Progress) -> list[BesideGemm]:
     """Both loops beside the GEMMs, the whole path and then its ops alone (the same copies, no
     store work); ``nbytes``: the prompt's KV bytes (one save or reload)."""
     device = kv.layout.device

@@ -14,9 +14,9 @@ batch's throughput with and without kvtier when nothing hits. Exit status: 0 mea
 from __future__ import annotations
 
 import argparse
-import re
 import sys
-import time
+
+from kvtier.bench.common import Progress, parse_tokens, positive
 
 DTYPES = {
     "bfloat16": "bfloat16", "bf16": "bfloat16",
@@ -24,25 +24,6 @@ DTYPES = {
     "float32": "float32", "fp32": "float32",
     "fp8": "float8_e4m3fn", "float8_e4m3fn": "float8_e4m3fn", "float8_e5m2": "float8_e5m2",
 }
-_TOKENS = re.compile(r"(\d+)([kKmM]?)")
-
-
-def parse_tokens(text: str) -> int:
-    """``32k`` / ``32K`` -> 32768, ``1m`` -> 1048576, ``4096`` -> 4096 (k = 1024 tokens)."""
-    match = _TOKENS.fullmatch(text.strip())
-    if not match or int(match[1]) == 0:
-        raise argparse.ArgumentTypeError(f"expected a positive token count like 32k, 4K or 32768, got {text!r}")
-    return int(match[1]) << {"": 0, "k": 10, "m": 20}[match[2].lower()]
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
-    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -55,12 +36,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     reload.add_argument("--prompt-len", type=parse_tokens, default=32 << 10, metavar="TOKENS",
                         help="prompt length in tokens: 32k, 32K, 32768, 4k ... (default 32k)")
-    reload.add_argument("--layers", type=_positive, default=32, help="layers (default 32, Llama-3-8B)")
-    reload.add_argument("--kv-heads", type=_positive, default=8, help="KV heads per layer (default 8)")
-    reload.add_argument("--head-dim", type=_positive, default=128, help="head dimension (default 128)")
+    reload.add_argument("--layers", type=positive, default=32, help="layers (default 32, Llama-3-8B)")
+    reload.add_argument("--kv-heads", type=positive, default=8, help="KV heads per layer (default 8)")
+    reload.add_argument("--head-dim", type=positive, default=128, help="head dimension (default 128)")
     reload.add_argument("--dtype", choices=sorted(DTYPES), default="bfloat16", help="KV dtype (default bfloat16)")
-    reload.add_argument("--block-size", type=_positive, default=16, help="tokens per engine block (default 16)")
-    reload.add_argument("--chunk-tokens", type=_positive, default=256, help="tokens per stored chunk (default 256)")
+    reload.add_argument("--block-size", type=positive, default=16, help="tokens per engine block (default 16)")
+    reload.add_argument("--chunk-tokens", type=positive, default=256, help="tokens per stored chunk (default 256)")
     reload.add_argument("--device", default="auto", help="auto (cuda if available, else cpu), cpu, cuda or cuda:N")
     reload.add_argument("--backend", default="auto", help="ops backend: auto, cpu, torch, triton (CUDA), reference")
     reload.add_argument("--no-checksum-rows", dest="checksum_rows", action="store_false",
@@ -73,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--beside-gemm", action="store_true",
                         help="CUDA: also save and reload in a loop beside a bf16 GEMM loop; reports the GEMMs' "
                              "slowdown and kvtier's GB/s meanwhile")
-    reload.add_argument("--repeats", type=_positive, default=3, help="samples per path (default 3)")
+    reload.add_argument("--repeats", type=positive, default=3, help="samples per path (default 3)")
     reload.add_argument("--stat", choices=("best", "median"), default="best",
                         help="which repeat the table shows: best (fastest; default, as interference on a shared "
                         "machine only ever slows a run down) or median; the JSON keeps every sample")
@@ -83,15 +64,14 @@ def build_parser() -> argparse.ArgumentParser:
     reload.set_defaults(run=_reload, parser=reload)
     from kvtier.bench import engine, executors, lookup, overhead, pd, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
 
-    engine.add_parser(commands, _positive, parse_tokens)
-
-    executors.add_parser(commands, _positive, parse_tokens)
-    lookup.add_parser(commands, _positive, parse_tokens)
-    pd.add_parser(commands, _positive, parse_tokens)
-    pd_transfer.add_parser(commands, _positive, parse_tokens)
-    soak.add_parser(commands, _positive, parse_tokens)
-    ttft_tiers.add_parser(commands, _positive, parse_tokens)
-    overhead.add_parser(commands, _positive, parse_tokens)
+    engine.add_parser(commands)
+    executors.add_parser(commands)
+    lookup.add_parser(commands)
+    pd.add_parser(commands)
+    pd_transfer.add_parser(commands)
+    soak.add_parser(commands)
+    ttft_tiers.add_parser(commands)
+    overhead.add_parser(commands)
     return parser
 
 
@@ -111,8 +91,10 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     import psutil  # noqa: E402 - heavy imports only once the arguments are known to be good
     import torch
 
-    from kvtier.bench import BenchError, VerifyError, reload, report
+    from kvtier.bench import reload, report
+    from kvtier.bench.common import BenchError, VerifyError
     from kvtier.bench.engine_kv import Geometry
+    from kvtier.bench.reload_spec import ReloadSpec
     from kvtier.layout import LayoutError
     from kvtier.ops import backend_names
     from kvtier.storage import StorageError
@@ -127,8 +109,8 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         problem = shared_url_problem(args.shared)
         if problem:
             parser.error(f"--shared {problem}")
-    spec = reload.ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats,
-                             args.seed, args.shared, args.checksum_rows, args.beside_gemm)
+    spec = ReloadSpec(geometry, args.prompt_len, args.chunk_tokens, device, args.backend, args.disk, args.repeats,
+                      args.seed, args.shared, args.checksum_rows, args.beside_gemm)
     if args.beside_gemm and device.type != "cuda":
         parser.error("argument --beside-gemm: needs a CUDA device (it measures what kvtier costs a model's GEMMs).")
     device_bytes, host_bytes = spec.memory_needed()
@@ -139,7 +121,7 @@ def _reload(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if device_bytes and device_bytes > torch.cuda.mem_get_info(device)[0]:
         parser.error(f"argument --prompt-len: {args.prompt_len} tokens needs {device_bytes / 2**30:.1f} GiB on {device}.")
 
-    progress = _Progress()
+    progress = Progress()
     try:
         result = reload.run(spec, progress)
     except VerifyError as exc:
@@ -175,20 +157,6 @@ def _device(parser: argparse.ArgumentParser, name: str, torch):
         if device.index >= torch.cuda.device_count():
             parser.error(f"argument --device: {name!r}, but only {torch.cuda.device_count()} CUDA devices exist.")
     return device
-
-
-class _Progress:
-    """Progress lines on stderr, each with the seconds since the bench started."""
-
-    def __init__(self):
-        self.start = time.perf_counter()
-
-    def elapsed(self) -> float:
-        """Seconds since the bench started."""
-        return time.perf_counter() - self.start
-
-    def __call__(self, message: str) -> None:
-        print(f"kvtier-bench [{self.elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

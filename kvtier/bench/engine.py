@@ -30,7 +30,8 @@ import sys
 import tempfile
 import time
 
-from kvtier.bench import NO_MATPLOTLIB, names_from, progress_printer, pyplot, save_figure, token_lengths
+from kvtier.bench.common import (NO_MATPLOTLIB, Progress, names_from, parse_tokens, positive, pyplot, save_figure,
+                                 token_lengths)
 from kvtier.bench.ttft import spawn
 from kvtier.bench.ttft_tiers import drop_page_cache
 
@@ -45,7 +46,7 @@ LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidd
              "eos_token_id": 2, "tie_word_embeddings": False, "hidden_act": "silu"}
 
 
-def add_parser(commands, positive, parse_tokens) -> None:
+def add_parser(commands) -> None:
     """Register ``kvtier-bench engine``."""
     p = commands.add_parser(
         "engine", help="CUDA vLLM with kvtier vs vLLM's OffloadingConnector vs no connector (TTFT, chat, prefill)",
@@ -66,11 +67,11 @@ def add_parser(commands, positive, parse_tokens) -> None:
     p.add_argument("--settle-s", type=float, default=1.0, help="pause before each local hit and reload (default 1)")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
-    p.set_defaults(run=_main, parser=p, parse_tokens=parse_tokens)
+    p.set_defaults(run=_main, parser=p)
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    lengths = token_lengths(parser, args.prompt_lens, args.parse_tokens)
+    lengths = token_lengths(parser, args.prompt_lens)
     engines = names_from(parser, args.engines, ENGINES)
     if max(lengths) + 64 > args.hbm_tokens:
         parser.error(f"argument --hbm-tokens: {args.hbm_tokens} cannot hold a {max(lengths)}-token prompt.")
@@ -78,13 +79,13 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         parser.error("kvtier-bench engine needs a CUDA GPU and a CUDA build of vLLM.")
-    progress = progress_printer("engine")
+    progress = Progress("engine")
     try:
         result = run(args, lengths, engines, progress)
     except RuntimeError as exc:
         print(f"kvtier-bench engine: error: {exc}", file=sys.stderr)
         return 1
-    result["elapsed_s"] = time.perf_counter() - progress.start
+    result["elapsed_s"] = progress.elapsed()
     print(format_table(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -160,7 +161,7 @@ def _spec(args, model: str, connector: str, rounds: list[dict], kvtier: dict | N
 
 def run(args, lengths: list[int], engines: list[str], progress) -> dict:
     result = {"benchmark": "engine", "lengths": lengths, "repeats": args.repeats,
-              "args": {k: v for k, v in vars(args).items() if k not in ("run", "parser", "parse_tokens")},
+              "args": {k: v for k, v in vars(args).items() if k not in ("run", "parser")},
               "ttft_ms": {}, "start_s": {}, "prefill_tok_s": {}, "chat_s": {}, "checks": {}, "chat_tokens": {}}
     import torch
 

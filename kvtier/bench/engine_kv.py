@@ -12,7 +12,7 @@ from typing import Iterator
 
 import torch
 
-from kvtier.bench import BenchError, VerifyError
+from kvtier.bench.common import BenchError, VerifyError
 from kvtier.layout import Layout, build_layout
 
 

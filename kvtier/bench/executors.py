@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from kvtier.bench import BenchError
+from kvtier.bench.common import BenchError, Progress, parse_tokens, positive
 
 TARGET_P99_RATIO = 1.25
 
@@ -71,7 +71,7 @@ class ExecutorsResult:
         return self.stats(self.burst_ms)["p50"] / self.stats(self.idle_ms)["p50"]
 
 
-def add_parser(commands, positive, parse_tokens) -> None:
+def add_parser(commands) -> None:
     """Register ``kvtier-bench executors``."""
     p = commands.add_parser("executors", help="reload latency idle vs under a continuous save burst",
                             description="Reload a stored prompt with the save executor idle, then while an engine "
@@ -220,13 +220,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                          chunk_tokens=args.chunk_tokens, reload_tokens=args.reload_len, burst_chunks=args.burst_chunks,
                          step_ms=args.step_ms, samples=args.samples, gap_ms=args.gap_ms, backlog_chunks=args.backlog_chunks,
                          disk_path=args.disk)
-    start = time.perf_counter()
-
-    def progress(message: str) -> None:
-        print(f"kvtier-bench [{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
     try:
-        result = run(spec, progress)
+        result = run(spec, Progress())
     except BenchError as exc:
         print(f"kvtier-bench: error: {exc}", file=sys.stderr)
         return 1

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import numpy as np
 
-from kvtier.bench import BenchError
+from kvtier.bench.common import BenchError, parse_tokens, positive
 from kvtier.keys import chunk_keys, namespace, storage_key
 
 
@@ -37,7 +37,7 @@ class LookupResult:
     keys_us: dict[str, float]  # p50 / p99 of computing the chain keys, microseconds
 
 
-def add_parser(commands, positive, parse_tokens) -> None:
+def add_parser(commands) -> None:
     """Register ``kvtier-bench lookup``."""
     p = commands.add_parser("lookup", help="time the scheduler's lookup of a long prompt over ZMQ",
                             description="Commit a prompt's chunks from every rank through rank 0's lookup server "

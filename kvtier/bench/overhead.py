@@ -20,10 +20,9 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 
-from kvtier.bench import NO_MATPLOTLIB, pyplot, save_figure
+from kvtier.bench.common import NO_MATPLOTLIB, Progress, parse_tokens, positive, pyplot, save_figure
 from kvtier.bench.ttft import make_model, prompt, spawn
 
 ENGINES = ("none", "kvtier")
@@ -43,7 +42,7 @@ class OverheadResult:
     load_avg: list[float] = field(default_factory=list)
 
 
-def add_parser(commands, positive, parse_tokens) -> None:
+def add_parser(commands) -> None:
     """Register ``kvtier-bench overhead``."""
     p = commands.add_parser(
         "overhead", help="tokens/s of a mixed batch with no hits: kvtier saving every chunk vs no connector",
@@ -67,11 +66,7 @@ def add_parser(commands, positive, parse_tokens) -> None:
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    start = time.perf_counter()
-
-    def progress(message: str) -> None:
-        print(f"kvtier-bench overhead [{time.perf_counter() - start:6.1f}s] {message}", file=sys.stderr, flush=True)
-
+    progress = Progress("overhead")
     try:
         result = run(args, progress)
     except RuntimeError as exc:

@@ -22,67 +22,46 @@ cold answer for the same prompt; either failure makes the exit status 1. Per P/D
 proxy's log gives P's leg and D's leg to its first byte, and the engines' histograms give P's
 prefill, D's wait for the KV (its queue time: vLLM schedules a request only once its remote KV is
 in) and D's own compute.
+
+This module starts the processes and runs the rows (:class:`PdBench`) and the command;
+:mod:`.pd_setup` sizes the run from the model, :mod:`.pd_request` times one request and
+:mod:`.pd_report` prints and writes the result.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import random
-import re
 import signal
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvtier.bench import BenchError
+from kvtier.bench import pd_report
+from kvtier.bench.common import BenchError, Progress, positive, token_list
+from kvtier.bench.pd_request import WATCHED, Sample, proxy_lines, snapshot, stream_completion, wait_done
+from kvtier.bench.pd_setup import GiB, MAX_LEN_SPARE, MiB, Geometry, Sizes, make_prompt, prompt_vocab, read_geometry
 
-ROWS = ("recompute", "local_hit", "pull", "push")
 MAX_TOKENS = 8  # streamed tokens per request: enough to compare outputs, few enough to keep decode cheap
 CHUNK_TOKENS = 256  # kvtier chunk, tokens (a multiple of the servers' 32-token blocks)
 # Push mode: D starts waiting when the request arrives, but P sends nothing until its prefill step
 # ends, and one step of an 8k prompt takes ~40 s on one core: kvtier's 5 s default would time out.
 PD_TIMEOUT_MS = 300_000
 SETTLE_S = 1.0  # pause after a request has finished everywhere, so background saves drain, s
-MAX_LEN_SPARE = 64  # --max-model-len beyond the longest prompt (MAX_TOKENS fit), tokens
 WARMUP_TOKENS = 600  # warm-up prompts: more than two chunks, so the warm-ups exercise a transfer, tokens
 READY_TIMEOUT_S = 900.0  # server start-up on a busy 2-core host with a ~100M model, s
 REQUEST_TIMEOUT_S = 1800.0  # one request: an 8k-token prefill on one core takes about a minute, s
-DONE_TIMEOUT_S = 30.0  # for an engine's metrics to show a request finished, s
-GiB, MiB = 1 << 30, 1 << 20
-
-# Engine counters read around each request (name, labels); deltas give one request's share.
-WATCHED = {
-    "done": ("vllm:request_success_total", {}),
-    "busy": ("vllm:num_requests_running", {}),
-    "queued": ("vllm:num_requests_waiting", {}),
-    "prefill_s": ("vllm:request_prefill_time_seconds_sum", {}),
-    "queue_s": ("vllm:request_queue_time_seconds_sum", {}),
-    "external": ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"}),
-    "computed": ("vllm:prompt_tokens_by_source_total", {"source": "local_compute"}),
-    "cache_hit": ("vllm:prompt_tokens_by_source_total", {"source": "local_cache_hit"}),
-}
-_PROXY_LINE = re.compile(r"mode=(\w+) p_ms=(\S+) d_ttfb_ms=(\S+) tokens=(\S+)")
 
 
-def add_parser(commands, positive, parse_tokens) -> None:
+def add_parser(commands) -> None:
     """Register ``kvtier-bench pd``."""
     p = commands.add_parser("pd", help="TTFT: recompute vs local prefix hit vs P/D pull and push through kvtier-proxy",
                             description="Start a colocated vLLM server without a connector, a kvtier prefill (P) and "
                             "decode (D) server and kvtier-proxy in pull and push mode, and time the first streamed "
                             "token of the same prompts: recomputed, hit in the engine's own prefix cache, and "
                             "served P/D. Checks that D loaded the prompt and that every answer equals recompute's.")
-
-    def lengths(text: str) -> tuple[int, ...]:
-        parts = [part for part in text.split(",") if part.strip()]
-        if not parts:
-            raise argparse.ArgumentTypeError(f"expected token counts like 2k,8k, got {text!r}")
-        return tuple(parse_tokens(part) for part in parts)
-
-    p.add_argument("--prompt-lens", type=lengths, default=(2048, 8192), metavar="TOKENS[,TOKENS...]",
+    p.add_argument("--prompt-lens", type=token_list, default=(2048, 8192), metavar="TOKENS[,TOKENS...]",
                    help="prompt lengths, comma-separated: 2k,8k (default), 300, 4096 ...")
     p.add_argument("--repeats", type=positive, default=3,
                    help="fresh prompts per row and length (default 3); the table shows median and best")
@@ -98,192 +77,6 @@ def add_parser(commands, positive, parse_tokens) -> None:
     p.set_defaults(run=_main, parser=p)
 
 
-# ---- set-up ---------------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Geometry:
-    """What the bench needs to know about the model: its KV size and vocabulary."""
-
-    layers: int
-    kv_heads: int
-    head_dim: int
-    hidden: int
-    vocab: int
-    params: int
-
-    @property
-    def kv_bytes_per_token(self) -> int:
-        """float32 K and V of every layer, bytes per token."""
-        return self.layers * 2 * self.kv_heads * self.head_dim * 4
-
-
-def read_geometry(model: str) -> Geometry:
-    """Geometry from ``model``/config.json; the parameter count from the safetensors headers."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    text = cfg.get("text_config", cfg)  # multimodal configs nest the language model's
-    heads = text["num_attention_heads"]
-    head_dim = text.get("head_dim") or text["hidden_size"] // heads
-    return Geometry(text["num_hidden_layers"], text.get("num_key_value_heads", heads), head_dim, text["hidden_size"],
-                    text["vocab_size"], _count_params(Path(model)))
-
-
-def _count_params(model: Path) -> int:
-    total = 0
-    for path in model.glob("*.safetensors"):
-        with open(path, "rb") as f:
-            header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
-        for name, entry in header.items():
-            if name != "__metadata__":
-                n = 1
-                for dim in entry["shape"]:
-                    n *= dim
-                total += n
-    return total
-
-
-@dataclass(frozen=True)
-class Sizes:
-    """Memory the servers get, from the model and the longest prompt (bytes, tokens)."""
-
-    max_model_len: int  # longest prompt plus the streamed tokens, with room to spare, tokens
-    kv_cache_bytes: int  # each engine's KV cache, bytes
-    cpu_bytes: int  # each kvtier engine's CPU tier, bytes
-
-    @classmethod
-    def for_run(cls, geometry: Geometry, longest: int) -> Sizes:
-        per_token = geometry.kv_bytes_per_token
-        max_len = longest + MAX_LEN_SPARE
-        # Four longest prompts: R keeps A for the local hit while B is prefilled, with headroom.
-        kv = max(128 * MiB, _round_up(4 * per_token * max_len, 256 * MiB))
-        # P pins every published prompt until D has it; ten longest prompts cover a run's backlog.
-        cpu = max(256 * MiB, _round_up(10 * per_token * longest, 256 * MiB))
-        return cls(max_len, kv, cpu)
-
-    def host_bytes(self, geometry: Geometry) -> int:
-        """Rough peak host memory of the three servers: weights, KV caches, two CPU tiers, and
-        about 2 GiB of vLLM process overhead each."""
-        return 3 * (geometry.params * 4 + self.kv_cache_bytes + 2 * GiB) + 2 * self.cpu_bytes
-
-
-def _round_up(n: int, step: int) -> int:
-    return -(-n // step) * step
-
-
-def prompt_vocab(model: str, vocab: int) -> list[int]:
-    """Token ids prompts are drawn from: those that decode to printable ASCII on their own (ids
-    0-2, unk, bos and eos, left out). A lone byte of a multi-byte character would do as well for the
-    engine, but vLLM's incremental detokenizer then spills the prompt's text into the first
-    streamed token's; every id from 3 up when the tokenizer cannot be loaded."""
-    try:
-        from transformers import AutoTokenizer
-
-        tok = AutoTokenizer.from_pretrained(model)
-    except Exception:  # noqa: BLE001 - any failure: fall back to plain ids, the engine still takes them
-        return list(range(3, vocab))
-    ids = [i for i in range(3, min(vocab, len(tok))) if (t := tok.decode([i])) and t.isascii() and t.isprintable()]
-    return ids or list(range(3, vocab))
-
-
-def make_prompt(length: int, kind: str, repeat: int, ids: list[int]) -> list[int]:
-    """``length`` ids drawn from ``ids``, the same for the same arguments."""
-    rng = random.Random(f"kvtier-bench-pd/{length}/{kind}/{repeat}")
-    return [rng.choice(ids) for _ in range(length)]
-
-
-# ---- one request ----------------------------------------------------------------------------------
-@dataclass
-class Sample:
-    """One timed request. ``legs``: where its time went, ms (and D's computed tokens)."""
-
-    row: str
-    prompt_tokens: int
-    repeat: int
-    ttft_ms: float
-    total_ms: float
-    text: str
-    token_ids: list[int]  # the generated tokens
-    identical: bool | None = None  # tokens and text equal to R's cold answer for the same prompt
-    moved: int | None = None  # tokens D loaded from outside (P/D rows)
-    transferred: bool | None = None  # moved >= prompt_tokens - 1 (P/D rows)
-    proxy_mode: str | None = None  # the flow the proxy used: pull or push (P/D rows)
-    others_cpu_s: float = 0.0  # CPU time processes not of this bench used during the request, s
-    legs: dict = field(default_factory=dict)
-
-
-def stream_completion(client, url: str, prompt: list[int], max_tokens: int) -> tuple[float, float, str, list[int]]:
-    """POST a streamed greedy completion; returns (seconds to the first streamed token, seconds to
-    the end of the stream, generated text, generated token ids). Raises BenchError on an error answer."""
-    import httpx
-
-    from kvtier.bench.servers import SERVED_NAME
-
-    body = {"model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "return_token_ids": True}
-    start = time.perf_counter()
-    try:
-        first, parts, ids = _read_stream(client, url, body)
-    except httpx.HTTPError as err:
-        raise BenchError(f"{url}: {type(err).__name__}: {err}") from err
-    end = time.perf_counter()
-    if first is None:
-        raise BenchError(f"{url} streamed no token")
-    return first - start, end - start, "".join(parts), ids
-
-
-def _read_stream(client, url: str, body: dict) -> tuple[float | None, list[str], list[int]]:
-    """(perf_counter at the first streamed token, text parts, token ids) of one streamed completion."""
-    first, parts, ids = None, [], []
-    with client.stream("POST", url + "/v1/completions", json=body) as resp:
-        if resp.status_code != 200:
-            raise BenchError(f"{url} answered {resp.status_code}: {resp.read()[:500].decode(errors='replace')}")
-        for line in resp.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            data = line[len("data: "):]
-            if data == "[DONE]":
-                continue  # read on to the end: leaving early reads as a client gone to the proxy
-            event = json.loads(data)
-            if "error" in event:
-                raise BenchError(f"{url} streamed an error: {event['error']}")
-            choices = event.get("choices") or []
-            if choices:
-                # vLLM sends a completion chunk per new token, even when its text is still empty.
-                first = first or time.perf_counter()
-                parts.append(choices[0].get("text") or "")
-                ids += choices[0].get("token_ids") or []
-    return first, parts, ids
-
-
-def snapshot(url: str) -> dict[str, float]:
-    """The WATCHED values at ``url``/metrics (one GET)."""
-    from kvtier.bench.servers import metrics
-
-    samples = metrics(url)
-    return {key: sum(v for n, labels, v in samples if n == name and all(labels.get(k) == w for k, w in want.items()))
-            for key, (name, want) in WATCHED.items()}
-
-
-def wait_done(urls: dict[str, str], before: dict[str, dict]) -> dict[str, dict]:
-    """Wait until each engine counts one more finished request than in ``before`` and has none
-    running or waiting; returns their snapshots. vLLM records a request's histograms when it finishes,
-    which can trail the client's last byte slightly."""
-    deadline = time.monotonic() + DONE_TIMEOUT_S
-    while True:
-        now = {name: snapshot(url) for name, url in urls.items()}
-        if all(now[n]["done"] > before[n]["done"] and not now[n]["busy"] and not now[n]["queued"] for n in urls):
-            return now
-        if time.monotonic() > deadline:
-            raise BenchError(f"engines {sorted(urls)} did not report the request finished within {DONE_TIMEOUT_S:.0f} s")
-        time.sleep(0.05)
-
-
-def proxy_lines(log_path: Path) -> list[tuple[str, float | None, float | None]]:
-    """(mode, P leg ms, D leg's time to first byte ms) of each request the proxy logged, in order."""
-    try:
-        text = log_path.read_text(errors="replace")
-    except OSError:
-        return []
-    as_ms = lambda v: None if v == "-" else float(v)  # noqa: E731
-    return [(m[1], as_ms(m[2]), as_ms(m[3])) for m in _PROXY_LINE.finditer(text)]
 
 
 # ---- the run --------------------------------------------------------------------------------------
@@ -450,9 +243,6 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     import psutil
 
-    from kvtier.bench import pd_report
-    from kvtier.bench.cli import _Progress
-
     if args.model and not (Path(args.model) / "config.json").is_file():
         parser.error(f"argument --model: {args.model!r} has no config.json.")
     if args.plot and importlib.util.find_spec("matplotlib") is None:
@@ -460,7 +250,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if importlib.util.find_spec("vllm") is None:
         print("kvtier-bench: error: vLLM is not installed (pip install -e '.[vllm]').", file=sys.stderr)
         return 1
-    progress = _Progress()
+    progress = Progress()
     # A SIGTERM (a CI timeout, a kill) must still run the clean-up below: no server may outlive the bench.
     previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     tmp = tempfile.TemporaryDirectory(prefix="kvtier-bench-pd-")
@@ -502,8 +292,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         pd_report.write_json(result, args.json)
         progress(f"wrote {args.json}")
     if args.plot:
-        pd_report.write_plot(result, args.plot)
-        progress(f"wrote {args.plot}")
+        progress(pd_report.write_plot(result, args.plot) or f"wrote {args.plot}")
     return 0 if result.ok else 1
 
 
@@ -515,3 +304,4 @@ def _build_model(path: Path, tiny: bool, progress) -> str:
     hf_logging.disable_progress_bar()
     progress(f"building a random-weight {'tiny' if tiny else '~100M-parameter'} Llama in {path}")
     return build_chat_model(path, **(TINY if tiny else BENCH))
+

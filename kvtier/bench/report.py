@@ -14,8 +14,8 @@ import datetime
 import json
 import os
 
-from kvtier.bench import NO_MATPLOTLIB, pyplot, save_figure
-from kvtier.bench.reload import ReloadResult
+from kvtier.bench.common import NO_MATPLOTLIB, make_parent, pyplot, save_figure
+from kvtier.bench.reload_spec import ReloadResult
 from kvtier.urls import redact
 
 STATISTICS = ("best", "median")
@@ -148,7 +148,7 @@ def to_json(result: ReloadResult, statistic: str = "best") -> dict:
 
 
 def write_json(result: ReloadResult, path: str, statistic: str = "best") -> None:
-    _make_parent(path)
+    make_parent(path)
     with open(path, "w") as f:
         json.dump(to_json(result, statistic), f, indent=2)
         f.write("\n")
@@ -207,8 +207,3 @@ def _fmt(value: float | None, digits: int) -> str:
 
 def _gib(nbytes: int) -> str:
     return f"{nbytes / (1 << 30):.2f} GiB"
-
-
-def _make_parent(path: str) -> None:
-    parent = os.path.dirname(os.path.abspath(path))
-    os.makedirs(parent, exist_ok=True)

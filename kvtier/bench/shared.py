@@ -13,40 +13,35 @@ from __future__ import annotations
 import os
 import time
 import uuid
-from typing import Callable
 
 from kvtier import keys as chain
-from kvtier.bench import BenchError
+from kvtier.bench.common import BenchError, Progress
 from kvtier.bench.engine_kv import EngineKV, clobber_blocks, verify_blocks
+from kvtier.bench.reload_spec import PathTimes, ReloadResult, ReloadSpec
+from kvtier.bench.reload_timing import load_prompt, prompt_jobs, save_prompt
 from kvtier.storage import ChunkStore, StoreConfig, Tier
 from kvtier.transfer import TierWorker
 from kvtier.urls import redact
 
-Progress = Callable[[str], None]
 
-
-def measure_shared(spec, kv: EngineKV, keys: list[bytes], result, progress: Progress, jobs, save, load,
-                   path_times) -> None:
-    """Add paths ``shared`` and ``shared_raw`` to ``result`` (see the module docstring).
-
-    ``jobs``, ``save``, ``load`` and ``path_times`` are the reload bench's own helpers, so both
-    benches time the same calls the same way.
-    """
+def measure_shared(spec: ReloadSpec, kv: EngineKV, keys: list[bytes], result: ReloadResult,
+                   progress: Progress) -> None:
+    """Add paths ``shared`` and ``shared_raw`` to ``result`` (see the module docstring)."""
     url = spec.shared_url
     namespace = f"kvtier-bench-{uuid.uuid4().hex[:8]}"  # never another run's chunks
     config = StoreConfig(cpu_bytes=result.cpu_tier_bytes, namespace=namespace, shared_url=url,
                          shared_write_bytes=result.cpu_tier_bytes, shared_timeout_ms=10_000)
-    total = result.paths["shared"] = path_times(
+    total = result.paths["shared"] = PathTimes(
         "kvtier, shared tier (Redis/Valkey)",
         note="save: TierWorker.save + drain + the write-through landing on the server; reload: per repeat a new "
         "store with an empty CPU tier, every chunk read from the server (LMCache redis connector: 2 GETs), "
         "verified, scattered")
-    gets = result.paths["shared.storage"] = path_times("  store: get (from the server, promoted into CPU)")
-    raw = result.paths["shared_raw"] = path_times(
+    gets = result.paths["shared.storage"] = PathTimes("  store: get (from the server, promoted into CPU)")
+    raw = result.paths["shared_raw"] = PathTimes(
         "raw SET / GET of the same bytes, same server",
         note="redis-py, one SET / GET per sealed chunk in turn, no verify, no scatter")
     skeys = [chain.storage_key(k, kv.layout.fingerprint) for k in keys]
-    save_job, load_job = jobs(kv, keys)
+    save_job, load_job = prompt_jobs(kv, keys)
     with ChunkStore(config) as store:
         if not store.shared_stats()["up"]:
             raise BenchError(f"the shared tier {redact(url)} is unreachable; see the log above.")
@@ -54,7 +49,7 @@ def measure_shared(spec, kv: EngineKV, keys: list[bytes], result, progress: Prog
         try:
             progress(f"shared tier: saving through {redact(url)}")
             begin = time.perf_counter()
-            save(worker, save_job, spec.num_chunks)
+            save_prompt(worker, save_job, spec.num_chunks)
             if not store._flush(600):
                 raise BenchError("the shared tier's writes did not land within 600 s.")
             total.save_ms.append((time.perf_counter() - begin) * 1e3)
@@ -73,7 +68,7 @@ def measure_shared(spec, kv: EngineKV, keys: list[bytes], result, progress: Prog
             worker = TierWorker(kv.layout, timed, spec.chunk_blocks, spec.backend)
             try:
                 clobber_blocks(kv.layout, kv.dst)
-                ms = load(worker, load_job, "shared")
+                ms = load_prompt(worker, load_job, "shared")
                 if worker.stats.shared_hit_tokens != spec.prompt_tokens:
                     raise BenchError(f"only {worker.stats.shared_hit_tokens} tokens came from the shared tier.")
             finally:
@@ -109,7 +104,7 @@ class _TimedGets:
         return getattr(self._store, name)
 
 
-def _measure_raw(url: str, sealed: list[bytes], times, repeats: int, progress: Progress) -> None:
+def _measure_raw(url: str, sealed: list[bytes], times: PathTimes, repeats: int, progress: Progress) -> None:
     import redis
 
     client = redis.Redis.from_url(url.replace("valkey://", "redis://", 1), socket_timeout=30,

@@ -13,13 +13,14 @@ status: 0 all met, 1 one missed (the table says which), 2 bad arguments.
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
-from kvtier.bench import BenchError
+from kvtier.bench import soak_report
+from kvtier.bench.common import BenchError, Progress, positive
 
 MiB, KiB = 1 << 20, 1 << 10
 CHUNK_TOKENS = 64  # kvtier chunk, tokens (two 32-token blocks): chat turns are short
@@ -28,11 +29,10 @@ CPU_BYTES = 8 * MiB  # kvtier's CPU tier: well under the sessions' working set
 DISK_BYTES = 16 * MiB  # small too: in a long run the disk tier evicts as well
 MAX_MODEL_LEN = 4096
 IDLE_TIMEOUT_S = 60.0  # for the servers to finish everything after the load stops, s
-FD_THREAD_TOLERANCE = 0.05  # fds and threads within 5% of their post-warm-up level
 RSS_TOLERANCE_KIB = 64  # K's RSS growth per request may exceed R's by this much, KiB
 
 
-def add_parser(commands, positive, parse_tokens) -> None:
+def add_parser(commands) -> None:
     """Register ``kvtier-bench soak``."""
     p = commands.add_parser("soak", help="a kvtier server under a long multi-turn chat load, checked against one "
                             "without a connector: errors, identical answers, leaks, KV usage, disk budget",
@@ -56,26 +56,14 @@ def add_parser(commands, positive, parse_tokens) -> None:
     p.set_defaults(run=_main, parser=p)
 
 
-@dataclass
-class Criterion:
-    name: str
-    ok: bool
-    detail: str
-
-
 def _main(parser, args) -> int:
-    from kvtier.bench.cli import _Progress
-    from kvtier.bench import soak_report
-
-    progress = _Progress()
+    progress = Progress()
     tmp = Path(tempfile.mkdtemp(prefix="kvtier-soak-"))
     log_dir = Path(args.keep_logs) if args.keep_logs else tmp / "logs"
     warmup_s = args.warmup_s or min(60, max(5, args.duration // 5))
     try:
         result = run(args, tmp, log_dir, warmup_s, progress)
     except BenchError as exc:
-        import sys
-
         print(f"kvtier-bench soak: error: {exc}", file=sys.stderr)
         return 1
     print(soak_report.format_report(result), flush=True)
@@ -83,8 +71,7 @@ def _main(parser, args) -> int:
         soak_report.write_json(result, args.json)
         progress(f"wrote {args.json}")
     if args.plot:
-        soak_report.write_plot(result, args.plot)
-        progress(f"wrote {args.plot}")
+        progress(soak_report.write_plot(result, args.plot) or f"wrote {args.plot}")
     return 0 if all(c.ok for c in result["criteria"]) else 1
 
 
@@ -114,8 +101,6 @@ def run(args, tmp: Path, log_dir: Path, warmup_s: float, progress) -> dict:
             _check_own_port(name, server)
         progress(f"both servers ready after {ready_s:.0f} s; {args.sessions} sessions each for {args.duration} s "
                  f"(warm-up {warmup_s:.0f} s), a sample every {args.sample_s} s")
-        from kvtier.bench import soak_report
-
         watch = Watch({"kvtier": (servers["kvtier"].proc.pid, servers["kvtier"].url, disk),
                        "plain": (servers["plain"].proc.pid, servers["plain"].url, None)}, args.sample_s,
                       on_sample=lambda now: progress(soak_report.trend_line(now)))

@@ -9,10 +9,22 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
+from kvtier.bench.common import NO_MATPLOTLIB, make_parent, pyplot, save_figure
+
 MiB, KiB = 1 << 20, 1 << 10
+FD_THREAD_TOLERANCE = 0.05  # fds and threads within 5% of their post-warm-up level
+
+
+@dataclass
+class Criterion:
+    """One pass criterion of the verdict: met or not, and the numbers that decided it."""
+
+    name: str
+    ok: bool
+    detail: str
 
 
 def _pct(values: list[float], q: float) -> float | None:
@@ -52,8 +64,6 @@ def summarize(name: str, load, samples, idle, warmup_s: float) -> dict:
 
 
 def evaluate(settings: dict, loads: dict, watch, idle: dict, stopped: dict, log_errors: list[str]) -> dict:
-    from kvtier.bench.soak import FD_THREAD_TOLERANCE, Criterion
-
     warm = settings["warmup_s"]
     servers = {name: summarize(name, loads[name], watch.samples[name], idle[name], warm) for name in loads}
     k, r = servers["kvtier"], servers["plain"]
@@ -172,17 +182,16 @@ def _trend(samples: list[dict], warmup_s: float) -> str:
 def write_json(result: dict, path: str) -> None:
     data = dict(result, criteria=[asdict(c) for c in result["criteria"]],
                 ok=all(c.ok for c in result["criteria"]))
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    make_parent(path)
     Path(path).write_text(json.dumps(data, indent=1))
 
 
-def write_plot(result: dict, path: str) -> None:
-    """Four panels over time: tree RSS, fds and threads, KV usage, K's disk tier."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def write_plot(result: dict, path: str) -> str | None:
+    """Four panels over time: tree RSS, fds and threads, KV usage, K's disk tier. Returns None, or
+    why the plot was skipped."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
     fig, axes = plt.subplots(2, 2, figsize=(11, 7), sharex=True)
     for name, samples in result["samples"].items():
         label = "K (kvtier)" if name == "kvtier" else "R (no connector)"
@@ -204,7 +213,5 @@ def write_plot(result: dict, path: str) -> None:
         ax.set_xlabel("s")
     verdict = "PASS" if all(c.ok for c in result["criteria"]) else "FAIL"
     fig.suptitle(f"kvtier-bench soak: {st['sessions']} sessions x {st['duration_s']} s, {verdict}", fontsize=10)
-    fig.tight_layout()
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
+    return None

@@ -27,10 +27,9 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 
-from kvtier.bench import NO_MATPLOTLIB, names_from, progress_printer, pyplot, save_figure, token_lengths
+from kvtier.bench.common import NO_MATPLOTLIB, Progress, names_from, positive, pyplot, save_figure, token_lengths
 from kvtier.bench.ttft import make_model, prompt, spawn
 
 MODES = ("recompute", "local", "cpu", "disk")
@@ -54,7 +53,7 @@ class TtftResult:
     elapsed_s: float = 0.0
 
 
-def add_parser(commands, positive, parse_tokens) -> None:
+def add_parser(commands) -> None:
     """Register ``kvtier-bench ttft``."""
     p = commands.add_parser(
         "ttft", help="time to first token: recompute, local prefix hit, CPU-tier and disk-tier reload",
@@ -71,23 +70,23 @@ def add_parser(commands, positive, parse_tokens) -> None:
     p.add_argument("--settle-s", type=float, default=2.0, help="pause before each CPU-tier reload for saves to land (default 2)")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
-    p.set_defaults(run=_main, parser=p, parse_tokens=parse_tokens)
+    p.set_defaults(run=_main, parser=p)
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    lengths = token_lengths(parser, args.prompt_lens, args.parse_tokens)
+    lengths = token_lengths(parser, args.prompt_lens)
     kinds = names_from(parser, args.engines, KINDS)
     if any(n % args.chunk_tokens for n in lengths):
         parser.error(f"argument --prompt-lens: each length must be a whole number of --chunk-tokens {args.chunk_tokens}.")
     if args.chunk_tokens % args.block_size:
         parser.error(f"argument --chunk-tokens: not a multiple of --block-size {args.block_size}.")
-    progress = progress_printer("ttft")
+    progress = Progress("ttft")
     try:
         result = run(args, lengths, kinds, progress)
     except RuntimeError as exc:
         print(f"kvtier-bench ttft: error: {exc}", file=sys.stderr)
         return 1
-    result.elapsed_s = time.perf_counter() - progress.start
+    result.elapsed_s = progress.elapsed()
     print(format_table(result), flush=True)
     if args.json:
         with open(args.json, "w") as f:
@@ -209,7 +208,7 @@ def format_table(result: TtftResult) -> str:
 
 
 def to_json(result: TtftResult, args) -> dict:
-    return {"benchmark": "ttft", "args": {k: v for k, v in vars(args).items() if k not in ("run", "parser", "parse_tokens")},
+    return {"benchmark": "ttft", "args": {k: v for k, v in vars(args).items() if k not in ("run", "parser")},
             "switch_interval_s": sys.getswitchinterval(), "lengths": result.lengths, "ms": result.ms,
             "loaded_tokens": result.loaded, "identical": result.identical, "load_avg_1min": result.load_avg,
             "elapsed_s": result.elapsed_s}

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench.cli import build_parser, parse_tokens
+from kvtier.bench.cli import build_parser
+from kvtier.bench.common import parse_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
 GEOMETRY = ["--layers", "2", "--kv-heads", "2", "--head-dim", "64"]
@@ -78,7 +79,7 @@ def test_bad_arguments_name_the_flag(args, flag):
 def test_verify_blocks_names_the_first_bad_block():
     import torch
 
-    from kvtier.bench import VerifyError
+    from kvtier.bench.common import VerifyError
     from kvtier.bench.engine_kv import Geometry, clobber_blocks, make_engine_kv, verify_blocks
 
     kv = make_engine_kv(Geometry(2, 2, 64, torch.bfloat16, 16), 8, torch.device("cpu"))
@@ -94,7 +95,8 @@ def test_verify_blocks_names_the_first_bad_block():
 
 
 def test_failed_verification_exits_1(monkeypatch, capsys):
-    from kvtier.bench import VerifyError, cli, reload
+    from kvtier.bench import cli, reload
+    from kvtier.bench.common import VerifyError
 
     def corrupt(layout, src, dst, what):
         raise VerifyError(f"{what}: injected")
