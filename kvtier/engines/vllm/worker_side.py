@@ -15,15 +15,15 @@ from __future__ import annotations
 
 import copy
 import logging
+import sys
 import threading
+from typing import TYPE_CHECKING
 
 import torch
 
 from kvtier.config import ConfigError, KvtierConfig
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
-from kvtier.engines.vllm.compat import VERSION as VLLM_VERSION
-from kvtier.engines.vllm.events import TierEvents
 from kvtier.layout import build_layout
 from kvtier.lookup import HoldReporter, LookupServer
 from kvtier.pd import nixl
@@ -34,6 +34,9 @@ from kvtier.pd.protocol import Hello
 from kvtier.pd.server import ChunkServer, ServedLayout
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker, TransferStats
+
+if TYPE_CHECKING:
+    from kvtier.engines.vllm.events import TierEvents
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +112,8 @@ class WorkerSide:
 
         self.reporter = HoldReporter(self.endpoint, self.rank, self.world_size, layout.fingerprint, tier_of)
         if self._kv_events:
+            from kvtier.engines.vllm.events import TierEvents  # imports vLLM: only where vLLM runs
+
             self.events = TierEvents(store.residency)
         store.watch(self._changed)
         backlog = config.save_backlog_bytes or config.cpu_bytes // 4
@@ -139,7 +144,7 @@ class WorkerSide:
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
         logger.info("kvtier rank %d/%d on vLLM %s: %d regions, %d B per block, chunk of %d tokens, copies by %s, "
-                    "%d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size, VLLM_VERSION,
+                    "%d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size, _vllm_version(),
                     len(layout.regions), layout.bytes_per_block, config.chunk_tokens, self._copies(), len(kept),
                     self.endpoint, pd)
 
@@ -323,3 +328,8 @@ class WorkerSide:
             self.store.close()
         self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = None
 
+
+def _vllm_version() -> str:
+    """The running vLLM's release, without importing vLLM (this half also runs in tests and benches)."""
+    vllm = sys.modules.get("vllm")
+    return getattr(vllm, "__version__", "unknown") if vllm is not None else "(not loaded)"
