@@ -91,7 +91,7 @@ def _time_connector() -> dict[str, float]:
     """Wrap the connector's engine-thread hooks, scheduler and worker side (and the copy inside a
     save), with wall-clock timers; returns the dict of milliseconds they add up into. Only seen in-process."""
     from kvtier.engines.vllm.connector import KvtierConnector
-    from kvtier.transfer import TierWorker
+    from kvtier.transfer import SaveSide, TierWorker
 
     totals: dict[str, float] = {}
 
@@ -113,7 +113,7 @@ def _time_connector() -> dict[str, float]:
                  "update_connector_output", "request_finished", "get_kv_connector_stats", "take_events"):
         timed(KvtierConnector, hook, hook)
     timed(TierWorker, "save", "save")
-    timed(TierWorker, "_gather_for_save", "save.gather")
+    timed(SaveSide, "_gather_for_save", "save.gather")
     return totals
 
 
