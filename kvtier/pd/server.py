@@ -86,6 +86,7 @@ class ChunkServer:
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
         self.lent_total = 0  # chunks lent over NIXL since start
+        self.served_total = 0  # chunks answered "ok" since start, lent or sent
         self._lend_s = 2 * timeout_ms / 1000
         self.holds = holds
         self.layout = layout
@@ -184,6 +185,7 @@ class ChunkServer:
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)
         if buffer is not None:
+            self.served_total += 1
             if identity in self._nixl_peers and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
                 self._lend(identity, fetch, buffer, now)
                 return True

@@ -169,3 +169,50 @@ def test_any_kv_transfer_params_give_a_role_or_none(params):
     assert role is None or isinstance(role, (pd.Produce, pd.Consume))
     if isinstance(role, pd.Consume):
         assert role.endpoints and all(e.startswith("tcp://") for e in role.endpoints) and role.tp_size >= 1
+
+
+@pytest.fixture(scope="module")
+def hostile_nixl(hostile):
+    """The hostile producer, now also with a real NIXL agent and a registered buffer its replies may
+    point into (or not); D has a real agent with its CPU tier's pool registered."""
+    import torch
+
+    from kvtier.pd import nixl
+
+    producer, store = hostile
+    p_agent, d_agent = nixl.make_agent(), nixl.make_agent()
+    lent = torch.randint(0, 255, (4 * CHUNK_BYTES,), dtype=torch.uint8)
+    p_agent.register([(lent.data_ptr(), lent.numel())])
+    d_agent.register([store.pool_memory()])
+    yield producer, store, p_agent, d_agent, lent.data_ptr()
+    d_agent.deregister([store.pool_memory()])
+
+
+@settings(FUZZ, max_examples=max(20, EXAMPLES // 10))
+@given(garbage_metadata=st.booleans(),
+       chunks=st.lists(st.tuples(st.integers(-8, 5 * CHUNK_BYTES), st.sampled_from([CHUNK_BYTES, 1, 0, 2 * CHUNK_BYTES]),
+                                 st.integers(-1, 2)), max_size=3))
+def test_a_decode_engine_reads_any_lent_chunk_reply_as_chunks_or_a_peer_error(hostile_nixl, garbage_metadata, chunks):
+    """Over NIXL a reply names an address in the producer's memory: any address, size or index
+    (inside the registered buffer, beyond it, negative) ends in chunks or a PeerError, and D
+    leaks no buffer of its CPU tier (a READ is settled before its buffer goes back)."""
+    producer, store, p_agent, d_agent, base = hostile_nixl
+    metadata = os.urandom(64) if garbage_metadata else p_agent.metadata()
+    hello = [b"", encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=metadata))]
+    replies = [[b"", encode(ChunkReply(VERSION, index, "ok", address=max(0, base + offset), nbytes=nbytes))]
+               for offset, nbytes, index in chunks]
+    with producer.lock:
+        producer.replies[:] = [hello, *replies]
+    got = []
+    try:
+        for buffer in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32), "t",
+                                   [(b"k" * 16, 1), (b"l" * 16, 1)], wait=False, timeout_ms=100, secret=None,
+                                   allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES, nixl=d_agent):
+            got.append(buffer)
+    except PeerError:
+        pass
+    finally:
+        for buffer in got:
+            assert buffer.data.numel() == CHUNK_BYTES
+            buffer.release()
+    assert store.cpu_bytes_used() == 0

@@ -1,0 +1,108 @@
+"""A peer killed with SIGKILL in the middle of a transfer, on both transports: the engine that
+survives recomputes what did not arrive within the timeout, gets the rest byte for byte, and
+leaks nothing (no pinned chunk, no lent buffer, no CPU-tier buffer).
+
+The dying engine is a worker half in a process of its own (:mod:`pd_proc`); the survivor runs in
+the test's process. Push transfers (D asks before P has sealed everything) make the moment of the
+kill certain: some chunks have been moved, the rest are still awaited.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import time
+
+import pytest
+import torch
+
+from kvtier.jobs import SaveJob
+from pd_proc import engine_main
+from pd_workers import prompt_keys, publish, remote_job, tokens_of
+
+PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
+P_BLOCKS = list(range(10, 17))
+D_BLOCKS = list(range(40, 47))
+TIMEOUT_MS = 1000
+
+
+class Peer:
+    """An engine in its own process."""
+
+    def __init__(self, tmp_path, name: str, seed: int, **config):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=engine_main, args=(child, tmp_path, name, seed, config), daemon=True)
+        self.proc.start()
+        assert self.conn.poll(120), f"{name} did not start"
+        self.endpoint = self.conn.recv()
+
+    def ask(self, *cmd):
+        self.conn.send(cmd)
+        assert self.conn.poll(60), f"no answer to {cmd[0]}"
+        return self.conn.recv()
+
+    def kill(self) -> None:
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.join(10)
+
+
+@pytest.fixture
+def peers(tmp_path):
+    made: list[Peer] = []
+
+    def start(name: str, seed: int, **config) -> Peer:
+        made.append(Peer(tmp_path, name, seed, **config))
+        return made[-1]
+
+    yield start
+    for peer in made:
+        if peer.proc.is_alive():
+            peer.kill()
+
+
+def test_producer_killed_mid_transfer_costs_only_what_had_not_arrived(peers, engines, transport):
+    p = peers("p", 1, pd_timeout_ms=TIMEOUT_MS, pd_transport=transport)
+    d = engines("d", 2, pd_timeout_ms=TIMEOUT_MS)
+    full, _ = prompt_keys(PROMPT)
+    p.ask("publish_part", full[:1], P_BLOCKS[:2], "t1")  # the first chunk is sealed, the rest is coming
+    used_before = d.side.store.cpu_bytes_used()
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    deadline = time.monotonic() + 10
+    while d.side.store.contains(d.side.transfers.skey(full[0])) is None and time.monotonic() < deadline:
+        time.sleep(0.005)  # D received, verified and kept the first chunk: the rest is awaited
+    assert d.side.store.contains(d.side.transfers.skey(full[0])) is not None
+    p_first = p.ask("blocks", P_BLOCKS[:2])
+    p.kill()
+    start = time.monotonic()
+    assert d.wait_loaded("d-req") == set(D_BLOCKS[2:])  # recomputed from the second chunk on
+    assert time.monotonic() - start < 5 * TIMEOUT_MS / 1000
+    assert torch.equal(d.blocks(D_BLOCKS[:2]), p_first)
+    align = d.side.store._align
+    assert d.side.store.cpu_bytes_used() - used_before == -(-d.side.transfers.chunk_bytes // align) * align  # the kept chunk
+
+
+def test_consumer_killed_mid_transfer_gives_back_every_pin_and_loan(peers, engines, transport):
+    p = engines("p", 1, pd_timeout_ms=TIMEOUT_MS, pd_hold_s=2)
+    d = peers("d", 2, pd_timeout_ms=TIMEOUT_MS, pd_transport=transport, produce=False)
+    full, _ = prompt_keys(PROMPT)
+    p.side.save((SaveJob("p", tuple(full[:2]), tuple(P_BLOCKS[:4]), publish="t1"),))  # two chunks sealed
+    p.side.transfers.drain()
+    d.ask("fetch", "d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, True)
+    server = p.side.chunk_server
+    deadline = time.monotonic() + 10
+    while server.served_total < 2 and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert server.lent_chunks == (2 if transport == "nixl" else 0)  # NIXL: D READs them from P's pool
+    d.kill()  # no Release will ever come
+    deadline = time.monotonic() + 10
+    while (server.lent_chunks or p.side.holds.pinned_bytes()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert server.lent_chunks == 0 and p.side.holds.pinned_bytes() == 0
+    # P still serves the next consumer
+    d2 = engines("d2", 3, pd_timeout_ms=TIMEOUT_MS)
+    publish(p, PROMPT, P_BLOCKS, "t2")
+    d2.side.start_loads((remote_job("d2-req", PROMPT, D_BLOCKS, "t2", p.endpoint),))
+    assert d2.wait_loaded("d2-req") == set()
+    assert torch.equal(d2.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
