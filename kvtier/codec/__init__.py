@@ -14,16 +14,14 @@ payload bytes (u64), payload checksum low 64 bits (u64), high 64 bits (u64, xxh3
 from kvtier.codec.chunk import (
     DEFAULT_HOST_CHECKSUM,
     FORMAT_VERSION,
-    HEADER_BYTES,
     ChunkError,
     ChunkHeader,
     checksum,
-    chunk_bytes,
     read_header,
-    region_offsets,
     verify_chunk,
     write_header,
 )
+from kvtier.codec.geometry import HEADER_BYTES, chunk_bytes, region_offsets
 
 __all__ = [
     "DEFAULT_HOST_CHECKSUM",

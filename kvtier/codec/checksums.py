@@ -1,10 +1,11 @@
 """Payload checksums a chunk header can carry, computed on the host.
 
 Each kind is a function ``payload (contiguous uint8 [P], CPU) -> int``. ``kvsum64`` is the one
-the copy kernels compute while they copy (:mod:`kvtier.ops.checksum`; on the CPU
-:mod:`kvtier.ops.cpu_ops` folds it into gather/scatter); the others run as a separate pass after
-a plain copy. Measured on a 2-core EPYC, 32 MiB buffers: xxh3-128 ~25 GB/s, crc32c ~11.5 GB/s,
-BLAKE3 single-threaded ~6.7 GB/s; ``kvtier-bench reload`` compares them on the whole path.
+the copy kernels compute while they copy (defined in :mod:`kvtier.ops.checksum`; on the CPU
+:mod:`kvtier.ops.cpu_ops` folds it into gather/scatter); here it is one read through the same C
+library (:mod:`kvtier.ops.cpu_library`). The others run as a separate pass after a plain copy.
+Measured on a 2-core EPYC, 32 MiB buffers: xxh3-128 ~25 GB/s, crc32c ~11.5 GB/s, BLAKE3
+single-threaded ~6.7 GB/s; ``kvtier-bench reload`` compares them on the whole path.
 Integrity checks against bit rot, torn writes and copy bugs, none of them a MAC.
 """
 
@@ -13,6 +14,9 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+
+from kvtier.ops import cpu_library
+from kvtier.ops.checksum import payload_checksum
 
 BLAKE3 = 1
 KVSUM64 = 2
@@ -45,13 +49,9 @@ def _crc32c(payload: torch.Tensor) -> int:
 
 
 def _kvsum64(payload: torch.Tensor) -> int:
-    from kvtier.ops import cpu_ops
-
-    if cpu_ops.available() and payload.numel() % 4 == 0:
-        return cpu_ops.payload_checksum(payload)
-    from kvtier.ops.checksum import payload_checksum  # pure torch: slow, but needs no compiler
-
-    return payload_checksum(payload)
+    if cpu_library.available() and payload.numel() % 4 == 0:
+        return cpu_library.payload_checksum(payload)
+    return payload_checksum(payload)  # pure torch: slow, but needs no compiler
 
 
 _FUNCTIONS: dict[int, Callable[[torch.Tensor], int]] = {

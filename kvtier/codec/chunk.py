@@ -9,10 +9,10 @@ import numpy as np
 import torch
 
 from kvtier.codec import checksums
+from kvtier.codec.geometry import HEADER_BYTES
 from kvtier.layout import Layout
 
 MAGIC = b"KVTC"
-HEADER_BYTES = 64
 # 2: checksum kinds xxh3-128 and crc32c, a 128-bit checksum field, KVSUM64 also from host copies.
 # A chunk of another version is refused (and the loader removes it): it reads as a miss.
 FORMAT_VERSION = 2
@@ -37,20 +37,6 @@ class ChunkHeader:
     num_blocks: int
     payload_bytes: int
     checksum: int  # up to 128 bits (xxh3-128); the others fit in 64
-
-
-def chunk_bytes(layout: Layout, num_blocks: int) -> int:
-    """Total bytes of a chunk of ``num_blocks`` blocks: header plus payload."""
-    return HEADER_BYTES + layout.payload_bytes(num_blocks)
-
-
-def region_offsets(layout: Layout, num_blocks: int) -> list[int]:
-    """Byte offset, from the start of the chunk buffer, of block 0 of each region."""
-    offsets, at = [], HEADER_BYTES
-    for region in layout.regions:
-        offsets.append(at)
-        at += num_blocks * region.block_bytes
-    return offsets
 
 
 def checksum(payload: torch.Tensor, kind: int = DEFAULT_HOST_CHECKSUM) -> int:

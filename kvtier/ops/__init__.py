@@ -10,39 +10,17 @@ on CUDA ``triton`` (zero-copy kernel over UVA), ``cuda`` (its CUDA C++ twin in `
 ``cpu`` compute the chunk checksum (:mod:`kvtier.ops.checksum`) while they copy and verify it
 while they load. ``auto`` on a CPU takes ``cpu`` when it builds here, else ``torch``.
 ``auto`` on CUDA takes ``dma``: it alone keeps ≥ 40 GB/s beside a running model without slowing
-it (measurements and the full rule: :func:`kvtier.ops.dma_ops.choose_path`).
+it (measurements and the full rule: :func:`kvtier.ops.copy_path.choose_path`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
 
 from kvtier.layout import Layout
-
-
-@dataclass(frozen=True, slots=True)
-class ChunkSpan:
-    """Blocks ``first .. first + len(block_ids) - 1`` of a chunk of ``num_blocks`` blocks.
-
-    ``buffer``: the whole chunk, ``uint8 [codec.chunk_bytes(layout, num_blocks)]`` (header
-    included; ops touch only the payload), host or device memory. ``block_ids``: ``int64 [k]``
-    engine block ids on the layout's device; block ``first + i`` of the chunk maps to
-    ``block_ids[i]``. The caller owns ``buffer`` and keeps it alive until the op returns.
-    """
-
-    buffer: torch.Tensor
-    num_blocks: int
-    first: int
-    block_ids: torch.Tensor
-
-    def __post_init__(self) -> None:
-        if not (0 <= self.first and self.first + self.block_ids.numel() <= self.num_blocks):
-            raise ValueError(
-                f"span of {self.block_ids.numel()} blocks from {self.first} exceeds a chunk of {self.num_blocks} blocks."
-            )
+from kvtier.ops.span import ChunkSpan
 
 
 Op = Callable[[Layout, Sequence[ChunkSpan]], None]

@@ -1,4 +1,4 @@
-"""Host gather/scatter in C (``csrc/cpu_copy.c``): one pass that copies and computes KVSUM64.
+"""Host gather/scatter in C (:mod:`kvtier.ops.cpu_library`): one pass that copies and computes KVSUM64.
 
 The CPU twin of the CUDA kernels: same semantics and checksum as :mod:`kvtier.ops.triton_ops`
 (``gather(..., checksums_out=)``, ``scatter(..., expected_checksums=) -> ok per span``), so a chunk
@@ -6,92 +6,24 @@ saved by either verifies on the other. A batch becomes one table of units (one p
 chunk block) and one C call that splits it over a few threads; ctypes releases the GIL for the
 whole call, so an engine loop in the same interpreter keeps running while KV moves.
 
-The library is compiled on first use with the system C compiler (``$CC`` or ``cc``, about a
-second) into ``$KVTIER_BUILD_DIR`` (default ``~/.cache/kvtier``), keyed by the source's hash.
-Without a compiler or the source, :func:`available` is False, :func:`build_error` says why, and
-``auto`` falls back to the ``torch`` backend with a host checksum.
+The backend is there when its library builds here: without a C compiler or the source,
+:func:`available` is False, :func:`build_error` says why, and ``auto`` falls back to the
+``torch`` backend with a host checksum.
 """
 
 from __future__ import annotations
 
-import ctypes
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
-import threading
-from pathlib import Path
 from typing import Sequence
 
 import numpy as np
 import torch
 
-from kvtier.codec import HEADER_BYTES
+from kvtier.codec.geometry import HEADER_BYTES
 from kvtier.layout import Layout
-from kvtier.ops import ChunkSpan
 from kvtier.ops.checksum import to_signed, to_unsigned
-
-SOURCE = Path(__file__).resolve().parents[2] / "csrc" / "cpu_copy.c"
-BYTES_PER_THREAD = 4 << 20  # a batch gets one thread per this many bytes (thread start ~20 us)
-_FLAGS = ["-O3", "-shared", "-fPIC", "-pthread"]
-
-_lock = threading.Lock()
-_lib: ctypes.CDLL | None = None
-_error: str | None = None
-
-
-def _build_dir() -> Path:
-    return Path(os.environ.get("KVTIER_BUILD_DIR") or Path.home() / ".cache" / "kvtier")
-
-
-def _load() -> ctypes.CDLL | None:
-    """The compiled library, or None (reason in :func:`build_error`). Built once per source version."""
-    global _lib, _error
-    with _lock:
-        if _lib is not None or _error is not None:
-            return _lib
-        try:
-            source = SOURCE.read_bytes()
-            cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-            if cc is None:
-                raise RuntimeError("no C compiler (set CC)")
-            digest = hashlib.sha256(source + " ".join(_FLAGS).encode()).hexdigest()[:16]
-            target = _build_dir() / f"kvtier_cpu_copy_{digest}.so"
-            if not target.exists():
-                target.parent.mkdir(parents=True, exist_ok=True)
-                fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
-                os.close(fd)
-                try:  # compile aside, then rename: processes starting together never see half a file
-                    subprocess.run([cc, *_FLAGS, "-o", tmp, str(SOURCE)], check=True, capture_output=True, text=True)
-                    os.replace(tmp, target)
-                except subprocess.CalledProcessError as exc:
-                    raise RuntimeError(f"{cc} failed: {exc.stderr.strip()[:400]}") from None
-                finally:
-                    if os.path.exists(tmp):
-                        os.unlink(tmp)
-            lib = ctypes.CDLL(str(target))
-            lib.kvt_copy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-            lib.kvt_copy.restype = ctypes.c_int
-            _lib = lib
-        except Exception as exc:  # noqa: BLE001 - optional backend: record why and carry on
-            _error = f"{type(exc).__name__}: {exc}"
-        return _lib
-
-
-def available() -> bool:
-    """True when the C library builds (or is built) and loads here."""
-    return _load() is not None
-
-
-def build_error() -> str | None:
-    """Why :func:`available` is False (None when it is True or was never tried)."""
-    return _error
-
-
-def default_threads() -> int:
-    """Threads a large batch uses: torch's intra-op thread count (the cores the engine was given)."""
-    return max(1, torch.get_num_threads())
+from kvtier.ops.cpu_library import BYTES_PER_THREAD, default_threads, loaded
+from kvtier.ops.cpu_library import available, build_error  # noqa: F401 - this backend is there when its library is
+from kvtier.ops.span import ChunkSpan
 
 
 def build_units(layout: Layout, spans: Sequence[ChunkSpan], *, complement: bool = False) -> np.ndarray:
@@ -140,9 +72,7 @@ def build_units(layout: Layout, spans: Sequence[ChunkSpan], *, complement: bool 
 def run_copy(layout: Layout, spans: Sequence[ChunkSpan], *, gather: bool, want_sums: bool, complement: bool = False,
              threads: int | None = None) -> list[int] | None:
     """Copy ``spans`` in one C call; the spans' KVSUM64s (unsigned) when ``want_sums``."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"the cpu ops backend is unavailable: {_error}")
+    lib = loaded()
     if layout.device.type != "cpu":
         raise ValueError(f"the cpu ops backend copies host memory; this layout is on {layout.device}.")
     units = np.ascontiguousarray(build_units(layout, spans, complement=complement))
@@ -187,22 +117,3 @@ def scatter(layout: Layout, spans: Sequence[ChunkSpan],
         raise ValueError(f"{len(expected)} expected checksums for {len(spans)} spans.")
     sums = run_copy(layout, spans, gather=False, want_sums=True, complement=True)
     return [a == b for a, b in zip(sums, expected)]
-
-
-def payload_checksum(payload: torch.Tensor) -> int:
-    """KVSUM64 of a whole contiguous host ``uint8 [P]`` payload (P a multiple of 4), read once in C."""
-    lib = _load()
-    if lib is None:
-        raise RuntimeError(f"the cpu ops backend is unavailable: {_error}")
-    if payload.numel() % 4 or not payload.is_contiguous() or payload.device.type != "cpu":
-        raise ValueError("payload must be a contiguous host tensor of a multiple of 4 bytes.")
-    step = 1 << 22  # 4 MiB units, so the read splits over threads
-    at = np.arange(0, payload.numel(), step, dtype=np.int64)
-    units = np.zeros((at.size, 5), dtype=np.int64)
-    units[:, 1] = payload.data_ptr() + at
-    units[:, 2] = np.minimum(step, payload.numel() - at)
-    units[:, 3] = at // 4
-    sums = np.zeros(1, dtype=np.uint64)
-    count = max(1, min(default_threads(), payload.numel() // BYTES_PER_THREAD))
-    lib.kvt_copy(units.ctypes.data, len(units), 0, sums.ctypes.data, 1, count)
-    return int(sums[0])

@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from kvtier.layout import Layout
-from kvtier.ops import ChunkSpan
+from kvtier.ops.span import ChunkSpan
 from kvtier.ops.triton_ops import CopyPlan, run_copy
 
 CSRC = Path(__file__).resolve().parents[2] / "csrc"

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from kvtier.codec import region_offsets
+from kvtier.codec.geometry import region_offsets
 from kvtier.layout import Layout
-from kvtier.ops import ChunkSpan
+from kvtier.ops.span import ChunkSpan
 
 
 def _pairs(layout: Layout, span: ChunkSpan):

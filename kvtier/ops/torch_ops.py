@@ -6,9 +6,9 @@ from typing import Sequence
 
 import torch
 
-from kvtier.codec import region_offsets
+from kvtier.codec.geometry import region_offsets
 from kvtier.layout import Layout
-from kvtier.ops import ChunkSpan
+from kvtier.ops.span import ChunkSpan
 
 
 def _wide(rows: torch.Tensor) -> torch.Tensor:

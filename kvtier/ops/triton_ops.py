@@ -19,10 +19,10 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
-from kvtier.codec import HEADER_BYTES
+from kvtier.codec.geometry import HEADER_BYTES
 from kvtier.layout import Layout
-from kvtier.ops import ChunkSpan
 from kvtier.ops.checksum import to_signed
+from kvtier.ops.span import ChunkSpan
 
 try:  # CI machines have no GPU backend; the kernel is only defined (never compiled) there
     import triton

@@ -7,7 +7,7 @@ from hypothesis import given, settings, strategies as st
 
 from kvtier import codec
 from kvtier.layout import build_layout
-from kvtier.ops import ChunkSpan, cpu_ops, reference
+from kvtier.ops import ChunkSpan, cpu_library, cpu_ops, reference
 from kvtier.ops.checksum import as_unsigned, payload_checksum
 
 from test_ops import layouts, make_spans, spans
@@ -73,7 +73,7 @@ def test_full_chunk_round_trip_through_the_codec_and_a_corrupt_byte():
     cpu_ops.gather(layout, [ChunkSpan(buf, 4, 0, torch.tensor([9, 2, 14, 5]))], checksums_out=sums)
     codec.write_header(buf, layout, 4, kvsum64=as_unsigned(sums)[0])
     header = codec.verify_chunk(buf, layout, 4)  # the host recomputes the same KVSUM64
-    assert header.checksum == payload_checksum(buf[codec.HEADER_BYTES :]) == cpu_ops.payload_checksum(buf[codec.HEADER_BYTES :])
+    assert header.checksum == payload_checksum(buf[codec.HEADER_BYTES :]) == cpu_library.payload_checksum(buf[codec.HEADER_BYTES :])
     target = torch.zeros_like(alloc)
     other = build_layout({f"l{i}": target[:, i] for i in range(2)}, 16, 16)
     assert cpu_ops.scatter(other, [ChunkSpan(buf, 4, 1, torch.tensor([3, 4]))], [header.checksum]) == [True]
