@@ -14,7 +14,8 @@ Several ``--prefill`` / ``--decode`` URLs are balanced by fewest requests in fli
 either leg reaches the client with that leg's status; a client that leaves cancels the legs in
 flight, which closes their connections so the engines abort the requests.
 
-The only module that uses fastapi, httpx and uvicorn; it imports nothing from vLLM.
+This module routes; each leg's call to its server is :mod:`kvtier.proxy.legs`. The proxy is the
+only part of kvtier that uses fastapi, httpx and uvicorn; it imports nothing from vLLM.
 """
 
 from __future__ import annotations
@@ -24,88 +25,26 @@ import asyncio
 import contextlib
 import json
 import logging
-import time
 import uuid
-from dataclasses import dataclass
 
 import httpx
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 
 from kvtier.proxy import routing
+from kvtier.proxy.legs import CLIENT_GONE, Exchange, LegError, decode_leg, open_decode, prefill_leg, relay, unreachable
 
 log = logging.getLogger("kvtier.proxy")
 
 MODES = ("pull", "push")
 POLL_S = 0.1  # how often a waiting non-streamed request checks that its client is still there, s
 HEALTH_TIMEOUT_S = 5.0  # one server's /health answer, s
-CLIENT_GONE = 499  # status logged (nobody reads it) for a request whose client disconnected
 FORWARDED_HEADERS = ("authorization",)
-
-
-class LegError(Exception):
-    """A leg failed in a way the client must see: HTTP ``status`` with JSON ``body``."""
-
-    def __init__(self, status: int, body: dict):
-        super().__init__(status, body)
-        self.status, self.body = status, body
 
 
 class ClientGone(Exception):
     """The client disconnected while legs were in flight (they have been cancelled)."""
-
-
-def unreachable(role: str, url: str, err: httpx.HTTPError) -> LegError:
-    """502 (504 on a timeout) naming the server that could not be reached."""
-    status = 504 if isinstance(err, httpx.TimeoutException) else 502
-    message = f"{role} server {url} unreachable: {type(err).__name__}: {err}"
-    return LegError(status, routing.error_body(message, "upstream_unreachable", status))
-
-
-@dataclass
-class Exchange:
-    """One client request: where its legs went and how long they took (for the log line)."""
-
-    endpoint: str
-    request_id: str
-    p_url: str
-    d_url: str
-    mode: str
-    status: int = 0
-    p_ms: float | None = None  # P's leg, request to complete answer, ms
-    d_start: float = 0.0  # perf_counter when D's leg was sent, s
-    d_ttfb_ms: float | None = None  # D's leg, request to first body byte, ms
-    tokens: int | None = None  # prompt tokens P computed (and so transferred), from P's usage
-
-    def first_byte(self) -> None:
-        if self.d_ttfb_ms is None:
-            self.d_ttfb_ms = (time.perf_counter() - self.d_start) * 1e3
-
-    def log(self) -> None:
-        ms = lambda v: "-" if v is None else f"{v:.1f}"  # noqa: E731
-        log.info("%s id=%s status=%d P=%s D=%s mode=%s p_ms=%s d_ttfb_ms=%s tokens=%s", self.endpoint,
-                 self.request_id, self.status, self.p_url, self.d_url, self.mode, ms(self.p_ms), ms(self.d_ttfb_ms),
-                 "-" if self.tokens is None else self.tokens)
-
-
-class Relay(StreamingResponse):
-    """A StreamingResponse that runs ``on_close`` however streaming ends (done, client gone, error).
-
-    Starlette cancels a stream whose client left, but a generator cancelled between chunks is only
-    closed when garbage-collected; closing D's stream here, at once, is what makes D abort.
-    """
-
-    def __init__(self, content, on_close, **kwargs):
-        super().__init__(content, **kwargs)
-        self.on_close = on_close
-
-    async def __call__(self, scope, receive, send) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-            await self.on_close()
 
 
 async def _discard(tasks) -> None:
@@ -146,104 +85,6 @@ class Router:
             yield
         self.client = None
 
-    # ---- legs ------------------------------------------------------------------------------------
-    async def prefill_leg(self, ex: Exchange, body: dict, headers: dict) -> dict:
-        """Run P's leg; P's JSON answer. Raises LegError on an error status or no connection."""
-        start = time.perf_counter()
-        try:
-            resp = await self.client.post(ex.p_url + ex.endpoint, json=body, headers=headers)
-        except httpx.HTTPError as err:
-            raise unreachable("prefill", ex.p_url, err) from err
-        finally:
-            ex.p_ms = (time.perf_counter() - start) * 1e3
-        if resp.status_code >= 400:
-            log.warning("prefill server %s answered %d: %s", ex.p_url, resp.status_code, resp.text[:500])
-            raise LegError(resp.status_code, routing.upstream_error(resp.status_code, resp.content))
-        try:
-            answer = resp.json()
-        except ValueError as err:
-            raise LegError(502, routing.error_body(f"prefill server {ex.p_url} answered non-JSON",
-                                                   "upstream_error", 502)) from err
-        usage = answer.get("usage") if isinstance(answer, dict) else None
-        if isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            ex.tokens = usage["prompt_tokens"]
-        return answer if isinstance(answer, dict) else {}
-
-    async def open_decode(self, ex: Exchange, body: dict, headers: dict) -> httpx.Response:
-        """Send D's leg; D's answer once its headers are in, body unread (the caller closes it).
-        Raises LegError on an error status (so a stream never starts as a truncated 200)."""
-        ex.d_start = time.perf_counter()
-        request = self.client.build_request("POST", ex.d_url + ex.endpoint, json=body, headers=headers)
-        try:
-            resp = await self.client.send(request, stream=True)
-        except httpx.HTTPError as err:
-            raise unreachable("decode", ex.d_url, err) from err
-        if resp.status_code < 400:
-            return resp
-        try:
-            content = await resp.aread()
-        except httpx.HTTPError:
-            content = b""
-        finally:
-            await resp.aclose()
-        ex.first_byte()
-        log.warning("decode server %s answered %d: %s", ex.d_url, resp.status_code,
-                    content[:500].decode("utf-8", "replace"))
-        raise LegError(resp.status_code, routing.upstream_error(resp.status_code, content))
-
-    async def decode_leg(self, ex: Exchange, body: dict, headers: dict) -> Response:
-        """D's leg, not streamed: D's JSON answer with D's status."""
-        resp = await self.open_decode(ex, body, headers)
-        chunks = []
-        try:
-            async for chunk in resp.aiter_bytes():
-                ex.first_byte()
-                chunks.append(chunk)
-        except httpx.HTTPError as err:
-            raise unreachable("decode", ex.d_url, err) from err
-        finally:
-            await resp.aclose()
-        media = resp.headers.get("content-type", "application/json")
-        return Response(b"".join(chunks), status_code=resp.status_code, media_type=media)
-
-    def relay(self, ex: Exchange, resp: httpx.Response) -> Relay:
-        """D's open stream as the client's response; D's SSE bytes pass through unparsed."""
-        finished = False  # D's stream ended (or broke); not yet when the client left first
-
-        async def body():
-            nonlocal finished
-            tail = b"\n\n"
-            try:
-                async for chunk in resp.aiter_bytes():
-                    ex.first_byte()
-                    tail = (tail + chunk)[-2:]
-                    yield chunk
-                finished = True
-            except httpx.HTTPError as err:
-                finished = True
-                log.warning("decode server %s stream broke: %s: %s", ex.d_url, type(err).__name__, err)
-                ex.status = 502
-                error = routing.error_body(f"decode server {ex.d_url} stream broke: {type(err).__name__}: {err}",
-                                           "upstream_error", 502)
-                # End any half-sent event first, so the error arrives as an event of its own.
-                yield (b"" if tail == b"\n\n" else b"\n\n") + b"data: " + json.dumps(error).encode() + b"\n\n"
-
-        closed = False
-
-        async def on_close():
-            nonlocal closed
-            if closed:
-                return
-            closed = True
-            if not finished:
-                ex.status = CLIENT_GONE
-            self.decode.release(ex.d_url)
-            ex.log()
-            await resp.aclose()
-
-        ex.status = resp.status_code
-        return Relay(body(), on_close, status_code=resp.status_code, media_type="text/event-stream")
-
     # ---- one client request ----------------------------------------------------------------------
     async def handle(self, request: Request, endpoint: str) -> Response:
         """Route one completions / chat completions request through a P and a D server."""
@@ -276,7 +117,7 @@ class Router:
             tasks.remove(d_task)
             if stream:
                 streaming = True  # from here the Relay releases D and logs
-                return self.relay(ex, result)
+                return relay(ex, result, lambda: self.decode.release(ex.d_url))
             ex.status = result.status_code
             return result
         except LegError as err:
@@ -292,14 +133,14 @@ class Router:
                 ex.log()
 
     def _start_prefill(self, ex: Exchange, body: dict, headers: dict, tasks: list) -> asyncio.Task:
-        task = asyncio.ensure_future(self.prefill_leg(ex, body, headers))
+        task = asyncio.ensure_future(prefill_leg(self.client, ex, body, headers))
         task.add_done_callback(lambda _: self.prefill.release(ex.p_url))  # runs even if cancelled unstarted
         tasks.append(task)
         return task
 
     def _start_decode(self, ex: Exchange, body: dict, headers: dict, stream: bool, tasks: list) -> asyncio.Task:
-        leg = self.open_decode if stream else self.decode_leg
-        task = asyncio.ensure_future(leg(ex, body, headers))
+        leg = open_decode if stream else decode_leg
+        task = asyncio.ensure_future(leg(self.client, ex, body, headers))
         tasks.append(task)
         return task
 
