@@ -4,6 +4,10 @@ Decisions are :mod:`kvtier.scheduler_hooks`' pure functions; this module feeds t
 knows and turns their plans into :class:`LoadJob` / :class:`SaveJob`. Calls come from the
 connector (admission, allocation, metadata, worker output, finish) and, when it is installed,
 from :class:`kvtier.engines.vllm.scheduler.KvtierScheduler` (handoff boundary, step times).
+
+The module is one piece: each of those calls reads and advances the same per-request records
+(:class:`_Tracked`) and step counters, which nothing else may change, and every decision in it
+is already a pure function in :mod:`kvtier.scheduler_hooks`.
 """
 
 from __future__ import annotations
