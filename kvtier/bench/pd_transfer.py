@@ -4,9 +4,12 @@ The producer (P) is a real worker half in its own process: it publishes the prom
 save path (gather, seal, store, pin) and serves it from its chunk server. The bench process is
 the consumer (D): a real worker half whose load executor fetches the chunks over loopback TCP,
 verifies them and scatters them into its engine blocks, then keeps the full chunks in its CPU
-tier. Side by side in the same run, on the same bytes: a raw ZMQ stream of the same chunk
-sizes with the same window between the same two processes (no verification, no scatter), and a
-raw memcpy of the whole KV. D's blocks are compared with P's byte for byte.
+tier, once over each transport: ZMQ (chunks as frames) and NIXL (D READs them from P's
+registered CPU pool; skipped when NIXL is not installed). Side by side in the same run, on the
+same bytes: a raw ZMQ stream of the same chunk sizes with the same window between the same two
+processes, raw NIXL READs of the same chunk sizes with the same window between the same two
+agents (neither verifies or scatters), and a raw memcpy of the whole KV. D's blocks are compared
+with P's byte for byte after every transfer.
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ class PdTransferResult:
     kv_bytes: int  # payload bytes moved per transfer
     memcpy_ms: list[float]
     zmq_ms: list[float]
-    kvtier_ms: list[float]
+    kvtier_ms: list[float]  # kvtier over ZMQ
+    nixl_ms: list[float]  # raw NIXL READs (empty without NIXL)
+    kvtier_nixl_ms: list[float]  # kvtier over NIXL (empty without NIXL)
 
     def gbps(self, samples: list[float], stat: str) -> float:
         ms = min(samples) if stat == "best" else statistics.median(samples)
@@ -42,9 +47,10 @@ class PdTransferResult:
 
 def add_parser(commands) -> None:
     """Register ``kvtier-bench pd-transfer``."""
-    p = commands.add_parser("pd-transfer", help="time a P/D transfer of a prompt's KV against raw ZMQ and memcpy",
+    p = commands.add_parser("pd-transfer", help="time a P/D transfer of a prompt's KV against raw ZMQ, raw NIXL and memcpy",
                             description="A producer process publishes a prompt's KV; this process loads it as a P/D "
-                            "consumer (fetch, verify, scatter) and, side by side, streams the same bytes over raw ZMQ.")
+                            "consumer (fetch, verify, scatter) over ZMQ and over NIXL and, side by side, moves the "
+                            "same bytes with raw ZMQ and raw NIXL READs.")
     p.add_argument("--prompt-len", type=parse_tokens, default=8 << 10, metavar="TOKENS", help="prompt length (default 8k)")
     p.add_argument("--chunk-tokens", type=positive, default=256, help="tokens per chunk (default 256)")
     p.add_argument("--layers", type=positive, default=12, help="layers (default 12: a ~100M-parameter Llama)")
@@ -114,13 +120,20 @@ def _producer(shape: _Shape, tmp: str, conn) -> None:
     raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
     chunk_bytes = side.transfers.chunk_bytes
     payload = bytes(chunk_bytes)
-    conn.send((side.chunk_server.port, raw_port, alloc[:, : shape.blocks].clone().view(torch.int32).numpy()))
+    nixl = None
+    if side.nixl_ready():  # raw NIXL: the same chunk sizes from a buffer registered with P's agent
+        lent = torch.ones(len(keys) * chunk_bytes, dtype=torch.uint8)
+        side.nixl.register([(lent.data_ptr(), lent.numel())])
+        nixl = (side.nixl.metadata(), lent.data_ptr())
+    conn.send((side.chunk_server.port, raw_port, alloc[:, : shape.blocks].clone().view(torch.int32).numpy(), nixl))
     poller = zmq.Poller()
     poller.register(raw, zmq.POLLIN)
     while not conn.poll(0):
-        if poller.poll(50):
+        if poller.poll(10):
             identity, _ = raw.recv_multipart()
             raw.send_multipart([identity, payload])  # one chunk per request, as the chunk server answers
+        if nixl is not None:
+            side.nixl.progress()  # no progress thread: the passive side lets NIXL wire up new peers
     raw.close()
     side.close()
 
@@ -148,6 +161,22 @@ def _raw_zmq(port: int, chunks: int) -> float:
     return ms
 
 
+def _raw_nixl(agent, peer: str, remote_base: int, local_base: int, chunk_bytes: int, chunks: int) -> float:
+    """ms to READ ``chunks`` chunks of ``chunk_bytes``, the consumer's window of READs in flight."""
+    from kvtier.pd.fetch import WINDOW
+
+    start = time.perf_counter()
+    posted = []
+    for i in range(chunks):
+        while len(posted) < chunks and len(posted) < i + WINDOW:
+            j = len(posted)
+            posted.append(agent.read(peer, [(local_base + j * chunk_bytes, chunk_bytes)],
+                                     [(remote_base + j * chunk_bytes, chunk_bytes)]))
+        posted[i].wait(30.0)
+        posted[i].release()
+    return (time.perf_counter() - start) * 1e3
+
+
 def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
     import numpy as np
     import torch
@@ -165,64 +194,100 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
         while not parent.poll(1):
             if not producer.is_alive() or time.monotonic() > deadline:
                 raise BenchError("the producer process died or did not publish the prompt within 300 s")
-        port, raw_port, expected = parent.recv()
+        port, raw_port, expected, p_nixl = parent.recv()
         alloc = shape.kv(seed=2)
         side = shape.engine(alloc, tmp, "d", produce=False)
         keys = shape.keys()
+        chunk_bytes = side.transfers.chunk_bytes
         kv_bytes = shape.blocks * side.transfers.layout.bytes_per_block
         src, dst = alloc[:, : shape.blocks], torch.empty_like(alloc[:, : shape.blocks])
-        memcpy_ms, zmq_ms, kvtier_ms = [], [], []
-        for r in range(repeats):
-            start = time.perf_counter()
-            dst.copy_(src)
-            memcpy_ms.append((time.perf_counter() - start) * 1e3)
-            zmq_ms.append(_raw_zmq(raw_port, len(keys)))
+        agent = side.nixl if p_nixl is not None and side.nixl_ready() else None
+        if agent is not None:
+            landing = torch.zeros(len(keys) * chunk_bytes, dtype=torch.uint8)
+            agent.register([(landing.data_ptr(), landing.numel())])
+            peer = agent.connect(p_nixl[0])
+            _raw_nixl(agent, peer, p_nixl[1], landing.data_ptr(), chunk_bytes, len(keys))  # wire-up, untimed
+        else:
+            progress("NIXL is not installed here (pip install nixl-cu12): its rows are left out")
+
+        def transfer(r: int, transport: str) -> float:
+            side.nixl = agent if transport == "nixl" else None  # what D offers P in the handshake
             alloc[:, shape.blocks :].zero_()
-            job = LoadJob(f"d{r}", tuple(keys), 0, tuple(range(shape.blocks, 2 * shape.blocks)), 0,
+            job = LoadJob(f"d{r}-{transport}", tuple(keys), 0, tuple(range(shape.blocks, 2 * shape.blocks)), 0,
                           RemoteSource(f"bench-{uuid.uuid4().hex}", (f"tcp://127.0.0.1:{port}",), 0))
             start = time.perf_counter()
             side.start_loads((job,))
             while job.req_id not in side.finished_loads():
                 time.sleep(0.0005)
-            kvtier_ms.append((time.perf_counter() - start) * 1e3)
+            ms = (time.perf_counter() - start) * 1e3
             if side.failed_blocks():
-                raise BenchError("the transfer failed; see the log above")
+                raise BenchError(f"the transfer over {transport} failed; see the log above")
             if not np.array_equal(alloc[:, shape.blocks :].view(torch.int32).numpy(), expected):  # bits, not floats
-                raise VerifyError("the consumer's blocks differ from the producer's")
-            progress(f"repeat {r + 1}/{repeats}: memcpy {memcpy_ms[-1]:.1f} ms, raw ZMQ {zmq_ms[-1]:.1f} ms, "
-                     f"kvtier {kvtier_ms[-1]:.1f} ms")
+                raise VerifyError(f"the consumer's blocks differ from the producer's (over {transport})")
+            return ms
+
+        memcpy_ms, zmq_ms, kvtier_ms, nixl_ms, kvtier_nixl_ms = [], [], [], [], []
+        for r in range(repeats):
+            start = time.perf_counter()
+            dst.copy_(src)
+            memcpy_ms.append((time.perf_counter() - start) * 1e3)
+            zmq_ms.append(_raw_zmq(raw_port, len(keys)))
+            kvtier_ms.append(transfer(r, "zmq"))
+            line = (f"repeat {r + 1}/{repeats}: memcpy {memcpy_ms[-1]:.1f} ms, raw ZMQ {zmq_ms[-1]:.1f} ms, "
+                    f"kvtier over ZMQ {kvtier_ms[-1]:.1f} ms")
+            if agent is not None:
+                nixl_ms.append(_raw_nixl(agent, peer, p_nixl[1], landing.data_ptr(), chunk_bytes, len(keys)))
+                kvtier_nixl_ms.append(transfer(r, "nixl"))
+                line += f", raw NIXL {nixl_ms[-1]:.1f} ms, kvtier over NIXL {kvtier_nixl_ms[-1]:.1f} ms"
+            progress(line)
+        side.nixl = agent
+        if agent is not None:
+            agent.deregister([(landing.data_ptr(), landing.numel())])
         side.close()
     finally:
         parent.send("stop")
         producer.join(30)
         if producer.is_alive():
             producer.kill()
-    return PdTransferResult(shape.prompt_tokens, shape.chunk_tokens, kv_bytes, memcpy_ms, zmq_ms, kvtier_ms)
+    return PdTransferResult(shape.prompt_tokens, shape.chunk_tokens, kv_bytes, memcpy_ms, zmq_ms, kvtier_ms, nixl_ms,
+                            kvtier_nixl_ms)
 
 
 def format_table(result: PdTransferResult, stat: str) -> str:
     memcpy = result.gbps(result.memcpy_ms, stat)
     zmq = result.gbps(result.zmq_ms, stat)
-    rows = [("raw memcpy (host to host)", result.memcpy_ms), ("raw ZMQ, same chunks and window", result.zmq_ms),
-            ("kvtier P/D: fetch + verify + scatter + keep", result.kvtier_ms)]
+    nixl = result.gbps(result.nixl_ms, stat) if result.nixl_ms else None
     lines = [f"P/D transfer of {result.prompt_tokens} tokens ({result.kv_bytes / 2**20:.0f} MiB of KV, "
              f"{result.chunk_tokens}-token chunks), {stat} of {len(result.kvtier_ms)}",
-             f"{'path':<46} {'ms':>9} {'GB/s':>7} {'× memcpy':>9} {'× raw ZMQ':>10}"]
-    for name, samples in rows:
+             f"{'path':<46} {'ms':>9} {'GB/s':>7} {'× memcpy':>9} {'× raw ZMQ':>10} {'× raw NIXL':>11}"]
+    for name, samples in _rows(result):
         ms = min(samples) if stat == "best" else statistics.median(samples)
         gbps = result.gbps(samples, stat)
-        lines.append(f"{name:<46} {ms:>9.1f} {gbps:>7.2f} {gbps / memcpy:>9.2f} {gbps / zmq:>10.2f}")
+        vs_nixl = f"{gbps / nixl:>11.2f}" if nixl else f"{'-':>11}"
+        lines.append(f"{name:<46} {ms:>9.1f} {gbps:>7.2f} {gbps / memcpy:>9.2f} {gbps / zmq:>10.2f} {vs_nixl}")
     return "\n".join(lines)
+
+
+def _rows(result: PdTransferResult) -> list[tuple[str, list[float]]]:
+    rows = [("raw memcpy (host to host)", result.memcpy_ms), ("raw ZMQ, same chunks and window", result.zmq_ms),
+            ("raw NIXL READ, same chunks and window", result.nixl_ms),
+            ("kvtier over ZMQ: fetch + verify + scatter + keep", result.kvtier_ms),
+            ("kvtier over NIXL: READ + verify + scatter + keep", result.kvtier_nixl_ms)]
+    return [(name, samples) for name, samples in rows if samples]
 
 
 def _plot(result: PdTransferResult, path: str, stat: str) -> str | None:
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    names = ["raw memcpy", "raw ZMQ", "kvtier P/D"]
-    values = [result.gbps(s, stat) for s in (result.memcpy_ms, result.zmq_ms, result.kvtier_ms)]
-    fig, ax = plt.subplots(figsize=(6, 3.2))
-    ax.bar(names, values, color=["#999999", "#6699cc", "#cc6633"])
+    short = {"raw memcpy (host to host)": "memcpy", "raw ZMQ, same chunks and window": "raw ZMQ",
+             "raw NIXL READ, same chunks and window": "raw NIXL", "kvtier over ZMQ: fetch + verify + scatter + keep":
+             "kvtier ZMQ", "kvtier over NIXL: READ + verify + scatter + keep": "kvtier NIXL"}
+    rows = _rows(result)
+    names = [short[name] for name, _ in rows]
+    values = [result.gbps(samples, stat) for _, samples in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.2))
+    ax.bar(names, values, color=["#cc6633" if n.startswith("kvtier") else "#999999" for n in names])
     ax.set_ylabel("GB/s")
     ax.set_title(f"P/D transfer, {result.prompt_tokens} tokens ({stat} of {len(result.kvtier_ms)})")
     for i, v in enumerate(values):

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
@@ -56,17 +57,26 @@ def available() -> bool:
 
 
 class Transfer:
-    """One posted READ or WRITE. :meth:`wait` until it is done, then :meth:`release` (always)."""
+    """One posted READ or WRITE. :meth:`wait` until it is done, then :meth:`release` (always).
 
-    def __init__(self, agent: Agent, handle, peer: str, nbytes: int):
+    Posting runs on the agent's poster thread (``future`` gives NIXL's handle): on one host UCX
+    moves the bytes inside that call, so the caller's thread is free meanwhile (to scatter the
+    previous chunk)."""
+
+    def __init__(self, agent: Agent, future: Future, peer: str, nbytes: int):
         self._agent = agent
-        self._handle = handle
+        self._future = future
+        self._released = False
         self.peer = peer
         self.nbytes = nbytes
 
     def state(self) -> str:
-        """``DONE``, ``PROC`` (in flight) or ``ERR``."""
-        return self._agent._nixl.check_xfer_state(self._handle)
+        """``DONE``, ``PROC`` (being posted, or in flight) or ``ERR``."""
+        if not self._future.done():
+            return "PROC"
+        if self._future.exception() is not None:
+            return "ERR"
+        return self._agent._nixl.check_xfer_state(self._future.result())
 
     def wait(self, timeout_s: float, cancelled: Callable[[], bool] = bool) -> None:
         """Return once done; raise :class:`NixlError` on a failure, on timeout or when ``cancelled()``."""
@@ -78,7 +88,8 @@ class Transfer:
                 raise NixlError("the request was aborted")
             time.sleep(_POLL_S)
         if state != "DONE":
-            raise NixlError(f"a {self.nbytes} B transfer with {self.peer} failed ({state})")
+            problem = self._future.exception() or state
+            raise NixlError(f"a {self.nbytes} B transfer with {self.peer} failed ({problem})")
 
     def settle(self, timeout_s: float) -> bool:
         """Wait until it no longer runs (done or failed), so its buffers may be reused: True then;
@@ -91,9 +102,11 @@ class Transfer:
         return True
 
     def release(self) -> None:
-        if self._handle is not None:
-            self._agent._nixl.release_xfer_handle(self._handle)
-            self._handle = None
+        """Give NIXL's handle back (once the transfer no longer runs)."""
+        if self._released or not self._future.done() or self._future.exception() is not None:
+            return
+        self._released = True
+        self._agent._nixl.release_xfer_handle(self._future.result())
 
 
 class Agent:
@@ -110,6 +123,7 @@ class Agent:
         self._lock = threading.Lock()  # guards the bookkeeping below, not NIXL's calls
         self._registered: dict[tuple[int, int], object] = {}  # (address, bytes) -> NIXL's descriptor list
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent name
+        self._poster = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nixl")  # posts transfers, in order
         self.registered_bytes = 0
 
     def register(self, regions: list[tuple[int, int]]) -> None:
@@ -170,19 +184,29 @@ class Agent:
         return self._post("WRITE", peer, local, remote)
 
     def _post(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
-        local_descs = self._nixl.get_xfer_descs(np.array([[a, n, 0] for a, n in local], dtype=np.uint64), "DRAM")
-        remote_descs = self._nixl.get_xfer_descs(np.array([[a, n, 0] for a, n in remote], dtype=np.uint64), "DRAM")
+        future = self._poster.submit(self._start, op, peer, local, remote)
+        return Transfer(self, future, peer, sum(n for _, n in local))
+
+    def _start(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]):
+        """On the poster thread: NIXL's handle of a posted transfer; raises :class:`NixlError`."""
         try:
+            local_descs = self._nixl.get_xfer_descs(np.array([[a, n, 0] for a, n in local], dtype=np.uint64), "DRAM")
+            remote_descs = self._nixl.get_xfer_descs(np.array([[a, n, 0] for a, n in remote], dtype=np.uint64), "DRAM")
             handle = self._nixl.initialize_xfer(op, local_descs, remote_descs, peer)
-            transfer = Transfer(self, handle, peer, sum(n for _, n in local))
-            if self._nixl.transfer(handle) == "ERR":
-                transfer.release()
-                raise NixlError(f"NIXL refused a {op} with {peer}")
-        except NixlError:
-            raise
         except Exception as exc:  # nixlBind raises its own exceptions (e.g. NIXL_ERR_NOT_FOUND)
             raise NixlError(f"NIXL could not post a {op} with {peer}: {exc}") from None
-        return transfer
+        try:
+            state = self._nixl.transfer(handle)
+        except Exception as exc:
+            state = f"ERR ({exc})"
+        if state.startswith("ERR"):
+            self._nixl.release_xfer_handle(handle)
+            raise NixlError(f"NIXL refused a {op} with {peer}: {state}")
+        return handle
+
+    def close(self) -> None:
+        """Stop the poster thread once what it was given is posted."""
+        self._poster.shutdown(wait=True)
 
     def progress(self) -> None:
         """Let NIXL make progress on this side (needed without a progress thread; cheap)."""

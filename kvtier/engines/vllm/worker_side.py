@@ -324,6 +324,7 @@ class WorkerSide:
         if self.store is not None:
             if self.nixl is not None:
                 self.nixl.deregister([self.store.pool_memory()])
+                self.nixl.close()
                 self.nixl = None
             self.store.close()
         self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = None
