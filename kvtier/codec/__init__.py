@@ -12,6 +12,7 @@ payload bytes (u64), payload checksum low 64 bits (u64), high 64 bits (u64, xxh3
 """
 
 from kvtier.codec.chunk import (
+    CHECKSUM_KVSUM64 as KVSUM64,
     DEFAULT_HOST_CHECKSUM,
     FORMAT_VERSION,
     ChunkError,
@@ -27,6 +28,7 @@ __all__ = [
     "DEFAULT_HOST_CHECKSUM",
     "FORMAT_VERSION",
     "HEADER_BYTES",
+    "KVSUM64",
     "ChunkError",
     "ChunkHeader",
     "checksum",

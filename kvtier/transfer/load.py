@@ -239,18 +239,26 @@ class LoadSide:
                     buffer.release()
                     break
                 num_blocks = self._num_blocks(job, i)
-                try:
-                    codec.verify_chunk(buffer.data, self.layout, num_blocks)
+                try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)
+                    fused = self._kernel_sums and codec.read_header(buffer.data).checksum_kind == codec.KVSUM64
+                    header = codec.verify_chunk(buffer.data, self.layout, num_blocks, payload=not fused)
                 except codec.ChunkError as exc:
                     buffer.release()
                     logger.warning("kvtier P/D: chunk %d of transfer %s from %s is unusable (%s); recomputing from there.",
                                    i, remote.transfer_id, remote.endpoints[0], exc)
                     break
                 block, count = self._span(job, i, done)
-                ids = self._ids(job.block_ids[done : done + count])
-                self._scatter(self.layout, [ChunkSpan(buffer.data, num_blocks, block, ids)])
+                span = ChunkSpan(buffer.data, num_blocks, block, self._ids(job.block_ids[done : done + count]))
+                intact = self._start_scatter([span], [header.checksum]).wait()[0] if fused else True
+                if not fused:
+                    self._scatter(self.layout, [span])
                 if self._load_stream is not None:
                     self._load_stream.synchronize()  # the buffer is stored or freed next
+                if not intact:  # its blocks hold garbage until vLLM recomputes them: not counted as loaded
+                    buffer.release()
+                    logger.warning("kvtier P/D: chunk %d of transfer %s from %s is unusable (payload KVSUM64 checksum "
+                                   "mismatch); recomputing from there.", i, remote.transfer_id, remote.endpoints[0])
+                    break
                 done += count
                 count_chunks += 1
                 if num_blocks == self.chunk_blocks:
