@@ -131,14 +131,17 @@ class _Peer:
         body = encode(message)
         self.socket.send_multipart([mac(self.secret, body), body], flags=zmq.NOBLOCK)
 
-    def receive(self) -> HelloReply | _Arrived:
+    def receive(self, block: bool = True) -> HelloReply | _Arrived | None:
         """The next authenticated reply; heartbeats extend the deadline. Raises PeerError. A NIXL
-        chunk reply is authenticated once its bytes are read (:meth:`chunk`)."""
+        chunk reply is authenticated once its bytes are read (:meth:`chunk`). ``block=False``:
+        None at once when no reply is waiting."""
         deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerError(f"{self.endpoint} sent nothing for {self.timeout_ms} ms")
+            if not block and not self.socket.poll(0, zmq.POLLIN):
+                return None
             if not self.socket.poll(max(1, int(min(left, _CANCEL_CHECK_S) * 1000)), zmq.POLLIN):
                 if self.cancelled():
                     raise PeerError("the request was aborted")
@@ -168,14 +171,9 @@ class _Peer:
 
     def chunk(self, index: int) -> ChunkBuffer:
         while index not in self.early:
-            got = self.receive()
-            if isinstance(got, HelloReply):
-                raise PeerError(f"{self.endpoint} sent a second handshake reply")
-            if not 0 <= got.reply.index < len(self.sizes) or got.reply.index in self.early:
-                raise PeerError(f"{self.endpoint} answered for chunk {got.reply.index}, which was not asked")
-            self.early[got.reply.index] = got
-            if got.reply.status == "ok" and got.payload is None:
-                self._start_read(got)
+            self._take(self.receive())
+        while (got := self.receive(block=False)) is not None:  # replies already here: their READs
+            self._take(got)  # start now, while the caller scatters this chunk
         arrived = self.early.pop(index)
         nbytes = self.sizes[index]
         if arrived.reply.status != "ok":
@@ -190,6 +188,15 @@ class _Peer:
             raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
         np.copyto(buffer.data.numpy(), np.frombuffer(payload.buffer, dtype=np.uint8))
         return buffer
+
+    def _take(self, got: HelloReply | _Arrived) -> None:
+        if isinstance(got, HelloReply):
+            raise PeerError(f"{self.endpoint} sent a second handshake reply")
+        if not 0 <= got.reply.index < len(self.sizes) or got.reply.index in self.early:
+            raise PeerError(f"{self.endpoint} answered for chunk {got.reply.index}, which was not asked")
+        self.early[got.reply.index] = got
+        if got.reply.status == "ok" and got.payload is None:
+            self._start_read(got)
 
     def _start_read(self, arrived: _Arrived) -> None:
         """Post the READ of a lent chunk into a fresh buffer (a failure is raised by its turn)."""
