@@ -123,6 +123,13 @@ def test_completion_through_the_proxy_is_identical_and_transferred(pd, name):
         assert moved >= len(prompt) - 1  # the whole prompt came from P; D recomputed at most its last token
 
 
+def test_the_chunks_moved_over_nixl(pd):
+    """Both engines have NIXL (``make test`` installs it) and ``pd_transport`` is ``auto``: D READs
+    from P's registered CPU pool, and says so once per producer."""
+    log = (pd["tmp"] / "d.log").read_text(errors="replace")
+    assert "over NIXL" in log and "over ZMQ" not in log, log[-3000:]
+
+
 def test_streamed_completion_is_identical(pd):
     assert complete(pd["client"], STREAMED, stream=True) == pd["expected"]["streamed"]
 
