@@ -15,6 +15,7 @@ however it ends.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
@@ -33,8 +34,10 @@ logger = logging.getLogger(__name__)
 
 WINDOW = 4  # fetches in flight per transfer
 _CANCEL_CHECK_S = 0.05  # how often a waiting transfer checks whether its request was aborted
+_PROGRESS_S = 0.001  # how often a push transfer over NIXL lets NIXL progress while it waits
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
 _warned: set[str] = set()  # peers whose layout mismatch was logged (one line per peer)
+_QUARANTINE_TIMEOUTS = 3  # a buffer P was told to write into, never answered, is reused after this many timeouts
 _told: set[tuple[str, str]] = set()  # (peer, transport) pairs already logged
 
 
@@ -63,8 +66,8 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     sizes = [chunk_bytes(n) for _, n in items]
     peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate)
     try:
-        if nixl is not None:
-            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"))
+        if nixl is not None:  # push: P may WRITE each chunk into a buffer of ours as soon as it has it
+            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), nixl=nixl.metadata() if wait else b"")
         peer.send(hello)
         reply = peer.receive()
         if not isinstance(reply, HelloReply):
@@ -72,14 +75,15 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         _check_layouts(endpoint, hello, reply)
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
+            peer.landing_enabled = wait
         if (endpoint, reply.transport) not in _told:
             _told.add((endpoint, reply.transport))
             logger.info("kvtier P/D: fetching from %s over %s.", endpoint,
-                        "NIXL (UCX READs into this engine's CPU tier)" if peer.nixl else "ZMQ")
+                        "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")
         sent = 0
         for index, (key, num_blocks) in enumerate(items):
             while sent < len(items) and sent < index + WINDOW:
-                peer.send(Fetch(VERSION, transfer_id, sent, items[sent][0], items[sent][1], wait))
+                peer.fetch(transfer_id, sent, items[sent][0], items[sent][1], wait)
                 sent += 1
             yield peer.chunk(index)
     finally:
@@ -118,6 +122,8 @@ class _Peer:
         self.nixl_peer = ""
         self.nixl_metadata = b""
         self.failed = False  # a NIXL transfer with this peer failed
+        self.landing_enabled = False  # push over NIXL: each fetch names a buffer P writes into
+        self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
         self.early: dict[int, _Arrived] = {}  # replies ahead of their turn
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
@@ -140,9 +146,12 @@ class _Peer:
             left = deadline - time.monotonic()
             if left <= 0:
                 raise PeerError(f"{self.endpoint} sent nothing for {self.timeout_ms} ms")
+            if self.landing_enabled:  # P WRITEs into our buffers: NIXL needs this side's progress too
+                self.nixl.progress()
             if not block and not self.socket.poll(0, zmq.POLLIN):
                 return None
-            if not self.socket.poll(max(1, int(min(left, _CANCEL_CHECK_S) * 1000)), zmq.POLLIN):
+            wait_s = _PROGRESS_S if self.landing_enabled else _CANCEL_CHECK_S
+            if not self.socket.poll(max(1, int(min(left, wait_s) * 1000)), zmq.POLLIN):
                 if self.cancelled():
                     raise PeerError("the request was aborted")
                 continue
@@ -180,14 +189,23 @@ class _Peer:
             raise PeerError(f"{self.endpoint} no longer has chunk {index} ({arrived.reply.status})")
         if arrived.payload is None:
             return self._finish_read(index, arrived)
-        payload = arrived.payload
-        if len(payload.buffer) != nbytes:
-            raise PeerError(f"{self.endpoint} sent chunk {index} of {len(payload.buffer)} B, expected {nbytes} B")
-        buffer = self.allocate(nbytes)
-        if buffer is None:
+        payload, buffer = arrived.payload, arrived.buffer or self.allocate(nbytes)
+        arrived.buffer = None
+        if len(payload.buffer) != nbytes or buffer is None:
+            if buffer is not None:
+                buffer.release()
+                raise PeerError(f"{self.endpoint} sent chunk {index} of {len(payload.buffer)} B, expected {nbytes} B")
             raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
         np.copyto(buffer.data.numpy(), np.frombuffer(payload.buffer, dtype=np.uint8))
         return buffer
+
+    def fetch(self, transfer_id: str, index: int, key: bytes, num_blocks: int, wait: bool) -> None:
+        """Ask for chunk ``index``; in a push transfer over NIXL, name a buffer P may WRITE it into."""
+        address = capacity = 0
+        if self.landing_enabled and (buffer := self.allocate(self.sizes[index])) is not None:
+            self.landing[index] = buffer
+            address, capacity = buffer.data.data_ptr(), self.sizes[index]
+        self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity))
 
     def _take(self, got: HelloReply | _Arrived) -> None:
         if isinstance(got, HelloReply):
@@ -195,7 +213,13 @@ class _Peer:
         if not 0 <= got.reply.index < len(self.sizes) or got.reply.index in self.early:
             raise PeerError(f"{self.endpoint} answered for chunk {got.reply.index}, which was not asked")
         self.early[got.reply.index] = got
-        if got.reply.status == "ok" and got.payload is None:
+        landing = self.landing.pop(got.reply.index, None)  # P answered: it will not write there later
+        if got.reply.status != "ok":
+            if landing is not None:
+                landing.release()
+            return
+        got.buffer = landing
+        if got.payload is None and not got.reply.written:
             self._start_read(got)
 
     def _start_read(self, arrived: _Arrived) -> None:
@@ -203,10 +227,9 @@ class _Peer:
         reply, nbytes = arrived.reply, self.sizes[arrived.reply.index]
         if reply.nbytes != nbytes or self.nixl is None:
             return
-        buffer = self.allocate(nbytes)
+        buffer = arrived.buffer = arrived.buffer or self.allocate(nbytes)
         if buffer is None:
             return
-        arrived.buffer = buffer
         try:
             arrived.transfer = self.nixl.read(self.nixl_peer, [(buffer.data.data_ptr(), nbytes)],
                                               [(reply.address, nbytes)])
@@ -219,6 +242,16 @@ class _Peer:
         try:
             if self.nixl is None:
                 raise PeerError(f"{self.endpoint} lent chunk {index} but NIXL was not agreed on")
+            if reply.written:  # P wrote it into the buffer this fetch named
+                if buffer is None or reply.nbytes != nbytes:
+                    raise PeerError(f"{self.endpoint} says it wrote chunk {index}, but not into a buffer of "
+                                    f"{nbytes} B this engine named")
+                try:
+                    check_mac(self.secret, arrived.tag, arrived.body, memoryview(buffer.data.numpy()))
+                except AuthError as exc:
+                    raise PeerError(f"bad chunk {index} from {self.endpoint}: {exc}") from None
+                arrived.buffer = None
+                return buffer
             if reply.nbytes != nbytes:
                 raise PeerError(f"{self.endpoint} lent chunk {index} of {reply.nbytes} B, expected {nbytes} B")
             if buffer is None:
@@ -258,6 +291,13 @@ class _Peer:
         for arrived in self.early.values():
             self._discard(arrived)
         self.early.clear()
+        if self.landing:  # named to P, never answered: P might still write there; kept out of use a while
+            grace_s = _QUARANTINE_TIMEOUTS * self.timeout_ms / 1000
+            for buffer in self.landing.values():
+                timer = threading.Timer(grace_s, buffer.release)
+                timer.daemon = True
+                timer.start()
+            self.landing.clear()
         if self.failed and self.nixl is not None:
             self.nixl.forget(self.nixl_metadata)  # a restarted producer comes back under a new name
 

@@ -180,8 +180,14 @@ class Agent:
         return self._post("READ", peer, local, remote)
 
     def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
-        """Post a one-sided WRITE of ``local`` into the peer's ``remote``."""
-        return self._post("WRITE", peer, local, remote)
+        """Post a one-sided WRITE of ``local`` into the peer's ``remote``, on the caller's thread
+        (on one host the bytes move before it returns)."""
+        future: Future = Future()
+        try:
+            future.set_result(self._start("WRITE", peer, local, remote))
+        except NixlError as exc:
+            future.set_exception(exc)
+        return Transfer(self, future, peer, sum(n for _, n in local))
 
     def _post(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
         future = self._poster.submit(self._start, op, peer, local, remote)

@@ -15,9 +15,11 @@ heartbeats while the chunk is being computed). :class:`Release` ends a transfer:
 Transports: D offers what it has (``Hello.transports``), P picks one (``HelloReply.transport``).
 Over ``zmq`` the chunk follows its reply as a payload frame. Over ``nixl`` (:mod:`kvtier.pd.nixl`)
 the reply carries no payload but the chunk's address in P's registered CPU pool and P's NIXL
-metadata came with the handshake reply; D READs the bytes itself, then checks the MAC over the
-bytes it read, exactly as it would over a payload frame. P lends that buffer until D releases the
-transfer. P gives its NIXL metadata only in an authenticated handshake reply: a peer that fails
+metadata came with the handshake reply; D READs the bytes itself (pull), then checks the MAC over
+the bytes it read, exactly as it would over a payload frame. P lends that buffer until D releases
+the transfer. In a push transfer (``Fetch.wait``) D also names a buffer of its own registered
+pool in each fetch (``address``, ``capacity``), and P WRITEs the chunk there the moment it has
+it (its ``ok`` reply then says ``written``); D's metadata came with its hello. P gives its NIXL metadata only in an authenticated handshake reply: a peer that fails
 the handshake never learns how to reach P's memory.
 """
 
@@ -40,6 +42,8 @@ MAC_BYTES = 32
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
+Address = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit
+Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
 
 
@@ -53,6 +57,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     layout: Text
     chunk_tokens: Count
     transports: tuple[Literal["nixl", "zmq"], ...] = ("zmq",)
+    nixl: bytes = b""  # D's NIXL agent metadata, offered with "nixl": P may WRITE into D's buffers
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
@@ -65,6 +70,8 @@ class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
     key: Key
     num_blocks: Count
     wait: bool = False
+    address: Address = 0  # NIXL push: D's buffer P may WRITE the chunk into (0: none)
+    capacity: Size = 0  # its size in bytes; P writes only a chunk of exactly this size
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -99,6 +106,7 @@ class ChunkReply(msgspec.Struct, frozen=True, tag="chunk"):
     error: str = ""
     address: int = 0
     nbytes: int = 0
+    written: bool = False  # NIXL push: the chunk is already in the buffer the fetch named
 
 
 encode = msgspec.msgpack.Encoder().encode

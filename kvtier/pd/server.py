@@ -10,7 +10,8 @@ Over NIXL (a peer that offered it, when this process has an agent) a chunk is no
 the reply carries its address in the registered CPU pool, and the server keeps the chunk's
 buffer (a reference to the pool memory, so LMCache neither evicts nor reuses it) until the peer
 releases the transfer, or, should the peer vanish, until it has asked nothing for twice
-``timeout_ms`` (it has given up by then). While NIXL peers are known the thread wakes every
+``timeout_ms`` (it has given up by then). A push peer names a buffer of its own in each fetch:
+the chunk is written there (a NIXL WRITE posted on this thread) and the reply says so. While NIXL peers are known the thread wakes every
 10 ms to let NIXL make progress (no progress thread, see :mod:`kvtier.pd.nixl`).
 """
 
@@ -27,7 +28,7 @@ import zmq
 
 from kvtier.keys import storage_key
 from kvtier.pd.holds import PublishHolds
-from kvtier.pd.nixl import Agent
+from kvtier.pd.nixl import Agent, Transfer
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_request,
     encode, mac,
@@ -64,6 +65,16 @@ class _Lent:
 
 
 @dataclass(slots=True)
+class _Write:
+    """A chunk being written into a NIXL peer's buffer: answered once ``transfer`` is done."""
+
+    identity: bytes
+    fetch: Fetch
+    buffer: ChunkBuffer
+    transfer: Transfer
+
+
+@dataclass(slots=True)
 class _Waiting:
     identity: bytes
     fetch: Fetch
@@ -85,6 +96,9 @@ class ChunkServer:
         self.nixl = nixl
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
+        self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
+        self._writes: list[_Write] = []  # WRITEs not done yet (RDMA; on one host they finish when posted)
+        self.written_total = 0  # chunks written into NIXL peers' buffers since start
         self.lent_total = 0  # chunks lent over NIXL since start
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
         self._lend_s = 2 * timeout_ms / 1000
@@ -118,7 +132,7 @@ class ChunkServer:
         poller.register(self._socket, zmq.POLLIN)
         last_beat = last_expire = time.monotonic()
         while not self._stop.is_set():
-            events = dict(poller.poll(10 if self._waiting or self._nixl_peers else 100))
+            events = dict(poller.poll(1 if self._writes else 10 if self._waiting or self._nixl_peers else 100))
             try:
                 if events:
                     for _ in range(64):  # bounded, so waiting fetches and expiry still run
@@ -129,6 +143,8 @@ class ChunkServer:
                         self._handle(frames)
                 if self._nixl_peers:
                     self.nixl.progress()
+                if self._writes:
+                    self._poll_writes()
                 now = time.monotonic()
                 self._serve_waiting(now)
                 if now - last_beat >= self._heartbeat_s:
@@ -142,6 +158,10 @@ class ChunkServer:
                 logger.exception("kvtier P/D chunk server: unexpected error; still serving")
         for transfer_id in list(self._lent):
             self._return(transfer_id)
+        for w in self._writes:  # a buffer goes back only once no WRITE reads it
+            if w.transfer.settle(self._lend_s):
+                w.transfer.release()
+                w.buffer.release()
         self._socket.close()
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -162,6 +182,7 @@ class ChunkServer:
             self._fetch(identity, message, time.monotonic())
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
+            self._writers.pop(identity, None)
             self._return(message.transfer_id)
             self.holds.release(message.transfer_id)
             self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
@@ -175,6 +196,12 @@ class ChunkServer:
         if not error and self.nixl is not None and "nixl" in hello.transports:
             transport, metadata = "nixl", self.nixl.metadata()
             self._nixl_peers[identity] = time.monotonic()
+            if hello.nixl:  # the peer may be written to (push): reach its agent now
+                try:
+                    self._writers[identity] = self.nixl.connect(hello.nixl)
+                except Exception as exc:  # bad metadata, UCX cannot reach it: the peer READs instead
+                    logger.warning("kvtier P/D chunk server: cannot reach a decode engine's NIXL agent (%s); "
+                                   "it reads the chunks itself.", exc)
         else:
             self._nixl_peers.pop(identity, None)
         self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
@@ -186,6 +213,9 @@ class ChunkServer:
         buffer = self.store.get(skey)
         if buffer is not None:
             self.served_total += 1
+            if fetch.address and fetch.capacity == buffer.data.numel() and identity in self._writers:
+                self._write(identity, fetch, buffer)
+                return True
             if identity in self._nixl_peers and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
                 self._lend(identity, fetch, buffer, now)
                 return True
@@ -220,6 +250,36 @@ class ChunkServer:
                                         flags=zmq.NOBLOCK)
         except zmq.ZMQError:
             pass  # the peer is gone: the buffer goes back when the loan expires
+
+    def _write(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> None:
+        """WRITE the chunk into the buffer the fetch named; reply once it is there."""
+        self._nixl_peers[identity] = time.monotonic()
+        transfer = self.nixl.write(self._writers[identity], [(buffer.data.data_ptr(), buffer.data.numel())],
+                                   [(fetch.address, fetch.capacity)])
+        self._writes.append(_Write(identity, fetch, buffer, transfer))
+        self._poll_writes()
+
+    def _poll_writes(self) -> None:
+        """Answer the WRITEs that finished; one that failed sends its chunk as a payload instead."""
+        running = []
+        for w in self._writes:
+            state = w.transfer.state()
+            if state == "PROC":
+                running.append(w)
+                continue
+            w.transfer.release()
+            try:
+                payload = memoryview(w.buffer.data.numpy())
+                if state == "DONE":
+                    self.written_total += 1
+                    reply = ChunkReply(VERSION, w.fetch.index, "ok", nbytes=w.buffer.data.numel(), written=True)
+                    body = encode(reply)
+                    self._send_frames([w.identity, mac(self._secret, body, payload), body])
+                else:
+                    self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok"), payload)
+            finally:
+                w.buffer.release()
+        self._writes = running
 
     def _return(self, transfer_id: str) -> None:
         lent = self._lent.pop(transfer_id, None)
@@ -261,6 +321,9 @@ class ChunkServer:
         frames = [identity, mac(self._secret, body, payload), body]
         if payload is not None:
             frames.append(payload)
+        self._send_frames(frames)
+
+    def _send_frames(self, frames: list) -> None:
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError:

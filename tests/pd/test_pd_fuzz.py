@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 
 import msgspec
 import pytest
@@ -189,24 +190,27 @@ def hostile_nixl(hostile):
 
 
 @settings(FUZZ, max_examples=max(20, EXAMPLES // 10))
-@given(garbage_metadata=st.booleans(),
+@given(garbage_metadata=st.booleans(), push=st.booleans(),
        chunks=st.lists(st.tuples(st.integers(-8, 5 * CHUNK_BYTES), st.sampled_from([CHUNK_BYTES, 1, 0, 2 * CHUNK_BYTES]),
-                                 st.integers(-1, 2)), max_size=3))
-def test_a_decode_engine_reads_any_lent_chunk_reply_as_chunks_or_a_peer_error(hostile_nixl, garbage_metadata, chunks):
-    """Over NIXL a reply names an address in the producer's memory: any address, size or index
-    (inside the registered buffer, beyond it, negative) ends in chunks or a PeerError, and D
-    leaks no buffer of its CPU tier (a READ is settled before its buffer goes back)."""
+                                 st.integers(-1, 2), st.booleans()), max_size=3))
+def test_a_decode_engine_reads_any_lent_chunk_reply_as_chunks_or_a_peer_error(hostile_nixl, garbage_metadata, push,
+                                                                              chunks):
+    """Over NIXL a reply names an address in the producer's memory, or (push) claims the chunk
+    was written into D's buffer: any address, size, index or claim ends in chunks or a
+    PeerError, and D leaks no buffer of its CPU tier (a READ is settled before its buffer goes
+    back; a buffer named to P and never answered goes back after its quarantine)."""
     producer, store, p_agent, d_agent, base = hostile_nixl
     metadata = os.urandom(64) if garbage_metadata else p_agent.metadata()
     hello = [b"", encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=metadata))]
-    replies = [[b"", encode(ChunkReply(VERSION, index, "ok", address=max(0, base + offset), nbytes=nbytes))]
-               for offset, nbytes, index in chunks]
+    replies = [[b"", encode(ChunkReply(VERSION, index, "ok", address=max(0, base + offset), nbytes=nbytes,
+                                       written=written))]
+               for offset, nbytes, index, written in chunks]
     with producer.lock:
         producer.replies[:] = [hello, *replies]
     got = []
     try:
         for buffer in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32), "t",
-                                   [(b"k" * 16, 1), (b"l" * 16, 1)], wait=False, timeout_ms=100, secret=None,
+                                   [(b"k" * 16, 1), (b"l" * 16, 1)], wait=push, timeout_ms=100, secret=None,
                                    allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES, nixl=d_agent):
             got.append(buffer)
     except PeerError:
@@ -215,4 +219,7 @@ def test_a_decode_engine_reads_any_lent_chunk_reply_as_chunks_or_a_peer_error(ho
         for buffer in got:
             assert buffer.data.numel() == CHUNK_BYTES
             buffer.release()
+    deadline = time.monotonic() + 3
+    while store.cpu_bytes_used() and time.monotonic() < deadline:
+        time.sleep(0.01)  # quarantined push buffers: 3 timeouts
     assert store.cpu_bytes_used() == 0

@@ -47,7 +47,7 @@ def test_consumer_starting_after_its_own_tiers_fetches_only_the_rest(engines):
     assert not torch.equal(d.blocks(D_BLOCKS[:skip]), p.blocks(P_BLOCKS[:skip]))
 
 
-def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines):
+def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines, transport):
     p, d = engines("p", 1), engines("d", 2)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     time.sleep(0.3)  # D is waiting before P computed anything
@@ -59,6 +59,9 @@ def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines):
     p.side.save((SaveJob("p", (full[2], tail), tuple(P_BLOCKS[4:]), publish="t1", final=True),))
     assert d.wait_loaded("d-req") == set()
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    # NIXL: P wrote each chunk into a buffer D named, the moment it was sealed; none was lent
+    server = p.side.chunk_server
+    assert (server.written_total, server.lent_total) == ((4, 0) if transport == "nixl" else (0, 0))
 
 
 def test_corrupt_chunk_fails_from_that_chunk_on(engines, caplog):
