@@ -38,7 +38,8 @@ class PdTransferResult:
     zmq_ms: list[float]
     kvtier_ms: list[float]  # kvtier over ZMQ
     nixl_ms: list[float]  # raw NIXL READs (empty without NIXL)
-    kvtier_nixl_ms: list[float]  # kvtier over NIXL (empty without NIXL)
+    kvtier_nixl_ms: list[float]  # kvtier over NIXL, pull: D READs (empty without NIXL)
+    kvtier_push_ms: list[float]  # kvtier over NIXL, push: P WRITEs into D's buffers (empty without NIXL)
 
     def gbps(self, samples: list[float], stat: str) -> float:
         ms = min(samples) if stat == "best" else statistics.median(samples)
@@ -210,11 +211,11 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
         else:
             progress("NIXL is not installed here (pip install nixl-cu12): its rows are left out")
 
-        def transfer(r: int, transport: str) -> float:
+        def transfer(r: int, transport: str, push: bool = False) -> float:
             side.nixl = agent if transport == "nixl" else None  # what D offers P in the handshake
             alloc[:, shape.blocks :].zero_()
-            job = LoadJob(f"d{r}-{transport}", tuple(keys), 0, tuple(range(shape.blocks, 2 * shape.blocks)), 0,
-                          RemoteSource(f"bench-{uuid.uuid4().hex}", (f"tcp://127.0.0.1:{port}",), 0))
+            job = LoadJob(f"d{r}-{transport}-{push}", tuple(keys), 0, tuple(range(shape.blocks, 2 * shape.blocks)),
+                          0, RemoteSource(f"bench-{uuid.uuid4().hex}", (f"tcp://127.0.0.1:{port}",), 0, push))
             start = time.perf_counter()
             side.start_loads((job,))
             while job.req_id not in side.finished_loads():
@@ -226,7 +227,7 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
                 raise VerifyError(f"the consumer's blocks differ from the producer's (over {transport})")
             return ms
 
-        memcpy_ms, zmq_ms, kvtier_ms, nixl_ms, kvtier_nixl_ms = [], [], [], [], []
+        memcpy_ms, zmq_ms, kvtier_ms, nixl_ms, kvtier_nixl_ms, kvtier_push_ms = [], [], [], [], [], []
         for r in range(repeats):
             start = time.perf_counter()
             dst.copy_(src)
@@ -238,7 +239,9 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
             if agent is not None:
                 nixl_ms.append(_raw_nixl(agent, peer, p_nixl[1], landing.data_ptr(), chunk_bytes, len(keys)))
                 kvtier_nixl_ms.append(transfer(r, "nixl"))
-                line += f", raw NIXL {nixl_ms[-1]:.1f} ms, kvtier over NIXL {kvtier_nixl_ms[-1]:.1f} ms"
+                kvtier_push_ms.append(transfer(r, "nixl", push=True))
+                line += (f", raw NIXL {nixl_ms[-1]:.1f} ms, kvtier over NIXL pull {kvtier_nixl_ms[-1]:.1f} ms, "
+                         f"push {kvtier_push_ms[-1]:.1f} ms")
             progress(line)
         side.nixl = agent
         if agent is not None:
@@ -250,7 +253,7 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
         if producer.is_alive():
             producer.kill()
     return PdTransferResult(shape.prompt_tokens, shape.chunk_tokens, kv_bytes, memcpy_ms, zmq_ms, kvtier_ms, nixl_ms,
-                            kvtier_nixl_ms)
+                            kvtier_nixl_ms, kvtier_push_ms)
 
 
 def format_table(result: PdTransferResult, stat: str) -> str:
@@ -259,12 +262,12 @@ def format_table(result: PdTransferResult, stat: str) -> str:
     nixl = result.gbps(result.nixl_ms, stat) if result.nixl_ms else None
     lines = [f"P/D transfer of {result.prompt_tokens} tokens ({result.kv_bytes / 2**20:.0f} MiB of KV, "
              f"{result.chunk_tokens}-token chunks), {stat} of {len(result.kvtier_ms)}",
-             f"{'path':<46} {'ms':>9} {'GB/s':>7} {'× memcpy':>9} {'× raw ZMQ':>10} {'× raw NIXL':>11}"]
+             f"{'path':<50} {'ms':>9} {'GB/s':>7} {'× memcpy':>9} {'× raw ZMQ':>10} {'× raw NIXL':>11}"]
     for name, samples in _rows(result):
         ms = min(samples) if stat == "best" else statistics.median(samples)
         gbps = result.gbps(samples, stat)
         vs_nixl = f"{gbps / nixl:>11.2f}" if nixl else f"{'-':>11}"
-        lines.append(f"{name:<46} {ms:>9.1f} {gbps:>7.2f} {gbps / memcpy:>9.2f} {gbps / zmq:>10.2f} {vs_nixl}")
+        lines.append(f"{name:<50} {ms:>9.1f} {gbps:>7.2f} {gbps / memcpy:>9.2f} {gbps / zmq:>10.2f} {vs_nixl}")
     return "\n".join(lines)
 
 
@@ -272,7 +275,8 @@ def _rows(result: PdTransferResult) -> list[tuple[str, list[float]]]:
     rows = [("raw memcpy (host to host)", result.memcpy_ms), ("raw ZMQ, same chunks and window", result.zmq_ms),
             ("raw NIXL READ, same chunks and window", result.nixl_ms),
             ("kvtier over ZMQ: fetch + verify + scatter + keep", result.kvtier_ms),
-            ("kvtier over NIXL: READ + verify + scatter + keep", result.kvtier_nixl_ms)]
+            ("kvtier over NIXL, pull: D READs, verify, scatter", result.kvtier_nixl_ms),
+            ("kvtier over NIXL, push: P WRITEs, verify, scatter", result.kvtier_push_ms)]
     return [(name, samples) for name, samples in rows if samples]
 
 
@@ -282,11 +286,12 @@ def _plot(result: PdTransferResult, path: str, stat: str) -> str | None:
         return NO_MATPLOTLIB
     short = {"raw memcpy (host to host)": "memcpy", "raw ZMQ, same chunks and window": "raw ZMQ",
              "raw NIXL READ, same chunks and window": "raw NIXL", "kvtier over ZMQ: fetch + verify + scatter + keep":
-             "kvtier ZMQ", "kvtier over NIXL: READ + verify + scatter + keep": "kvtier NIXL"}
+             "kvtier ZMQ", "kvtier over NIXL, pull: D READs, verify, scatter": "kvtier NIXL pull",
+             "kvtier over NIXL, push: P WRITEs, verify, scatter": "kvtier NIXL push"}
     rows = _rows(result)
     names = [short[name] for name, _ in rows]
     values = [result.gbps(samples, stat) for _, samples in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.2))
+    fig, ax = plt.subplots(figsize=(8.5, 3.2))
     ax.bar(names, values, color=["#cc6633" if n.startswith("kvtier") else "#999999" for n in names])
     ax.set_ylabel("GB/s")
     ax.set_title(f"P/D transfer, {result.prompt_tokens} tokens ({stat} of {len(result.kvtier_ms)})")

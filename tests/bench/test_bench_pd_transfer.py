@@ -17,10 +17,11 @@ def test_pd_transfer_verifies_and_writes_json_and_plot(tmp_path):
                           "--layers", "2", "--repeats", "2", "--json", str(out), "--plot", str(png)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0, run.stderr[-3000:]
-    assert "raw ZMQ" in run.stdout and "kvtier P/D" in run.stdout
+    for row in ("raw ZMQ", "raw NIXL READ", "kvtier over ZMQ", "kvtier over NIXL, pull", "kvtier over NIXL, push"):
+        assert row in run.stdout, run.stdout
     data = json.loads(out.read_text())
     assert data["kv_bytes"] == 1024 * 2 * 2 * 4 * 64 * 4  # tokens x layers x (K, V) x heads x dim x float32
-    for key in ("memcpy_ms", "zmq_ms", "kvtier_ms"):
+    for key in ("memcpy_ms", "zmq_ms", "kvtier_ms", "nixl_ms", "kvtier_nixl_ms", "kvtier_push_ms"):
         assert len(data[key]) == 2 and all(ms > 0 for ms in data[key])
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.stat().st_size > 0
