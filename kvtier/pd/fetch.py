@@ -144,14 +144,14 @@ class _Peer:
         deadline = time.monotonic() + self.timeout_ms / 1000
         while True:
             left = deadline - time.monotonic()
-            if left <= 0:
+            if left <= 0 and not self.socket.poll(0, zmq.POLLIN):  # a thread woken late still takes what came
                 raise PeerError(f"{self.endpoint} sent nothing for {self.timeout_ms} ms")
             if self.landing_enabled:  # P WRITEs into our buffers: NIXL needs this side's progress too
                 self.nixl.progress()
             if not block and not self.socket.poll(0, zmq.POLLIN):
                 return None
             wait_s = _PROGRESS_S if self.landing_enabled else _CANCEL_CHECK_S
-            if not self.socket.poll(max(1, int(min(left, wait_s) * 1000)), zmq.POLLIN):
+            if not self.socket.poll(max(1, int(min(max(left, 0), wait_s) * 1000)), zmq.POLLIN):
                 if self.cancelled():
                     raise PeerError("the request was aborted")
                 continue

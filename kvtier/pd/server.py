@@ -151,6 +151,8 @@ class ChunkServer:
                     self._heartbeat()
                     last_beat = now
                 if now - last_expire >= 1.0:
+                    if self._waiting:  # a save that was dropped or failed never announces itself:
+                        self.holds.changed.set()  # look again, once a second, whether it is still coming
                     self.holds.expire()
                     self._expire_lent(now)
                     last_expire = now
@@ -212,20 +214,10 @@ class ChunkServer:
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)
         if buffer is not None:
-            self.served_total += 1
-            if fetch.address and fetch.capacity == buffer.data.numel() and identity in self._writers:
-                self._write(identity, fetch, buffer)
-                return True
-            if identity in self._nixl_peers and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
-                self._lend(identity, fetch, buffer, now)
-                return True
-            try:
-                payload = memoryview(buffer.data.numpy())
-                self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), payload)
-            finally:
-                buffer.release()
-            return True
+            return self._answer(identity, fetch, buffer)
         state = self.holds.state(fetch.transfer_id, skey)
+        if state == "pinned" and (buffer := self.store.get(skey)) is not None:  # stored since the look-up above
+            return self._answer(identity, fetch, buffer)
         coming = self._saving(skey) or state == "coming" or (state == "unknown" and fetch.wait)
         if not coming:
             self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
@@ -237,9 +229,25 @@ class ChunkServer:
             self._waiting.append(_Waiting(identity, fetch, now))
         return False
 
-    def _lend(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer, now: float) -> None:
+    def _answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
+        """Serve a stored chunk: WRITE it into the peer's buffer, lend it, or send it (takes ``buffer``)."""
+        self.served_total += 1
+        if fetch.address and fetch.capacity == buffer.data.numel() and identity in self._writers:
+            self._write(identity, fetch, buffer)
+            return True
+        if identity in self._nixl_peers and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
+            self._lend(identity, fetch, buffer)
+            return True
+        try:
+            payload = memoryview(buffer.data.numpy())
+            self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), payload)
+        finally:
+            buffer.release()
+        return True
+
+    def _lend(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> None:
         """Reply with where the chunk lies; keep its buffer until the transfer is released."""
-        lent = self._lent.setdefault(fetch.transfer_id, _Lent([], now))
+        lent = self._lent.setdefault(fetch.transfer_id, _Lent([], time.monotonic()))
         lent.buffers.append(buffer)
         self.lent_total += 1
         lent.last_s = self._nixl_peers[identity] = time.monotonic()

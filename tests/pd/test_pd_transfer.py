@@ -245,3 +245,18 @@ def test_aborted_producer_request_ends_the_waiting_consumer_at_once(engines):
     assert d.wait_loaded("d-req", timeout_s=30) == set(D_BLOCKS[2:])  # what was sealed still arrives
     assert time.monotonic() - start < 30  # not the 60 s timeout
     assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))
+
+
+def test_a_chunk_whose_save_is_dropped_is_answered_missing_not_left_waiting(engines):
+    """P parks a fetch for a chunk its save executor is still storing; if that save is then dropped
+    (backlog full) or fails, nothing announces it: P looks again once a second and answers
+    ``missing``, so D recomputes at once instead of waiting out its timeout."""
+    p, d = engines("p", 1), engines("d", 2, pd_timeout_ms=60000)
+    saving = [True]
+    p.side.chunk_server._saving = lambda key: saving[0]  # stands for a queued save of every chunk
+    start = time.monotonic()
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    time.sleep(0.5)
+    saving[0] = False  # the save was dropped: the chunk will never be stored
+    assert d.wait_loaded("d-req", timeout_s=30) == set(D_BLOCKS)
+    assert time.monotonic() - start < 10  # not the 60 s timeout
