@@ -5,7 +5,8 @@ The decode engine's answer must equal a colocated engine's, and it must have loa
 Opt-in (``KVTIER_PD_TP=1``): on this 2-core box, with six busy processes on two cores, one rank's
 transfer sometimes gets no answer within the timeout (the connection is established, the
 producer's reply never arrives); the consumer then recomputes, with identical output, and the
-assertion that the prompt was loaded fails. Not understood yet; see the README's P/D section.
+assertion that the prompt was loaded fails. Not understood yet (what is known: the README's P/D
+section, "Known limits").
 """
 
 from __future__ import annotations
