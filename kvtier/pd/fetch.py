@@ -189,12 +189,14 @@ class _Peer:
             raise PeerError(f"{self.endpoint} no longer has chunk {index} ({arrived.reply.status})")
         if arrived.payload is None:
             return self._finish_read(index, arrived)
-        payload, buffer = arrived.payload, arrived.buffer or self.allocate(nbytes)
+        payload, buffer = arrived.payload, arrived.buffer
         arrived.buffer = None
-        if len(payload.buffer) != nbytes or buffer is None:
+        if len(payload.buffer) != nbytes:
             if buffer is not None:
                 buffer.release()
-                raise PeerError(f"{self.endpoint} sent chunk {index} of {len(payload.buffer)} B, expected {nbytes} B")
+            raise PeerError(f"{self.endpoint} sent chunk {index} of {len(payload.buffer)} B, expected {nbytes} B")
+        buffer = buffer or self.allocate(nbytes)
+        if buffer is None:
             raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
         np.copyto(buffer.data.numpy(), np.frombuffer(payload.buffer, dtype=np.uint8))
         return buffer

@@ -19,8 +19,9 @@ metadata came with the handshake reply; D READs the bytes itself (pull), then ch
 the bytes it read, exactly as it would over a payload frame. P lends that buffer until D releases
 the transfer. In a push transfer (``Fetch.wait``) D also names a buffer of its own registered
 pool in each fetch (``address``, ``capacity``), and P WRITEs the chunk there the moment it has
-it (its ``ok`` reply then says ``written``); D's metadata came with its hello. P gives its NIXL metadata only in an authenticated handshake reply: a peer that fails
-the handshake never learns how to reach P's memory.
+it (its ``ok`` reply then says ``written``); D's metadata came with its hello. P gives its NIXL
+metadata only in an authenticated handshake reply: a peer that fails the handshake never learns
+how to reach P's memory.
 """
 
 from __future__ import annotations

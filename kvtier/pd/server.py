@@ -11,8 +11,9 @@ the reply carries its address in the registered CPU pool, and the server keeps t
 buffer (a reference to the pool memory, so LMCache neither evicts nor reuses it) until the peer
 releases the transfer, or, should the peer vanish, until it has asked nothing for twice
 ``timeout_ms`` (it has given up by then). A push peer names a buffer of its own in each fetch:
-the chunk is written there (a NIXL WRITE posted on this thread) and the reply says so. While NIXL peers are known the thread wakes every
-10 ms to let NIXL make progress (no progress thread, see :mod:`kvtier.pd.nixl`).
+the chunk is written there (a NIXL WRITE posted on this thread) and the reply says so. While
+NIXL peers are known the thread wakes every 10 ms (every 1 ms while a WRITE runs) to let NIXL
+make progress (no progress thread, see :mod:`kvtier.pd.nixl`).
 """
 
 from __future__ import annotations
