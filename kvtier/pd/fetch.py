@@ -248,23 +248,18 @@ class _Peer:
                 if buffer is None or reply.nbytes != nbytes:
                     raise PeerError(f"{self.endpoint} says it wrote chunk {index}, but not into a buffer of "
                                     f"{nbytes} B this engine named")
+            else:  # P lent it: read it
+                if reply.nbytes != nbytes:
+                    raise PeerError(f"{self.endpoint} lent chunk {index} of {reply.nbytes} B, expected {nbytes} B")
+                if buffer is None:
+                    raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
+                if transfer is None:
+                    raise PeerError(f"NIXL could not post the READ of chunk {index} from {self.endpoint}")
                 try:
-                    check_mac(self.secret, arrived.tag, arrived.body, memoryview(buffer.data.numpy()))
-                except AuthError as exc:
-                    raise PeerError(f"bad chunk {index} from {self.endpoint}: {exc}") from None
-                arrived.buffer = None
-                return buffer
-            if reply.nbytes != nbytes:
-                raise PeerError(f"{self.endpoint} lent chunk {index} of {reply.nbytes} B, expected {nbytes} B")
-            if buffer is None:
-                raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
-            if transfer is None:
-                raise PeerError(f"NIXL could not post the READ of chunk {index} from {self.endpoint}")
-            try:
-                transfer.wait(self.timeout_ms / 1000, self.cancelled)
-            except NixlError as exc:
-                self.failed = True  # forgotten once its READs are settled (close)
-                raise PeerError(f"NIXL READ of chunk {index} from {self.endpoint}: {exc}") from None
+                    transfer.wait(self.timeout_ms / 1000, self.cancelled)
+                except NixlError as exc:
+                    self.failed = True  # forgotten once its READs are settled (close)
+                    raise PeerError(f"NIXL READ of chunk {index} from {self.endpoint}: {exc}") from None
             try:
                 check_mac(self.secret, arrived.tag, arrived.body, memoryview(buffer.data.numpy()))
             except AuthError as exc:
@@ -272,7 +267,8 @@ class _Peer:
         except BaseException:
             self._discard(arrived)
             raise
-        transfer.release()
+        if transfer is not None:
+            transfer.release()
         return buffer
 
     def _discard(self, arrived: _Arrived) -> None:

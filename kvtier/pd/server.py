@@ -253,12 +253,8 @@ class ChunkServer:
         self.lent_total += 1
         lent.last_s = self._nixl_peers[identity] = time.monotonic()
         reply = ChunkReply(VERSION, fetch.index, "ok", address=buffer.data.data_ptr(), nbytes=buffer.data.numel())
-        body = encode(reply)
-        try:  # the MAC covers the bytes the peer will read, as it would a payload frame
-            self._socket.send_multipart([identity, mac(self._secret, body, memoryview(buffer.data.numpy())), body],
-                                        flags=zmq.NOBLOCK)
-        except zmq.ZMQError:
-            pass  # the peer is gone: the buffer goes back when the loan expires
+        self._send(identity, reply, memoryview(buffer.data.numpy()), out_of_band=True)  # if the peer is gone,
+        # the buffer goes back when the loan expires
 
     def _write(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> None:
         """WRITE the chunk into the buffer the fetch named; reply once it is there."""
@@ -282,8 +278,7 @@ class ChunkServer:
                 if state == "DONE":
                     self.written_total += 1
                     reply = ChunkReply(VERSION, w.fetch.index, "ok", nbytes=w.buffer.data.numel(), written=True)
-                    body = encode(reply)
-                    self._send_frames([w.identity, mac(self._secret, body, payload), body])
+                    self._send(w.identity, reply, payload, out_of_band=True)
                 else:
                     self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok"), payload)
             finally:
@@ -325,14 +320,14 @@ class ChunkServer:
         for identity in peers:
             self._send(identity, ChunkReply(VERSION, -1, "pending"))
 
-    def _send(self, identity: bytes, reply: msgspec.Struct, payload: memoryview | None = None) -> None:
+    def _send(self, identity: bytes, reply: msgspec.Struct, payload: memoryview | None = None,
+              out_of_band: bool = False) -> None:
+        """Send ``reply``, its MAC covering ``payload`` too. The payload follows as a frame, unless
+        it travels ``out_of_band`` (NIXL: the peer reads it, or it was written into the peer's buffer)."""
         body = encode(reply)
         frames = [identity, mac(self._secret, body, payload), body]
-        if payload is not None:
+        if payload is not None and not out_of_band:
             frames.append(payload)
-        self._send_frames(frames)
-
-    def _send_frames(self, frames: list) -> None:
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.ZMQError:

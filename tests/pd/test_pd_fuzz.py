@@ -128,18 +128,14 @@ reply_frames = st.one_of(
 )
 
 
-@settings(FUZZ, max_examples=max(20, EXAMPLES // 10))
-@given(hello=st.one_of(st.just([b"", good_hello]), reply_frames, st.tuples(st.just(b""), mutated(st.just(good_hello))).map(list)),
-       chunks=st.lists(reply_frames, max_size=3))
-def test_a_decode_engine_reads_any_producer_reply_as_chunks_or_a_peer_error(hostile, hello, chunks):
-    producer, store = hostile
-    with producer.lock:
-        producer.replies[:] = [hello, *chunks]
+def fetch_from_hostile(producer, store, wait: bool = False, nixl=None) -> None:
+    """Fetch two one-block chunks from the hostile producer with the real fetch code; each chunk
+    that arrives must have the asked size, and is released. Only a ``PeerError`` may end it."""
     got = []
     try:
         for buffer in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32), "t",
-                                   [(b"k" * 16, 1), (b"l" * 16, 1)], wait=False, timeout_ms=100, secret=None,
-                                   allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES):
+                                   [(b"k" * 16, 1), (b"l" * 16, 1)], wait=wait, timeout_ms=100, secret=None,
+                                   allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES, nixl=nixl):
             got.append(buffer)
     except PeerError:
         pass  # the clear refusal; anything else fails the test
@@ -147,6 +143,16 @@ def test_a_decode_engine_reads_any_producer_reply_as_chunks_or_a_peer_error(host
         for buffer in got:
             assert buffer.data.numel() == CHUNK_BYTES
             buffer.release()
+
+
+@settings(FUZZ, max_examples=max(20, EXAMPLES // 10))
+@given(hello=st.one_of(st.just([b"", good_hello]), reply_frames, st.tuples(st.just(b""), mutated(st.just(good_hello))).map(list)),
+       chunks=st.lists(reply_frames, max_size=3))
+def test_a_decode_engine_reads_any_producer_reply_as_chunks_or_a_peer_error(hostile, hello, chunks):
+    producer, store = hostile
+    with producer.lock:
+        producer.replies[:] = [hello, *chunks]
+    fetch_from_hostile(producer, store)
     assert store.cpu_bytes_used() == 0  # nothing that arrived leaked
 
 
@@ -207,18 +213,7 @@ def test_a_decode_engine_reads_any_lent_chunk_reply_as_chunks_or_a_peer_error(ho
                for offset, nbytes, index, written in chunks]
     with producer.lock:
         producer.replies[:] = [hello, *replies]
-    got = []
-    try:
-        for buffer in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32), "t",
-                                   [(b"k" * 16, 1), (b"l" * 16, 1)], wait=push, timeout_ms=100, secret=None,
-                                   allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES, nixl=d_agent):
-            got.append(buffer)
-    except PeerError:
-        pass
-    finally:
-        for buffer in got:
-            assert buffer.data.numel() == CHUNK_BYTES
-            buffer.release()
+    fetch_from_hostile(producer, store, wait=push, nixl=d_agent)
     deadline = time.monotonic() + 3
     while store.cpu_bytes_used() and time.monotonic() < deadline:
         time.sleep(0.01)  # quarantined push buffers: 3 timeouts
