@@ -1,0 +1,88 @@
+"""One engine of a P/D pair that stays up: a vLLM ``LLM`` with kvtier, with vLLM's
+``NixlConnector`` or with no connector, answering one request per line of its stdin.
+
+``python -m kvtier.bench.pd_child SPEC.json`` prints ``READY {"start_s": s}`` once the engine is
+built, then for each request line ``{"prompt": [ids], "max_tokens": n, "params": {...} | null,
+"logprobs": k | null}`` one line ``OUT {"seconds": s, "tokens": [ids], "cached": tokens,
+"params": {...} | null, "logprobs": [{id: logprob}] | null}``: ``params`` in is the request's
+``kv_transfer_params``, out is what the engine returned (a prefill engine's answer for the decode
+engine); ``seconds`` is the wall time of ``generate`` (with ``max_tokens`` 1: time to first token).
+An empty line or end of input ends the engine.
+
+SPEC: ``{"model": dir, "connector": "kvtier" | "nixl" | "none", "kvtier": extra config,
+"load_format": "dummy" | "auto", "gpu_memory_utilization": fraction, "max_model_len": tokens,
+"block_size": tokens | null}``. The engine runs eager, greedy, with token-id prompts only.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+
+def _transfer_config(spec: dict):
+    from importlib.metadata import entry_points
+
+    from vllm.config import KVTransferConfig
+
+    if spec["connector"] == "nixl":
+        return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+    if spec["connector"] != "kvtier":
+        return None
+    # Where kvtier is only on the path (not installed), vLLM finds the connector by module.
+    named = ({"kv_connector": "kvtier"} if any(ep.name == "kvtier" for ep in entry_points(group="vllm.general_plugins"))
+             else {"kv_connector": "KvtierConnector", "kv_connector_module_path": "kvtier.engines.vllm.connector"})
+    return KVTransferConfig(**named, kv_role="kv_both", kv_load_failure_policy="recompute",
+                            kv_connector_extra_config=spec.get("kvtier") or {})
+
+
+def build_engine(spec: dict):
+    """The ``vllm.LLM`` ``spec`` asks for."""
+    from vllm import LLM
+
+    kw = {"kv_transfer_config": _transfer_config(spec)} if spec["connector"] != "none" else {}
+    if spec.get("block_size"):
+        kw["block_size"] = spec["block_size"]
+    return LLM(model=spec["model"], load_format=spec.get("load_format", "dummy"), skip_tokenizer_init=True,
+               enforce_eager=True, seed=0, max_model_len=spec["max_model_len"],
+               gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.35), disable_log_stats=True, **kw)
+
+
+def answer(llm, request: dict) -> dict:
+    """Run one request line; the ``OUT`` record."""
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    extra = {"kv_transfer_params": request["params"]} if request.get("params") else None
+    params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 1), ignore_eos=True,
+                            detokenize=False, logprobs=request.get("logprobs"), extra_args=extra)
+    start = time.perf_counter()
+    out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
+    seconds = time.perf_counter() - start
+    logprobs = None
+    if out.outputs[0].logprobs is not None:
+        logprobs = [{str(t): lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]
+    return {"seconds": seconds, "tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
+            "params": getattr(out, "kv_transfer_params", None), "logprobs": logprobs}
+
+
+def main(spec_path: str) -> None:
+    with open(spec_path) as f:
+        spec = json.load(f)
+    begin = time.perf_counter()
+    llm = build_engine(spec)
+    print("READY " + json.dumps({"start_s": time.perf_counter() - begin}), flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            break
+        print("OUT " + json.dumps(answer(llm, json.loads(line))), flush=True)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m kvtier.bench.pd_child SPEC.json")
+    os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
+    main(sys.argv[1])
+    os._exit(0)  # the parent ends the engine's process group
