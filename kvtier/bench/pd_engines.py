@@ -352,10 +352,12 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
                 json.dump(LLAMA3_8B, f)
         run = Run(args, model, lengths, progress)
         try:
-            if "kvtier" in pairs:
-                run.kvtier_pair(tmp)
-            if "nixl" in pairs:
-                run.nixl_pair(tmp)
+            for name, pair in (("kvtier", run.kvtier_pair), ("nixl", run.nixl_pair)):
+                if name in pairs:
+                    pair(tmp)
+                    if args.json:  # what is done so far survives a run cut short
+                        with open(args.json, "w") as f:
+                            json.dump(run.result(), f, indent=1)
         except BenchError as exc:
             print(f"kvtier-bench pd-engines: error: {exc}", file=sys.stderr)
             return 1
