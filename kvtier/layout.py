@@ -6,6 +6,15 @@ is one dense range of bytes, whatever the order of its dims (vLLM-CPU; vLLM 0.26
 in NHD or HND order; MLA), or several when a dim lies outside the block in memory (K and V in
 the older ``[2, num_blocks, ...]`` flash layout; heads in vLLM 0.32's BHLNC). kvtier never
 interprets the bytes inside a block; it only moves them.
+
+A layout is *token-contiguous* when every region's block is ``[block_size, per_token...]``
+densely, tokens outermost: a block's bytes are ``block_size`` equal slices, one per token (flash
+attention's NHD ``[2, num_blocks, block_size, kv_heads, head_size]``, MLA's ``[num_blocks,
+block_size, latent]``). Then ``n`` blocks of a region are ``n * block_size`` token slices in
+token order, whatever the block size, so its fingerprint leaves the block size out: engines with
+different block sizes exchange chunks unchanged (P/D). Any other layout (HND, vLLM-CPU's
+``[num_blocks, kv_heads, block_size, 2*head_size]``, FlashInfer's ``[num_blocks, 2, ...]`` as one
+region) fingerprints its block size.
 """
 
 from __future__ import annotations
@@ -55,13 +64,22 @@ class Layout:
     """All regions of all layers, in a fixed order, plus the fingerprint of their byte format.
 
     ``fingerprint`` (16 bytes) covers everything that changes the meaning of a block's bytes:
-    model, dtype, per-block shapes and strides, block size, TP rank and size, layout version.
+    model, dtype, TP rank and size, layout version, and per-token shapes and strides when
+    ``token_contiguous`` (see the module docstring), else per-block ones and the block size.
     """
 
     regions: tuple[Region, ...]
     block_size: int
     fingerprint: bytes
     description: str = ""  # the fingerprinted facts in words, for error messages
+    token_contiguous: bool = False  # each region's block is block_size equal token slices, in token order
+
+    @property
+    def token_bytes(self) -> tuple[int, ...]:
+        """Bytes of one token in each region (token-contiguous layouts only; else empty)."""
+        if not self.token_contiguous:
+            return ()
+        return tuple(r.block_bytes // self.block_size for r in self.regions)
 
     @property
     def num_blocks(self) -> int:
@@ -199,7 +217,8 @@ def build_layout(
     if block_size <= 0 or num_blocks <= 0:
         raise LayoutError(f"block_size ({block_size}) and num_blocks ({num_blocks}) must be positive.")
     regions: list[Region] = []
-    described: list[str] = []
+    described: list[str] = []  # per region, name:dtype:block shape:strides
+    per_token: list[str] = []  # the same per token, while every region keeps tokens outermost
     seen: set[tuple[int, int, int]] = set()
     for name, tensor in kv_caches.items():
         for part_name, block, block_bytes in _split_blocks(tensor, name, num_blocks):
@@ -210,12 +229,38 @@ def build_layout(
             seen.add(where)
             regions.append(Region(part_name, view))
             described.append(f"{part_name}:{block.dtype}:{tuple(block.shape[1:])}:{block[0].stride()}")
+            if (token := _token_dim(block, block_size, block_bytes)) is not None:
+                one = block[0].select(token - 1, 0)  # one token of one block
+                per_token.append(f"{part_name}:{block.dtype}:token dim {token - 1}:{tuple(one.shape)}:{one.stride()}")
     devices = {r.blocks.device for r in regions}
     if len(devices) != 1:
         raise LayoutError(f"KV tensors span several devices ({sorted(map(str, devices))}); one device per worker is supported.")
-    text = "|".join([f"v{LAYOUT_VERSION}", model, f"bs{block_size}", f"tp{tp_rank}/{tp_size}", *described])
+    token_contiguous = len(per_token) == len(described)
+    if token_contiguous:  # no block size: "tokens" can never be read as one
+        text = "|".join([f"v{LAYOUT_VERSION}", model, "tokens", f"tp{tp_rank}/{tp_size}", *per_token])
+    else:
+        text = "|".join([f"v{LAYOUT_VERSION}", model, f"bs{block_size}", f"tp{tp_rank}/{tp_size}", *described])
     fingerprint = hashlib.blake2b(text.encode(), digest_size=16).digest()
-    description = (f"[model {model or '?'}, block size {block_size}, TP rank {tp_rank}/{tp_size}, "
+    order = ("token-contiguous: any block size matches" if token_contiguous
+             else "not token-contiguous: the block size must match")
+    description = (f"[model {model or '?'}, block size {block_size} ({order}), TP rank {tp_rank}/{tp_size}, "
                    f"{len(regions)} regions like {described[0]} (name:dtype:block shape:strides), "
                    f"fingerprint {fingerprint.hex()[:12]}]")
-    return Layout(tuple(regions), block_size, fingerprint, description)
+    return Layout(tuple(regions), block_size, fingerprint, description, token_contiguous)
+
+
+def _token_dim(block: torch.Tensor, block_size: int, block_bytes: int) -> int | None:
+    """The dim of ``block`` (dim 0 indexes blocks; each block one dense range of ``block_bytes``)
+    that indexes tokens, when it is outermost in memory: each block is then ``block_size``
+    consecutive slices of ``block_bytes / block_size`` bytes, token ``i`` in slice ``i``. None
+    when the outermost dim is not ``block_size`` long (HND: heads outermost). Its place in the
+    view's dim order is fingerprinted too: an HND block whose heads happen to number
+    ``block_size`` cannot pass for one whose tokens are outermost.
+    """
+    dims = [d for d in range(1, block.dim()) if block.shape[d] > 1]
+    if block_size == 1 or not dims:  # one token per block: nothing tells the token dim apart
+        return None
+    outer = max(dims, key=block.stride)
+    if block.shape[outer] != block_size or block.stride(outer) * block.element_size() * block_size != block_bytes:
+        return None
+    return outer

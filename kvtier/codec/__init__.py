@@ -5,10 +5,11 @@ of that region, each ``region.block_bytes`` long. Block ``j`` of region ``r`` th
 ``HEADER_BYTES + n * sum(block_bytes of regions before r) + j * block_bytes[r]``, so any
 sub-range of blocks can be read without touching the rest.
 
-Header (little-endian): magic ``b"KVTC"``, format version (u16, now 2), checksum kind (u16,
-:mod:`kvtier.codec.checksums`), layout fingerprint (16 B), block count (u32), reserved (u32),
-payload bytes (u64), payload checksum low 64 bits (u64), high 64 bits (u64, xxh3-128 only, else
-0), zero padding to 64 bytes. A chunk of another format version never loads.
+Header (little-endian): magic ``b"KVTC"``, format version (u16, now 3), checksum kind (u16,
+:mod:`kvtier.codec.checksums`), layout fingerprint (16 B), token count (u32: blocks × the
+writer's block size, so a token-contiguous layout's chunk reads the same under any block size),
+reserved (u32), payload bytes (u64), payload checksum low 64 bits (u64), high 64 bits (u64,
+xxh3-128 only, else 0), zero padding to 64 bytes. A chunk of another format version never loads.
 """
 
 from kvtier.codec.chunk import (
@@ -19,6 +20,7 @@ from kvtier.codec.chunk import (
     ChunkHeader,
     checksum,
     read_header,
+    retoken,
     verify_chunk,
     write_header,
 )
@@ -35,6 +37,7 @@ __all__ = [
     "chunk_bytes",
     "read_header",
     "region_offsets",
+    "retoken",
     "verify_chunk",
     "write_header",
 ]

@@ -48,7 +48,7 @@ class PeerError(RuntimeError):
 def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tuple[bytes, int]], *,
                  wait: bool, timeout_ms: int, secret: bytes | None, allocate: Allocate,
                  chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool,
-                 nixl: Agent | None = None) -> Iterator[ChunkBuffer]:
+                 nixl: Agent | None = None, block_size: int = 0) -> Iterator[ChunkBuffer]:
     """Yield the chunks ``items`` (chain key, block count) of ``transfer_id`` from ``endpoint``, in
     order, each in a fresh buffer from ``allocate`` that the caller owns.
 
@@ -56,15 +56,17 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     (no chunk, no heartbeat) before giving up. ``chunk_bytes(num_blocks)``: a chunk's size.
     ``cancelled()``: checked while waiting; True stops the transfer (the request was aborted).
     ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
-    which picks NIXL or ZMQ (None: ZMQ only). Tells the producer it is done (releases its pins
-    and lent buffers) when the generator ends, however it ends.
+    which picks NIXL or ZMQ (None: ZMQ only). ``block_size``: this engine's, in tokens: each
+    chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
+    Tells the producer it is done (releases its pins and lent buffers) when the generator ends,
+    however it ends.
     """
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)
     socket.setsockopt(zmq.MAXMSGSIZE, max(chunk_bytes(n) for _, n in items) + (64 << 10))
     socket.connect(endpoint)
     sizes = [chunk_bytes(n) for _, n in items]
-    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate)
+    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size)
     try:
         if nixl is not None:  # push: P may WRITE each chunk into a buffer of ours as soon as it has it
             hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), nixl=nixl.metadata() if wait else b"")
@@ -110,8 +112,9 @@ class _Arrived:
 
 class _Peer:
     def __init__(self, socket: zmq.Socket, endpoint: str, secret: bytes | None, timeout_ms: int,
-                 cancelled: Callable[[], bool], sizes: list[int], allocate: Allocate):
+                 cancelled: Callable[[], bool], sizes: list[int], allocate: Allocate, block_size: int):
         self.socket = socket
+        self.block_size = block_size
         self.cancelled = cancelled
         self.endpoint = endpoint
         self.secret = secret
@@ -207,7 +210,8 @@ class _Peer:
         if self.landing_enabled and (buffer := self.allocate(self.sizes[index])) is not None:
             self.landing[index] = buffer
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
-        self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity))
+        self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
+                        num_blocks * self.block_size))
 
     def _take(self, got: HelloReply | _Arrived) -> None:
         if isinstance(got, HelloReply):
@@ -301,11 +305,16 @@ class _Peer:
 
 
 def _check_layouts(endpoint: str, hello: Hello, reply: HelloReply) -> None:
+    """Refuse a producer whose chunks mean other bytes than this engine's: another layout
+    fingerprint (which includes the block size unless the layout is token-contiguous: see
+    :mod:`kvtier.layout`), or another ``chunk_tokens`` (chunk keys cover that many tokens)."""
     problem = reply.error
     if not problem and reply.fingerprint != hello.fingerprint:
-        problem = f"KV layouts differ: this engine has {hello.layout}; the producer has {reply.layout}"
+        problem = (f"KV layouts differ (block sizes may differ only where both layouts are token-contiguous, "
+                   f"e.g. flash attention's NHD or MLA): this engine has {hello.layout}; the producer has {reply.layout}")
     if not problem and reply.chunk_tokens != hello.chunk_tokens:
-        problem = f"chunk_tokens differ: {hello.chunk_tokens} here, {reply.chunk_tokens} on the producer"
+        problem = (f"chunk_tokens differ ({hello.chunk_tokens} here, {reply.chunk_tokens} on the producer): "
+                   f"both engines must use the same, a multiple of each one's block size")
     if problem:
         if endpoint not in _warned:
             _warned.add(endpoint)

@@ -35,7 +35,7 @@ import msgspec
 from kvtier.codec import HEADER_BYTES
 from kvtier.codec.chunk import CHECKSUM_BLAKE3, read_header
 
-VERSION = 2
+VERSION = 3
 MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larger ones unread
 KEY_BYTES = 16
 MAC_BYTES = 32
@@ -62,7 +62,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
-    """Send chunk ``index`` of transfer ``transfer_id``: chain key ``key``, ``num_blocks`` blocks.
+    """Send chunk ``index`` of transfer ``transfer_id``: chain key ``key``, ``num_blocks`` of D's
+    blocks, ``tokens`` token slots (``num_blocks`` × D's block size; 0: as P stored it). A prompt's
+    partial tail stored with another count (P's block size differs: token-contiguous layouts
+    only) is re-cut to ``tokens`` before it is sent.
     ``wait``: if P has not published it yet but is computing the transfer, send it when sealed."""
 
     version: int
@@ -73,6 +76,7 @@ class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
     wait: bool = False
     address: Address = 0  # NIXL push: D's buffer P may WRITE the chunk into (0: none)
     capacity: Size = 0  # its size in bytes; P writes only a chunk of exactly this size
+    tokens: Count = 0
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):

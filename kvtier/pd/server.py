@@ -27,6 +27,7 @@ from typing import Callable
 import msgspec
 import zmq
 
+from kvtier import codec
 from kvtier.keys import storage_key
 from kvtier.pd.holds import PublishHolds
 from kvtier.pd.nixl import Agent, Transfer
@@ -49,12 +50,15 @@ _LOG_EVERY = 100  # rejected messages: the first, then one log line per this man
 
 @dataclass(frozen=True, slots=True)
 class ServedLayout:
-    """This rank's side of the handshake. ``fingerprint``: 16 bytes; ``description``: in words."""
+    """This rank's side of the handshake. ``fingerprint``: 16 bytes; ``description``: in words.
+    ``token_bytes``: bytes per token of each region when the layout is token-contiguous (a chunk
+    may then be re-cut to the token count a consumer with another block size asks for), else empty."""
 
     fingerprint: bytes
     description: str
     chunk_tokens: int
     tp_size: int
+    token_bytes: tuple[int, ...] = ()
 
 
 @dataclass(slots=True)
@@ -232,6 +236,11 @@ class ChunkServer:
 
     def _answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
         """Serve a stored chunk: WRITE it into the peer's buffer, lend it, or send it (takes ``buffer``)."""
+        if fetch.tokens and self.layout.token_bytes:
+            buffer = self._recut(fetch, buffer)
+            if buffer is None:
+                self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
+                return True
         self.served_total += 1
         if fetch.address and fetch.capacity == buffer.data.numel() and identity in self._writers:
             self._write(identity, fetch, buffer)
@@ -245,6 +254,30 @@ class ChunkServer:
         finally:
             buffer.release()
         return True
+
+    def _recut(self, fetch: Fetch, buffer: ChunkBuffer) -> ChunkBuffer | None:
+        """``buffer``, or a copy of it re-cut to the ``fetch.tokens`` token slots the consumer asks
+        for: a prompt's partial tail, which each engine rounds up to its own block size (takes
+        ``buffer``; None when there is no room or the chunk is corrupt)."""
+        try:
+            stored = codec.read_header(buffer.data).tokens
+        except codec.ChunkError:
+            stored = fetch.tokens  # sent as it is: the consumer's check refuses it
+        if stored == fetch.tokens:
+            return buffer
+        token_bytes = self.layout.token_bytes
+        out = self.store.allocate(codec.HEADER_BYTES + fetch.tokens * sum(token_bytes), wait=False)
+        try:
+            if out is not None:
+                codec.retoken(buffer.data, out.data, token_bytes, fetch.tokens)
+        except codec.ChunkError as exc:
+            logger.warning("kvtier P/D chunk server: chunk %d of transfer %s is unusable (%s); answered missing.",
+                           fetch.index, fetch.transfer_id, exc)
+            out.release()
+            out = None
+        finally:
+            buffer.release()
+        return out
 
     def _lend(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> None:
         """Reply with where the chunk lies; keep its buffer until the transfer is released."""

@@ -26,7 +26,7 @@ def test_region_major_offsets(layout):
 
 def test_sealed_chunk_verifies(layout):
     header = codec.verify_chunk(sealed(layout), layout, 4)
-    assert header.num_blocks == 4 and header.fingerprint == layout.fingerprint
+    assert header.tokens == 4 * layout.block_size and header.fingerprint == layout.fingerprint
 
 
 @pytest.mark.parametrize("where", [0, 5, 20, 64, 100, -1])
@@ -86,6 +86,31 @@ def old_format_chunk(layout, n=4):
 
 
 def test_a_chunk_of_the_previous_format_version_is_refused(layout):
-    assert codec.FORMAT_VERSION == 2
+    assert codec.FORMAT_VERSION == 3
     with pytest.raises(codec.ChunkError, match="format version 1"):
         codec.verify_chunk(old_format_chunk(layout), layout, 4)
+
+
+@pytest.mark.parametrize("tokens", [16, 64])
+def test_retoken_cuts_or_pads_each_region_and_seals_anew(tokens):
+    nhd = build_layout({"l0": torch.randn(2, 8, 32, 2, 4)}, 32, 8)  # token-contiguous: K and V regions
+    src = sealed(nhd, 1)  # 32 tokens
+    dst = torch.full((codec.HEADER_BYTES + tokens * sum(nhd.token_bytes),), 7, dtype=torch.uint8)
+    codec.retoken(src, dst, nhd.token_bytes, tokens)
+    header = codec.read_header(dst)
+    assert header.tokens == tokens and header.fingerprint == nhd.fingerprint
+    width, kept = nhd.token_bytes[0], min(tokens, 32) * nhd.token_bytes[0]
+    for r in range(2):
+        got = dst[codec.HEADER_BYTES + r * tokens * width:][: tokens * width]
+        assert torch.equal(got[:kept], src[codec.HEADER_BYTES + r * 32 * width:][:kept])
+        assert not got[kept:].any()
+    if tokens % 32 == 0:
+        codec.verify_chunk(dst, nhd, tokens // 32)
+
+
+def test_retoken_refuses_a_corrupt_chunk():
+    nhd = build_layout({"l0": torch.randn(2, 8, 32, 2, 4)}, 32, 8)
+    src = sealed(nhd, 1)
+    src[-1] ^= 1
+    with pytest.raises(codec.ChunkError, match="checksum mismatch"):
+        codec.retoken(src, torch.empty(4096, dtype=torch.uint8), nhd.token_bytes, 16)

