@@ -44,7 +44,7 @@ ROWS = ("recompute", "local hit", "kvtier pull nixl", "kvtier push nixl", "kvtie
         "NixlConnector pull")
 CHILD = "kvtier.bench.pd_child"
 READY_TIMEOUT_S = 600.0  # one engine's start on a busy host, s
-REQUEST_TIMEOUT_S = 600.0  # one request, s
+REQUEST_TIMEOUT_S = 180.0  # one request (a 32k-token P/D answer takes seconds on a GPU), s
 
 
 def add_parser(commands) -> None:
@@ -62,7 +62,8 @@ def add_parser(commands) -> None:
     p.add_argument("--gpu-memory-utilization", type=float, default=0.35, help="each engine's share of the GPU (default 0.35)")
     p.add_argument("--cpu-gib", type=positive, default=8, help="kvtier's CPU tier in each engine, GiB (default 8)")
     p.add_argument("--chunk-tokens", type=positive, default=256, help="kvtier's chunk_tokens (default 256)")
-    p.add_argument("--json", metavar="FILE", help="write every sample to FILE")
+    p.add_argument("--keep-logs", metavar="DIR", help="write the engines' logs to DIR and keep them")
+    p.add_argument("--json", metavar="FILE", help="write every sample to FILE (also after each repeat)")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of TTFT per row and length (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)
 
@@ -77,16 +78,19 @@ class Engine:
             json.dump(spec, f)
         self.log_path = os.path.join(workdir, f"{name}.log")
         self.proc = subprocess.Popen([sys.executable, "-m", CHILD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(self.log_path, "wb"), text=True, start_new_session=True,
+                                     stderr=open(self.log_path, "ab"), text=True, start_new_session=True,
                                      env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
         self._lines: queue.Queue = queue.Queue()
-        self.printed: list[str] = []  # its other stdout lines (kvtier's own log lines come out there)
         threading.Thread(target=self._read, daemon=True).start()
         self.start_s = json.loads(self._expect("READY ", READY_TIMEOUT_S))["start_s"]
 
     def _read(self) -> None:
-        for line in self.proc.stdout:
-            self._lines.put(line)
+        with open(self.log_path, "a") as log:  # vLLM and kvtier log to stdout: their lines go beside stderr's
+            for line in self.proc.stdout:
+                if not line.startswith(("OUT ", "READY ")):
+                    log.write(line)
+                    log.flush()
+                self._lines.put(line)
         self._lines.put(None)
 
     def _expect(self, prefix: str, timeout_s: float) -> str:
@@ -102,10 +106,11 @@ class Engine:
                                  f"{self.log_tail()}")
             if line.startswith(prefix):
                 return line[len(prefix):]
-            self.printed.append(line)
 
-    def send(self, prompt: list[int], params: dict | None = None, max_tokens: int = 1) -> None:
-        self.proc.stdin.write(json.dumps({"prompt": prompt, "params": params, "max_tokens": max_tokens}) + "\n")
+    def send(self, prompt: list[int], params: dict | None = None, max_tokens: int = 1, logprobs: int | None = None) -> None:
+        """Start one request (``params``: its ``kv_transfer_params``); :meth:`receive` gives the answer."""
+        line = {"prompt": prompt, "params": params, "max_tokens": max_tokens, "logprobs": logprobs}
+        self.proc.stdin.write(json.dumps(line) + "\n")
         self.proc.stdin.flush()
 
     def receive(self) -> dict:
@@ -164,8 +169,11 @@ class Run:
         return [rng.randrange(100, min(self.vocab, 120_000)) for _ in range(length)]
 
     def spec(self, connector: str, transport: str = "auto") -> dict:
-        kvtier = {"cpu_bytes": self.args.cpu_gib << 30, "chunk_tokens": self.args.chunk_tokens,
-                  "pd_transport": transport, "pd_timeout_ms": 60_000}
+        # P pins a published prompt until D has it and may hold a whole prefill's chunks in its save
+        # backlog: both get half the CPU tier (by default a quarter), so the longest prompt fits.
+        cpu = self.args.cpu_gib << 30
+        kvtier = {"cpu_bytes": cpu, "pd_hold_bytes": cpu // 2, "save_backlog_bytes": cpu // 2,
+                  "chunk_tokens": self.args.chunk_tokens, "pd_transport": transport, "pd_timeout_ms": 30_000}
         return {"model": self.model, "connector": connector, "kvtier": kvtier, "load_format": self.args.load_format,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "max_model_len": max(self.lengths) + 64}
 
@@ -227,6 +235,7 @@ class Run:
                             self.baselines(p, n)
                         self.pull(f"kvtier pull {transport}", p, d, n)
                         self.push(f"kvtier push {transport}", p, d, n, endpoints)
+                        self.checkpoint()
                 d.stop()
                 engines.remove(d)
                 self.transport_line(d)
@@ -236,7 +245,7 @@ class Run:
 
     def transport_line(self, d: Engine) -> None:
         """Record D's line saying which transport it used (kvtier logs it once per producer)."""
-        lines = [ln.strip() for ln in d.printed + d.log_tail(1 << 20).splitlines() if "kvtier P/D: fetching from" in ln]
+        lines = [ln.strip() for ln in d.log_tail(1 << 24).splitlines() if "kvtier P/D: fetching from" in ln]
         self.transport_lines.append(f"{d.name}: {lines[0] if lines else 'no transport line in its log'}")
 
     def nixl_pair(self, workdir: str) -> None:
@@ -254,9 +263,16 @@ class Run:
                 for r in range(self.args.repeats):
                     self.progress(f"NixlConnector, {n} tokens, repeat {r + 1}/{self.args.repeats}")
                     self.pull("NixlConnector pull", p, d, n)
+                    self.checkpoint()
         finally:
             for e in engines:
                 e.stop()
+
+    def checkpoint(self) -> None:
+        """Write what is measured so far to ``--json``: a run cut short keeps it."""
+        if self.args.json:
+            with open(self.args.json, "w") as f:
+                json.dump(self.result(), f, indent=1)
 
     def result(self) -> dict:
         return {"lengths": self.lengths, "repeats": self.args.repeats, "kv_bytes_per_token": self.kv_bytes_per_token,
@@ -351,22 +367,20 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
             with open(os.path.join(model, "config.json"), "w") as f:
                 json.dump(LLAMA3_8B, f)
         run = Run(args, model, lengths, progress)
-        try:
-            for name, pair in (("kvtier", run.kvtier_pair), ("nixl", run.nixl_pair)):
-                if name in pairs:
-                    pair(tmp)
-                    if args.json:  # what is done so far survives a run cut short
-                        with open(args.json, "w") as f:
-                            json.dump(run.result(), f, indent=1)
-        except BenchError as exc:
-            print(f"kvtier-bench pd-engines: error: {exc}", file=sys.stderr)
-            return 1
+        logs = args.keep_logs or tmp
+        os.makedirs(logs, exist_ok=True)
+        for name, pair in (("kvtier", run.kvtier_pair), ("nixl", run.nixl_pair)):
+            if name in pairs:
+                try:
+                    pair(logs)
+                except BenchError as exc:  # the other pair still runs; the exit status says it failed
+                    print(f"kvtier-bench pd-engines: error: {exc}", file=sys.stderr)
+                    run.failures.append(f"{name} pair: {str(exc).splitlines()[0]}")
     result = run.result()
     result["elapsed_s"] = progress.elapsed()
     print(format_table(result), flush=True)
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(result, f, indent=1)
+        run.checkpoint()
         progress(f"wrote {args.json}")
     if args.plot:
         progress(write_plot(result, args.plot) or f"wrote {args.plot}")
