@@ -64,7 +64,7 @@ def test_pd_pull_push_nixl_and_zmq(gpu_model, tmp_path, monkeypatch):
             params = p.ask(pulled, {"do_remote_decode": True})["params"]
             assert params and params.get("kvtier_endpoints"), f"P published nothing: {params}"
             got = _ask(d, pulled, params)
-            assert got["cached"] == LOADED, f"{transport} pull: D loaded {got['cached']} tokens, expected {LOADED}"
+            assert got["cached"] >= LOADED, f"{transport} pull: D loaded {got['cached']} tokens, expected {LOADED}"
             g.assert_strict(_as_output(got), _as_output(_ask(p, pulled)), f"{transport} pull vs P's own KV")
 
             pushed, transfer_id = g.prompt(200 + i, LENGTH), uuid.uuid4().hex
@@ -72,7 +72,7 @@ def test_pd_pull_push_nixl_and_zmq(gpu_model, tmp_path, monkeypatch):
                             "kvtier_endpoints": params["kvtier_endpoints"]}, max_tokens=16, logprobs=g.TOP_LOGPROBS)
             p.send(pushed, {"do_remote_decode": True, "transfer_id": transfer_id})
             got, _ = d.receive(), p.receive()
-            assert got["cached"] == LOADED, f"{transport} push: D loaded {got['cached']} tokens, expected {LOADED}"
+            assert got["cached"] >= LOADED, f"{transport} push: D loaded {got['cached']} tokens, expected {LOADED}"
             g.assert_strict(_as_output(got), _as_output(_ask(p, pushed)), f"{transport} push vs P's own KV")
 
             # Negative control: a transfer P never published. D recomputes; the answer is still P's.
