@@ -306,7 +306,10 @@ def _med(values: list[float]) -> float | None:
 
 
 def transfer_gbps(result: dict, row: str, n: str) -> float | None:
-    """KV bytes of the loaded prompt over the time D's leg took beyond a local hit's, GB/s."""
+    """KV bytes of the loaded prompt over the time D's leg took beyond a local hit's, GB/s; pull
+    rows only (a push D leg includes P's prefill)."""
+    if "pull" not in row:
+        return None
     d_leg, local = _med(result["d_leg_ms"][row][n]), _med(result["ttft_ms"]["local hit"][n])
     if d_leg is None or local is None or d_leg <= local:
         return None
@@ -332,7 +335,7 @@ def format_table(result: dict) -> str:
     lines.append("every P/D answer loaded the prompt and matched P's first token: "
                  + ("yes" if not result["failures"] else "NO: " + "; ".join(result["failures"][:5])))
     lines.append("pull TTFT = P's prefill leg + D's leg; push TTFT = D's leg (both sent at once); "
-                 "GB/s = KV bytes / (D's leg - local hit)")
+                 "GB/s (pull) = KV bytes / (D's leg - local hit)")
     return "\n".join(lines)
 
 
