@@ -185,16 +185,15 @@ class Run:
         if d_out["tokens"][:1] != p_out["tokens"][:1]:
             self.failures.append(f"{row} {n}: D's first token {d_out['tokens'][:1]} != P's {p_out['tokens'][:1]}")
 
-    def pull(self, row: str, p: Engine, d: Engine, n: int, extra: dict | None = None) -> dict:
+    def pull(self, row: str, p: Engine, d: Engine, n: int) -> None:
         prompt = self.prompt(n)
-        p_out = p.ask(prompt, {"do_remote_decode": True, "do_remote_prefill": False, **(extra or {})})
+        p_out = p.ask(prompt, {"do_remote_decode": True, "do_remote_prefill": False})
         if not p_out["params"]:
             raise BenchError(f"{row}: P returned no kv_transfer_params; log {p.log_path}:\n{p.log_tail()}")
         d_out = d.ask(prompt, p_out["params"])
         self.check(row, n, p_out, d_out)
         self.ms[row][str(n)].append((p_out["seconds"] + d_out["seconds"]) * 1e3)
         self.d_leg_ms[row][str(n)].append(d_out["seconds"] * 1e3)
-        return p_out["params"]
 
     def push(self, row: str, p: Engine, d: Engine, n: int, endpoints: list[str]) -> None:
         prompt, transfer_id = self.prompt(n), uuid.uuid4().hex
