@@ -23,7 +23,7 @@ from pathlib import Path
 
 __all__ = [
     "KV_CACHE_BYTES", "MAX_MODEL_LEN", "SERVED_NAME", "STOP_GRACE_S", "Server", "free_port", "kv_cache_usage",
-    "metric", "metrics", "parse_metrics", "server_args", "start_proxy", "start_server", "wait_ready",
+    "metric", "metrics", "parse_metrics", "server_args", "start_proxy", "start_server", "stop_group", "wait_ready",
 ]
 
 SERVED_NAME = "tiny"  # --served-model-name: what clients put in "model"
@@ -54,15 +54,20 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it after STOP_GRACE_S, and reap the server."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        # Children (the engine core) may outlive a server that exited on its own: kill the group anyway.
-        _signal_group(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        stop_group(self.proc)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """End ``proc``'s process group (``proc`` leads it): SIGTERM, SIGKILL after ``grace_s``; reap ``proc``."""
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Children (the engine core) may outlive a leader that exited on its own: kill the group anyway.
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
