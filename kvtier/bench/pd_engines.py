@@ -38,7 +38,7 @@ import uuid
 from kvtier.bench.common import (NO_MATPLOTLIB, BenchError, Progress, names_from, positive, pyplot, save_figure,
                                  token_lengths, vllm_version)
 from kvtier.bench.engine import LLAMA3_8B
-from kvtier.bench.servers import stop_group
+from kvtier.bench.servers import start_group, stop_group
 
 PAIRS = ("kvtier", "nixl")
 ROWS = ("recompute", "local hit", "kvtier pull nixl", "kvtier push nixl", "kvtier pull zmq", "kvtier push zmq",
@@ -78,9 +78,9 @@ class Engine:
         with open(path, "w") as f:
             json.dump(spec, f)
         self.log_path = os.path.join(workdir, f"{name}.log")
-        self.proc = subprocess.Popen([sys.executable, "-m", CHILD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(self.log_path, "ab"), text=True, start_new_session=True,
-                                     env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
+        self.proc = start_group([sys.executable, "-m", CHILD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=open(self.log_path, "ab"), text=True,
+                                env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.start_s = json.loads(self._expect("READY ", READY_TIMEOUT_S))["start_s"]
