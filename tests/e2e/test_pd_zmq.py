@@ -1,0 +1,110 @@
+"""P/D over kvtier's own ZMQ chunk transport (``pd_transport: "zmq"`` on both engines, though NIXL
+is installed), through ``kvtier-proxy``. Every greedy answer must equal a connector-less
+server's (stopped once its answers are known), as in ``test_pd.py``, whose helpers this module
+uses.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import uuid
+
+import pytest
+
+from chat_model import build_chat_model
+from servers import free_port, metric, start_proxy, start_server, wait_ready
+from test_pd import CHUNK, KVTIER, MAX_TOKENS, _leg, _producer_fields, complete, external_tokens, ids
+
+pytestmark = pytest.mark.e2e
+openai = pytest.importorskip("openai")
+
+ZMQ = {**KVTIER, "pd_transport": "zmq"}
+# Prompts of their own: one already transferred would be a local hit on D the second time.
+LENGTHS = {"short": ids(41, 20), "unaligned": ids(42, 300), "long": ids(43, 9 * CHUNK + 17)}
+PUSH = ids(44, 350)
+TRANSPORT = ids(48, 200)
+
+
+def _client(url: str):
+    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    """Reference answers, then P and D over ZMQ behind ``kvtier-proxy``, up for the whole module."""
+    tmp = tmp_path_factory.mktemp("pd_zmq")
+    model = build_chat_model(tmp / "model")
+    ports = {name: free_port() for name in ("ref", "p", "d", "proxy")}
+    ref = start_server(model, ports["ref"], tmp / "ref.log", cpu=1)
+    p = start_server(model, ports["p"], tmp / "p.log", cpu=0, kv_transfer_config={
+        "kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": ZMQ})
+    d = start_server(model, ports["d"], tmp / "d.log", cpu=1, kv_transfer_config={
+        "kv_connector": "kvtier", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": ZMQ})
+    servers = [ref, p, d]
+    try:
+        wait_ready(servers, timeout_s=300)
+        client = _client(ref.url)
+        expected = {name: complete(client, prompt) for name, prompt in LENGTHS.items()}
+        for name, prompt in [("push", PUSH), ("transport", TRANSPORT)]:
+            expected[name] = complete(client, prompt)
+        ref.stop()
+        servers.remove(ref)
+        proxy = start_proxy(p.url, d.url, ports["proxy"], tmp / "proxy.log")
+        servers.append(proxy)
+        wait_ready([proxy], timeout_s=60)
+        yield {"p": p, "d": d, "expected": expected, "tmp": tmp, "kvtier": _client(proxy.url)}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+@pytest.mark.parametrize("name", list(LENGTHS))
+def test_completion_over_zmq_is_identical_and_transferred(pd, name):
+    """Through ``kvtier-proxy``: the answer is the reference's, and D loaded all but at most the
+    last prompt token from P (none for a prompt shorter than a block)."""
+    prompt, before = LENGTHS[name], external_tokens(pd["d"].url)
+    assert complete(pd["kvtier"], prompt) == pd["expected"][name]
+    moved = external_tokens(pd["d"].url) - before
+    if name == "short":
+        assert moved == 0
+    else:
+        assert moved >= len(prompt) - 1
+
+
+def test_push_over_zmq_with_d_first_is_identical(pd):
+    """Push: D's leg (same ``transfer_id``) is in D's scheduler before P's leg is sent, and waits
+    for P's chunks."""
+    transfer = uuid.uuid4().hex
+    d_params = {**_producer_fields(pd), "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_request_id": transfer, "transfer_id": transfer}
+    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer}
+    out: dict = {}
+    before = external_tokens(pd["d"].url)
+    d_leg = threading.Thread(target=_leg, args=(pd["d"].url, PUSH, d_params, MAX_TOKENS, out, "d"))
+    d_leg.start()
+    deadline = time.monotonic() + 60
+    while metric(pd["d"].url, "vllm:num_requests_waiting") + metric(pd["d"].url, "vllm:num_requests_running") < 1:
+        assert d_leg.is_alive() and time.monotonic() < deadline, f"D did not take the leg: {out}"
+        time.sleep(0.05)
+    _leg(pd["p"].url, PUSH, p_params, 1, out, "p")
+    d_leg.join(120)
+    assert out["d"]["choices"][0]["text"] == pd["expected"]["push"]
+    assert external_tokens(pd["d"].url) - before >= len(PUSH) - 1
+
+
+def test_the_chunks_moved_over_zmq(pd):
+    """D loads a prompt from P, and the only transport D ever logged for P is ZMQ: NIXL is
+    installed here (``pd_transport: "auto"`` would pick it, as ``test_pd.py`` checks), yet neither
+    engine started a NIXL agent nor fetched over NIXL."""
+    before = external_tokens(pd["d"].url)
+    assert complete(pd["kvtier"], TRANSPORT) == pd["expected"]["transport"]
+    assert external_tokens(pd["d"].url) - before >= len(TRANSPORT) - 1
+    d_log = (pd["tmp"] / "d.log").read_text(errors="replace")
+    assert re.search(r"kvtier P/D: fetching from tcp://\S+ over ZMQ\.", d_log), d_log[-3000:]
+    for role in ("p", "d"):
+        lines = (pd["tmp"] / f"{role}.log").read_text(errors="replace").splitlines()
+        assert [ln for ln in lines if "kvtier" in ln and "NIXL" in ln] == []
+
