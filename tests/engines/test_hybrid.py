@@ -96,6 +96,14 @@ def test_other_groups_leave_kvtier_idle(specs, unserved):
         assert f"group {group} {kind} (not served)" in support.describe()
 
 
+def test_one_sliding_window_group_is_not_served():
+    """A model of sliding-window layers only: with the hybrid manager on its one group keeps
+    only the window, which kvtier cannot serve yet; with it off, every layer is full attention."""
+    support = group_support(hybrid_config(sliding()))
+    assert not support.active and support.unserved == ((0, "sliding_window"),) and support.fits_without_hybrid
+    assert not group_support(hybrid_config(full(), mamba())).fits_without_hybrid
+
+
 def test_groups_not_transferred_are_ignored():
     config = hybrid_config(full(), full())
     config.kv_cache_groups[1].enable_kv_transfer = False  # vLLM rebuilds it after a load
@@ -164,6 +172,7 @@ def test_hybrid_engine_starts_and_recomputes(specs, kind, caplog):
         assert isinstance(connector, KvtierConnector) and not connector.active
         lines = [r.getMessage() for r in caplog.records if "kvtier is idle" in r.getMessage()]
         assert len(lines) == 1 and f"{kind} (not served)" in lines[0]
+        assert ("--disable-hybrid-kv-cache-manager" in lines[0]) == (kind != "mamba")  # Mamba needs the manager
         rng = random.Random(7)
         prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
         engine.store(prompt)  # stored chunks an idle kvtier must not offer

@@ -86,8 +86,11 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if self.active:
             self.config.check_block_size(self.block_size)
         elif role == KVConnectorRole.SCHEDULER:  # one line per engine, not one per worker
+            hint = (" To have kvtier serve it, with full KV in every layer, start vLLM with "
+                    "--disable-hybrid-kv-cache-manager." if self.groups.fits_without_hybrid else "")
             logger.warning("kvtier is idle in this engine: it does not serve these KV cache groups (%s); "
-                           "every prompt is computed by the engine and nothing is saved.", self.groups.describe())
+                           "every prompt is computed by the engine and nothing is saved.%s", self.groups.describe(),
+                           hint)
         model = vllm_config.model_config.model
         endpoint = self.config.lookup_endpoint(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None

@@ -68,6 +68,12 @@ class GroupSupport:
     def active(self) -> bool:
         return self.served is not None and not self.unserved
 
+    @property
+    def fits_without_hybrid(self) -> bool:
+        """Whether vLLM could run this model with its hybrid manager off, every layer's KV then one
+        full-attention group that kvtier serves (not so with Mamba state or unknown kinds)."""
+        return all(kind in (FULL, SLIDING, CHUNKED_LOCAL) for _, kind in self.unserved)
+
     def describe(self) -> str:
         """The groups in words, e.g. ``group 0 full_attention, group 1 mamba (not served)``."""
         unserved = {g for g, _ in self.unserved}
