@@ -185,16 +185,15 @@ class Run:
         if d_out["tokens"][:1] != p_out["tokens"][:1]:
             self.failures.append(f"{row} {n}: D's first token {d_out['tokens'][:1]} != P's {p_out['tokens'][:1]}")
 
-    def pull(self, row: str, p: Engine, d: Engine, n: int, extra: dict | None = None) -> dict:
+    def pull(self, row: str, p: Engine, d: Engine, n: int) -> None:
         prompt = self.prompt(n)
-        p_out = p.ask(prompt, {"do_remote_decode": True, "do_remote_prefill": False, **(extra or {})})
+        p_out = p.ask(prompt, {"do_remote_decode": True, "do_remote_prefill": False})
         if not p_out["params"]:
             raise BenchError(f"{row}: P returned no kv_transfer_params; log {p.log_path}:\n{p.log_tail()}")
         d_out = d.ask(prompt, p_out["params"])
         self.check(row, n, p_out, d_out)
         self.ms[row][str(n)].append((p_out["seconds"] + d_out["seconds"]) * 1e3)
         self.d_leg_ms[row][str(n)].append(d_out["seconds"] * 1e3)
-        return p_out["params"]
 
     def push(self, row: str, p: Engine, d: Engine, n: int, endpoints: list[str]) -> None:
         prompt, transfer_id = self.prompt(n), uuid.uuid4().hex
@@ -306,7 +305,10 @@ def _med(values: list[float]) -> float | None:
 
 
 def transfer_gbps(result: dict, row: str, n: str) -> float | None:
-    """KV bytes of the loaded prompt over the time D's leg took beyond a local hit's, GB/s."""
+    """KV bytes of the loaded prompt over the time D's leg took beyond a local hit's, GB/s; pull
+    rows only (a push D leg includes P's prefill)."""
+    if "pull" not in row:
+        return None
     d_leg, local = _med(result["d_leg_ms"][row][n]), _med(result["ttft_ms"]["local hit"][n])
     if d_leg is None or local is None or d_leg <= local:
         return None
@@ -332,7 +334,7 @@ def format_table(result: dict) -> str:
     lines.append("every P/D answer loaded the prompt and matched P's first token: "
                  + ("yes" if not result["failures"] else "NO: " + "; ".join(result["failures"][:5])))
     lines.append("pull TTFT = P's prefill leg + D's leg; push TTFT = D's leg (both sent at once); "
-                 "GB/s = KV bytes / (D's leg - local hit)")
+                 "GB/s (pull) = KV bytes / (D's leg - local hit)")
     return "\n".join(lines)
 
 

@@ -120,6 +120,18 @@ class PublishHolds:
             t = self._transfers.get(transfer_id)
             return t is not None and (t.final or self._clock() - t.active_s <= within_s)
 
+    def lost(self, keys: list[bytes]) -> None:
+        """The saves of storage keys ``keys`` were given up (the save backlog was full, or the store
+        failed): no transfer waits for them any more, so a consumer asking is answered ``missing``
+        (and recomputes) instead of waiting out its timeout."""
+        with self._lock:
+            for key in keys:
+                for transfer_id in self._by_key.pop(key, ()):
+                    t = self._transfers.get(transfer_id)
+                    if t is not None:
+                        t.expected.discard(key)
+        self.changed.set()
+
     def withdraw(self, transfer_id: str) -> None:
         """The request was aborted: nothing more will be published under ``transfer_id``."""
         with self._lock:

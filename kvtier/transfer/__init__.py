@@ -57,6 +57,7 @@ class TierWorker:
     fastest for the layout's device). ``save_backlog_bytes``: most bytes of gathered chunks
     waiting to be stored (None: unbounded). ``on_held``: called with storage keys whose holding
     this worker changed (stored, found already stored, promoted from disk), from any thread.
+    ``on_lost``: called with storage keys whose save was given up (see :class:`SaveSide`).
     ``fetch_remote``: how chunks of a P/D producer are fetched (None: this worker never loads any).
     ``checksum``: the chunk checksum computed after the copy when the backend does not compute
     KVSUM64 while copying (:mod:`kvtier.codec.checksums`; None: the codec's default).
@@ -77,7 +78,7 @@ class TierWorker:
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
                  save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
                  fetch_remote: FetchRemote | None = None, checksum: str | None = None, load_inline: bool = False,
-                 defer_reuse: bool = False):
+                 defer_reuse: bool = False, on_lost: HeldChanged | None = None):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -95,7 +96,8 @@ class TierWorker:
         self.loads = LoadSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["load"], on_held,
                               fetch_remote, load_inline, PIPELINE_BYTES, lambda: reuse.reuse_after)
         self.saves = SaveSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["save"], on_held,
-                              checksum, save_backlog_bytes, reuse, self.loads.running, PIPELINE_BYTES)
+                              checksum, save_backlog_bytes, reuse, self.loads.running, PIPELINE_BYTES,
+                              on_lost or (lambda keys: None))
 
     def skey(self, key: bytes) -> bytes:
         return storage_key(key, self.layout.fingerprint)

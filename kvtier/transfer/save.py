@@ -131,6 +131,9 @@ class SaveSide:
     ``chunk_blocks``: engine blocks per chunk. ``copies``: the backend's copy functions (this side
     gathers). ``stats``: counters shared with the load side. ``batch_ms``: ms per save batch,
     appended here. ``on_held``: called with storage keys stored or found already stored.
+    ``on_lost``: called with storage keys whose save was given up (dropped from a full backlog, no
+    room in it, no pool buffer, or the store failed): they will not be stored, so whoever waits
+    for them (a P/D consumer) need not.
     ``checksum``: the chunk checksum computed after the copy when the backend does not compute
     KVSUM64 while copying (:mod:`kvtier.codec.checksums`; None: the codec's default).
     ``backlog_bytes``: most bytes of gathered chunks waiting to be stored (None: unbounded).
@@ -141,7 +144,8 @@ class SaveSide:
 
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, copies: Copies, stats: TransferStats,
                  batch_ms: deque[float], on_held: HeldChanged, checksum: str | None, backlog_bytes: int | None,
-                 reuse: ReuseGuard, loads_running: Callable[[], int], pipeline_bytes: int):
+                 reuse: ReuseGuard, loads_running: Callable[[], int], pipeline_bytes: int,
+                 on_lost: HeldChanged = lambda keys: None):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -152,6 +156,7 @@ class SaveSide:
         self._gather, self._gather_async, self._kernel_sums = copies.gather, copies.gather_async, copies.kernel_sums
         self._host_checksum = codec.DEFAULT_HOST_CHECKSUM if checksum is None else checksums.kind_of(checksum)
         self._on_held = on_held
+        self._on_lost = on_lost
         self._loads_running = loads_running
         self._pipeline_bytes = pipeline_bytes
         self._save_stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
@@ -202,18 +207,22 @@ class SaveSide:
         if not wanted:
             return 0
         wanted = self._make_room(wanted)
+        if not wanted:
+            return 0
         ids = self._ids([b for _, blocks in wanted for b in blocks])  # one host-to-device copy for all
         start = now_ms()
         batch = _SaveBatch(start, 0)
         group: list[tuple[_PendingSave, ChunkSpan]] = []
         started: list[_PendingSave] = []
         unallocated = at = 0
+        lost: list[bytes] = []
         for skey, blocks in wanted:
             nbytes = codec.chunk_bytes(self.layout, len(blocks))
             span_ids, at = ids[at : at + len(blocks)], at + len(blocks)
             buffer = self.store.allocate(nbytes, wait=False)
             if buffer is None:
                 unallocated += nbytes
+                lost.append(skey)
                 continue
             group.append((_PendingSave(skey, buffer, len(blocks), None, batch=batch),
                           ChunkSpan(buffer.data, len(blocks), 0, span_ids)))
@@ -233,6 +242,8 @@ class SaveSide:
             self.stats.dropped_saves += len(wanted) - len(started)
             self.stats.save_ms += now_ms() - start
             self._cond.notify_all()
+        if lost:
+            self._on_lost(lost)
         return len(started)
 
     def _start_gather(self, group: list[tuple[_PendingSave, ChunkSpan]]) -> list[_PendingSave]:
@@ -258,6 +269,7 @@ class SaveSide:
         limit = self.backlog_bytes
         sizes = [codec.chunk_bytes(self.layout, len(ids)) for _, ids in wanted]
         dropped: list[_PendingSave] = []
+        refused: list[bytes] = []
         with self._cond:
             if limit is not None:
                 need = sum(sizes)
@@ -273,12 +285,15 @@ class SaveSide:
                     total += sizes[room]
                     room += 1
                 self.stats.dropped_saves += len(dropped) + len(wanted) - room
+                refused = [key for key, _ in wanted[room:]]
                 wanted, sizes = wanted[:room], sizes[:room]
             self._backlog_bytes += sum(sizes)
         for item in dropped:
             if item.ready is not None:
                 item.ready.synchronize()  # its copy may still be landing in the buffer
             item.buffer.release()
+        if dropped or refused:
+            self._on_lost([item.key for item in dropped] + refused)
         return wanted
 
     def _gather_for_save(self, spans: list[ChunkSpan], sums: torch.Tensor | None) -> list[torch.cuda.Event | None]:
@@ -328,6 +343,8 @@ class SaveSide:
                 self._cond.notify_all()
             if stored:
                 self._on_held([item.key])
+            else:
+                self._on_lost([item.key])
 
     def _batch_item_done(self, item: _PendingSave) -> None:
         batch = item.batch

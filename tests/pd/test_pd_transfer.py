@@ -260,3 +260,23 @@ def test_a_chunk_whose_save_is_dropped_is_answered_missing_not_left_waiting(engi
     saving[0] = False  # the save was dropped: the chunk will never be stored
     assert d.wait_loaded("d-req", timeout_s=30) == set(D_BLOCKS)
     assert time.monotonic() - start < 10  # not the 60 s timeout
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["pull", "push"])
+def test_chunks_a_full_save_backlog_gives_up_are_answered_missing_at_once(engines, transport, wait):
+    """A prompt larger than P's save backlog (``save_backlog_bytes``): the chunks that do not fit
+    are never stored. P tells D ``missing`` for them at once (D keeps what arrived and recomputes
+    the rest) instead of leaving D to wait out its timeout for chunks that will never come."""
+    p, d = engines("p", 1, save_backlog_bytes=20 << 10), engines("d", 2, pd_timeout_ms=20000)  # one 16 KiB chunk fits
+    start = time.monotonic()
+    if wait:
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+        time.sleep(0.2)  # D waits before P computes
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    if not wait:
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    failed = d.wait_loaded("d-req", timeout_s=30)
+    assert time.monotonic() - start < 8, "D waited for chunks P had given up"
+    assert p.side.transfers.stats.dropped_saves > 0 and failed, "the backlog held the whole prompt: nothing tested"
+    loaded = [i for i, b in enumerate(D_BLOCKS) if b not in failed]
+    assert torch.equal(d.blocks([D_BLOCKS[i] for i in loaded]), p.blocks([P_BLOCKS[i] for i in loaded]))

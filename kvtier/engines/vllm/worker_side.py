@@ -135,7 +135,7 @@ class WorkerSide:
             cuda_ops.allow_build(False)
         self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
                                     on_held=held, fetch_remote=self._fetch_remote, load_inline=self.load_inline,
-                                    defer_reuse=True)
+                                    defer_reuse=True, on_lost=self.holds.lost)
         pd = "no P/D chunk server (kv_consumer)"
         if self.produce:
             bind, advertised = config.pd_endpoints(self.rank)
