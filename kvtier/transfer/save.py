@@ -144,8 +144,7 @@ class SaveSide:
 
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, copies: Copies, stats: TransferStats,
                  batch_ms: deque[float], on_held: HeldChanged, checksum: str | None, backlog_bytes: int | None,
-                 reuse: ReuseGuard, loads_running: Callable[[], int], pipeline_bytes: int,
-                 on_lost: HeldChanged = lambda keys: None):
+                 reuse: ReuseGuard, loads_running: Callable[[], int], pipeline_bytes: int, on_lost: HeldChanged):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks

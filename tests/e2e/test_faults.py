@@ -24,6 +24,7 @@ import pytest
 
 from disk_chunks import bad_chunk_files
 from e2e_engines import HERE, prompt, run_engine
+from servers import start_group
 
 pytestmark = pytest.mark.e2e
 
@@ -160,8 +161,8 @@ def test_kill_9_mid_disk_writes_then_restart_loads_no_partial_file(tiny_llama, b
     spec_file = tmp_path / "killed.json"
     spec_file.write_text(json.dumps(spec))
     with open(tmp_path / "killed.log", "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(HERE / "engine_run.py"), str(spec_file)], stdout=log,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = start_group([sys.executable, str(HERE / "engine_run.py"), str(spec_file)], stdout=log,
+                           stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 180
         while len(list(disk.glob("*.kv"))) < 6:

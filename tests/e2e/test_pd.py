@@ -19,7 +19,8 @@ import httpx
 import pytest
 
 from chat_model import build_chat_model, make_text
-from servers import MAX_MODEL_LEN, SERVED_NAME, free_port, kv_cache_usage, metric, start_server, wait_ready
+from servers import (MAX_MODEL_LEN, SERVED_NAME, free_port, kv_cache_usage, metric, start_group, start_server,
+                     wait_ready)
 
 pytestmark = pytest.mark.e2e
 openai = pytest.importorskip("openai")
@@ -91,9 +92,9 @@ def pd(tmp_path_factory):
         expected["chat_streamed"] = chat(client, CHAT_STREAMED)
         ref.stop()
         servers.remove(ref)
-        proxy = subprocess.Popen([sys.executable, "-m", "kvtier.proxy.app", "--prefill", p.url, "--decode", d.url,
-                                  "--port", str(ports["proxy"])], stdout=open(tmp / "proxy.log", "wb"),
-                                 stderr=subprocess.STDOUT, start_new_session=True)
+        proxy = start_group([sys.executable, "-m", "kvtier.proxy.app", "--prefill", p.url, "--decode", d.url,
+                             "--port", str(ports["proxy"])], stdout=open(tmp / "proxy.log", "wb"),
+                            stderr=subprocess.STDOUT)
         proxy_url = f"http://127.0.0.1:{ports['proxy']}"
         deadline = time.monotonic() + 60
         while time.monotonic() < deadline:

@@ -1,12 +1,12 @@
 """P/D with tensor parallelism on both sides: two real vLLM engines with ``tensor_parallel_size=2``
-(four worker processes, one core per rank), each D rank fetching its shard from the same P rank.
-The decode engine's answer must equal a colocated engine's, and it must have loaded the prompt.
+(four worker processes; vLLM binds rank 0 of each engine to core 0 and rank 1 to core 1), each
+D rank fetching its shard from the same P rank. The decode engine's answer must equal a
+colocated engine's, and it must have loaded the whole prompt with no rank recomputing.
 
-Opt-in (``KVTIER_PD_TP=1``): on this 2-core box, with six busy processes on two cores, one rank's
-transfer sometimes gets no answer within the timeout (the connection is established, the
-producer's reply never arrives); the consumer then recomputes, with identical output, and the
-assertion that the prompt was loaded fails. Not understood yet (what is known: the README's P/D
-section, "Known limits").
+The engines start in their own process groups of this session (``start_group``). Started in
+sessions of their own, this test failed every time: the kernel's autogroup schedules each
+session as one group, and on each core D's rank, busy-waiting for the KV, left P's rank no CPU
+for seconds, so P's chunk server answered nothing within ``pd_timeout_ms``.
 """
 
 from __future__ import annotations
@@ -21,9 +21,9 @@ from pathlib import Path
 import pytest
 
 from e2e_engines import prompt, run_engine
+from servers import start_group
 
-pytestmark = [pytest.mark.e2e, pytest.mark.skipif(os.environ.get("KVTIER_PD_TP") != "1",
-                                                   reason="opt-in: KVTIER_PD_TP=1 (see the module docstring)")]
+pytestmark = pytest.mark.e2e
 
 HERE = Path(__file__).parent
 CHUNK = 64
@@ -37,10 +37,9 @@ class Engine:
         (tmp / f"{name}.json").write_text(json.dumps(spec))
         self.log = tmp / f"{name}.log"
         self.printed: list[str] = []
-        self.proc = subprocess.Popen([sys.executable, str(HERE / "pd_engine.py"), str(tmp / f"{name}.json")],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "wb"),
-                                     text=True, start_new_session=True,
-                                     env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+        self.proc = start_group([sys.executable, str(HERE / "pd_engine.py"), str(tmp / f"{name}.json")],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "wb"),
+                                text=True, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
         self._expect("READY")
 
     def _expect(self, prefix: str) -> str:

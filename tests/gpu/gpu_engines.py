@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from kvtier.bench.servers import start_group
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 RUNNER = HERE / "gpu_engine_run.py"
@@ -244,9 +246,8 @@ def spawn(spec: dict, workdir: Path, name: str, timeout_s: float = ENGINE_TIMEOU
     spec_path, log_path = workdir / f"{name}.json", workdir / f"{name}.log"
     spec_path.write_text(json.dumps(spec))
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, str(RUNNER), str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=child_env(bool(spec.get("multiprocess"))),
-                                cwd=str(REPO), start_new_session=True)
+        proc = start_group([sys.executable, str(RUNNER), str(spec_path)], stdout=log, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, env=child_env(bool(spec.get("multiprocess"))), cwd=str(REPO))
     try:
         rc = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:

@@ -32,7 +32,7 @@ import gpu_engines as g
 if (reason := g.skip_reason()) is not None:  # no CUDA or no CUDA vLLM: skip this module at collection
     pytest.skip(reason, allow_module_level=True)
 
-from kvtier.bench.servers import Server, free_port, metrics, wait_ready  # noqa: E402 - after the skip
+from kvtier.bench.servers import Server, free_port, metrics, start_group, wait_ready  # noqa: E402 - after the skip
 
 pytestmark = pytest.mark.gpu
 
@@ -59,8 +59,8 @@ def served(gpu_model, tmp_path_factory):
     port, log_path = free_port(), tmp / "server.log"
     env = g.child_env(multiprocess=True, extra={"VLLM_SERVER_DEV_MODE": "1"})
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen(server_args(gpu_model, port), stdout=log, stderr=subprocess.STDOUT,
-                                stdin=subprocess.DEVNULL, env=env, cwd=str(g.REPO), start_new_session=True)
+        proc = start_group(server_args(gpu_model, port), stdout=log, stderr=subprocess.STDOUT,
+                           stdin=subprocess.DEVNULL, env=env, cwd=str(g.REPO))
     server = Server(proc, port, log_path)
     try:
         wait_ready([server], timeout_s=g.ENGINE_TIMEOUT_S)
