@@ -205,3 +205,19 @@ def test_idle_worker_half_registers_nothing():
         assert connector.get_kv_connector_kv_cache_events() is None
     finally:
         connector.shutdown()
+
+
+def test_a_mamba_hybrid_whose_block_size_no_chunk_fits_starts_idle():
+    """vLLM sizes a Mamba hybrid's attention blocks to hold a Mamba state page (144 tokens for a
+    small Granite 4 on CUDA): no chunk of 64 tokens fits, and the idle kvtier must not care."""
+    page = 144
+    config = vllm_config(BS, CHUNK, "auto", None, 4, 128, True)
+    config.cache_config.block_size = page
+    state = MambaSpec(block_size=page, shapes=((4,), (4,)), dtypes=(torch.float32, torch.float32))
+    attention = FullAttentionSpec(block_size=page, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    connector = KvtierConnector(config, KVConnectorRole.SCHEDULER, hybrid_config(state, attention))
+    try:
+        assert not connector.active and connector.scheduler_side is None
+        assert not connector.has_pending_push_work()
+    finally:
+        connector.shutdown()

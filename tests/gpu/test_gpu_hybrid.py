@@ -7,7 +7,8 @@ exercised. One small random-weight model per family, built offline with ``transf
 
 - ``gemma3``: Gemma-3-like, five sliding-window layers (128 tokens) to one global layer;
 - ``gpt_oss``: gpt-oss-like, sliding-window and global layers alternating, a small MoE;
-- ``bamba``: a Mamba-2 hybrid (Bamba), two attention layers among Mamba layers.
+- ``granite_hybrid`` and ``nemotron_h``: Mamba-2 hybrids (Granite 4, Nemotron-H), attention and
+  Mamba layers alternating.
 
 Each runs in three engines, rounds ``[P]``, ``[P]`` (vLLM's own prefix-cache hit), ``[reset, P]``:
 
@@ -49,9 +50,13 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", {**_COMMON, "head_dim": 64, "num_hidden_layers": 4, "sliding_window": 128,
                                  "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "layer_types": ["sliding_attention", "full_attention"] * 2}),
-    "bamba": ("BambaConfig", {**_COMMON, "num_hidden_layers": 4, "attn_layer_indices": [1, 3],
-                              "mamba_n_heads": 16, "mamba_d_head": 64, "mamba_expand": 2, "mamba_d_state": 64,
-                              "mamba_n_groups": 1, "mamba_chunk_size": 256, "mamba_d_conv": 4}),
+    "granite_hybrid": ("GraniteMoeHybridConfig", {
+        **_COMMON, "num_hidden_layers": 4, "layer_types": ["mamba", "attention"] * 2, "mamba_n_heads": 16,
+        "mamba_d_head": 64, "mamba_expand": 2, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_chunk_size": 256,
+        "mamba_d_conv": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 1024}),
+    "nemotron_h": ("NemotronHConfig", {
+        **_COMMON, "num_hidden_layers": 4, "hybrid_override_pattern": "M*M*", "mamba_num_heads": 16,
+        "mamba_head_dim": 64, "ssm_state_size": 64, "n_groups": 1, "chunk_size": 256, "conv_kernel": 4, "expand": 2}),
 }
 SLIDING = {"gemma3", "gpt_oss"}
 
@@ -70,7 +75,7 @@ def build(family: str, path) -> str:
 
 
 def spec(model: str, family: str, kvtier: dict | None, **settings) -> dict:
-    if family == "bamba":  # vLLM sizes attention blocks to hold a Mamba state page: its choice
+    if family not in SLIDING:  # vLLM sizes attention blocks to hold a Mamba state page: its choice
         settings.setdefault("block_size", None)
     return g.engine_spec(model, ROUNDS, kvtier=kvtier, **settings)
 

@@ -100,7 +100,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         kv_events = events_config is not None and events_config.enable_kv_cache_events
         self._live: dict[str, Request] = {}  # with KV events: live requests, whose saved chunks are named
         self._events = KvtierKVEvents(num_workers=0)  # from the workers, until vLLM takes them
-        if role == KVConnectorRole.SCHEDULER:
+        if role == KVConnectorRole.SCHEDULER and self.active:  # idle: no scheduler half either (its chunk
+            # geometry may not fit a block size vLLM chose for another group, e.g. a Mamba state page)
             self._scheduler = SchedulerSide(self.config, model, self.block_size, endpoint, engine_id=transfer.engine_id,
                                             tp_size=parallel.world_size,
                                             name_chunk=self._name_chunk if kv_events else None)
@@ -207,7 +208,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         """Tokens per tier (vLLM >= 0.32 asks; older releases never call it)."""
-        counts = self._scheduler.hit_sources(request.request_id)
+        counts = self._scheduler.hit_sources(request.request_id) if self.active else {}
         if sum(counts.values()) != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return {_SOURCES[tier]: n for tier, n in counts.items()}
@@ -271,7 +272,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
 
     def has_pending_push_work(self) -> bool:
         # Keeps an idle engine stepping until the tiers are emptied / every stored chunk is announced.
-        return self._scheduler.reset_pending or self._events.settling
+        return (self.active and self._scheduler.reset_pending) or self._events.settling
 
     def _name_chunk(self, req_id: str, chunk: int):
         request = self._live.get(req_id)
@@ -279,5 +280,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
 
     @property
     def scheduler_side(self) -> SchedulerSide | None:
-        """The scheduler half (None in worker processes); kvtier's scheduler drives its handoffs."""
+        """The scheduler half (None in worker processes and where kvtier is idle); kvtier's scheduler
+        drives its handoffs."""
         return self._scheduler

@@ -25,7 +25,7 @@ class KvtierScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kvtier: SchedulerSide | None = None
-        if isinstance(self.connector, KvtierConnector):
+        if isinstance(self.connector, KvtierConnector) and self.connector.scheduler_side is not None:
             self.kvtier = self.connector.scheduler_side
             self.kvtier.enable_handoff()
         self._parked: set[str] = set()  # handoffs waiting for their load; they resume as preempted
