@@ -23,6 +23,15 @@ try:  # vLLM >= 0.32: per-source counts of cached prompt tokens (host, disk, p2p
 except ImportError:
     CacheHitSource = None  # type: ignore[assignment,misc]
 
+try:  # the hybrid KV cache manager's connector interface (0.26 and 0.32 both have it)
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import SupportsHMA
+except ImportError:
+    SupportsHMA = None  # type: ignore[assignment,misc]
+
+# Extra bases of the connector class: where SupportsHMA exists, vLLM keeps its hybrid manager on
+# for kvtier and hands request_finished_all_groups every group's blocks.
+HMA_BASES: tuple[type, ...] = () if SupportsHMA is None else (SupportsHMA,)
+
 try:  # vLLM >= 0.32: block-hash extra keys in the untagged form KV events publish
     from vllm.v1.core.kv_cache_utils import to_event_extra_keys
 except ImportError:

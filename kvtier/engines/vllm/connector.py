@@ -9,11 +9,17 @@ P/D speaks vLLM's standard ``kv_transfer_params`` (:mod:`kvtier.pd.params`): a r
 ``do_remote_decode`` publishes its prompt and returns the parameters a decode engine needs from
 ``request_finished``; a request with ``do_remote_prefill`` loads the prompt from the producer
 through the same plan, waiting state and load executor as a reload.
+
+Hybrid models (vLLM's hybrid KV cache manager): the connector is ``SupportsHMA`` where vLLM has
+it, so the manager stays on. kvtier serves a config whose transferred KV cache groups it can all
+serve (:mod:`.groups`); any other config runs with kvtier idle: no hits (the engine
+recomputes), no saves, one start-up line naming the groups it does not serve.
 """
 
 from __future__ import annotations
 
 import importlib
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -27,7 +33,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
-from kvtier.engines.vllm.compat import CacheHitSource, check_version
+from kvtier.engines.vllm.compat import HMA_BASES, CacheHitSource, check_version
+from kvtier.engines.vllm.groups import GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
 from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
 from kvtier.engines.vllm.stats import KvtierPromMetrics, build_stats
@@ -50,6 +57,7 @@ _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPP
 
 
 _WORKER_MODULE = "kvtier.engines.vllm.worker_side"
+logger = logging.getLogger(__name__)
 
 
 def _import_quietly(name: str) -> None:
@@ -65,14 +73,24 @@ class KvtierMetadata(KVConnectorMetadata):
     plan: StepPlan
 
 
-class KvtierConnector(KVConnectorBase_V1):
+class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
     def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig):
         check_version()
         super().__init__(vllm_config, role, kv_cache_config)
         transfer = vllm_config.kv_transfer_config
         self.config = KvtierConfig.from_dict(transfer.kv_connector_extra_config)
-        self.block_size = vllm_config.cache_config.block_size
-        self.config.check_block_size(self.block_size)
+        self.groups: GroupSupport = group_support(kv_cache_config)
+        self.active = self.groups.active  # False: kvtier stays idle (no hits, no saves) in this engine
+        self.group = self.groups.served or 0  # the KV cache group whose block ids kvtier moves
+        self.block_size = self.groups.block_size or vllm_config.cache_config.block_size
+        if self.active:
+            self.config.check_block_size(self.block_size)
+        elif role == KVConnectorRole.SCHEDULER:  # one line per engine, not one per worker
+            hint = (" To have kvtier serve it, with full KV in every layer, start vLLM with "
+                    "--disable-hybrid-kv-cache-manager." if self.groups.fits_without_hybrid else "")
+            logger.warning("kvtier is idle in this engine: it does not serve these KV cache groups (%s); "
+                           "every prompt is computed by the engine and nothing is saved.%s", self.groups.describe(),
+                           hint)
         model = vllm_config.model_config.model
         endpoint = self.config.lookup_endpoint(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
@@ -82,16 +100,18 @@ class KvtierConnector(KVConnectorBase_V1):
         kv_events = events_config is not None and events_config.enable_kv_cache_events
         self._live: dict[str, Request] = {}  # with KV events: live requests, whose saved chunks are named
         self._events = KvtierKVEvents(num_workers=0)  # from the workers, until vLLM takes them
-        if role == KVConnectorRole.SCHEDULER:
+        if role == KVConnectorRole.SCHEDULER and self.active:  # idle: no scheduler half either (its chunk
+            # geometry may not fit a block size vLLM chose for another group, e.g. a Mamba state page)
             self._scheduler = SchedulerSide(self.config, model, self.block_size, endpoint, engine_id=transfer.engine_id,
                                             tp_size=parallel.world_size,
                                             name_chunk=self._name_chunk if kv_events else None)
-        else:
+        elif self.active:
             # The worker half's module loads LMCache (seconds): it is imported in the background
             # while vLLM loads the model and profiles, and waited for at register_kv_caches.
             self._worker_args = (self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
                                  parallel.rank, parallel.world_size)
             self._worker_kwargs = dict(produce=transfer.kv_role != "kv_consumer", kv_events=kv_events,
+                                       layers=self.groups.layers,
                                        load_inline=parallel.distributed_executor_backend == "uni")  # shares the loop's GIL
             self._importing = threading.Thread(target=_import_quietly, args=(_WORKER_MODULE,), daemon=True,
                                                name="kvtier-import")
@@ -99,6 +119,8 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ---- worker side ------------------------------------------------------------------------------
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if not self.active:
+            return
         self._importing.join()
         WorkerSide = importlib.import_module(_WORKER_MODULE).WorkerSide  # raises here if the import failed
         self._worker = WorkerSide(*self._worker_args, **self._worker_kwargs)
@@ -107,6 +129,8 @@ class KvtierConnector(KVConnectorBase_V1):
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
+        if self._worker is None:
+            return
         self._worker.guard_reuse(meta.plan.allocated)  # before this step's kernels write any block
         if meta.plan.reset:
             self._worker.reset()
@@ -122,13 +146,14 @@ class KvtierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
-        self._worker.save(meta.plan.saves)
+        if self._worker is not None:
+            self._worker.save(meta.plan.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._worker.finished_loads() or None
+        return None, (self._worker.finished_loads() or None) if self._worker is not None else None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
-        return self._worker.failed_blocks()
+        return self._worker.failed_blocks() if self._worker is not None else set()
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         data = self._worker.take_stats() if self._worker is not None else None
@@ -143,6 +168,8 @@ class KvtierConnector(KVConnectorBase_V1):
         return KvtierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_kv_connector_kv_cache_events(self) -> KvtierKVEvents | None:
+        if self._worker is None:
+            return None
         events, settling = self._worker.take_events()
         return KvtierKVEvents(events, settling=settling) if events or settling else None
 
@@ -154,12 +181,16 @@ class KvtierConnector(KVConnectorBase_V1):
 
     # ---- scheduler side -----------------------------------------------------------------------------
     def on_new_request(self, request: Request) -> None:
+        if not self.active:
+            return
         if self._scheduler.name_chunk is not None:
             self._live[request.request_id] = request
         self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt,
                               request.kv_transfer_params)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if not self.active:
+            return 0, False  # a hit must hold for every group; some group kvtier cannot fill
         plan = self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
             request.kv_transfer_params,
@@ -168,35 +199,44 @@ class KvtierConnector(KVConnectorBase_V1):
         return n, n > 0
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
-        self._scheduler.allocated(request.request_id, blocks.get_block_ids()[0], num_external_tokens)
+        if self.active:
+            self._scheduler.allocated(request.request_id, blocks.get_block_ids()[self.group], num_external_tokens)
+
+    def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
+        """The groups a load fills (vLLM >= 0.32 asks, to skip zeroing their new blocks)."""
+        return (self.group,) if self.active else ()
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         """Tokens per tier (vLLM >= 0.32 asks; older releases never call it)."""
-        counts = self._scheduler.hit_sources(request.request_id)
+        counts = self._scheduler.hit_sources(request.request_id) if self.active else {}
         if sum(counts.values()) != num_external_tokens:
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return {_SOURCES[tier]: n for tier, n in counts.items()}
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        scheduler, saves, allocated = self._scheduler, [], []
+        if not self.active:
+            return KvtierMetadata(StepPlan((), ()))
+        scheduler, saves, allocated, g = self._scheduler, [], [], self.group
         for new in scheduler_output.scheduled_new_reqs:
             computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-            saves.append(scheduler.scheduled(new.req_id, new.block_ids[0], True, computed))
-            allocated += new.block_ids[0]
+            saves.append(scheduler.scheduled(new.req_id, new.block_ids[g], True, computed))
+            allocated += new.block_ids[g]
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             if new_blocks:
-                allocated += new_blocks[0]
+                allocated += new_blocks[g]
             computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
             saves.append(
                 scheduler.scheduled(
-                    req_id, new_blocks[0] if new_blocks else None, req_id in cached.resumed_req_ids, computed
+                    req_id, new_blocks[g] if new_blocks else None, req_id in cached.resumed_req_ids, computed
                 )
             )
         return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)))
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        if not self.active:
+            return
         events = connector_output.kv_cache_events
         if events:
             self._events.add_events(events.get_all_events())
@@ -209,7 +249,15 @@ class KvtierConnector(KVConnectorBase_V1):
         # producer's too: its published chunks live in the CPU tier, never in engine blocks),
         # and vLLM itself holds a waiting request's blocks until its load reports.
         self._live.pop(request.request_id, None)
+        if not self.active:
+            return False, None
         return False, self._scheduler.finished(request.request_id, request.status in _COMPLETED)
+
+    def request_finished_all_groups(self, request: Request,
+                                    block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
+        """:meth:`request_finished` under the hybrid KV cache manager: ``block_ids`` holds each
+        KV cache group's blocks (vLLM calls this instead where the connector is ``SupportsHMA``)."""
+        return self.request_finished(request, block_ids[self.group] if self.active else [])
 
     def take_events(self) -> Iterable[KVCacheEvent]:
         events = self._events.get_all_events()
@@ -218,12 +266,13 @@ class KvtierConnector(KVConnectorBase_V1):
 
     def reset_cache(self) -> bool:
         """Empty this engine's CPU and disk tiers (at the next step, which this asks vLLM to run)."""
-        self._scheduler.reset()
+        if self.active:  # an idle kvtier stores nothing here
+            self._scheduler.reset()
         return True
 
     def has_pending_push_work(self) -> bool:
         # Keeps an idle engine stepping until the tiers are emptied / every stored chunk is announced.
-        return self._scheduler.reset_pending or self._events.settling
+        return (self.active and self._scheduler.reset_pending) or self._events.settling
 
     def _name_chunk(self, req_id: str, chunk: int):
         request = self._live.get(req_id)
@@ -231,5 +280,6 @@ class KvtierConnector(KVConnectorBase_V1):
 
     @property
     def scheduler_side(self) -> SchedulerSide | None:
-        """The scheduler half (None in worker processes); kvtier's scheduler drives its handoffs."""
+        """The scheduler half (None in worker processes and where kvtier is idle); kvtier's scheduler
+        drives its handoffs."""
         return self._scheduler

