@@ -67,18 +67,25 @@ def external_tokens(url: str) -> float:
     return metric(url, *EXTERNAL)
 
 
+def start_pair(model: str, ports: dict, tmp, kvtier: dict) -> tuple:
+    """A connector-less reference server (core 1), P (``kv_both``, core 0) and D (``kv_consumer``,
+    core 1) with ``kvtier`` as their extra config, on ``ports["ref" | "p" | "d"]``; not yet ready."""
+    ref = start_server(model, ports["ref"], tmp / "ref.log", cpu=1)
+    p = start_server(model, ports["p"], tmp / "p.log", cpu=0, kv_transfer_config={
+        "kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": kvtier})
+    d = start_server(model, ports["d"], tmp / "d.log", cpu=1, kv_transfer_config={
+        "kv_connector": "kvtier", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+        "kv_connector_extra_config": kvtier})
+    return ref, p, d
+
+
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     """Reference answers, then P, D and the proxy, up for the whole module."""
     tmp = tmp_path_factory.mktemp("pd")
     model = build_chat_model(tmp / "model")
     ports = {name: free_port() for name in ("ref", "p", "d", "proxy")}
-    ref = start_server(model, ports["ref"], tmp / "ref.log", cpu=1)
-    p = start_server(model, ports["p"], tmp / "p.log", cpu=0, kv_transfer_config={
-        "kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": KVTIER})
-    d = start_server(model, ports["d"], tmp / "d.log", cpu=1, kv_transfer_config={
-        "kv_connector": "kvtier", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": KVTIER})
+    ref, p, d = start_pair(model, ports, tmp, KVTIER)
     servers = [ref, p, d]
     proxy = None
     try:

@@ -14,8 +14,9 @@ import uuid
 import pytest
 
 from chat_model import build_chat_model
-from servers import free_port, metric, start_proxy, start_server, wait_ready
-from test_pd import CHUNK, KVTIER, MAX_TOKENS, _leg, _producer_fields, complete, external_tokens, ids
+from servers import free_port, metric, start_proxy, wait_ready
+from test_pd import (CHUNK, KVTIER, MAX_TOKENS, _leg, _producer_fields, complete, external_tokens, ids,
+                     start_pair)
 
 pytestmark = pytest.mark.e2e
 openai = pytest.importorskip("openai")
@@ -37,12 +38,7 @@ def pd(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("pd_zmq")
     model = build_chat_model(tmp / "model")
     ports = {name: free_port() for name in ("ref", "p", "d", "proxy")}
-    ref = start_server(model, ports["ref"], tmp / "ref.log", cpu=1)
-    p = start_server(model, ports["p"], tmp / "p.log", cpu=0, kv_transfer_config={
-        "kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": ZMQ})
-    d = start_server(model, ports["d"], tmp / "d.log", cpu=1, kv_transfer_config={
-        "kv_connector": "kvtier", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": ZMQ})
+    ref, p, d = start_pair(model, ports, tmp, ZMQ)
     servers = [ref, p, d]
     try:
         wait_ready(servers, timeout_s=300)
