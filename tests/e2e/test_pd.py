@@ -8,9 +8,8 @@ The test that kills P runs last.
 
 from __future__ import annotations
 
+import contextlib
 import random
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -19,7 +18,7 @@ import httpx
 import pytest
 
 from chat_model import build_chat_model, make_text
-from servers import (MAX_MODEL_LEN, SERVED_NAME, free_port, kv_cache_usage, metric, start_group, start_server,
+from servers import (MAX_MODEL_LEN, SERVED_NAME, free_port, kv_cache_usage, metric, start_proxy, start_server,
                      wait_ready)
 
 pytestmark = pytest.mark.e2e
@@ -67,62 +66,60 @@ def external_tokens(url: str) -> float:
     return metric(url, *EXTERNAL)
 
 
-def start_pair(model: str, ports: dict, tmp, kvtier: dict) -> tuple:
-    """A connector-less reference server (core 1), P (``kv_both``, core 0) and D (``kv_consumer``,
-    core 1) with ``kvtier`` as their extra config, on ``ports["ref" | "p" | "d"]``; not yet ready."""
+@contextlib.contextmanager
+def pd_servers(tmp, kvtier: dict, reference):
+    """P (``kv_both``, core 0) and D (``kv_consumer``, core 1) with ``kvtier`` as their extra config,
+    behind ``kvtier-proxy``. The expected answers, ``reference(client)``, come from a connector-less
+    server (core 1) stopped before the proxy starts. Yields the fixture's dict; stops them all."""
+    model = build_chat_model(tmp / "model")
+    ports = {name: free_port() for name in ("ref", "p", "d", "proxy")}
     ref = start_server(model, ports["ref"], tmp / "ref.log", cpu=1)
     p = start_server(model, ports["p"], tmp / "p.log", cpu=0, kv_transfer_config={
         "kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": kvtier})
     d = start_server(model, ports["d"], tmp / "d.log", cpu=1, kv_transfer_config={
         "kv_connector": "kvtier", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
         "kv_connector_extra_config": kvtier})
-    return ref, p, d
+    servers = [ref, p, d]
+    try:
+        wait_ready(servers, timeout_s=300)
+        expected = reference(openai.OpenAI(base_url=ref.url + "/v1", api_key="x", max_retries=0))
+        ref.stop()
+        servers.remove(ref)
+        proxy = start_proxy(p.url, d.url, ports["proxy"], tmp / "proxy.log")
+        servers.append(proxy)
+        wait_ready([proxy], timeout_s=60)
+        yield {"p": p, "d": d, "proxy": proxy.url, "expected": expected, "tmp": tmp,
+               "client": openai.OpenAI(base_url=proxy.url + "/v1", api_key="x", max_retries=0, timeout=120)}
+    finally:
+        for server in servers:
+            server.stop()
+
+
+def _reference(client) -> dict:
+    expected = {name: complete(client, prompt) for name, prompt in LENGTHS.items()}
+    for name, prompt in [("streamed", STREAMED), ("full_hit", FULL_HIT), ("partial_hit", PARTIAL_HIT),
+                         ("push_d_first", PUSH_D_FIRST), ("push_p_first", PUSH_P_FIRST), ("p_killed", P_KILLED)]:
+        expected[name] = complete(client, prompt)
+    expected["chat"] = chat(client, CHAT)
+    expected["chat_streamed"] = chat(client, CHAT_STREAMED)
+    return expected
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     """Reference answers, then P, D and the proxy, up for the whole module."""
-    tmp = tmp_path_factory.mktemp("pd")
-    model = build_chat_model(tmp / "model")
-    ports = {name: free_port() for name in ("ref", "p", "d", "proxy")}
-    ref, p, d = start_pair(model, ports, tmp, KVTIER)
-    servers = [ref, p, d]
-    proxy = None
-    try:
-        wait_ready(servers, timeout_s=300)
-        client = openai.OpenAI(base_url=ref.url + "/v1", api_key="x", max_retries=0)
-        expected = {name: complete(client, prompt) for name, prompt in LENGTHS.items()}
-        for name, prompt in [("streamed", STREAMED), ("full_hit", FULL_HIT), ("partial_hit", PARTIAL_HIT),
-                             ("push_d_first", PUSH_D_FIRST), ("push_p_first", PUSH_P_FIRST), ("p_killed", P_KILLED)]:
-            expected[name] = complete(client, prompt)
-        expected["chat"] = chat(client, CHAT)
-        expected["chat_streamed"] = chat(client, CHAT_STREAMED)
-        ref.stop()
-        servers.remove(ref)
-        proxy = start_group([sys.executable, "-m", "kvtier.proxy.app", "--prefill", p.url, "--decode", d.url,
-                             "--port", str(ports["proxy"])], stdout=open(tmp / "proxy.log", "wb"),
-                            stderr=subprocess.STDOUT)
-        proxy_url = f"http://127.0.0.1:{ports['proxy']}"
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(proxy_url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
-        yield {"p": p, "d": d, "proxy": proxy_url, "expected": expected, "tmp": tmp,
-               "client": openai.OpenAI(base_url=proxy_url + "/v1", api_key="x", max_retries=0, timeout=120)}
-    finally:
-        if proxy is not None:
-            proxy.terminate()
-            proxy.wait(10)
-        for server in servers:
-            server.stop()
+    with pd_servers(tmp_path_factory.mktemp("pd"), KVTIER, _reference) as servers:
+        yield servers
 
 
 @pytest.mark.parametrize("name", list(LENGTHS))
 def test_completion_through_the_proxy_is_identical_and_transferred(pd, name):
-    prompt, before = LENGTHS[name], external_tokens(pd["d"].url)
+    assert_identical_and_transferred(pd, name, LENGTHS[name])
+
+
+def assert_identical_and_transferred(pd, name: str, prompt: list[int]) -> None:
+    """Through the proxy, ``prompt``'s answer is the reference's ``name`` and D loaded it from P."""
+    before = external_tokens(pd["d"].url)
     assert complete(pd["client"], prompt) == pd["expected"][name]
     moved = external_tokens(pd["d"].url) - before
     if name == "short":
@@ -174,6 +171,14 @@ def _producer_fields(pd) -> dict:
     return {k: v for k, v in answer["kv_transfer_params"].items() if k != "remote_request_id"}
 
 
+def push_params(pd) -> tuple[dict, dict]:
+    """The ``kv_transfer_params`` of D's and P's legs of one push transfer (a fresh ``transfer_id``)."""
+    transfer = uuid.uuid4().hex
+    d_params = {**_producer_fields(pd), "do_remote_prefill": True, "do_remote_decode": False,
+                "remote_request_id": transfer, "transfer_id": transfer}
+    return d_params, {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer}
+
+
 def _leg(url: str, prompt: list[int], params: dict, max_tokens: int, out: dict, key: str) -> None:
     answer = httpx.post(url + "/v1/completions", timeout=120, json={
         "model": SERVED_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0,
@@ -184,10 +189,7 @@ def _leg(url: str, prompt: list[int], params: dict, max_tokens: int, out: dict, 
 @pytest.mark.parametrize("order", ["d_first", "p_first"])
 def test_push_in_both_orders_is_identical(pd, order):
     prompt = PUSH_D_FIRST if order == "d_first" else PUSH_P_FIRST
-    transfer = uuid.uuid4().hex
-    d_params = {**_producer_fields(pd), "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_request_id": transfer, "transfer_id": transfer}
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer}
+    d_params, p_params = push_params(pd)
     out: dict = {}
     before = external_tokens(pd["d"].url)
     legs = [threading.Thread(target=_leg, args=(pd["d"].url, prompt, d_params, MAX_TOKENS, out, "d")),

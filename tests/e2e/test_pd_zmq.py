@@ -9,17 +9,14 @@ from __future__ import annotations
 import re
 import threading
 import time
-import uuid
 
 import pytest
 
-from chat_model import build_chat_model
-from servers import free_port, metric, start_proxy, wait_ready
-from test_pd import (CHUNK, KVTIER, MAX_TOKENS, _leg, _producer_fields, complete, external_tokens, ids,
-                     start_pair)
+from servers import metric
+from test_pd import (CHUNK, KVTIER, MAX_TOKENS, _leg, assert_identical_and_transferred, complete, external_tokens,
+                     ids, pd_servers, push_params)
 
 pytestmark = pytest.mark.e2e
-openai = pytest.importorskip("openai")
 
 ZMQ = {**KVTIER, "pd_transport": "zmq"}
 # Prompts of their own: one already transferred would be a local hit on D the second time.
@@ -28,55 +25,31 @@ PUSH = ids(44, 350)
 TRANSPORT = ids(48, 200)
 
 
-def _client(url: str):
-    return openai.OpenAI(base_url=url + "/v1", api_key="x", max_retries=0, timeout=120)
+def _reference(client) -> dict:
+    expected = {name: complete(client, prompt) for name, prompt in LENGTHS.items()}
+    for name, prompt in [("push", PUSH), ("transport", TRANSPORT)]:
+        expected[name] = complete(client, prompt)
+    return expected
 
 
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     """Reference answers, then P and D over ZMQ behind ``kvtier-proxy``, up for the whole module."""
-    tmp = tmp_path_factory.mktemp("pd_zmq")
-    model = build_chat_model(tmp / "model")
-    ports = {name: free_port() for name in ("ref", "p", "d", "proxy")}
-    ref, p, d = start_pair(model, ports, tmp, ZMQ)
-    servers = [ref, p, d]
-    try:
-        wait_ready(servers, timeout_s=300)
-        client = _client(ref.url)
-        expected = {name: complete(client, prompt) for name, prompt in LENGTHS.items()}
-        for name, prompt in [("push", PUSH), ("transport", TRANSPORT)]:
-            expected[name] = complete(client, prompt)
-        ref.stop()
-        servers.remove(ref)
-        proxy = start_proxy(p.url, d.url, ports["proxy"], tmp / "proxy.log")
-        servers.append(proxy)
-        wait_ready([proxy], timeout_s=60)
-        yield {"p": p, "d": d, "expected": expected, "tmp": tmp, "kvtier": _client(proxy.url)}
-    finally:
-        for server in servers:
-            server.stop()
+    with pd_servers(tmp_path_factory.mktemp("pd_zmq"), ZMQ, _reference) as servers:
+        yield servers
 
 
 @pytest.mark.parametrize("name", list(LENGTHS))
 def test_completion_over_zmq_is_identical_and_transferred(pd, name):
     """Through ``kvtier-proxy``: the answer is the reference's, and D loaded all but at most the
     last prompt token from P (none for a prompt shorter than a block)."""
-    prompt, before = LENGTHS[name], external_tokens(pd["d"].url)
-    assert complete(pd["kvtier"], prompt) == pd["expected"][name]
-    moved = external_tokens(pd["d"].url) - before
-    if name == "short":
-        assert moved == 0
-    else:
-        assert moved >= len(prompt) - 1
+    assert_identical_and_transferred(pd, name, LENGTHS[name])
 
 
 def test_push_over_zmq_with_d_first_is_identical(pd):
     """Push: D's leg (same ``transfer_id``) is in D's scheduler before P's leg is sent, and waits
     for P's chunks."""
-    transfer = uuid.uuid4().hex
-    d_params = {**_producer_fields(pd), "do_remote_prefill": True, "do_remote_decode": False,
-                "remote_request_id": transfer, "transfer_id": transfer}
-    p_params = {"do_remote_decode": True, "do_remote_prefill": False, "transfer_id": transfer}
+    d_params, p_params = push_params(pd)
     out: dict = {}
     before = external_tokens(pd["d"].url)
     d_leg = threading.Thread(target=_leg, args=(pd["d"].url, PUSH, d_params, MAX_TOKENS, out, "d"))
@@ -96,7 +69,7 @@ def test_the_chunks_moved_over_zmq(pd):
     installed here (``pd_transport: "auto"`` would pick it, as ``test_pd.py`` checks), yet neither
     engine started a NIXL agent nor fetched over NIXL."""
     before = external_tokens(pd["d"].url)
-    assert complete(pd["kvtier"], TRANSPORT) == pd["expected"]["transport"]
+    assert complete(pd["client"], TRANSPORT) == pd["expected"]["transport"]
     assert external_tokens(pd["d"].url) - before >= len(TRANSPORT) - 1
     d_log = (pd["tmp"] / "d.log").read_text(errors="replace")
     assert re.search(r"kvtier P/D: fetching from tcp://\S+ over ZMQ\.", d_log), d_log[-3000:]
