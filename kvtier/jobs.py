@@ -31,6 +31,8 @@ class LoadJob:
     ever fetched from a P/D producer). ``first_block``: the block of the first chunk where loading
     starts (non-zero when the engine already holds the start of that chunk). ``block_ids``: engine
     blocks to fill, in order. ``remote``: set when some chunks come from a P/D producer.
+    ``group``: which of the served KV cache groups the blocks are (0: the anchor group; a
+    hybrid model's request loads one job per group, and its load ends when all of them have).
     """
 
     req_id: str
@@ -39,6 +41,7 @@ class LoadJob:
     block_ids: tuple[int, ...]
     tail_blocks: int = 0
     remote: RemoteSource | None = None
+    group: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +69,7 @@ class SaveJob:
     engine. ``final``: this job carries the request's last chunk (the prompt is all published).
     A job with no keys only says the published request is still being computed. ``names``: one
     per full chunk in ``keys``, when the engine publishes KV cache events (else empty).
+    ``group``: which of the served KV cache groups the blocks are (0: the anchor group).
     """
 
     req_id: str
@@ -74,3 +78,4 @@ class SaveJob:
     publish: str | None = None
     final: bool = False
     names: tuple[ChunkBlocks | None, ...] = ()
+    group: int = 0

@@ -47,3 +47,9 @@ def tail_key(token_ids: Sequence[int], chunk_tokens: int, root: bytes, keys: Seq
 def storage_key(key: bytes, fingerprint: bytes) -> bytes:
     """The key a chunk is stored under on a worker: chain key bound to the worker's layout."""
     return blake3.blake3(key + fingerprint).digest(KEY_BYTES)
+
+
+def group_key(key: bytes, group: int) -> bytes:
+    """Chain key of a chunk's blocks in KV cache group ``group`` of a hybrid model; ``group`` 0
+    is the anchor group (:mod:`kvtier.engines.vllm.groups`), whose chunks keep ``key`` itself."""
+    return key if group == 0 else blake3.blake3(key + b"group" + group.to_bytes(4, "little")).digest(KEY_BYTES)

@@ -70,6 +70,8 @@ class TierWorker:
     that shares its interpreter with the engine's loop: there the load thread waits for the GIL
     behind the loop at every hand-over (up to one switch interval, 5 ms by default, each time),
     while the loop has nothing better to do than wait for the load anyway.
+    ``reuse``: another worker's :class:`ReuseGuard` to share (workers over KV cache groups of one
+    block pool: a block one group's save reads may be given to another group); None: its own.
 
     Built here and kept: ``loads`` (:class:`LoadSide`), ``saves`` (:class:`SaveSide`) and
     ``reuse`` (:class:`ReuseGuard`), the bookkeeping of save reads the two sides meet through.
@@ -78,7 +80,7 @@ class TierWorker:
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
                  save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
                  fetch_remote: FetchRemote | None = None, checksum: str | None = None, load_inline: bool = False,
-                 defer_reuse: bool = False, on_lost: HeldChanged | None = None):
+                 defer_reuse: bool = False, on_lost: HeldChanged | None = None, reuse: ReuseGuard | None = None):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -92,7 +94,7 @@ class TierWorker:
         on_held = on_held or (lambda keys: None)
         self.defer_reuse = defer_reuse and layout.device.type == "cuda"
         self.load_inline = load_inline
-        self.reuse = reuse = ReuseGuard(layout.device, self.defer_reuse)
+        self.reuse = reuse = reuse or ReuseGuard(layout.device, self.defer_reuse)
         self.loads = LoadSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["load"], on_held,
                               fetch_remote, load_inline, PIPELINE_BYTES, lambda: reuse.reuse_after)
         self.saves = SaveSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["save"], on_held,

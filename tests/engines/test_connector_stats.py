@@ -101,6 +101,7 @@ def test_shared_tier_write_counters_are_reported_as_deltas():
 
     side = WorkerSide.__new__(WorkerSide)
     side.rank, side.store, side.transfers = 1, Store(), Transfers()
+    side.group_transfers, side._failed_requests = [side.transfers], []
     side._reported, side._shared_reported, side._held_reported = TransferStats(), {}, {}
     side.take_stats()  # the held-bytes gauges' first report
     Store.counters["writes"] += 3

@@ -72,43 +72,72 @@ def test_group_kinds():
 
 def test_one_full_group_is_served():
     support = group_support(hybrid_config(full()))
-    assert support.active and support.served == 0 and support.block_size == BS
-    assert support.layers == ()  # one group: every registered tensor (layers sharing KV too)
+    assert support.active and [g.index for g in support.served] == [0] and support.block_size == BS
+    assert support.anchor.layers == ()  # one group: every registered tensor (layers sharing KV too)
 
 
 def test_no_groups_means_the_classic_single_group():
     support = group_support(KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[]))
-    assert support.active and support.served == 0 and support.block_size == 0
+    assert support.active and support.anchor.index == 0 and support.block_size == 0
+
+
+@pytest.mark.parametrize("specs, order", [
+    ((full(), sliding()), [0, 1]),
+    ((sliding(), full()), [1, 0]),  # the full-attention group leads: lookups run on its chunks
+    ((full(), full()), [0, 1]),
+    ((sliding(), sliding(3 * BS)), [0, 1]),
+])
+def test_full_and_windowed_groups_are_served_together(specs, order):
+    support = group_support(hybrid_config(*specs))
+    assert support.active and [g.index for g in support.served] == order
+    assert [g.layers for g in support.served] == [(f"layers.{i}.attn",) for i in order]
+    assert [g.window for g in support.served] == [getattr(specs[i], "sliding_window", None) or 0 for i in order]
+
+
+def test_what_a_windowed_group_still_reads():
+    slide = group_support(hybrid_config(full(), sliding(2 * BS))).served[1]
+    assert [slide.first_needed_token(n) for n in (0, 1, 2 * BS, 2 * BS + 1, 100)] == [0, 0, 1, 2, 100 - 2 * BS + 1]
+    chunked = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32,
+                                        attention_chunk_size=4 * BS)
+    local = group_support(hybrid_config(full(), chunked)).served[1]
+    assert local.window == 4 * BS
+    assert [local.first_needed_token(n) for n in (0, 4 * BS - 1, 4 * BS, 9 * BS)] == [0, 0, 4 * BS, 8 * BS]
+    assert group_support(hybrid_config(full())).anchor.first_needed_token(1000) == 0
 
 
 @pytest.mark.parametrize("specs, unserved", [
-    ((full(), sliding()), [(1, "sliding_window")]),
-    ((sliding(), full()), [(0, "sliding_window")]),
     ((mamba(), full()), [(0, "mamba")]),
-    ((full(), full()), [(1, "full_attention")]),  # two block tables: chunk keys name no group yet
     ((mamba(),), [(0, "mamba")]),
+    ((full(), sliding(), mamba()), [(2, "mamba")]),
 ])
-def test_other_groups_leave_kvtier_idle(specs, unserved):
+def test_mamba_leaves_kvtier_idle(specs, unserved):
     support = group_support(hybrid_config(*specs))
-    assert not support.active
+    assert not support.active and not support.served
     assert list(support.unserved) == unserved
     for group, kind in unserved:
         assert f"group {group} {kind} (not served)" in support.describe()
+    assert not support.fits_without_hybrid
 
 
-def test_one_sliding_window_group_is_not_served():
-    """A model of sliding-window layers only: with the hybrid manager on its one group keeps
-    only the window, which kvtier cannot serve yet; with it off, every layer is full attention."""
+def test_groups_of_different_block_sizes_leave_kvtier_idle():
+    wide = SlidingWindowSpec(block_size=2 * BS, num_kv_heads=1, head_size=16, dtype=torch.float32,
+                             sliding_window=4 * BS)
+    support = group_support(hybrid_config(full(), wide))
+    assert not support.active
+    assert "block sizes differ (16, 32 tokens)" in support.describe() and support.fits_without_hybrid
+
+
+def test_a_model_of_sliding_window_layers_only_is_served():
     support = group_support(hybrid_config(sliding()))
-    assert not support.active and support.unserved == ((0, "sliding_window"),) and support.fits_without_hybrid
-    assert not group_support(hybrid_config(full(), mamba())).fits_without_hybrid
+    assert support.active and support.anchor.kind == "sliding_window" and support.anchor.window == 2 * BS
 
 
 def test_groups_not_transferred_are_ignored():
-    config = hybrid_config(full(), full())
+    config = hybrid_config(full(), mamba())
     config.kv_cache_groups[1].enable_kv_transfer = False  # vLLM rebuilds it after a load
     support = group_support(config)
-    assert support.active and support.served == 0 and support.layers == ("layers.0.attn",)
+    assert support.active and [g.index for g in support.served] == [0]
+    assert support.anchor.layers == ("layers.0.attn",)
 
 
 # ---- the connector in vLLM -------------------------------------------------------------------
@@ -162,8 +191,7 @@ class _Engine:
         return out
 
 
-@pytest.mark.parametrize("specs, kind", [((full(), sliding()), "sliding_window"), ((mamba(), full()), "mamba")],
-                         ids=["full+sliding", "full+mamba"])
+@pytest.mark.parametrize("specs, kind", [((mamba(), full()), "mamba")], ids=["full+mamba"])
 def test_hybrid_engine_starts_and_recomputes(specs, kind, caplog):
     caplog.set_level(logging.WARNING, logger="kvtier.engines.vllm.connector")
     engine = _Engine(hybrid_config(*specs))

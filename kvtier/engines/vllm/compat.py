@@ -10,6 +10,7 @@ names kvtier needs are there.
 
 from __future__ import annotations
 
+import sys
 from typing import Any, Iterable
 
 import vllm
@@ -62,3 +63,28 @@ def check_version(version: str = VERSION) -> None:
 def has_hook(name: str) -> bool:
     """Whether this vLLM's connector base class defines hook ``name`` (so the engine may call it)."""
     return callable(getattr(KVConnectorBase_V1, name, None))
+
+
+def recompute_failed_loads(req_ids: set[str]) -> None:
+    """Make the engine recompute the whole prompt of each request in ``req_ids``, whose load failed.
+
+    Called from the connector's ``update_connector_output``, which vLLM's scheduler calls just
+    before it takes the step's finished loads. For a model of several KV cache groups vLLM takes
+    no invalid block ids (0.26 fails on them, 0.32 refuses them), and vLLM 0.26 has no per-request
+    failure report, so kvtier does here what vLLM does itself for a failed asynchronous load with
+    no valid prefix: the request's computed tokens go to 0 and it is marked failed, so that, when
+    its load reports finished, the scheduler frees its blocks and admits it afresh. vLLM hands its
+    connector no scheduler: the caller found on the stack is it.
+    """
+    frame = sys._getframe(1)
+    while frame is not None and not hasattr(frame.f_locals.get("self"), "failed_recving_kv_req_ids"):
+        frame = frame.f_back
+    if frame is None:
+        raise RuntimeError("kvtier: a hybrid model's KV load failed and no vLLM scheduler was found to recompute "
+                           f"requests {sorted(req_ids)}; this vLLM release is not supported for hybrid models.")
+    scheduler = frame.f_locals["self"]
+    for req_id in req_ids:
+        request = scheduler.requests.get(req_id)
+        if request is not None:
+            request.num_computed_tokens = 0
+            scheduler.failed_recving_kv_req_ids.add(req_id)

@@ -12,8 +12,12 @@ through the same plan, waiting state and load executor as a reload.
 
 Hybrid models (vLLM's hybrid KV cache manager): the connector is ``SupportsHMA`` where vLLM has
 it, so the manager stays on. kvtier serves a config whose transferred KV cache groups it can all
-serve (:mod:`.groups`); any other config runs with kvtier idle: no hits (the engine
-recomputes), no saves, one start-up line naming the groups it does not serve.
+serve (:mod:`.groups`: full attention, sliding window, chunked local attention), each group's
+blocks under keys of its own, a windowed group only within its window; any other config runs
+with kvtier idle: no hits (the engine recomputes), no saves, one start-up line naming the groups
+it does not serve. vLLM takes no block-level load failures from a model of several groups, so
+there the workers report a failed load per request and the engine recomputes its whole prompt
+(:func:`~kvtier.engines.vllm.compat.recompute_failed_loads`).
 """
 
 from __future__ import annotations
@@ -33,11 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
-from kvtier.engines.vllm.compat import HMA_BASES, CacheHitSource, check_version
+from kvtier.engines.vllm.compat import HMA_BASES, CacheHitSource, check_version, recompute_failed_loads
 from kvtier.engines.vllm.groups import GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
 from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
-from kvtier.engines.vllm.stats import KvtierPromMetrics, build_stats
+from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierPromMetrics, build_stats
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -81,11 +85,16 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self.config = KvtierConfig.from_dict(transfer.kv_connector_extra_config)
         self.groups: GroupSupport = group_support(kv_cache_config)
         self.active = self.groups.active  # False: kvtier stays idle (no hits, no saves) in this engine
-        self.group = self.groups.served or 0  # the KV cache group whose block ids kvtier moves
+        served = self.groups.served if self.active else ()
+        self.group = served[0].index if served else 0  # the anchor KV cache group (lookups run on its chunks)
+        self.other_groups = tuple(g.index for g in served[1:])  # served beside it (hybrid models)
         self.block_size = self.groups.block_size or vllm_config.cache_config.block_size
         if self.active:
             self.config.check_block_size(self.block_size)
-        elif role == KVConnectorRole.SCHEDULER:  # one line per engine, not one per worker
+        if self.active and self.other_groups and role == KVConnectorRole.SCHEDULER:
+            logger.info("kvtier serves %d KV cache groups (%s), block size %d.", len(served), self.groups.describe(),
+                        self.block_size)
+        elif not self.active and role == KVConnectorRole.SCHEDULER:  # one line per engine, not one per worker
             hint = (" To have kvtier serve it, with full KV in every layer, start vLLM with "
                     "--disable-hybrid-kv-cache-manager." if self.groups.fits_without_hybrid else "")
             logger.warning("kvtier is idle in this engine: it does not serve these KV cache groups (%s); "
@@ -104,14 +113,14 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             # geometry may not fit a block size vLLM chose for another group, e.g. a Mamba state page)
             self._scheduler = SchedulerSide(self.config, model, self.block_size, endpoint, engine_id=transfer.engine_id,
                                             tp_size=parallel.world_size,
-                                            name_chunk=self._name_chunk if kv_events else None)
+                                            name_chunk=self._name_chunk if kv_events else None, groups=served)
         elif self.active:
             # The worker half's module loads LMCache (seconds): it is imported in the background
             # while vLLM loads the model and profiles, and waited for at register_kv_caches.
             self._worker_args = (self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
                                  parallel.rank, parallel.world_size)
             self._worker_kwargs = dict(produce=transfer.kv_role != "kv_consumer", kv_events=kv_events,
-                                       layers=self.groups.layers,
+                                       groups=tuple((g.kind, g.window, g.layers) for g in served),
                                        load_inline=parallel.distributed_executor_backend == "uni")  # shares the loop's GIL
             self._importing = threading.Thread(target=_import_quietly, args=(_WORKER_MODULE,), daemon=True,
                                                name="kvtier-import")
@@ -200,11 +209,13 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.active:
-            self._scheduler.allocated(request.request_id, blocks.get_block_ids()[self.group], num_external_tokens)
+            ids = blocks.get_block_ids()
+            self._scheduler.allocated(request.request_id, ids[self.group], num_external_tokens,
+                                      tuple(ids[g] for g in self.other_groups))
 
     def get_loaded_kv_cache_group_ids(self, request: Request) -> tuple[int, ...]:
         """The groups a load fills (vLLM >= 0.32 asks, to skip zeroing their new blocks)."""
-        return (self.group,) if self.active else ()
+        return (self.group, *self.other_groups) if self.active else ()
 
     def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict:
         """Tokens per tier (vLLM >= 0.32 asks; older releases never call it)."""
@@ -216,20 +227,24 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if not self.active:
             return KvtierMetadata(StepPlan((), ()))
-        scheduler, saves, allocated, g = self._scheduler, [], [], self.group
+        scheduler, saves, allocated, g, others = self._scheduler, [], [], self.group, self.other_groups
         for new in scheduler_output.scheduled_new_reqs:
-            computed = new.num_computed_tokens + scheduler_output.num_scheduled_tokens[new.req_id]
-            saves.append(scheduler.scheduled(new.req_id, new.block_ids[g], True, computed))
-            allocated += new.block_ids[g]
+            before = new.num_computed_tokens
+            computed = before + scheduler_output.num_scheduled_tokens[new.req_id]
+            saves.append(scheduler.scheduled(new.req_id, new.block_ids[g], True, computed,
+                                             tuple(new.block_ids[o] for o in others), before))
+            allocated += [b for ids in new.block_ids for b in ids]  # every group's: blocks are one pool
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
             new_blocks = cached.new_block_ids[i]
             if new_blocks:
-                allocated += new_blocks[g]
-            computed = cached.num_computed_tokens[i] + scheduler_output.num_scheduled_tokens[req_id]
+                allocated += [b for ids in new_blocks for b in ids]
+            before = cached.num_computed_tokens[i]
+            computed = before + scheduler_output.num_scheduled_tokens[req_id]
             saves.append(
                 scheduler.scheduled(
-                    req_id, new_blocks[g] if new_blocks else None, req_id in cached.resumed_req_ids, computed
+                    req_id, new_blocks[g] if new_blocks else None, req_id in cached.resumed_req_ids, computed,
+                    tuple(new_blocks[o] for o in others) if new_blocks else (), before,
                 )
             )
         return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)))
@@ -241,8 +256,12 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if events:
             self._events.add_events(events.get_all_events())
         self._events.settling = bool(events and getattr(events, "settling", False))
+        stats = connector_output.kv_connector_stats
+        failed = set(stats.data.pop(FAILED_REQUESTS, ()) if stats is not None else ())
+        if failed:  # a hybrid model's: the engine drops each one's tokens and looks it up afresh
+            recompute_failed_loads(failed)
         self._scheduler.loads_reported(set(connector_output.finished_recving or ()),
-                                       set(connector_output.invalid_block_ids or ()))
+                                       set(connector_output.invalid_block_ids or ()), failed)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Blocks may be freed now: saves are copied out inside the step that planned them (a P/D

@@ -1,13 +1,19 @@
-"""Which of the engine's KV cache groups kvtier serves.
+"""Which of the engine's KV cache groups kvtier serves, and which blocks of each a hit needs.
 
 With vLLM's hybrid KV cache manager a model's layers fall into several KV cache groups, each
-with its own block table (and possibly block size): full attention, sliding window, chunked
-local attention, Mamba state. kvtier's chunks hold one group's blocks, so it serves a config
-only when it can serve every group that takes part in KV transfer: a prefix hit must be valid
-for all of them, and a group kvtier cannot fill leaves the hit at 0 (the engine recomputes).
+with its own block table: full attention, sliding window, chunked local attention, Mamba state.
+kvtier stores each group's blocks of a chunk under a key of its own (:func:`kvtier.keys.group_key`)
+and serves a config when it can serve every group that takes part in KV transfer: a prefix hit
+must be valid for all of them, and a group kvtier cannot fill leaves the hit at 0 (the engine
+recomputes).
 
-Today that is one full-attention group (MLA included). Groups vLLM marks as not transferred
-(``enable_kv_transfer=False``, rebuilt by the engine after a load) are ignored.
+Served: full attention (MLA included), sliding window and chunked local attention, all with one
+block size. A full-attention group needs every block of a hit; a windowed group only the blocks
+its attention still reads at the hit's end: vLLM gives such a request the null block in place of
+the others (:data:`NULL_BLOCK`), and kvtier loads nothing into those. Not served: Mamba state
+(it would have to be kept at chunk boundaries) and kinds kvtier has no name for. Groups vLLM
+marks as not transferred (``enable_kv_transfer=False``, rebuilt by the engine after a load) are
+ignored.
 """
 
 from __future__ import annotations
@@ -30,7 +36,8 @@ _KINDS = {
     "ChunkedLocalAttentionSpec": CHUNKED_LOCAL,
     "MambaSpec": MAMBA,
 }
-SERVED_KINDS = frozenset({FULL})
+SERVED_KINDS = frozenset({FULL, SLIDING, CHUNKED_LOCAL})
+NULL_BLOCK = 0  # vLLM's null block (the block pool's first): a windowed group's blocks outside its window
 
 
 def spec_kind(spec: Any) -> str:
@@ -46,27 +53,63 @@ def spec_kind(spec: Any) -> str:
     return _KINDS.get(name, name)
 
 
+def _window(spec: Any, kind: str) -> int:
+    """Tokens of a windowed group's window (sliding window, attention chunk); 0 for full attention."""
+    if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+        spec = next(iter(spec.kv_cache_specs.values()))
+    if kind == SLIDING:
+        return int(spec.sliding_window)
+    if kind == CHUNKED_LOCAL:
+        return int(spec.attention_chunk_size)
+    return 0
+
+
+@dataclass(frozen=True, slots=True)
+class ServedGroup:
+    """One KV cache group kvtier moves: vLLM's ``index`` of it, its ``kind``, its ``window``
+    (tokens; 0 for full attention) and its ``layers`` (empty: every registered KV tensor, the
+    engine's one group)."""
+
+    index: int
+    kind: str
+    window: int = 0
+    layers: tuple[str, ...] = ()
+
+    def first_needed_token(self, end: int) -> int:
+        """First token whose KV this group's attention still reads when ``end`` tokens are
+        computed (vLLM's ``get_num_skipped_tokens``): 0 for full attention."""
+        if self.kind == SLIDING:
+            return max(0, end - self.window + 1)
+        if self.kind == CHUNKED_LOCAL:
+            return end // self.window * self.window
+        return 0
+
+
 @dataclass(frozen=True, slots=True)
 class GroupSupport:
     """kvtier's answer for one ``KVCacheConfig``.
 
-    ``kinds``: kind of each group, by group index. ``served``: index of the group whose blocks
-    kvtier saves and loads, None when kvtier serves none (then it offers no hits and saves
-    nothing). ``unserved``: ``(group index, kind)`` of each transferred group it cannot serve.
-    ``block_size``: tokens per block of the served group (0: the engine's block size).
-    ``layers``: with several groups, the served group's layer names, whose KV tensors alone the
-    worker's layout covers (empty: every registered tensor).
+    ``kinds``: kind of each group, by group index. ``served``: the groups kvtier saves and loads,
+    the anchor first (a full-attention group where there is one: lookups run on its chunk keys);
+    empty when kvtier serves none (then it offers no hits and saves nothing). ``unserved``:
+    ``(group index, kind)`` of each transferred group it cannot serve, with ``reason`` in words
+    when that is not the kind itself. ``block_size``: tokens per block of the served groups
+    (0: the engine's block size).
     """
 
     kinds: tuple[str, ...]
-    served: int | None
+    served: tuple[ServedGroup, ...]
     unserved: tuple[tuple[int, str], ...]
     block_size: int = 0
-    layers: tuple[str, ...] = ()
+    reason: str = ""
 
     @property
     def active(self) -> bool:
-        return self.served is not None and not self.unserved
+        return bool(self.served) and not self.unserved
+
+    @property
+    def anchor(self) -> ServedGroup:
+        return self.served[0]
 
     @property
     def fits_without_hybrid(self) -> bool:
@@ -77,26 +120,33 @@ class GroupSupport:
     def describe(self) -> str:
         """The groups in words, e.g. ``group 0 full_attention, group 1 mamba (not served)``."""
         unserved = {g for g, _ in self.unserved}
-        return ", ".join(f"group {g} {kind}" + (" (not served)" if g in unserved else "")
+        text = ", ".join(f"group {g} {kind}" + (" (not served)" if g in unserved else "")
                          for g, kind in enumerate(self.kinds))
+        return f"{text}; {self.reason}" if self.reason else text
 
 
 def group_support(kv_cache_config: Any) -> GroupSupport:
     """Classify ``kv_cache_config.kv_cache_groups`` (vLLM's ``KVCacheGroupSpec`` list).
 
-    Served: the first transferred full-attention group, when it is the only transferred group.
-    A second transferred group of any kind is unserved: chunk keys name no group yet, so two
-    groups' blocks cannot be told apart in the tiers.
+    Every transferred group of a served kind is served when they all share one block size (a
+    chunk then covers the same tokens in each); otherwise none is.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if not groups:  # nothing said: the engine's one group of full attention, all layers
-        return GroupSupport((FULL,), 0, ())
+        return GroupSupport((FULL,), (ServedGroup(0, FULL),), ())
     kinds = tuple(spec_kind(g.kv_cache_spec) for g in groups)
     transferred = [i for i, g in enumerate(groups) if getattr(g, "enable_kv_transfer", True)]
-    served = next((i for i in transferred if kinds[i] in SERVED_KINDS), None)
-    unserved = tuple((i, kinds[i]) for i in transferred if i != served)
-    if served is None:
-        return GroupSupport(kinds, None, unserved)
-    spec = groups[served].kv_cache_spec
-    layers = tuple(groups[served].layer_names) if len(groups) > 1 else ()  # one group: layers sharing KV too
-    return GroupSupport(kinds, served, unserved, int(spec.block_size), layers)
+    unserved = tuple((i, kinds[i]) for i in transferred if kinds[i] not in SERVED_KINDS)
+    candidates = [i for i in transferred if kinds[i] in SERVED_KINDS]
+    if unserved or not candidates:
+        return GroupSupport(kinds, (), unserved)
+    sizes = {int(groups[i].kv_cache_spec.block_size) for i in candidates}
+    if len(sizes) > 1:
+        return GroupSupport(kinds, (), tuple((i, kinds[i]) for i in candidates),
+                            reason=f"their block sizes differ ({', '.join(map(str, sorted(sizes)))} tokens)")
+    candidates.sort(key=lambda i: kinds[i] != FULL)  # stable: the first full-attention group leads
+    served = tuple(
+        ServedGroup(i, kinds[i], _window(groups[i].kv_cache_spec, kinds[i]),
+                    tuple(groups[i].layer_names) if len(groups) > 1 else ())  # one group: layers sharing KV too
+        for i in candidates)
+    return GroupSupport(kinds, served, (), sizes.pop())

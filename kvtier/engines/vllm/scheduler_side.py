@@ -8,6 +8,10 @@ from :class:`kvtier.engines.vllm.scheduler.KvtierScheduler` (handoff boundary, s
 The module is one piece: each of those calls reads and advances the same per-request records
 (:class:`_Tracked`) and step counters, which nothing else may change, and every decision in it
 is already a pure function in :mod:`kvtier.scheduler_hooks`.
+
+Hybrid models (several served KV cache groups, :mod:`.groups`): lookups, plans and states run on
+the anchor group's chunks; each other group is loaded and saved beside it, chunk for chunk, under
+its own keys, and a hit counts only as far as every group holds the chunks it needs.
 """
 
 from __future__ import annotations
@@ -19,8 +23,9 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kvtier.config import KvtierConfig
+from kvtier.engines.vllm.groups import NULL_BLOCK, ServedGroup
 from kvtier.jobs import ChunkBlocks, LoadJob, RemoteSource, SaveJob
-from kvtier.keys import chunk_keys, namespace, tail_key
+from kvtier.keys import chunk_keys, group_key, namespace, tail_key
 from kvtier.lookup import LookupClient
 from kvtier.pd import params as pd
 from kvtier.scheduler_hooks import (
@@ -31,6 +36,7 @@ logger = logging.getLogger(__name__)
 
 MAX_DISTRUSTED = 1 << 16  # chunk keys remembered as unloadable; the oldest are forgotten first
 PROBE_EVERY = 32  # after this many loads vetoed on cost in a row, one loads anyway to re-measure
+WINDOW_LOOKUPS = 4  # most lookups to find a hit every served group holds; past them the prompt recomputes
 
 
 @dataclass(slots=True)
@@ -41,6 +47,7 @@ class _Load:
     tiers: tuple[str, ...]  # tier of each chunk in job.keys
     start: int  # first token loaded
     issued_s: float | None = None  # clock when the job left in a step's metadata
+    others: tuple[LoadJob, ...] = ()  # the other served groups' jobs for the same tokens (hybrid models)
 
 
 @dataclass(slots=True)
@@ -56,6 +63,7 @@ class _Tracked:
     remote_failed: bool = False  # a consumer's transfer failed once: the rest is recomputed, never retried
     state: ReqState = ReqState.LOOKUP
     block_ids: list[int] = field(default_factory=list)
+    group_blocks: list[list[int]] = field(default_factory=list)  # each other served group's, by slot - 1
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or queued for saving
     plan: LoadPlan | None = None  # of the latest lookup; committed by allocated()
     tiers: tuple[str, ...] = ()  # of the latest lookup
@@ -82,12 +90,17 @@ class SchedulerSide:
     ``clock``: seconds, monotonic; tests replace it to make measured costs deterministic.
     ``name_chunk(req_id, chunk)``: the engine's names for a request's chunk's blocks, given when
     the engine publishes KV cache events (saved chunks then carry them to the workers).
+    ``groups``: the served KV cache groups of a hybrid model, the anchor first (block ids without
+    a group are the anchor's); empty or one: the engine's one group.
     """
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, endpoint: str,
                  clock: Callable[[], float] = time.perf_counter, engine_id: str = "", tp_size: int = 1,
-                 name_chunk: Callable[[str, int], ChunkBlocks | None] | None = None):
+                 name_chunk: Callable[[str, int], ChunkBlocks | None] | None = None,
+                 groups: tuple[ServedGroup, ...] = ()):
         self.config = config
+        self.others = tuple(groups[1:])  # served groups beside the anchor, slot i + 1 each
+        self._warned_hybrid: set[str] = set()
         self.model = model
         self.block_size = block_size
         self.geometry = Geometry(block_size, config.chunk_tokens)
@@ -105,6 +118,8 @@ class SchedulerSide:
         self.peer_endpoints: list[str] = []  # this engine's P/D chunk servers, as rank 0 last told
         self._requests: dict[str, _Tracked] = {}
         self._loads: list[_Load] = []  # planned this step, not yet in a StepPlan
+        self._group_save_jobs: list[SaveJob] = []  # other served groups' saves planned this step
+        self._load_failures: set[str] = set()  # hybrid: requests whose load failed, until reported finished
         self._cancels: list[str] = []
         self._withdrawn: list[str] = []
         self._distrusted: OrderedDict[bytes, None] = OrderedDict()
@@ -116,6 +131,10 @@ class SchedulerSide:
 
     def enable_handoff(self) -> None:
         """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary."""
+        if self.others:
+            self._warn_hybrid("handoff", "kvtier hands off unaligned hits of single-group models only; "
+                                         "this hybrid model loads partial chunks instead.")
+            return
         self.policy = Policy(self.policy.min_load_tokens, self.policy.unaligned, handoff_supported=True)
 
     # ---- admission --------------------------------------------------------------------------
@@ -127,6 +146,10 @@ class SchedulerSide:
             keys = chunk_keys(prompt, self.chunk_tokens, root)
             tracked = self._requests[req_id] = _Tracked(keys, len(prompt))
             role = pd.parse(transfer_params)
+            if role is not None and self.others:
+                self._warn_hybrid("pd", "kvtier P/D moves single-group models only; requests of this hybrid "
+                                        "model compute their prompts where they run.")
+                role = None
             if isinstance(role, pd.Consume) and role.tp_size != self.tp_size:
                 logger.warning("kvtier P/D: request %s comes from a producer with %d TP ranks, this engine has %d; "
                                "recomputing its prompt.", req_id, role.tp_size, self.tp_size)
@@ -152,6 +175,8 @@ class SchedulerSide:
             self.peer_endpoints = reply.endpoints
         # Until the workers have emptied the tiers, the index may still offer what a reset removes.
         tiers = () if self.reset_pending else self._trusted(tracked.keys, reply.tiers if reply is not None else [])
+        if self.others and tiers:
+            tiers = tiers[: self._held_by_every_group(tracked.keys, len(tiers))]
         remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed
         if remote:
             tiers += ("remote",) * (len(tracked.keys) + (tracked.tail is not None) - len(tiers))
@@ -168,11 +193,14 @@ class SchedulerSide:
         tracked.plan, tracked.tiers = plan, tiers
         return plan
 
-    def allocated(self, req_id: str, block_ids: list[int], external_tokens: int) -> None:
-        """Blocks are allocated at admission: commit the plan of the lookup just made (idempotent)."""
+    def allocated(self, req_id: str, block_ids: list[int], external_tokens: int,
+                  others: tuple[list[int], ...] = ()) -> None:
+        """Blocks are allocated at admission: commit the plan of the lookup just made (idempotent).
+        ``others``: each other served group's blocks (hybrid models)."""
         tracked = self._requests.get(req_id)
         if tracked is None or tracked.plan is None:
             return  # a second call, or a request resuming after its load (no lookup)
+        tracked.group_blocks = [list(ids) for ids in others]
         plan, tracked.plan = tracked.plan, None
         if tracked.role is None:
             # What every rank's tiers hold needs no save (a local hit's or a load's chunks): the
@@ -262,16 +290,22 @@ class SchedulerSide:
         self._advance(req_id, tracked, Event.PARK_FAILED)
 
     # ---- steps --------------------------------------------------------------------------------
-    def scheduled(self, req_id: str, block_ids: list[int] | None, replace: bool, computed_after: int) -> SaveJob | None:
-        """A request runs this step and will have ``computed_after`` tokens computed; new full
-        prompt chunks are saved. ``block_ids``: blocks added this step (all of them if ``replace``)."""
+    def scheduled(self, req_id: str, block_ids: list[int] | None, replace: bool, computed_after: int,
+                  others: tuple[list[int], ...] = (), computed_before: int = 0) -> SaveJob | None:
+        """A request runs this step and will have ``computed_after`` tokens computed (``computed_before``
+        before it); new full prompt chunks are saved. ``block_ids``: blocks added this step (all of
+        them if ``replace``); ``others``: the same for each other served group (hybrid models),
+        whose save jobs join the step's plan (:meth:`take_plan`) beside the anchor's returned here."""
         tracked = self._requests.get(req_id)
         if tracked is None:
             return None
         if replace:
             tracked.block_ids = list(block_ids or ())
+            tracked.group_blocks = [list(ids) for ids in others]
         elif block_ids:
             tracked.block_ids.extend(block_ids)
+            for mine, new in zip(tracked.group_blocks, others):
+                mine.extend(new)
         full = min(computed_after, tracked.prompt_tokens) // self.chunk_tokens
         full = min(full, len(tracked.keys), len(tracked.block_ids) // self.chunk_blocks)
         publish = isinstance(tracked.role, pd.Produce) and not tracked.published \
@@ -286,6 +320,7 @@ class SchedulerSide:
         tracked.last_save_step = self._step
         names = () if self.name_chunk is None else tuple(self.name_chunk(req_id, i) for i in range(start, full))
         if not publish:
+            self._group_saves(req_id, tracked, start, full, computed_before)
             return SaveJob(req_id, tuple(keys), tuple(blocks), names=names)
         # A producer publishes the whole prompt, its partial tail too, once all of it is computed;
         # until then a job with what is new (maybe nothing) tells the workers it is still coming.
@@ -296,6 +331,22 @@ class SchedulerSide:
         tracked.published = final
         return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names)
 
+    def _group_saves(self, req_id: str, tracked: _Tracked, start: int, end: int, computed_before: int) -> None:
+        """The other served groups' blocks of chunks ``[start, end)``. A windowed group saves a
+        chunk only while all its blocks hold KV: not the null block (outside the window when the
+        request was admitted) and not below what vLLM freed before this step (its blocks may be
+        another request's by now)."""
+        cb = self.chunk_blocks
+        for slot, group in enumerate(self.others, 1):
+            ids = tracked.group_blocks[slot - 1] if slot <= len(tracked.group_blocks) else []
+            live = group.first_needed_token(computed_before) // self.block_size
+            chunks = [i for i in range(start, end) if i * cb >= live and len(ids) >= (i + 1) * cb
+                      and NULL_BLOCK not in ids[i * cb : (i + 1) * cb]]
+            if chunks:
+                self._group_save_jobs.append(SaveJob(req_id, tuple(group_key(tracked.keys[i], slot) for i in chunks),
+                                                     tuple(b for i in chunks for b in ids[i * cb : (i + 1) * cb]),
+                                                     group=slot))
+
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
         """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""
         # Without kvtier's scheduler nobody reports step completions; vLLM keeps at most one
@@ -304,7 +355,8 @@ class SchedulerSide:
         now = self.clock()
         for load in self._loads:
             load.issued_s = now
-        loads, self._loads = tuple(load.job for load in self._loads), []
+        loads, self._loads = tuple(job for load in self._loads for job in (load.job, *load.others)), []
+        saves, self._group_save_jobs = [*saves, *self._group_save_jobs], []
         cancels, self._cancels = tuple(self._cancels), []
         withdrawn, self._withdrawn = tuple(self._withdrawn), []
         reset = self.reset_pending and self._reset_step is None
@@ -336,19 +388,26 @@ class SchedulerSide:
     def record_step(self, tokens: int, seconds: float) -> None:
         self.meter.record_step(tokens, seconds)
 
-    def loads_reported(self, req_ids: set[str], invalid_block_ids: set[int]) -> None:
-        """Workers finished these requests' loads; ``invalid_block_ids`` were not loaded.
+    def loads_reported(self, req_ids: set[str], invalid_block_ids: set[int], failed_req_ids: set[str] = frozenset()) -> None:
+        """Workers finished these requests' loads; ``invalid_block_ids`` were not loaded; the loads
+        of ``failed_req_ids`` (hybrid models, whose block ids name no group) failed somewhere, and
+        the engine drops all their tokens.
 
         A failed chunk is distrusted: later lookups stop before it, so a request that must
         recompute from the start cannot be offered the same failing load again (vLLM #49176).
         """
         now = self.clock()
+        self._load_failures |= failed_req_ids  # a rank may fail before the last rank reports it finished
         for req_id in req_ids:
+            failed_request = req_id in self._load_failures
+            self._load_failures.discard(req_id)
             tracked = self._requests.get(req_id)
             if tracked is None or tracked.load is None:
                 continue
             load, tracked.load = tracked.load, None
             failed = [i for i, b in enumerate(load.job.block_ids) if b in invalid_block_ids]
+            if failed_request:
+                failed = list(range(len(load.job.block_ids)))  # which chunk is not said: none is kept
             event = Event.LOADED
             self.counts["loads_failed" if failed else "loads_ok"] += 1
             if failed and load.job.remote is not None:
@@ -360,7 +419,8 @@ class SchedulerSide:
                 remote = load.job.remote
                 if remote is None or chunk < remote.first_chunk:  # a producer's chunk is not ours to distrust
                     self._distrust(load.job.keys[chunk])
-                if load.start + failed[0] * self.block_size == 0 and tracked.state is ReqState.WAITING_FOR_KV:
+                if (load.start + failed[0] * self.block_size == 0 or failed_request) \
+                        and tracked.state is ReqState.WAITING_FOR_KV:
                     # vLLM keeps the valid prefix; with none it frees the blocks and admits the
                     # request again from a fresh lookup, which must plan anew.
                     event = Event.RETRY
@@ -420,8 +480,44 @@ class SchedulerSide:
             role = tracked.role
             remote = RemoteSource(role.transfer_id, role.endpoints, tracked.tiers[first:last].index("remote"), role.wait)
         job = LoadJob(req_id, keys, (start % c) // b, blocks, tail_blocks, remote)
-        tracked.load = _Load(job, tracked.tiers[first:last], start)
+        tracked.load = _Load(job, tracked.tiers[first:last], start, others=self._group_loads(req_id, tracked, start, end))
         self._loads.append(tracked.load)
+
+    def _group_loads(self, req_id: str, tracked: _Tracked, start: int, end: int) -> tuple[LoadJob, ...]:
+        """The other served groups' jobs for tokens ``[start, end)``: a windowed group's blocks
+        outside its window are vLLM's null block, a prefix of its list, and are not loaded."""
+        c, b, jobs = self.chunk_tokens, self.block_size, []
+        for slot, ids in enumerate(tracked.group_blocks, 1):
+            first, stop = start // b, min(-(-end // b), len(ids))
+            while first < stop and ids[first] == NULL_BLOCK:
+                first += 1
+            if first < stop:
+                keys = tuple(group_key(k, slot) for k in tracked.keys[first * b // c : -(-stop * b // c)])
+                jobs.append(LoadJob(req_id, keys, (first * b % c) // b, tuple(ids[first:stop]), group=slot))
+        return tuple(jobs)
+
+    def _held_by_every_group(self, keys: list[bytes], chunks: int) -> int:
+        """Most of the leading ``chunks`` (all held for the anchor group) that every other served
+        group holds as far as a hit needs them: a full-attention group every chunk, a windowed group
+        the chunks its window covers at the hit's end. Lookups ask for the needed keys latest chunk
+        first, so a missing one shortens the hit to end before it."""
+        c = self.chunk_tokens
+        for _ in range(WINDOW_LOOKUPS):
+            if chunks == 0:
+                return 0
+            needed = [(i, group_key(keys[i], slot)) for i in range(chunks - 1, -1, -1)
+                      for slot, group in enumerate(self.others, 1) if i >= group.first_needed_token(chunks * c) // c]
+            reply = self.client.lookup([key for _, key in needed])
+            held = len(reply.tiers) if reply is not None else 0
+            if held >= len(needed):
+                return chunks
+            chunks = needed[held][0]
+        return 0
+
+    def _warn_hybrid(self, what: str, message: str) -> None:
+        if what not in self._warned_hybrid:
+            self._warned_hybrid.add(what)
+            logger.warning(message)
 
     def _trusted(self, keys: list[bytes], tiers: list[str]) -> tuple[str, ...]:
         for i, key in enumerate(keys[: len(tiers)]):

@@ -12,6 +12,9 @@ TIERS = ("cpu", "disk", "shared", "remote")
 HELD_TIERS = ("cpu", "disk")
 # Per chunk batch (one load job, one step's saves): a chunk is ~1-100 ms, a 32k prompt ~0.1-2 s.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+# Request ids whose load failed on a hybrid model's workers (vLLM takes no block ids there): a
+# message to the scheduler half, which takes it out before the figures are logged or exported.
+FAILED_REQUESTS = "failed_load_requests"
 
 
 @dataclass
@@ -47,6 +50,8 @@ class KvtierStats(KVConnectorStats):
     def reduce(self) -> dict[str, int | float]:
         out: dict[str, int | float] = {}
         for name, value in sorted(self.data.items()):
+            if name == FAILED_REQUESTS:
+                continue
             if isinstance(value, dict):
                 out[name] = sum(value.values())
             elif isinstance(value, list):

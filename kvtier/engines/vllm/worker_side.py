@@ -9,22 +9,30 @@ Rank 0 shows a chunk to lookups only while every rank holds it (:mod:`kvtier.loo
 P/D: an engine that may prefill for others (``kv_both`` / ``kv_producer``) runs a chunk server
 per rank, pins what its requests publish, and tells rank 0 its address (the scheduler hands it
 to decode engines). Any engine fetches a producer's chunks when a load job says so.
+
+Hybrid models: one layout and one :class:`TierWorker` per served KV cache group (its layers'
+tensors, its block ids), over one store; jobs name their group. The groups' layouts share one
+fingerprint that covers them all, and one reuse guard (their blocks come from one pool). A
+request's load ends when every group's job has; a failure is reported per request.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import sys
 import threading
 from typing import TYPE_CHECKING
 
+import blake3
 import torch
 
 from kvtier.config import ConfigError, KvtierConfig
+from kvtier.engines.vllm.stats import FAILED_REQUESTS
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
-from kvtier.layout import build_layout
+from kvtier.layout import Layout, build_layout
 from kvtier.lookup import HoldReporter, LookupServer
 from kvtier.pd import nixl
 from kvtier.pd.fetch import PeerError, fetch_chunks
@@ -64,7 +72,7 @@ class WorkerSide:
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, num_blocks: int, endpoint: str,
                  rank: int, world_size: int, produce: bool = True, kv_events: bool = False, load_inline: bool = False,
-                 layers: tuple[str, ...] = ()):
+                 groups: tuple[tuple[str, int, tuple[str, ...]], ...] = ()):
         self.config = config
         self.model = model
         self.block_size = block_size
@@ -74,7 +82,13 @@ class WorkerSide:
         self.endpoint = endpoint
         self.produce = produce
         self.load_inline = load_inline  # local-tier loads on the engine thread (see TierWorker)
-        self.layers = layers  # the served KV cache group's layers (empty: every registered tensor)
+        # (kind, window, layers) of each served KV cache group, the anchor first; none: the engine's
+        # one group, every registered tensor
+        self.groups = groups or (("full_attention", 0, ()),)
+        self.group_transfers: list[TierWorker] = []  # one per served group, the anchor's first
+        self._parts: dict[str, list] = {}  # hybrid: request -> [jobs not finished, failed]
+        self._part_blocks: dict[tuple[str, int], frozenset[int]] = {}
+        self._failed_requests: list[str] = []
         self.holds: PublishHolds | None = None
         self.chunk_server: ChunkServer | None = None
         self._hello: Hello | None = None
@@ -91,11 +105,28 @@ class WorkerSide:
         self.nixl: nixl.Agent | None = None  # set once NIXL is up with the CPU pool registered
         self._nixl_started: threading.Thread | None = None
 
+    def _layouts(self, kv_caches: dict[str, torch.Tensor]) -> list[Layout]:
+        """One layout per served group over its layers' tensors; with several groups, all carry
+        one fingerprint over every group's (kind, window and layout), so a chunk of one model's
+        group never loads into another config's."""
+        layouts = []
+        for _, _, layers in self.groups:
+            tensors = {name: kv_caches[name] for name in layers if name in kv_caches} if layers else kv_caches
+            layouts.append(build_layout(tensors, self.block_size, self.num_blocks, model=self.model,
+                                        tp_rank=self.rank, tp_size=self.world_size))
+        if len(layouts) == 1:
+            return layouts
+        digest = blake3.blake3()
+        for (kind, window, _), layout in zip(self.groups, layouts):
+            digest.update(f"{kind}:{window}:".encode() + layout.fingerprint)
+        fingerprint = digest.digest(len(layouts[0].fingerprint))
+        return [dataclasses.replace(layout, fingerprint=fingerprint,
+                                    description=f"group {i} {kind} ({window} tokens): {layout.description}")
+                for i, ((kind, window, _), layout) in enumerate(zip(self.groups, layouts))]
+
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        if self.layers:  # other groups' layers (Mamba state, another block table) are not kvtier's
-            kv_caches = {name: kv_caches[name] for name in self.layers if name in kv_caches}
-        layout = build_layout(kv_caches, self.block_size, self.num_blocks, model=self.model,
-                              tp_rank=self.rank, tp_size=self.world_size)
+        layouts = self._layouts(kv_caches)
+        layout = layouts[0]
         config = self.config
         disk_path = config.disk_path
         if disk_path and self.world_size > 1:
@@ -136,8 +167,13 @@ class WorkerSide:
         self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
                                     on_held=held, fetch_remote=self._fetch_remote, load_inline=self.load_inline,
                                     defer_reuse=True, on_lost=self.holds.lost)
-        pd = "no P/D chunk server (kv_consumer)"
-        if self.produce:
+        self.group_transfers = [self.transfers, *(
+            TierWorker(other, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
+                       on_held=self._changed, load_inline=self.load_inline, defer_reuse=True,
+                       reuse=self.transfers.reuse) for other in layouts[1:])]
+        hybrid = len(layouts) > 1
+        pd = "no P/D chunk server (kv_consumer)" if not hybrid else "no P/D (a hybrid model's groups)"
+        if self.produce and not hybrid:
             bind, advertised = config.pd_endpoints(self.rank)
             served = ServedLayout(layout.fingerprint, layout.description, config.chunk_tokens, self.world_size,
                                   layout.token_bytes)
@@ -145,12 +181,14 @@ class WorkerSide:
                                             config.pd_timeout_ms)
             pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"
             self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
-        pd += self._start_nixl()
+        if not hybrid:
+            pd += self._start_nixl()
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
-        logger.info("kvtier rank %d/%d on vLLM %s: %d regions, %d B per block, chunk of %d tokens, copies by %s, "
-                    "%d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size, _vllm_version(),
-                    len(layout.regions), layout.bytes_per_block, config.chunk_tokens, self._copies(), len(kept),
+        logger.info("kvtier rank %d/%d on vLLM %s: %d regions in %d KV cache group(s), %d B per block, chunk of %d "
+                    "tokens, copies by %s, %d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size,
+                    _vllm_version(), sum(len(x.regions) for x in layouts), len(layouts),
+                    sum(x.bytes_per_block for x in layouts), config.chunk_tokens, self._copies(), len(kept),
                     self.endpoint, pd)
 
     def _start_nixl(self) -> str:
@@ -231,8 +269,12 @@ class WorkerSide:
     def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = ()) -> None:
         for req_id in cancels:
             self.transfers.cancel(req_id)
+        if len(self.group_transfers) > 1:
+            for job in jobs:  # counted first: an inline load reports before submit_load returns
+                self._parts.setdefault(job.req_id, [0, False])[0] += 1
+                self._part_blocks[(job.req_id, job.group)] = frozenset(job.block_ids)
         for job in jobs:
-            self.transfers.submit_load(job)
+            self.group_transfers[job.group].submit_load(job)
 
     def announce(self, jobs: tuple[SaveJob, ...], withdrawn: tuple[str, ...] = ()) -> None:
         """Before the forward: published requests this step computes are alive (a waiting decode
@@ -253,14 +295,16 @@ class WorkerSide:
                 for key, name in zip(job.keys, job.names):
                     if name is not None:
                         self.events.name(self.transfers.skey(key), name)
-        jobs = [job for job in jobs if job.keys]
-        if jobs:
-            self.transfers.save(jobs)
+        for group, transfers in enumerate(self.group_transfers):
+            mine = [job for job in jobs if job.keys and job.group == group]
+            if mine:
+                transfers.save(mine)
 
     def reset(self) -> int:
         """Empty this rank's tiers: saves already queued land first, then every chunk of this
         layout's namespace goes from CPU and disk (the index hears of each). Returns how many."""
-        self.transfers.wait_saved()
+        for transfers in self.group_transfers:
+            transfers.wait_saved()
         keys = self.store.keys()
         for key in keys:
             self.store.remove(key)
@@ -272,15 +316,29 @@ class WorkerSide:
         are on their way (chunks still being stored or written to disk)."""
         if self.events is None:
             return [], False
-        settling = self.transfers.pending_save_bytes() > 0 or self.store.disk_writes_pending()
+        settling = any(t.pending_save_bytes() > 0 for t in self.group_transfers) or self.store.disk_writes_pending()
         return self.events.take(), settling
 
     def finished_loads(self) -> set[str]:
         if self.transfers is None:
             return set()
-        req_ids, failed = self.transfers.take_finished()
-        self._failed |= failed
-        return req_ids
+        if len(self.group_transfers) == 1:
+            req_ids, failed = self.transfers.take_finished()
+            self._failed |= failed
+            return req_ids
+        done = set()
+        for group, transfers in enumerate(self.group_transfers):
+            req_ids, failed = transfers.take_finished()
+            for req_id in req_ids:
+                part = self._parts[req_id]
+                part[0] -= 1
+                part[1] |= not failed.isdisjoint(self._part_blocks.pop((req_id, group), ()))
+                if part[0] == 0:
+                    del self._parts[req_id]
+                    done.add(req_id)
+                    if part[1]:
+                        self._failed_requests.append(req_id)
+        return done
 
     def failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
@@ -291,14 +349,21 @@ class WorkerSide:
         Hit tokens come from rank 0 only, so that summing over ranks counts each token once."""
         if self.transfers is None:
             return None
-        now = copy.copy(self.transfers.stats)
+        now = copy.copy(self.transfers.stats)  # hit tokens: the anchor group's (every group loads the same tokens)
+        for other in self.group_transfers[1:]:
+            for field in ("loaded_chunks", "loaded_bytes", "load_ms", "failed_chunks", "saved_chunks", "saved_bytes",
+                          "save_ms", "skipped_saves", "dropped_saves"):
+                setattr(now, field, getattr(now, field) + getattr(other.stats, field))
         last, self._reported = self._reported, now
         delta: dict = {name: getattr(now, field) - getattr(last, field) for field, name in STATS_FIELDS.items()}
         if self.rank != 0:
             for field in _RANK0_ONLY:
                 delta[STATS_FIELDS[field]] = 0
-        for way, times in self.transfers.batch_ms.items():
-            delta[f"{way}_batch_ms"] = [times.popleft() for _ in range(len(times))]
+        for way in ("load", "save"):
+            delta[f"{way}_batch_ms"] = [t.batch_ms[way].popleft() for t in self.group_transfers
+                                        for _ in range(len(t.batch_ms[way]))]
+        if self._failed_requests:
+            delta[FAILED_REQUESTS], self._failed_requests = self._failed_requests, []
         held = {"held_bytes_cpu": self.store.cpu_bytes_used(), "held_bytes_disk": self.store.disk_bytes_used()}
         for name, nbytes in held.items():
             if self._held_reported.get(name) != nbytes:  # a gauge travels only when it moved
@@ -318,8 +383,8 @@ class WorkerSide:
             self.chunk_server.close()
         if self.holds is not None:
             self.holds.close()
-        if self.transfers is not None:
-            self.transfers.close()  # finishes pending saves, which still report
+        for transfers in self.group_transfers:
+            transfers.close()  # finishes pending saves, which still report
         if self.store is not None:
             self.store.watch(None)
         if self.reporter is not None:
@@ -333,6 +398,7 @@ class WorkerSide:
                 self.nixl = None
             self.store.close()
         self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = None
+        self.group_transfers = []
 
 
 def _vllm_version() -> str:
