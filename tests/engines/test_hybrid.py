@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import random
+import time
 
 import pytest
 
@@ -249,3 +250,62 @@ def test_a_mamba_hybrid_whose_block_size_no_chunk_fits_starts_idle():
         assert not connector.has_pending_push_work()
     finally:
         connector.shutdown()
+
+
+# ---- the worker half: one layout per group, one store ---------------------------------------
+def test_the_worker_half_saves_and_loads_each_group_under_its_own_keys(tmp_path):
+    """Two groups over one block pool (a full-attention layer and a sliding-window layer): each
+    group's chunk is stored under its own key and loads back into that group's tensor only; a
+    load job per group, the request reported once both ran; a missing chunk in one group fails
+    the request (by id: vLLM takes no block ids from a model of several groups)."""
+    from kvtier.config import KvtierConfig
+    from kvtier.engines.vllm.stats import FAILED_REQUESTS
+    from kvtier.engines.vllm.worker_side import WorkerSide
+    from kvtier.jobs import LoadJob, SaveJob
+    from kvtier.keys import group_key
+
+    groups = (("full_attention", 0, ("layers.0.attn",)), ("sliding_window", 2 * BS, ("layers.1.attn",)))
+    side = WorkerSide(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24), "model", BS, NUM_BLOCKS,
+                      f"ipc://{tmp_path}/lookup.sock", 0, 1, groups=groups)
+    torch.manual_seed(0)
+    full_kv, slide_kv = torch.randn(NUM_BLOCKS, 2, BS, 16), torch.randn(NUM_BLOCKS, 2, BS, 16)
+    try:
+        side.register({"layers.0.attn": full_kv, "layers.1.attn": slide_kv, "layers.2.other": torch.zeros(4)})
+        assert len(side.group_transfers) == 2
+        assert side.group_transfers[0].layout.fingerprint == side.group_transfers[1].layout.fingerprint
+        key = chunk_keys(list(range(CHUNK)), CHUNK, b"root")[0]
+        cb = CHUNK // BS
+        side.save((SaveJob("a", (key,), tuple(range(1, 1 + cb))),
+                   SaveJob("a", (group_key(key, 1),), tuple(range(10, 10 + cb)), group=1)))
+        for t in side.group_transfers:
+            t.wait_saved()
+        want_full, want_slide = full_kv[1 : 1 + cb].clone(), slide_kv[12 : 10 + cb].clone()
+        full_kv.zero_(), slide_kv.zero_()
+        # the sliding group loads only its window: the chunk's last two blocks
+        side.start_loads((LoadJob("b", (key,), 0, tuple(range(20, 20 + cb))),
+                          LoadJob("b", (group_key(key, 1),), cb - 2, (40, 41), group=1)))
+        done = set()
+        for _ in range(200):
+            done |= side.finished_loads()
+            if done:
+                break
+            time.sleep(0.01)
+        assert done == {"b"} and side.failed_blocks() == set()
+        assert torch.equal(full_kv[20 : 20 + cb], want_full) and torch.equal(slide_kv[40:42], want_slide)
+        assert full_kv[:20].abs().sum() == 0 and slide_kv[:40].abs().sum() == 0  # nothing else written
+        stats = side.take_stats()
+        assert stats["loaded_bytes"] == (cb + 2) * 2 * BS * 16 * 4 and FAILED_REQUESTS not in stats
+        # negative control: the sliding group's chunk of another prompt was never stored
+        other = chunk_keys(list(range(1, CHUNK + 1)), CHUNK, b"root")[0]
+        side.start_loads((LoadJob("c", (key,), 0, tuple(range(20, 20 + cb))),
+                          LoadJob("c", (group_key(other, 1),), 0, tuple(range(40, 40 + cb)), group=1)))
+        done = set()
+        for _ in range(200):
+            done |= side.finished_loads()
+            if done:
+                break
+            time.sleep(0.01)
+        assert done == {"c"} and side.failed_blocks() == set()  # no block ids: they name no group
+        assert side.take_stats()[FAILED_REQUESTS] == ["c"]
+    finally:
+        side.close()

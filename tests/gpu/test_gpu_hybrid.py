@@ -118,8 +118,11 @@ def test_kvtier_keeps_the_hybrid_manager_on_with_one_line(family):
 
 
 def test_answers_equal_the_connector_less_engine_bit_for_bit(family):
+    """Round against round; a sliding-window family's reload (kvtier's KV, recompute of the last
+    token only) against ``ref``'s prefix-cache round, the same computation."""
     for i in range(len(ROUNDS)):
-        g.assert_strict(g.only(family["on"], i), g.only(family["ref"], i), f"{family['name']} round {i}")
+        want = 1 if i == 2 and family["name"] in SLIDING else i
+        g.assert_strict(g.only(family["on"], i), g.only(family["ref"], want), f"{family['name']} round {i}")
 
 
 def test_kvtier_reloads_the_sliding_window_model_with_the_hybrid_manager_on(family):
