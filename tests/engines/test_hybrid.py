@@ -33,9 +33,9 @@ from vllm.v1.request import Request  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvtier.engines.vllm.connector import KvtierConnector  # noqa: E402
-from kvtier.engines.vllm.groups import group_support, spec_kind  # noqa: E402
+from kvtier.engines.vllm.groups import NULL_BLOCK, group_support, spec_kind  # noqa: E402
 from kvtier.engines.vllm.scheduler import KvtierScheduler  # noqa: E402
-from kvtier.keys import chunk_keys, namespace  # noqa: E402
+from kvtier.keys import chunk_keys, group_key, namespace  # noqa: E402
 from kvtier.lookup.index import HoldIndex  # noqa: E402
 
 BS, CHUNK, NUM_BLOCKS = 16, 64, 96
@@ -218,6 +218,85 @@ def test_hybrid_engine_starts_and_recomputes(specs, kind, caplog):
             plan = out.kv_connector_metadata.plan
             assert plan.loads == () and plan.saves == ()
         assert request.is_finished() and request.num_computed_tokens >= len(prompt)
+    finally:
+        engine.sched.shutdown()
+
+
+def _saved(engine: _Engine, prompt: list[int]) -> list:
+    """Run ``prompt`` to the end; every save job the steps planned."""
+    request, saves = engine.add(prompt), []
+    while not request.is_finished():
+        saves += engine.step().kv_connector_metadata.plan.saves
+        assert len(saves) < 100
+    return saves
+
+
+def test_a_sliding_window_hit_loads_every_full_block_and_only_the_window():
+    """Full attention + a sliding window of 2 blocks, chunks of 4 blocks, 2 chunks per step: each
+    group saves every chunk under its own key; after the engine forgets the prompt, the hit loads
+    the full group's 12 blocks and the sliding group's last 2 (vLLM gave it the null block for the
+    other 10); without the sliding group's last chunk the hit ends a chunk earlier."""
+    engine = _Engine(hybrid_config(full(), sliding(2 * BS)))
+    try:
+        connector = engine.sched.connector
+        assert connector.active and connector.other_groups == (1,)
+        rng = random.Random(11)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
+        keys = chunk_keys(prompt, CHUNK, engine.root)
+        saves = _saved(engine, prompt)
+        assert [k for job in saves if job.group == 0 for k in job.keys] == keys
+        assert [k for job in saves if job.group == 1 for k in job.keys] == [group_key(k, 1) for k in keys]
+        for job in saves:
+            for key in job.keys:
+                engine.index.put(key, "cpu", ())
+        assert engine.sched.reset_prefix_cache()
+        request = engine.add(prompt)
+        out = engine.step()
+        assert out.num_scheduled_tokens.get(request.request_id, 0) == 0  # waits for its load
+        full_job, window_job = sorted(out.kv_connector_metadata.plan.loads, key=lambda j: j.group)
+        full_ids, window_ids = engine.sched.kv_cache_manager.get_block_ids(request.request_id)
+        assert full_job.keys == tuple(keys) and full_job.block_ids == tuple(full_ids[:12])
+        assert window_ids[:10] == [NULL_BLOCK] * 10 and NULL_BLOCK not in window_ids[10:12]
+        assert window_job.keys == (group_key(keys[2], 1),) and window_job.first_block == 2
+        assert window_job.block_ids == tuple(window_ids[10:12])
+        # the sliding group lost its last chunk: the hit ends where the window it needs is held
+        engine.index.remove(group_key(keys[2], 1))
+        assert connector.get_num_new_matched_tokens(engine.add(prompt), 0) == (2 * CHUNK, True)
+        engine.index.remove(group_key(keys[1], 1))
+        engine.index.remove(group_key(keys[0], 1))
+        assert connector.get_num_new_matched_tokens(engine.add(prompt), 0) == (0, False)
+    finally:
+        engine.sched.shutdown()
+
+
+def test_a_hybrid_model_recomputes_a_failed_load_from_its_first_token():
+    """vLLM takes no block ids from a model of several groups: the workers name the request, and
+    the engine drops its tokens, frees its blocks and admits it afresh, without the failed chunk."""
+    from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierStats
+
+    engine = _Engine(hybrid_config(full(), sliding(2 * BS)))
+    try:
+        rng = random.Random(12)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(2 * CHUNK + 5)]
+        for job in _saved(engine, prompt):
+            for key in job.keys:
+                engine.index.put(key, "cpu", ())
+        assert engine.sched.reset_prefix_cache()
+        request = engine.add(prompt)
+        out = engine.sched.schedule()
+        assert len(out.kv_connector_metadata.plan.loads) == 2 and request.num_computed_tokens == 2 * CHUNK
+        failed = KVConnectorOutput(finished_recving={request.request_id},
+                                   kv_connector_stats=KvtierStats(data={FAILED_REQUESTS: [request.request_id]}))
+        engine.sched.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
+                                                               kv_connector_output=failed))
+        assert request.num_computed_tokens == 0
+        steps = []
+        while not request.is_finished():
+            steps.append(engine.step())
+            assert len(steps) < 50
+        first = steps[0]
+        assert [new.num_computed_tokens for new in first.scheduled_new_reqs] == [0]  # no second load
+        assert first.kv_connector_metadata.plan.loads == ()
     finally:
         engine.sched.shutdown()
 
