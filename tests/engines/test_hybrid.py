@@ -388,3 +388,21 @@ def test_the_worker_half_saves_and_loads_each_group_under_its_own_keys(tmp_path)
         assert side.take_stats()[FAILED_REQUESTS] == ["c"]
     finally:
         side.close()
+
+
+def test_one_fingerprint_covers_every_group():
+    """Each group's layout carries one fingerprint over all of them: another window, another
+    group's layers or a single-group engine of the same layers never shares it."""
+    from kvtier.engines.vllm.groups import group_layouts
+
+    kv = {"layers.0.attn": torch.zeros(NUM_BLOCKS, 2, BS, 16), "layers.1.attn": torch.zeros(NUM_BLOCKS, 2, BS, 16)}
+
+    def fingerprints(*groups):
+        return {layout.fingerprint for layout in group_layouts(kv, groups, BS, NUM_BLOCKS, model="m")}
+
+    hybrid = fingerprints(("full_attention", 0, ("layers.0.attn",)), ("sliding_window", 32, ("layers.1.attn",)))
+    assert len(hybrid) == 1
+    others = [fingerprints(("full_attention", 0, ("layers.0.attn",)), ("sliding_window", 64, ("layers.1.attn",))),
+              fingerprints(("full_attention", 0, ("layers.1.attn",)), ("sliding_window", 32, ("layers.0.attn",))),
+              fingerprints(("full_attention", 0, ("layers.0.attn",)))]
+    assert all(len(f) == 1 and f != hybrid for f in others)

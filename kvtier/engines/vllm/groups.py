@@ -18,8 +18,13 @@ ignored.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
+
+import blake3
+
+from kvtier.layout import Layout, build_layout
 
 FULL = "full_attention"
 SLIDING = "sliding_window"
@@ -150,3 +155,25 @@ def group_support(kv_cache_config: Any) -> GroupSupport:
                     tuple(groups[i].layer_names) if len(groups) > 1 else ())  # one group: layers sharing KV too
         for i in candidates)
     return GroupSupport(kinds, served, (), sizes.pop())
+
+
+def group_layouts(kv_caches: dict[str, Any], groups: tuple[tuple[str, int, tuple[str, ...]], ...], block_size: int,
+                  num_blocks: int, **facts: Any) -> list[Layout]:
+    """One layout per served group, ``groups`` giving each one's (kind, window, layers) (no
+    layers: every tensor in ``kv_caches``, the engine's one group). With several groups all
+    carry one fingerprint over every group's kind, window and layout, so no group's chunk ever
+    loads into another KV cache config. ``facts``: what :func:`build_layout` fingerprints besides.
+    """
+    layouts = []
+    for _, _, layers in groups:
+        tensors = {name: kv_caches[name] for name in layers if name in kv_caches} if layers else kv_caches
+        layouts.append(build_layout(tensors, block_size, num_blocks, **facts))
+    if len(layouts) == 1:
+        return layouts
+    digest = blake3.blake3()
+    for (kind, window, _), layout in zip(groups, layouts):
+        digest.update(f"{kind}:{window}:".encode() + layout.fingerprint)
+    fingerprint = digest.digest(len(layouts[0].fingerprint))
+    return [dataclasses.replace(layout, fingerprint=fingerprint,
+                                description=f"group {i} {kind} ({window} tokens): {layout.description}")
+            for i, ((kind, window, _), layout) in enumerate(zip(groups, layouts))]

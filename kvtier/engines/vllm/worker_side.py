@@ -19,20 +19,18 @@ request's load ends when every group's job has; a failure is reported per reques
 from __future__ import annotations
 
 import copy
-import dataclasses
 import logging
 import sys
 import threading
 from typing import TYPE_CHECKING
 
-import blake3
 import torch
 
 from kvtier.config import ConfigError, KvtierConfig
+from kvtier.engines.vllm.groups import group_layouts
 from kvtier.engines.vllm.stats import FAILED_REQUESTS
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
-from kvtier.layout import Layout, build_layout
 from kvtier.lookup import HoldReporter, LookupServer
 from kvtier.pd import nixl
 from kvtier.pd.fetch import PeerError, fetch_chunks
@@ -105,27 +103,9 @@ class WorkerSide:
         self.nixl: nixl.Agent | None = None  # set once NIXL is up with the CPU pool registered
         self._nixl_started: threading.Thread | None = None
 
-    def _layouts(self, kv_caches: dict[str, torch.Tensor]) -> list[Layout]:
-        """One layout per served group over its layers' tensors; with several groups, all carry
-        one fingerprint over every group's (kind, window and layout), so a chunk of one model's
-        group never loads into another config's."""
-        layouts = []
-        for _, _, layers in self.groups:
-            tensors = {name: kv_caches[name] for name in layers if name in kv_caches} if layers else kv_caches
-            layouts.append(build_layout(tensors, self.block_size, self.num_blocks, model=self.model,
-                                        tp_rank=self.rank, tp_size=self.world_size))
-        if len(layouts) == 1:
-            return layouts
-        digest = blake3.blake3()
-        for (kind, window, _), layout in zip(self.groups, layouts):
-            digest.update(f"{kind}:{window}:".encode() + layout.fingerprint)
-        fingerprint = digest.digest(len(layouts[0].fingerprint))
-        return [dataclasses.replace(layout, fingerprint=fingerprint,
-                                    description=f"group {i} {kind} ({window} tokens): {layout.description}")
-                for i, ((kind, window, _), layout) in enumerate(zip(self.groups, layouts))]
-
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layouts = self._layouts(kv_caches)
+        layouts = group_layouts(kv_caches, self.groups, self.block_size, self.num_blocks, model=self.model,
+                                tp_rank=self.rank, tp_size=self.world_size)
         layout = layouts[0]
         config = self.config
         disk_path = config.disk_path
