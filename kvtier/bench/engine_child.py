@@ -4,15 +4,22 @@
 ``python -m kvtier.bench.engine_child --child SPEC.json`` prints one line ``RESULT {json}``.
 
 SPEC: ``{"model": dir, "connector": "none" | "kvtier" | "offload", "kvtier": extra config,
-"offload_gib": GiB, "num_gpu_blocks": blocks, "max_model_len": tokens, "gpu_memory_utilization":
-fraction, "rounds": [round, ...]}``. A round is ``{"prompts": [[token ids]], "max_tokens": int,
+"offload_gib": GiB, "num_gpu_blocks": blocks or "kv_cache_bytes": bytes (the engine's KV cache),
+"max_model_len": tokens, "gpu_memory_utilization": fraction, "count_transfers": bool, "rounds":
+[round, ...]}``. A round is ``{"prompts": [[token ids]], "max_tokens": int,
 "reset": bool, "pause_s": s}`` (one ``generate`` call; ``reset`` empties vLLM's prefix cache
 first), or ``{"sessions": [[ids]], "turns": [[[ids] per session] per round], "max_tokens": int}``
 (a multi-turn chat: every round sends all sessions at once; a session's next prompt is its last
 prompt, the tokens it got back and the new user turn).
 
-RESULT: ``{"start_s": seconds to build the engine, "rounds": [{"seconds", "outputs": [{"tokens",
-"cached"}]}]}``; a multi-turn round gives one entry per chat round.
+RESULT: ``{"start_s": seconds to build the engine, "hybrid": whether vLLM kept its hybrid KV cache
+manager on (None: this vLLM does not say), "rounds": [{"seconds", "outputs": [{"tokens", "cached"}],
+"transfers"}]}``; a multi-turn round gives one entry per chat round.
+
+``count_transfers``: the engine keeps stats (``disable_log_stats=False``) and each round's
+``transfers`` is what the connector reported during the round, reduced as vLLM logs it ("KV
+Transfer metrics": kvtier's ``loaded_bytes``, ``hit_tokens_cpu``, ...); ``{}`` when it reported
+nothing, None when the connector keeps no stats or they were not asked for.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import json
 import os
 import sys
 import time
+from typing import Callable
 
 
 def build_engine(spec: dict):
@@ -37,9 +45,58 @@ def build_engine(spec: dict):
         extra["kv_offloading_size"] = spec["offload_gib"]
     if spec.get("num_gpu_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
+    if spec.get("kv_cache_bytes"):  # bytes, not blocks: a hybrid model's block holds fewer layers
+        extra["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
     return LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
                max_model_len=spec["max_model_len"], gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.85),
-               disable_log_stats=True, **extra)
+               disable_log_stats=not spec.get("count_transfers"), **extra)
+
+
+def hybrid_manager_on(llm) -> bool | None:
+    """Whether vLLM kept its hybrid KV cache manager on in ``llm`` (None: this vLLM does not say)."""
+    config = getattr(llm.llm_engine, "vllm_config", None)
+    off = getattr(getattr(config, "scheduler_config", None), "disable_hybrid_kv_cache_manager", None)
+    return None if off is None else not off
+
+
+def tap_transfers(llm) -> Callable[[], dict | None]:
+    """Collect the connector stats every engine step sends ``llm``; returns a function that gives
+    those since its last call, aggregated and reduced by the connector's own stats class (None:
+    the connector keeps none).
+
+    Read where the engine core's outputs arrive, not from the stat loggers: some vLLM releases
+    hand the loggers only the stats of steps that produced a token, and a load reports its bytes
+    in the step that finishes it, which produces none.
+    """
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    engine = llm.llm_engine
+    transfer = engine.vllm_config.kv_transfer_config
+    stats_cls = KVConnectorFactory.get_connector_class(transfer) if transfer and transfer.kv_connector else None
+    if stats_cls is None or stats_cls.build_kv_connector_stats() is None:
+        return lambda: None
+    payloads: list[dict] = []
+    core = engine.engine_core
+    get_output = core.get_output
+
+    def get_output_tapped():
+        outputs = get_output()
+        stats = getattr(outputs, "scheduler_stats", None)
+        if stats is not None and getattr(stats, "kv_connector_stats", None):
+            payloads.append(stats.kv_connector_stats)
+        return outputs
+
+    core.get_output = get_output_tapped
+
+    def take() -> dict:
+        total = None
+        for data in payloads:
+            one = stats_cls.build_kv_connector_stats(data=data)
+            total = one if total is None else total.aggregate(one)
+        payloads.clear()
+        return {} if total is None or total.is_empty() else total.reduce()
+
+    return take
 
 
 def run_child(spec: dict) -> dict:
@@ -48,13 +105,16 @@ def run_child(spec: dict) -> dict:
 
     begin = time.perf_counter()
     llm = build_engine(spec)
-    result = {"start_s": time.perf_counter() - begin, "rounds": []}
+    result = {"start_s": time.perf_counter() - begin, "hybrid": hybrid_manager_on(llm), "rounds": []}
+    transfers = tap_transfers(llm) if spec.get("count_transfers") else (lambda: None)
 
-    def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list]:
+    def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list, dict | None]:
+        """Seconds, outputs, and what the connector reported meanwhile (see the module docstring)."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
+        transfers()  # drop what earlier rounds left
         start = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - start, outs
+        return time.perf_counter() - start, outs, transfers()
 
     for rnd in spec["rounds"]:
         time.sleep(rnd.get("pause_s", 0))
@@ -64,14 +124,14 @@ def run_child(spec: dict) -> dict:
             contexts = [list(s) for s in rnd["sessions"]]
             for turn in rnd["turns"]:
                 contexts = [c + t for c, t in zip(contexts, turn)]
-                seconds, outs = generate(contexts, rnd["max_tokens"])
+                seconds, outs, moved = generate(contexts, rnd["max_tokens"])
                 replies = [list(o.outputs[0].token_ids) for o in outs]
                 contexts = [c + r for c, r in zip(contexts, replies)]
-                result["rounds"].append({"seconds": seconds, "outputs": [
+                result["rounds"].append({"seconds": seconds, "transfers": moved, "outputs": [
                     {"tokens": r, "cached": o.num_cached_tokens or 0} for r, o in zip(replies, outs)]})
             continue
-        seconds, outs = generate(rnd["prompts"], rnd.get("max_tokens", 1))
-        result["rounds"].append({"seconds": seconds, "outputs": [
+        seconds, outs, moved = generate(rnd["prompts"], rnd.get("max_tokens", 1))
+        result["rounds"].append({"seconds": seconds, "transfers": moved, "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs]})
     return result
 

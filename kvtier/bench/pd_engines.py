@@ -37,7 +37,7 @@ import uuid
 
 from kvtier.bench.common import (NO_MATPLOTLIB, BenchError, Progress, names_from, positive, pyplot, save_figure,
                                  token_lengths, vllm_version)
-from kvtier.bench.engine import LLAMA3_8B
+from kvtier.bench.engine_model import LLAMA3_8B
 from kvtier.bench.servers import start_group, stop_group
 
 PAIRS = ("kvtier", "nixl")

@@ -31,6 +31,7 @@ import json
 import pytest
 
 import gpu_engines as g
+from kvtier.bench.engine_model import gemma3_layer_types
 
 if (reason := g.skip_reason()) is not None:  # no CUDA or no CUDA vLLM: skip this module at collection
     pytest.skip(reason, allow_module_level=True)
@@ -49,7 +50,7 @@ _COMMON = {"vocab_size": g.VOCAB, "hidden_size": 512, "intermediate_size": 1024,
 FAMILIES = {
     "gemma3": ("Gemma3TextConfig", {**_COMMON, "num_hidden_layers": 6, "sliding_window": 128,
                                     "query_pre_attn_scalar": 128,
-                                    "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}),
+                                    "layer_types": gemma3_layer_types(6)}),
     "gpt_oss": ("GptOssConfig", {**_COMMON, "head_dim": 64, "num_hidden_layers": 4, "sliding_window": 128,
                                  "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "layer_types": ["sliding_attention", "full_attention"] * 2}),

@@ -1,0 +1,184 @@
+"""What ``kvtier-bench engine`` prints and draws from its result (:func:`kvtier.bench.engine.run`):
+the TTFT table with its targets, the KV bytes each reload moved beside what the model's config
+says it must, and a bar chart of both.
+
+Bytes per reload come from the connector's own stats for the reload round (the engine child's
+``transfers``, reduced as vLLM logs them): kvtier's ``loaded_bytes``; vLLM's offloading connector's
+``vllm:kv_offload_load_bytes`` (newer releases) or ``CPU_to_GPU_total_bytes`` (older ones).
+"""
+
+from __future__ import annotations
+
+import statistics
+
+from kvtier.bench.common import NO_MATPLOTLIB, pyplot, save_figure
+from kvtier.bench.engine_model import KvShape
+
+# Keys of a connector's reduced stats that hold the KV bytes it loaded into engine blocks.
+LOADED_BYTES_KEYS = ("loaded_bytes", "vllm:kv_offload_load_bytes", "CPU_to_GPU_total_bytes")
+MiB = 1 << 20
+
+
+def _med(values) -> float:
+    return statistics.median(values)
+
+
+def loaded_bytes(transfers: dict | None) -> int | None:
+    """KV bytes a connector loaded in one round, from its reduced stats (``{}``: it reported
+    nothing, so 0). None where they were not counted or no key of :data:`LOADED_BYTES_KEYS` is
+    there; a key with labels (``name:(...)``) counts toward its name."""
+    if transfers is None:
+        return None
+    if not transfers:
+        return 0
+    for key in LOADED_BYTES_KEYS:
+        values = [v for k, v in transfers.items() if k == key or k.startswith(key + ":")]
+        if values:
+            return int(sum(values))
+    return None
+
+
+def kv_shape_of(result: dict) -> KvShape:
+    """The result's :class:`KvShape`; a result written before it was recorded had every layer full."""
+    if "kv_shape" in result:
+        return KvShape(**result["kv_shape"])
+    return KvShape(result["kv_bytes_per_token"], 1)
+
+
+def reload_bytes(result: dict, engine: str, n: str) -> float | None:
+    """Median KV bytes ``engine`` loaded per reload of ``n``-token prompts; None where not counted."""
+    counted = [loaded_bytes(t) for t in result.get("reload_transfers", {}).get(engine, {}).get(n, [])]
+    counted = [b for b in counted if b is not None]
+    return _med(counted) if counted else None
+
+
+def copy_ms(result: dict, tokens: int) -> float:
+    """Milliseconds the raw pinned host-to-device memcpy takes for the KV a reload of ``tokens``
+    tokens must move (the window bound: every layer's KV for a model without sliding layers)."""
+    return kv_shape_of(result).window_bound_bytes(tokens) / result["h2d_gbps"] / 1e6
+
+
+def format_table(result: dict) -> str:
+    ms = result["ttft_ms"]
+    shape = kv_shape_of(result)
+    lines = [f"kvtier-bench engine: vLLM {result['vllm']} on {result['device']}"
+             + (f", {result['model']}" if result.get("model") else "")
+             + f"; TTFT ms, median of {result['repeats']}; raw pinned H2D {result['h2d_gbps']:.1f} GB/s; "
+             + shape.describe()]
+    head = (f"{'tokens':>6} {'recompute':>9} {'local':>6} {'kvtier cpu':>10} {'kvtier disk':>11} {'vLLM offload':>12} "
+            f"{'target':>6}  kvtier/vLLM  kvtier/target")
+    lines += [head, "-" * len(head)]
+    fmt = lambda v, w: f"{v:>{w}.0f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
+    ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
+    for n in map(str, result["lengths"]):
+        def cell(engine: str, mode: str) -> float | None:
+            values = ms.get(engine, {}).get(n, {}).get(mode)
+            return _med(values) if values else None
+
+        local = cell("none", "local") or cell("kvtier", "local")
+        kv, off = cell("kvtier", "reload"), cell("offload", "reload")
+        target = None if local is None else local + 1.1 * copy_ms(result, int(n))
+        lines.append(f"{n:>6} {fmt(cell('none', 'recompute'), 9)} {fmt(local, 6)} {fmt(kv, 10)} "
+                     f"{fmt(cell('disk', 'disk'), 11)} {fmt(off, 12)} {fmt(target, 6)}  {ratio(kv, off):>11}  {ratio(kv, target):>13}")
+    lines += _bytes_lines(result, shape)
+    loads = result.get("kvtier_load_ms") or {}
+    if loads:
+        lines.append("where a kvtier reload's time goes (median ms): " + "; ".join(
+            f"{n} tokens: load in the worker {_med(loads[n]):.0f} (raw H2D of its bytes {copy_ms(result, int(n)):.0f})"
+            for n in map(str, result["lengths"]) if n in loads))
+    if result["chat_s"]:
+        lines.append("multi-turn chat, rounds 2+ (s): " + ", ".join(
+            f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))
+    if result["prefill_tok_s"]:
+        base = result["prefill_tok_s"].get("none")
+        lines.append("prefill tok/s (median of 3 batches): " + ", ".join(
+            f"{k} {_med(v):.0f}" + (f" ({_med(v) / _med(base):.3f} x none)" if base and k != "none" else "")
+            for k, v in result["prefill_tok_s"].items()))
+    lines.append("engine start (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["start_s"].items()))
+    checked = "16-token checks, every chat reply" if result["chat_s"] else "16-token checks"
+    lines.append(f"greedy outputs identical across engines ({checked}): " + ("yes" if result["identical"] else "NO"))
+    lines.append("targets: kvtier cpu <= vLLM offload; kvtier cpu <= target = local + 1.1 x (window bound bytes / raw "
+                 "pinned H2D); chat rounds 2+ <= vLLM's; prefill >= 0.98 x none; start <= vLLM's + 5 s")
+    return "\n".join(lines)
+
+
+def _bytes_lines(result: dict, shape: KvShape) -> list[str]:
+    """KV bytes per reload (MiB): the two reference figures, each engine's, and its ratio to the bound."""
+    if not result.get("reload_transfers"):
+        return []
+    window = (f"+ the sliding layers' KV of the last {shape.window} tokens" if shape.sliding_layers
+              else "(no sliding layers: the same)")
+    lines = [f"KV bytes per reload (MiB, median): full attention = every layer's KV of the prompt; window bound = "
+             f"the full-attention layers' KV {window}"]
+    head = (f"{'tokens':>6} {'full attn':>9} {'window bound':>12} {'kvtier':>8} {'/bound':>6} "
+            f"{'vLLM offload':>12} {'/bound':>6}")
+    lines += [head, "-" * len(head)]
+    for n in map(str, result["lengths"]):
+        bound = shape.window_bound_bytes(int(n))
+        cells = []
+        for engine, width in (("kvtier", 8), ("offload", 12)):
+            moved = reload_bytes(result, engine, n)
+            cells.append(f"{moved / MiB:>{width}.0f} {moved / bound:>6.2f}" if moved is not None
+                         else f"{'n/a' if engine in result['reload_transfers'] else '-':>{width}} {'-':>6}")
+        lines.append(f"{n:>6} {shape.full_attention_bytes(int(n)) / MiB:>9.0f} {bound / MiB:>12.0f} " + " ".join(cells))
+    hybrid = result.get("hybrid") or {}
+    if shape.sliding_layers and hybrid:
+        said = {True: "on", False: "OFF (every layer full)", None: "not reported"}
+        lines.append("vLLM's hybrid KV cache manager: " + ", ".join(f"{k} {said[v]}" for k, v in hybrid.items()))
+    return lines
+
+
+def write_plot(result: dict, path: str) -> str | None:
+    """TTFT bars per length and mode, KV bytes per reload against the reference figures, and chat
+    rounds 2+ per engine where the chat ran. None or why skipped."""
+    plt = pyplot()
+    if plt is None:
+        return NO_MATPLOTLIB
+    panels = 2 + bool(result["chat_s"])
+    fig, axes = plt.subplots(1, panels, figsize=(5 + 3.5 * panels, 4.2),
+                             gridspec_kw={"width_ratios": [2] + [1] * (panels - 1)})
+    _ttft_bars(axes[0], result)
+    _bytes_bars(axes[1], result)
+    if result["chat_s"]:
+        bx = axes[2]
+        names = list(result["chat_s"])
+        bars = bx.bar(names, [sum(result["chat_s"][k][1:]) for k in names], color="tab:gray")
+        bx.bar_label(bars, fmt="%.1f", fontsize=8)
+        bx.set_ylabel("seconds, chat rounds 2+")
+        bx.set_title("multi-turn chat beyond HBM", fontsize=9)
+    save_figure(fig, path)
+    return None
+
+
+def _ttft_bars(ax, result: dict) -> None:
+    modes = [("none", "recompute", "recompute"), ("none", "local", "local hit"), ("kvtier", "reload", "kvtier cpu"),
+             ("disk", "disk", "kvtier disk"), ("offload", "reload", "vLLM offload")]
+    lengths = list(map(str, result["lengths"]))
+    width = 0.8 / len(modes)
+    for i, (engine, mode, label) in enumerate(modes):
+        values = [_med(result["ttft_ms"].get(engine, {}).get(n, {}).get(mode) or [0]) for n in lengths]
+        bars = ax.bar([g + (i - 2) * width for g in range(len(lengths))], values, width, label=label)
+        ax.bar_label(bars, labels=[f"{v:.0f}" for v in values], fontsize=7)
+    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+    ax.set_yscale("log")
+    ax.set_ylabel(f"TTFT ms (median of {result['repeats']})")
+    ax.legend(fontsize=8)
+    ax.set_title(f"time to first token, vLLM {result['vllm']}, {result['device']}", fontsize=9)
+
+
+def _bytes_bars(ax, result: dict) -> None:
+    shape = kv_shape_of(result)
+    lengths = list(map(str, result["lengths"]))
+    series = [("full attention", lambda n: shape.full_attention_bytes(int(n))),
+              ("window bound", lambda n: shape.window_bound_bytes(int(n))),
+              ("kvtier", lambda n: reload_bytes(result, "kvtier", n)),
+              ("vLLM offload", lambda n: reload_bytes(result, "offload", n))]
+    width = 0.8 / len(series)
+    for i, (label, figure) in enumerate(series):
+        values = [(figure(n) or 0) / (1 << 30) for n in lengths]
+        bars = ax.bar([g + (i - 1.5) * width for g in range(len(lengths))], values, width, label=label)
+        ax.bar_label(bars, labels=[f"{v:.2f}" for v in values], fontsize=7)
+    ax.set_xticks(range(len(lengths)), [f"{n} tokens" for n in lengths])
+    ax.set_ylabel("GiB of KV per reload")
+    ax.legend(fontsize=8)
+    ax.set_title("KV bytes a reload moved", fontsize=9)
