@@ -125,26 +125,32 @@ def spawn(spec: dict, workdir: str, name: str, timeout_s: int = 900, multiproces
     Raises with the log's tail on failure. ``multiprocess``: vLLM's default engine (EngineCore and
     worker in processes of their own) instead of everything in one interpreter. Whatever the engine
     left running in the group is killed at the end. ``module``: whose ``--child`` runs ``spec``;
-    ``env``: variables set for the child on top of this process's."""
-    path = os.path.join(workdir, f"{name}.json")
+    ``env``: variables set for the child on top of this process's.
+
+    The log goes to ``workdir/name.log`` and the child itself is waited for, not the end of its
+    output: vLLM's EngineCore outlives a child that exits at once, and holds its output open.
+    """
+    path, log_path = os.path.join(workdir, f"{name}.json"), os.path.join(workdir, f"{name}.log")
     with open(path, "w") as f:
         json.dump(spec, f)
     env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1" if multiprocess else "0", **(env or {})}
-    proc = start_group([sys.executable, "-m", module, "--child", path], stdout=subprocess.PIPE,
-                       stderr=subprocess.PIPE, text=True, env=env)
+    with open(log_path, "wb") as log_file:
+        proc = start_group([sys.executable, "-m", module, "--child", path], stdout=log_file,
+                           stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
     try:
-        stdout, stderr = proc.communicate(timeout=timeout_s)
+        returncode = proc.wait(timeout_s)
     except subprocess.TimeoutExpired:
-        _kill_group(proc.pid)
-        stdout, stderr = proc.communicate()
-        raise RuntimeError(f"engine {name} did not finish in {timeout_s} s:\n{(stdout + stderr)[-4000:]}") from None
+        returncode = None
     finally:
         _kill_group(proc.pid)
-    log = stdout + stderr
-    if proc.returncode != 0:
-        raise RuntimeError(f"engine {name} failed (exit {proc.returncode}):\n{log[-4000:]}")
-    line = next(line for line in stdout.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[len("RESULT "):]), log
+    with open(log_path, errors="replace") as f:
+        log = f.read()
+    if returncode is None:
+        raise RuntimeError(f"engine {name} did not finish in {timeout_s} s:\n{log[-4000:]}")
+    lines = [line for line in log.splitlines() if line.startswith("RESULT ")]
+    if returncode != 0 or not lines:
+        raise RuntimeError(f"engine {name} failed (exit {returncode}):\n{log[-4000:]}")
+    return json.loads(lines[-1][len("RESULT "):]), log
 
 
 def _kill_group(pid: int) -> None:
