@@ -27,6 +27,7 @@ the store, whose locks guard index updates only.
 from __future__ import annotations
 
 from collections import deque
+from typing import Callable
 from concurrent.futures import Future
 
 from kvtier import codec
@@ -72,6 +73,8 @@ class TierWorker:
     while the loop has nothing better to do than wait for the load anyway.
     ``reuse``: another worker's :class:`ReuseGuard` to share (workers over KV cache groups of one
     block pool: a block one group's save reads may be given to another group); None: its own.
+    ``loads_running``: how many loads run now, that this worker's saves yield to (workers over
+    KV cache groups: every group's); None: its own loads.
 
     Built here and kept: ``loads`` (:class:`LoadSide`), ``saves`` (:class:`SaveSide`) and
     ``reuse`` (:class:`ReuseGuard`), the bookkeeping of save reads the two sides meet through.
@@ -80,7 +83,8 @@ class TierWorker:
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, backend: str = "auto",
                  save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
                  fetch_remote: FetchRemote | None = None, checksum: str | None = None, load_inline: bool = False,
-                 defer_reuse: bool = False, on_lost: HeldChanged | None = None, reuse: ReuseGuard | None = None):
+                 defer_reuse: bool = False, on_lost: HeldChanged | None = None, reuse: ReuseGuard | None = None,
+                 loads_running: Callable[[], int] | None = None):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -98,7 +102,7 @@ class TierWorker:
         self.loads = LoadSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["load"], on_held,
                               fetch_remote, load_inline, PIPELINE_BYTES, lambda: reuse.reuse_after)
         self.saves = SaveSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["save"], on_held,
-                              checksum, save_backlog_bytes, reuse, self.loads.running, PIPELINE_BYTES,
+                              checksum, save_backlog_bytes, reuse, loads_running or self.loads.running, PIPELINE_BYTES,
                               on_lost or (lambda keys: None))
 
     def skey(self, key: bytes) -> bytes:

@@ -144,14 +144,15 @@ class WorkerSide:
             from kvtier.ops import cuda_ops
 
             cuda_ops.allow_build(False)
+        hybrid = len(layouts) > 1
+        loads_running = self._loads_running if hybrid else None  # every group's saves yield to any group's loads
         self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
                                     on_held=held, fetch_remote=self._fetch_remote, load_inline=self.load_inline,
-                                    defer_reuse=True, on_lost=self.holds.lost)
+                                    defer_reuse=True, on_lost=self.holds.lost, loads_running=loads_running)
         self.group_transfers = [self.transfers, *(
             TierWorker(other, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
                        on_held=self._changed, load_inline=self.load_inline, defer_reuse=True,
-                       reuse=self.transfers.reuse) for other in layouts[1:])]
-        hybrid = len(layouts) > 1
+                       reuse=self.transfers.reuse, loads_running=loads_running) for other in layouts[1:])]
         pd = "no P/D chunk server (kv_consumer)" if not hybrid else "no P/D (a hybrid model's groups)"
         if self.produce and not hybrid:
             bind, advertised = config.pd_endpoints(self.rank)
@@ -198,6 +199,9 @@ class WorkerSide:
             self.chunk_server.nixl = agent
         logger.info("kvtier rank %d: NIXL agent %s up, %.1f GiB of CPU pool registered (UCX, no progress "
                     "thread).", self.rank, agent.name, self.store.pool_memory()[1] / (1 << 30))
+
+    def _loads_running(self) -> int:
+        return sum(t.loads.running() for t in self.group_transfers)
 
     def nixl_ready(self, timeout_s: float = 30.0) -> bool:
         """Wait until NIXL is up (True), or is not to be used here (False)."""
