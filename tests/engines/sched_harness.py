@@ -8,6 +8,12 @@ through ``ModelRunnerOutput(kv_connector_output=KVConnectorOutput(...))`` like t
 
 Every check raises :class:`InvariantError` naming the request and block; a hypothesis state
 machine (``test_scheduler_machine.py``) and targeted tests (``test_scheduler.py``) use it.
+
+``window``: a hybrid model, a full-attention group and a sliding-window group of ``window``
+tokens (vLLM's hybrid KV cache manager, two block tables over one pool). The sliding group is
+checked where its attention reads (the window before every computed position), its saves must
+hold exactly their chunk's tokens (never a block vLLM freed out of the window), and its loads
+fill exactly the window's blocks; a failed load is reported per request, as the workers do.
 """
 
 from __future__ import annotations
@@ -23,13 +29,17 @@ import torch  # noqa: E402
 from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec  # noqa: E402
+from vllm.v1.kv_cache_interface import (  # noqa: E402
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+)
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
+from kvtier.engines.vllm.groups import NULL_BLOCK  # noqa: E402
 from kvtier.engines.vllm.scheduler import KvtierScheduler  # noqa: E402
-from kvtier.keys import chunk_keys, namespace, tail_key  # noqa: E402
+from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierStats  # noqa: E402
+from kvtier.keys import chunk_keys, group_key, namespace, tail_key  # noqa: E402
 from kvtier.lookup.index import HoldIndex  # noqa: E402
 
 __all__ = ["VOCAB", "Harness", "InvariantError"]
@@ -69,16 +79,21 @@ class Harness:
     def __init__(self, block_size: int = 16, chunk_tokens: int = 64, num_blocks: int = 48, unaligned: str = "auto",
                  min_load_tokens: int | None = None, max_num_seqs: int = 4, max_batched: int = 128,
                  store_chunks: int = 24, seed: int = 0, reserve_full: bool = True,
-                 scheduler_cls: type = KvtierScheduler):
+                 scheduler_cls: type = KvtierScheduler, window: int = 0):
         self.block_size, self.chunk_tokens, self.num_blocks = block_size, chunk_tokens, num_blocks
+        self.window = window
+        self.num_groups = 2 if window else 1
         self.chunk_blocks = chunk_tokens // block_size
         self.store_chunks = store_chunks
         config = vllm_config(block_size, chunk_tokens, unaligned, min_load_tokens, max_num_seqs, max_batched,
                              reserve_full)
         config.cache_config.num_gpu_blocks = num_blocks
-        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=[
-            KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16,
-                                                          dtype=torch.float32))])
+        groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16,
+                                                                dtype=torch.float32))]
+        if window:
+            groups.append(KVCacheGroupSpec(["swa"], SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=16,
+                                                                      dtype=torch.float32, sliding_window=window)))
+        kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         _, server = lookup_server()
         server.index = HoldIndex(1)
         self.index = Index(server)
@@ -105,6 +120,7 @@ class Harness:
         self.requests: dict[str, Request] = {}  # every request ever added
         self.prefix: dict[str, list] = {}  # req id -> prefix hashes ph[n] of its first n tokens
         self.keys: dict[str, list[bytes]] = {}
+        self.parts: dict[str, list] = {}  # hybrid: req id -> [load jobs not run, failed, anchor tokens loaded]
         self.expect_resume: dict[str, int] = {}  # req id -> computed tokens it must resume with
         self.fail_next: set[bytes] = set()  # chunk keys whose next load fails (corrupt)
         self.stale: bool = False  # a failed chunk stays in the index (a stale lookup index)
@@ -180,11 +196,13 @@ class Harness:
             lag = lags[i % len(lags)] if lags else self.rng.choice((0, 0, 0, 1, 2, 4))
             fail_at = self.rng.randrange(len(job.keys)) if self.rng.random() < fail_prob else None
             self.pending.append(_Pending(job, lag, fail_at, self._check_load_targets(job)))
+            if self.num_groups > 1:
+                self.parts.setdefault(job.req_id, [0, False, 0])[0] += 1
         for save in meta.plan.saves:
             self._save(save)
-        finished, invalid = self._run_loads()
+        finished, invalid, failed = self._run_loads()
         self.now += STEP_FIXED_S + STEP_TOKEN_S * out.total_num_scheduled_tokens
-        self.sched.update_from_output(out, self._runner_output(out, finished, invalid))
+        self.sched.update_from_output(out, self._runner_output(out, finished, invalid, failed))
         for req_id, request in self.requests.items():
             if request.is_finished() and req_id in self.prefix:
                 self.stats.finished += request.status == RequestStatus.FINISHED_LENGTH_CAPPED
@@ -252,8 +270,15 @@ class Harness:
                 raise InvariantError(f"{new.req_id} was sent as a new request but the workers already hold it")
         self.on_workers |= set(out.num_scheduled_tokens)
 
-    def _blocks(self, req_id: str) -> list[int]:
-        return self.sched.kv_cache_manager.get_block_ids(req_id)[0]
+    def _blocks(self, req_id: str, group: int = 0) -> list[int]:
+        return self.sched.kv_cache_manager.get_block_ids(req_id)[group]
+
+    def _keys(self, req_id: str, group: int = 0) -> list[bytes]:
+        return [group_key(k, group) for k in self.keys[req_id]] if group else self.keys[req_id]
+
+    def _window_start(self, computed: int) -> int:
+        """First block the sliding group's attention reads once ``computed`` tokens are computed."""
+        return max(0, computed - self.window + 1) // self.block_size
 
     def _check_computed(self, out) -> None:
         """Every scheduled request's computed tokens are really in its blocks; a request that
@@ -270,13 +295,15 @@ class Harness:
                     raise InvariantError(f"{req_id} resumed with {computed} computed tokens, "
                                          f"expected floor + loaded = {want}")
                 self.stats.resumed_checked += 1
-            ph, blocks, bs = self._ph(req_id), self._blocks(req_id), self.block_size
-            for j in range(-(-computed // bs)):
-                need = min(bs, computed - j * bs)
-                held = self.shadow.get(blocks[j], ())
-                if len(held) < need or held[need - 1] != ph[j * bs + need]:
-                    raise InvariantError(f"{req_id}: block {blocks[j]} (#{j}) does not hold tokens "
-                                         f"[{j * bs}, {j * bs + need}) it counts as computed ({computed})")
+            ph, bs = self._ph(req_id), self.block_size
+            for group in range(self.num_groups):
+                blocks = self._blocks(req_id, group)
+                for j in range(self._window_start(computed) if group else 0, -(-computed // bs)):
+                    need = min(bs, computed - j * bs)
+                    held = self.shadow.get(blocks[j], ()) if blocks[j] != NULL_BLOCK else ()
+                    if len(held) < need or held[need - 1] != ph[j * bs + need]:
+                        raise InvariantError(f"{req_id}: group {group} block {blocks[j]} (#{j}) does not hold tokens "
+                                             f"[{j * bs}, {j * bs + need}) it counts as computed ({computed})")
 
     def _forward(self, out) -> None:
         starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
@@ -285,14 +312,18 @@ class Harness:
         bs = self.block_size
         for req_id, n in out.num_scheduled_tokens.items():
             start, end = starts[req_id], starts[req_id] + n
-            ph, blocks = self._ph(req_id), self._blocks(req_id)
-            for j in range(start // bs, -(-end // bs)):
-                lo, hi = j * bs, min((j + 1) * bs, end)
-                prev = self.shadow.get(blocks[j], ())[: max(0, start - lo)]
-                self.shadow[blocks[j]] = tuple(prev) + tuple(ph[p + 1] for p in range(max(lo, start), hi))
+            ph = self._ph(req_id)
+            for group in range(self.num_groups):
+                blocks = self._blocks(req_id, group)
+                for j in range(start // bs, -(-end // bs)):
+                    if blocks[j] == NULL_BLOCK:
+                        raise InvariantError(f"{req_id}: group {group} computes tokens of block #{j} into the null block")
+                    lo, hi = j * bs, min((j + 1) * bs, end)
+                    prev = self.shadow.get(blocks[j], ())[: max(0, start - lo)]
+                    self.shadow[blocks[j]] = tuple(prev) + tuple(ph[p + 1] for p in range(max(lo, start), hi))
 
     def _job_start(self, job) -> int:
-        keys = self.keys[job.req_id]
+        keys = self._keys(job.req_id, job.group)
         return keys.index(job.keys[0]) * self.chunk_tokens + job.first_block * self.block_size
 
     def _check_load_targets(self, job) -> int:
@@ -303,12 +334,12 @@ class Harness:
         if len(job.keys) != -(-(job.first_block + len(job.block_ids)) // cb):
             raise InvariantError(f"{job.req_id}: {len(job.keys)} chunks for {len(job.block_ids)} blocks "
                                  f"from block {job.first_block}")
-        keys = self.keys[job.req_id]
+        keys = self._keys(job.req_id, job.group)
         k0 = keys.index(job.keys[0])
         if tuple(keys[k0 : k0 + len(job.keys)]) != job.keys:
             raise InvariantError(f"{job.req_id}: load keys are not consecutive chunks of its prompt")
         start = self._job_start(job)
-        blocks = self._blocks(job.req_id)
+        blocks = self._blocks(job.req_id, job.group)  # (that the window's loads cover what it reads: _check_computed)
         for i, block_id in enumerate(job.block_ids):
             if blocks[start // bs + i] != block_id:
                 raise InvariantError(f"{job.req_id}: load targets block {block_id} at #{start // bs + i}, "
@@ -317,6 +348,9 @@ class Harness:
             if block.ref_cnt != 1 or block.block_hash is not None:
                 raise InvariantError(f"{job.req_id}: load targets block {block_id} that holds computed tokens "
                                      f"(ref_cnt {block.ref_cnt}, cached {block.block_hash is not None})")
+        if job.group:
+            self.stats.loads["window"] += 1
+            return start
         parked = getattr(self.sched, "_parked", ())
         kind = "handoff" if job.req_id in parked else ("partial" if job.first_block else "load")
         self.stats.loads[kind] += 1
@@ -324,7 +358,7 @@ class Harness:
 
     def _save(self, save) -> None:
         """Saved blocks must hold exactly the chunk's tokens; the store keeps what was saved."""
-        keys, cb, bs = self.keys[save.req_id], self.chunk_blocks, self.block_size
+        keys, cb, bs = self._keys(save.req_id, save.group), self.chunk_blocks, self.block_size
         ph = self._ph(save.req_id)
         for i, key in enumerate(save.keys):
             k = keys.index(key)
@@ -333,16 +367,18 @@ class Harness:
                 block_id, pos = save.block_ids[i * cb + b], (k * cb + b) * bs
                 held = self.shadow.get(block_id, ())
                 if held[:bs] != tuple(ph[pos + 1 : pos + bs + 1]):
-                    raise InvariantError(f"{save.req_id}: saves chunk {k} from block {block_id} which does not hold "
-                                         f"tokens [{pos}, {pos + bs})")
+                    raise InvariantError(f"{save.req_id}: group {save.group} saves chunk {k} from block {block_id} "
+                                         f"which does not hold tokens [{pos}, {pos + bs})")
                 contents.append(held[:bs])
             if key not in self.index.chunks:
                 if len(self.index.chunks) >= self.store_chunks:  # LRU-ish: oldest first
                     self.index.remove(next(iter(self.index.chunks)))
                 self.index.put(key, self.rng.choice(("cpu", "cpu", "disk")), tuple(contents))
 
-    def _run_loads(self) -> tuple[set[str], set[int]]:
-        finished, invalid = set(), set()
+    def _run_loads(self) -> tuple[set[str], set[int], set[str]]:
+        """Run the loads due now: requests whose loads all ran, failed block ids (one group), and
+        requests of which a load failed (a hybrid model: its block ids name no group)."""
+        finished, invalid, failed_requests = set(), set(), set()
         waiting = []
         for p in self.pending:
             if p.lag > 0:
@@ -353,7 +389,7 @@ class Harness:
             request = self.requests[job.req_id]
             if job.req_id not in self.sched.requests:
                 raise InvariantError(f"{job.req_id}: its blocks were freed while its load was still running")
-            blocks = self._blocks(job.req_id)
+            blocks = self._blocks(job.req_id, job.group)
             done = 0
             for i, key in enumerate(job.keys):
                 hit = self.index.chunks.get(key)
@@ -375,15 +411,31 @@ class Harness:
                         raise InvariantError(f"{job.req_id}: block {block_id} changed owner before its load ran")
                     self.shadow[block_id] = hit[1][first + b]
                 done += count
-            if done < len(job.block_ids):
-                self.stats.failed_loads += 1
-                invalid.update(job.block_ids[done:])
-            finished.add(job.req_id)
-            if not request.is_finished():
-                # A remote load ends with the prompt's last, partial block: what counts is the prompt.
-                self.expect_resume[job.req_id] = min(p.start + done * bs, request.num_prompt_tokens)
+            failed = done < len(job.block_ids)
+            self.stats.failed_loads += failed
+            # A remote load ends with the prompt's last, partial block: what counts is the prompt.
+            resume = min(p.start + done * bs, request.num_prompt_tokens)
+            if self.num_groups == 1:
+                if failed:
+                    invalid.update(job.block_ids[done:])
+                finished.add(job.req_id)
+                if not request.is_finished():
+                    self.expect_resume[job.req_id] = resume
+                continue
+            part = self.parts[job.req_id]  # the request is reported once all its groups' loads ran
+            part[0] -= 1
+            part[1] |= failed
+            if job.group == 0:
+                part[2] = resume
+            if part[0] == 0:
+                del self.parts[job.req_id]
+                finished.add(job.req_id)
+                if part[1]:
+                    failed_requests.add(job.req_id)  # the engine drops its tokens and admits it afresh
+                elif not request.is_finished():
+                    self.expect_resume[job.req_id] = part[2]
         self.pending = waiting
-        return finished, invalid
+        return finished, invalid, failed_requests
 
     def _produced(self, req_id: str, key: bytes) -> tuple:
         """What a P/D producer sends for chunk ``key`` of ``req_id``: (tier, per-block contents),
@@ -394,7 +446,7 @@ class Harness:
                   for pos in range(k * cb * bs, min((k + 1) * cb * bs, end), bs)]
         return "remote", tuple(blocks)
 
-    def _runner_output(self, out, finished: set[str], invalid: set[int]) -> ModelRunnerOutput:
+    def _runner_output(self, out, finished: set[str], invalid: set[int], failed: set[str] = frozenset()) -> ModelRunnerOutput:
         req_ids = list(out.num_scheduled_tokens)
         starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
@@ -408,7 +460,9 @@ class Harness:
                 sampled.append([])  # a prefill chunk that does not reach the end samples nothing
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(finished_recving=finished or None, invalid_block_ids=invalid),
+            kv_connector_output=KVConnectorOutput(
+                finished_recving=finished or None, invalid_block_ids=invalid,
+                kv_connector_stats=KvtierStats(data={FAILED_REQUESTS: sorted(failed)}) if failed else None),
         )
 
     def close(self) -> None:
