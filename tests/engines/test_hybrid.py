@@ -332,6 +332,14 @@ def test_a_mamba_hybrid_whose_block_size_no_chunk_fits_starts_idle():
 
 
 # ---- the worker half: one layout per group, one store ---------------------------------------
+def finished(side, timeout_s: float = 5.0) -> set[str]:
+    """The first requests the worker half reports finished loading (waits on its report)."""
+    deadline = time.monotonic() + timeout_s
+    while not (done := side.finished_loads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return done
+
+
 def test_the_worker_half_saves_and_loads_each_group_under_its_own_keys(tmp_path):
     """Two groups over one block pool (a full-attention layer and a sliding-window layer): each
     group's chunk is stored under its own key and loads back into that group's tensor only; a
@@ -363,13 +371,7 @@ def test_the_worker_half_saves_and_loads_each_group_under_its_own_keys(tmp_path)
         # the sliding group loads only its window: the chunk's last two blocks
         side.start_loads((LoadJob("b", (key,), 0, tuple(range(20, 20 + cb))),
                           LoadJob("b", (group_key(key, 1),), cb - 2, (40, 41), group=1)))
-        done = set()
-        for _ in range(200):
-            done |= side.finished_loads()
-            if done:
-                break
-            time.sleep(0.01)
-        assert done == {"b"} and side.failed_blocks() == set()
+        assert finished(side) == {"b"} and side.failed_blocks() == set()
         assert torch.equal(full_kv[20 : 20 + cb], want_full) and torch.equal(slide_kv[40:42], want_slide)
         assert full_kv[:20].abs().sum() == 0 and slide_kv[:40].abs().sum() == 0  # nothing else written
         stats = side.take_stats()
@@ -378,13 +380,7 @@ def test_the_worker_half_saves_and_loads_each_group_under_its_own_keys(tmp_path)
         other = chunk_keys(list(range(1, CHUNK + 1)), CHUNK, b"root")[0]
         side.start_loads((LoadJob("c", (key,), 0, tuple(range(20, 20 + cb))),
                           LoadJob("c", (group_key(other, 1),), 0, tuple(range(40, 40 + cb)), group=1)))
-        done = set()
-        for _ in range(200):
-            done |= side.finished_loads()
-            if done:
-                break
-            time.sleep(0.01)
-        assert done == {"c"} and side.failed_blocks() == set()  # no block ids: they name no group
+        assert finished(side) == {"c"} and side.failed_blocks() == set()  # no block ids: they name no group
         assert side.take_stats()[FAILED_REQUESTS] == ["c"]
     finally:
         side.close()
