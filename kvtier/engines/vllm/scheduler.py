@@ -74,7 +74,8 @@ class KvtierScheduler(Scheduler):
             request.num_computed_tokens = plan.load_end
             self._inflight_prefills.add(request)
             self._parked.add(req_id)
-            self.kvtier.park(req_id, self.kv_cache_manager.get_block_ids(req_id)[self.connector.group])
+            ids = self.kv_cache_manager.get_block_ids(req_id)
+            self.kvtier.park(req_id, ids[self.connector.group], tuple(ids[g] for g in self.connector.other_groups))
             self._enqueue_waiting_request(request)
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:

@@ -16,6 +16,7 @@ its own keys, and a hit counts only as far as every group holds the chunks it ne
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -131,10 +132,6 @@ class SchedulerSide:
 
     def enable_handoff(self) -> None:
         """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary."""
-        if self.others:
-            self._warn_hybrid("handoff", "kvtier hands off unaligned hits of single-group models only; "
-                                         "this hybrid model loads partial chunks instead.")
-            return
         self.policy = Policy(self.policy.min_load_tokens, self.policy.unaligned, handoff_supported=True)
 
     # ---- admission --------------------------------------------------------------------------
@@ -186,6 +183,12 @@ class SchedulerSide:
             # Vetoed loads measure nothing: now and then one loads anyway, so a cost model
             # that went wrong (or a tier that got faster) is corrected.
             plan = plan_load(inp, self.geometry, self.policy, None)
+        if plan.kind is PlanKind.HANDOFF and self.others and \
+                self._held_by_every_group(tracked.keys, len(tiers), plan.boundary // self.chunk_tokens) < len(tiers):
+            # A handoff's windowed groups get real blocks from the boundary on, which vLLM then
+            # caches: every chunk from there must load, not only the window's.
+            plan = plan_load(inp, self.geometry, dataclasses.replace(self.policy, handoff_supported=False),
+                             self.meter.model())
         if self.config.unaligned == "handoff" and not self.policy.handoff_supported and not self._warned_handoff:
             logger.warning("kvtier setting unaligned='handoff' needs scheduler_cls='%s'; "
                            "loading partial chunks instead.", "kvtier.engines.vllm.scheduler.KvtierScheduler")
@@ -275,9 +278,11 @@ class SchedulerSide:
             if tracked.state is ReqState.PREFILL_TO_BOUNDARY:
                 yield req_id, tracked.handoff
 
-    def park(self, req_id: str, block_ids: list[int]) -> None:
-        """The handoff reached its boundary and holds blocks through the hit: load the rest."""
+    def park(self, req_id: str, block_ids: list[int], others: tuple[list[int], ...] = ()) -> None:
+        """The handoff reached its boundary and holds blocks through the hit: load the rest.
+        ``others``: each other served group's blocks (hybrid models)."""
         tracked = self._requests[req_id]
+        tracked.group_blocks = [list(ids) for ids in others]
         plan, tracked.handoff = tracked.handoff, None
         self._plan_job(req_id, tracked, plan.load_start, plan.load_end, block_ids)
         self._advance(req_id, tracked, Event.PARK)
@@ -496,17 +501,19 @@ class SchedulerSide:
                 jobs.append(LoadJob(req_id, keys, (first * b % c) // b, tuple(ids[first:stop]), group=slot))
         return tuple(jobs)
 
-    def _held_by_every_group(self, keys: list[bytes], chunks: int) -> int:
+    def _held_by_every_group(self, keys: list[bytes], chunks: int, loaded_from: int | None = None) -> int:
         """Most of the leading ``chunks`` (all held for the anchor group) that every other served
         group holds as far as a hit needs them: a full-attention group every chunk, a windowed group
-        the chunks its window covers at the hit's end. Lookups ask for the needed keys latest chunk
-        first, so a missing one shortens the hit to end before it."""
+        the chunks its window covers at the hit's end (and every one from chunk ``loaded_from``
+        on, when given). Lookups ask for the needed keys latest chunk first, so a missing one
+        shortens the hit to end before it."""
         c = self.chunk_tokens
         for _ in range(WINDOW_LOOKUPS):
             if chunks == 0:
                 return 0
             needed = [(i, group_key(keys[i], slot)) for i in range(chunks - 1, -1, -1)
-                      for slot, group in enumerate(self.others, 1) if i >= group.first_needed_token(chunks * c) // c]
+                      for slot, group in enumerate(self.others, 1)
+                      if i >= min(group.first_needed_token(chunks * c) // c, chunks if loaded_from is None else loaded_from)]
             reply = self.client.lookup([key for _, key in needed])
             held = len(reply.tiers) if reply is not None else 0
             if held >= len(needed):
