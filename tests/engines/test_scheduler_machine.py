@@ -212,7 +212,8 @@ def test_consumer_preempted_after_decoding_resumes_at_its_prompt_regression():
     and loads its prompt (own tier, then the producer's tail); it must resume with exactly the
     prompt computed, not with the partial last block's end nor with its output tokens."""
     m = SchedulerMachine()
-    m.start(geometry=(16, 64), unaligned="partial", blocks=47, min_load=None, stale=False, reserve_full=False, seed=0)
+    m.start(geometry=(16, 64), unaligned="partial", blocks=47, min_load=None, stale=False, reserve_full=False, window=0,
+            seed=0)
     for length, max_tokens in ((17, 1), (1, 1)):
         m.arrive_from_producer(base=0, length=length, max_tokens=max_tokens)
     m.step(fail=0.0, forget=0.0, steps=1)
