@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.v1.request import RequestStatus
 
 MIN_VERSION = (0, 26)  # the oldest release whose connector API kvtier was run on
 VERSION: str = getattr(vllm, "__version__", "unknown")
@@ -85,6 +86,6 @@ def recompute_failed_loads(req_ids: set[str]) -> None:
     scheduler = frame.f_locals["self"]
     for req_id in req_ids:
         request = scheduler.requests.get(req_id)
-        if request is not None:
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # vLLM's own rule
             request.num_computed_tokens = 0
             scheduler.failed_recving_kv_req_ids.add(req_id)
