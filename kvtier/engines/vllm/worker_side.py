@@ -19,6 +19,7 @@ request's load ends when every group's job has; a failure is reported per reques
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import sys
 import threading
@@ -335,9 +336,9 @@ class WorkerSide:
             return None
         now = copy.copy(self.transfers.stats)  # hit tokens: the anchor group's (every group loads the same tokens)
         for other in self.group_transfers[1:]:
-            for field in ("loaded_chunks", "loaded_bytes", "load_ms", "failed_chunks", "saved_chunks", "saved_bytes",
-                          "save_ms", "skipped_saves", "dropped_saves"):
-                setattr(now, field, getattr(now, field) + getattr(other.stats, field))
+            for field in dataclasses.fields(now):
+                if field.name not in _RANK0_ONLY:
+                    setattr(now, field.name, getattr(now, field.name) + getattr(other.stats, field.name))
         last, self._reported = self._reported, now
         delta: dict = {name: getattr(now, field) - getattr(last, field) for field, name in STATS_FIELDS.items()}
         if self.rank != 0:
