@@ -361,6 +361,15 @@ class WorkerSide:
                 delta[name] = shared[field] - last_shared.get(field, 0)
         return delta if any(delta.values()) else None
 
+    def settle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every submitted load and save has finished, every tier write has landed and
+        rank 0 has been told (tests and benches: the next lookup then sees every save). True if
+        all of it happened within ``timeout_s`` seconds (the loads and saves themselves are waited for)."""
+        for transfers in self.group_transfers:
+            transfers.drain()
+        landed = self.store is None or self.store._flush(timeout_s)
+        return (self.reporter is None or self.reporter.flush(timeout_s)) and landed
+
     def close(self) -> None:
         if self._nixl_started is not None:
             self._nixl_started.join(30)
