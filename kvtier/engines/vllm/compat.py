@@ -66,6 +66,44 @@ def has_hook(name: str) -> bool:
     return callable(getattr(KVConnectorBase_V1, name, None))
 
 
+# vLLM >= 0.32 asks the connector whether it restores Mamba state that lags the full-attention
+# hit; one that does not gets the hit every group holds. Older releases do not ask.
+ASKS_DIVERGENT_HITS = hasattr(KVConnectorBase_V1, "supports_divergent_local_hybrid_hits")
+
+
+def calling_scheduler(attribute: str) -> Any | None:
+    """The vLLM scheduler on the call stack (the nearest ``self`` having ``attribute``), or None.
+    vLLM hands its connector no scheduler; the one calling the connector's hook is it."""
+    frame = sys._getframe(2)
+    while frame is not None and not hasattr(frame.f_locals.get("self"), attribute):
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals["self"]
+
+
+def agree_on_hybrid_hits(scheduler: Any) -> bool:
+    """Make ``scheduler`` admit a Mamba-hybrid request at the prefix every KV cache group holds.
+
+    vLLM 0.26 with any connector admits such a request at its longest per-group hit, the
+    full-attention group's, counting on the connector to bring the Mamba state of that position
+    (NIXL's consumer always does). Where the Mamba group caches no state there (in ``align`` mode
+    it caches states only where a step ended) and the connector adds no tokens, the request's
+    Mamba layers start from the null block: a wrong answer. Later releases ask the connector
+    (``supports_divergent_local_hybrid_hits``) and, as kvtier does not restore that state, take
+    the hit every group holds; this gives the 0.26 scheduler's coordinator the same answer.
+    True if it was changed (only where the release does not ask, and has the per-group lookup).
+    """
+    coordinator = getattr(getattr(scheduler, "kv_cache_manager", None), "coordinator", None)
+    if ASKS_DIVERGENT_HITS or not hasattr(coordinator, "find_longest_cache_hit_per_group"):
+        return False
+
+    def agreed(block_hashes: list, max_cache_hit_length: int) -> tuple[tuple[list, ...], tuple[int, ...]]:
+        blocks, hit = coordinator.find_longest_cache_hit(block_hashes, max_cache_hit_length)[:2]
+        return blocks, (hit,) * len(blocks)
+
+    coordinator.find_longest_cache_hit_per_group = agreed
+    return True
+
+
 def recompute_failed_loads(req_ids: set[str]) -> None:
     """Make the engine recompute the whole prompt of each request in ``req_ids``, whose load failed.
 
@@ -77,13 +115,10 @@ def recompute_failed_loads(req_ids: set[str]) -> None:
     its load reports finished, the scheduler frees its blocks and admits it afresh. vLLM hands its
     connector no scheduler: the caller found on the stack is it.
     """
-    frame = sys._getframe(1)
-    while frame is not None and not hasattr(frame.f_locals.get("self"), "failed_recving_kv_req_ids"):
-        frame = frame.f_back
-    if frame is None:
+    scheduler = calling_scheduler("failed_recving_kv_req_ids")
+    if scheduler is None:
         raise RuntimeError("kvtier: a hybrid model's KV load failed and no vLLM scheduler was found to recompute "
                            f"requests {sorted(req_ids)}; this vLLM release is not supported for hybrid models.")
-    scheduler = frame.f_locals["self"]
     for req_id in req_ids:
         request = scheduler.requests.get(req_id)
         if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # vLLM's own rule
