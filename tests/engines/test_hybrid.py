@@ -330,12 +330,20 @@ def test_a_mamba_hybrid_is_admitted_at_the_hit_every_group_holds(monkeypatch, as
         agreed = coordinator.find_longest_cache_hit(second.block_hashes, second.num_tokens - 1)[1]
         assert per_group(second.block_hashes, second.num_tokens - 1)[1] == (144, 128) != (agreed, agreed)  # diverged
         blocks, hits = coordinator.find_longest_cache_hit_per_group(second.block_hashes, second.num_tokens - 1)
+        connector = engine.sched.connector
         if asks:
             assert hits == (144, 128)  # 0.32 never takes this path for kvtier: left as it is
-        else:
-            assert hits == (agreed, agreed) == (128, 128)
-            assert [len(b) for b in blocks] == [len(b) for b in coordinator.find_longest_cache_hit(
-                second.block_hashes, second.num_tokens - 1)[0]]
+            assert connector._agreed_hits is None
+            return
+        assert hits == (agreed, agreed) == (128, 128)
+        assert [len(b) for b in blocks] == [len(b) for b in coordinator.find_longest_cache_hit(
+            second.block_hashes, second.num_tokens - 1)[0]]
+        # The 0.26 path zeroes the shared-prefix junction that a connector-less engine pins (where
+        # its prefill stops so the Mamba state there is cached); the next lookup puts it back.
+        _, _, junction = engine.sched.kv_cache_manager.get_computed_blocks(second)
+        second.shared_prefix_boundary = 0
+        connector.get_num_new_matched_tokens(second, 128)
+        assert second.shared_prefix_boundary == junction == 144
     finally:
         engine.sched.shutdown()
 

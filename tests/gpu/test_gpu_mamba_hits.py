@@ -33,7 +33,7 @@ A = g.prompt(51, 3000)
 B = A[:1700] + g.prompt(52, 300)
 ROUNDS = [{"prompts": [A]}, {"prompts": [B]}]
 AGREE_LINE = "has it take the hit every KV cache group holds"
-ALIGN = {"mamba_cache_mode": "align"}
+ALIGN = {"mamba_cache_mode": "align", "enable_prefix_caching": True}  # off by default for Mamba hybrids
 
 
 @pytest.fixture(scope="module")

@@ -80,28 +80,52 @@ def calling_scheduler(attribute: str) -> Any | None:
     return None if frame is None else frame.f_locals["self"]
 
 
-def agree_on_hybrid_hits(scheduler: Any) -> bool:
-    """Make ``scheduler`` admit a Mamba-hybrid request at the prefix every KV cache group holds.
+class AgreedHits:
+    """Makes a vLLM 0.26 scheduler admit a Mamba-hybrid request at the prefix every KV cache group
+    holds. Install with :func:`agree_on_hybrid_hits`.
 
-    vLLM 0.26 with any connector admits such a request at its longest per-group hit, the
-    full-attention group's, counting on the connector to bring the Mamba state of that position
-    (NIXL's consumer always does). Where the Mamba group caches no state there (in ``align`` mode
-    it caches states only where a step ended) and the connector adds no tokens, the request's
-    Mamba layers start from the null block: a wrong answer. Later releases ask the connector
-    (``supports_divergent_local_hybrid_hits``) and, as kvtier does not restore that state, take
-    the hit every group holds; this gives the 0.26 scheduler's coordinator the same answer.
-    True if it was changed (only where the release does not ask, and has the per-group lookup).
+    vLLM 0.26 with any connector admits such a request at its longest per-group hit
+    (``find_longest_cache_hit_per_group``), the full-attention group's, counting on the connector
+    to bring the Mamba state of that position (NIXL's consumer always does). Where the Mamba group
+    caches no state there (in ``align`` mode it caches states only where a step ended) and the
+    connector adds no tokens, the request's Mamba layers start from the null block: a wrong answer.
+    Later releases ask the connector (``supports_divergent_local_hybrid_hits``) and, as kvtier does
+    not restore that state, take the hit every group holds, as a connector-less engine does; this
+    gives the 0.26 scheduler's coordinator that answer.
+
+    That path also zeroes the request's ``shared_prefix_boundary`` (where a connector-less engine
+    ends a prefill step so the Mamba state of a shared prefix is cached);
+    :meth:`restore_junction` puts it back, so the prefill runs in the same steps as without a
+    connector.
     """
-    coordinator = getattr(getattr(scheduler, "kv_cache_manager", None), "coordinator", None)
-    if ASKS_DIVERGENT_HITS or not hasattr(coordinator, "find_longest_cache_hit_per_group"):
-        return False
 
-    def agreed(block_hashes: list, max_cache_hit_length: int) -> tuple[tuple[list, ...], tuple[int, ...]]:
-        blocks, hit = coordinator.find_longest_cache_hit(block_hashes, max_cache_hit_length)[:2]
+    def __init__(self, coordinator: Any):
+        self._coordinator = coordinator
+        self._last: tuple[object, int] | None = None  # (block hashes asked about, their junction)
+        coordinator.find_longest_cache_hit_per_group = self.per_group
+
+    def per_group(self, block_hashes: list, max_cache_hit_length: int) -> tuple[tuple[list, ...], tuple[int, ...]]:
+        """The coordinator's own reconciled hit, given to every group."""
+        blocks, hit, *rest = self._coordinator.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+        uncached = rest[0] if rest else 0
+        self._last = (block_hashes, hit + uncached if uncached else 0)  # as get_computed_blocks computes it
         return blocks, (hit,) * len(blocks)
 
-    coordinator.find_longest_cache_hit_per_group = agreed
-    return True
+    def restore_junction(self, request: Any) -> None:
+        """Give ``request`` (just looked up) the shared-prefix junction a connector-less engine sets."""
+        last, self._last = self._last, None
+        if last is not None and last[0] is request.block_hashes and hasattr(request, "shared_prefix_boundary"):
+            request.shared_prefix_boundary = last[1]
+
+
+def agree_on_hybrid_hits(scheduler: Any) -> AgreedHits | None:
+    """Install :class:`AgreedHits` on ``scheduler``'s coordinator where the release admits Mamba
+    hybrids at the attention group's hit (it does not ask the connector, and has the per-group
+    lookup); None elsewhere."""
+    coordinator = getattr(getattr(scheduler, "kv_cache_manager", None), "coordinator", None)
+    if ASKS_DIVERGENT_HITS or not hasattr(coordinator, "find_longest_cache_hit_per_group"):
+        return None
+    return AgreedHits(coordinator)
 
 
 def recompute_failed_loads(req_ids: set[str]) -> None:
