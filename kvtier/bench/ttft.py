@@ -79,6 +79,7 @@ def run_child(spec: dict) -> dict:
         rounds.append({"seconds": seconds, "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs],
             "admissions": {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}})
+        _settle_saves()
     result = {"rounds": rounds, "counts": dict(side.counts) if side is not None else {}, "costs": None,
               "connector_ms": timers}
     if side is not None:
@@ -87,6 +88,18 @@ def run_child(spec: dict) -> dict:
                            "loads": {t: [c.fixed_s, c.per_token_s] for t, c in model.loads.items()}}
     del llm
     return result
+
+
+def _settle_saves() -> None:
+    """Wait until the round's saves are stored and known to the lookup, so the next round's hit
+    does not depend on how fast the saves ran (in-process engines only: elsewhere a no-op)."""
+    try:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    except ImportError:
+        return
+    worker = getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
+    if worker is not None and not worker.settle():
+        print("kvtier: the round's saves did not settle within 30 s", file=sys.stderr)
 
 
 def _time_connector() -> dict[str, float]:

@@ -63,9 +63,7 @@ def scheduler(llm):
 
 def settle(ws) -> None:
     """Every submitted load and save finished and every disk write landed."""
-    ws.transfers.drain()
-    ws.store._flush()
-    ws.reporter.flush()
+    ws.settle()
 
 
 def leaks(ws) -> dict:

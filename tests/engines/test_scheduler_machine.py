@@ -212,7 +212,8 @@ def test_consumer_preempted_after_decoding_resumes_at_its_prompt_regression():
     and loads its prompt (own tier, then the producer's tail); it must resume with exactly the
     prompt computed, not with the partial last block's end nor with its output tokens."""
     m = SchedulerMachine()
-    m.start(geometry=(16, 64), unaligned="partial", blocks=47, min_load=None, stale=False, reserve_full=False, seed=0)
+    m.start(geometry=(16, 64), unaligned="partial", blocks=47, min_load=None, stale=False, reserve_full=False, window=0,
+            seed=0)
     for length, max_tokens in ((17, 1), (1, 1)):
         m.arrive_from_producer(base=0, length=length, max_tokens=max_tokens)
     m.step(fail=0.0, forget=0.0, steps=1)
@@ -224,3 +225,26 @@ def test_consumer_preempted_after_decoding_resumes_at_its_prompt_regression():
     m.arrive(base=1, forget=0.0, jitter=1, length=520, max_tokens=9, tail=0)
     m.teardown()  # drains every request through the invariants
     assert m.h.stats.preemptions > 0 and m.h.stats.loads["remote_chunks"] > 0
+
+
+def test_a_request_whose_load_failed_does_not_reserve_blocks_against_itself_regression():
+    """Found by the machine (a hybrid example of the long profile): vLLM frees the blocks of a
+    request whose asynchronous load failed with no valid prefix, but keeps it among its in-flight
+    prefills. Looked up again and given another asynchronous load, it reserved what it still needs
+    against itself: in a pool that cannot hold that twice it never started. That leftover entry is
+    set up directly here; the rest is the real scheduler."""
+    h = Harness(block_size=16, chunk_tokens=64, num_blocks=32, unaligned="partial", max_batched=96, window=24,
+                reserve_full=True, seed=1)
+    try:
+        rng = random.Random(1)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(296)]
+        h.add(prompt, 2)
+        h.drain()  # computes and saves every chunk of both groups
+        h.sched.reset_prefix_cache()
+        again = h.add(prompt, 4)
+        h.sched._inflight_prefills.add(h.sched.requests[again])  # as vLLM leaves it after such a failure
+        h.drain()
+        assert h.requests[again].is_finished()
+        assert h.stats.loads["load"] == 1 and h.stats.loads["window"] == 1, dict(h.stats.loads)  # loaded, async
+    finally:
+        h.close()

@@ -15,6 +15,7 @@ from typing import Any, Iterable
 
 import vllm
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorBase_V1
+from vllm.v1.request import RequestStatus
 
 MIN_VERSION = (0, 26)  # the oldest release whose connector API kvtier was run on
 VERSION: str = getattr(vllm, "__version__", "unknown")
@@ -65,6 +66,86 @@ def has_hook(name: str) -> bool:
     return callable(getattr(KVConnectorBase_V1, name, None))
 
 
+# vLLM >= 0.32 asks the connector whether it restores Mamba state that lags the full-attention
+# hit; one that does not gets the hit every group holds. Older releases do not ask.
+ASKS_DIVERGENT_HITS = hasattr(KVConnectorBase_V1, "supports_divergent_local_hybrid_hits")
+
+
+def calling_scheduler(attribute: str) -> Any | None:
+    """The vLLM scheduler on the call stack (the nearest ``self`` having ``attribute``), or None.
+    vLLM hands its connector no scheduler; the one calling the connector's hook is it."""
+    frame = sys._getframe(2)
+    while frame is not None and not hasattr(frame.f_locals.get("self"), attribute):
+        frame = frame.f_back
+    return None if frame is None else frame.f_locals["self"]
+
+
+class AgreedHits:
+    """Makes a vLLM 0.26 scheduler admit a Mamba-hybrid request at the prefix every KV cache group
+    holds. Install with :func:`agree_on_hybrid_hits`.
+
+    vLLM 0.26 with any connector admits such a request at its longest per-group hit
+    (``find_longest_cache_hit_per_group``), the full-attention group's, counting on the connector
+    to bring the Mamba state of that position (NIXL's consumer always does). Where the Mamba group
+    caches no state there (in ``align`` mode it caches states only where a step ended) and the
+    connector adds no tokens, the request's Mamba layers start from the null block: a wrong answer.
+    Later releases ask the connector (``supports_divergent_local_hybrid_hits``) and, as kvtier does
+    not restore that state, take the hit every group holds, as a connector-less engine does; this
+    gives the 0.26 scheduler's coordinator that answer.
+
+    That path also zeroes the request's ``shared_prefix_boundary`` (where a connector-less engine
+    ends a prefill step so the Mamba state of a shared prefix is cached);
+    :meth:`restore_junction` puts it back, so the prefill runs in the same steps as without a
+    connector.
+    """
+
+    def __init__(self, coordinator: Any):
+        self._coordinator = coordinator
+        self._last: tuple[object, int] | None = None  # (block hashes asked about, their junction)
+        coordinator.find_longest_cache_hit_per_group = self.per_group
+
+    def per_group(self, block_hashes: list, max_cache_hit_length: int) -> tuple[tuple[list, ...], tuple[int, ...]]:
+        """The coordinator's own reconciled hit, given to every group."""
+        blocks, hit, *rest = self._coordinator.find_longest_cache_hit(block_hashes, max_cache_hit_length)
+        uncached = rest[0] if rest else 0
+        self._last = (block_hashes, hit + uncached if uncached else 0)  # as get_computed_blocks computes it
+        return blocks, (hit,) * len(blocks)
+
+    def restore_junction(self, request: Any) -> None:
+        """Give ``request`` (just looked up) the shared-prefix junction a connector-less engine sets."""
+        last, self._last = self._last, None
+        if last is not None and last[0] is request.block_hashes and hasattr(request, "shared_prefix_boundary"):
+            request.shared_prefix_boundary = last[1]
+
+
+def agree_on_hybrid_hits(scheduler: Any) -> AgreedHits | None:
+    """Install :class:`AgreedHits` on ``scheduler``'s coordinator where the release admits Mamba
+    hybrids at the attention group's hit (it does not ask the connector, and has the per-group
+    lookup); None elsewhere."""
+    coordinator = getattr(getattr(scheduler, "kv_cache_manager", None), "coordinator", None)
+    if ASKS_DIVERGENT_HITS or not hasattr(coordinator, "find_longest_cache_hit_per_group"):
+        return None
+    return AgreedHits(coordinator)
+
+
+def forget_stale_reservation(request: Any) -> None:
+    """Drop ``request`` from its scheduler's in-flight prefills when it is looked up holding no KV.
+
+    vLLM adds a request to ``_inflight_prefills`` when it starts an asynchronous load, and counts
+    what such requests still need as reserved against every later asynchronous load. A load that
+    failed with no valid prefix frees the request's blocks but leaves it in that set: looked up
+    again and given another asynchronous load, it then reserves its own blocks against itself.
+    Where the pool cannot hold them twice it never starts, and the requests queued behind it
+    (vLLM drains requests that held KV first) wait with it. Called from the lookup, where a
+    request with no computed tokens holds no blocks.
+    """
+    if request.num_computed_tokens:
+        return
+    scheduler = calling_scheduler("_inflight_prefills")
+    if scheduler is not None:
+        scheduler._inflight_prefills.discard(request)
+
+
 def recompute_failed_loads(req_ids: set[str]) -> None:
     """Make the engine recompute the whole prompt of each request in ``req_ids``, whose load failed.
 
@@ -76,15 +157,12 @@ def recompute_failed_loads(req_ids: set[str]) -> None:
     its load reports finished, the scheduler frees its blocks and admits it afresh. vLLM hands its
     connector no scheduler: the caller found on the stack is it.
     """
-    frame = sys._getframe(1)
-    while frame is not None and not hasattr(frame.f_locals.get("self"), "failed_recving_kv_req_ids"):
-        frame = frame.f_back
-    if frame is None:
+    scheduler = calling_scheduler("failed_recving_kv_req_ids")
+    if scheduler is None:
         raise RuntimeError("kvtier: a hybrid model's KV load failed and no vLLM scheduler was found to recompute "
                            f"requests {sorted(req_ids)}; this vLLM release is not supported for hybrid models.")
-    scheduler = frame.f_locals["self"]
     for req_id in req_ids:
         request = scheduler.requests.get(req_id)
-        if request is not None:
+        if request is not None and request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:  # vLLM's own rule
             request.num_computed_tokens = 0
             scheduler.failed_recving_kv_req_ids.add(req_id)

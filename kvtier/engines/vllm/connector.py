@@ -37,8 +37,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
-from kvtier.engines.vllm.compat import HMA_BASES, CacheHitSource, check_version, recompute_failed_loads
-from kvtier.engines.vllm.groups import GroupSupport, group_support
+from kvtier.engines.vllm.compat import (
+    HMA_BASES, AgreedHits, CacheHitSource, agree_on_hybrid_hits, calling_scheduler, check_version,
+    forget_stale_reservation, recompute_failed_loads,
+)
+from kvtier.engines.vllm.groups import MAMBA, GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
 from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
 from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierPromMetrics, build_stats
@@ -104,6 +107,10 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         endpoint = self.config.lookup_endpoint(transfer.engine_id)
         self._scheduler: SchedulerSide | None = None
         self._worker = None
+        # Mamba hybrids: the scheduler must take the hit every group holds (see agree_on_hybrid_hits);
+        # done at the first lookup, when vLLM's scheduler is on the stack and its cache still empty.
+        self._agree_on_hits = role == KVConnectorRole.SCHEDULER and MAMBA in self.groups.kinds
+        self._agreed_hits: AgreedHits | None = None
         parallel = vllm_config.parallel_config
         events_config = vllm_config.kv_events_config
         kv_events = events_config is not None and events_config.enable_kv_cache_events
@@ -198,8 +205,18 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
                               request.kv_transfer_params)
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
+        if self._agree_on_hits:
+            self._agree_on_hits = False
+            self._agreed_hits = agree_on_hybrid_hits(calling_scheduler("kv_cache_manager"))
+            if self._agreed_hits is not None:
+                logger.info("kvtier: this vLLM admits a Mamba-hybrid request at its full-attention hit, where "
+                            "the Mamba state may not be cached; kvtier, which does not restore that state, "
+                            "has it take the hit every KV cache group holds.")
+        elif self._agreed_hits is not None:
+            self._agreed_hits.restore_junction(request)
         if not self.active:
             return 0, False  # a hit must hold for every group; some group kvtier cannot fill
+        forget_stale_reservation(request)
         plan = self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
             request.kv_transfer_params,

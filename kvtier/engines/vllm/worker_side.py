@@ -19,6 +19,7 @@ request's load ends when every group's job has; a failure is reported per reques
 from __future__ import annotations
 
 import copy
+import dataclasses
 import logging
 import sys
 import threading
@@ -335,9 +336,9 @@ class WorkerSide:
             return None
         now = copy.copy(self.transfers.stats)  # hit tokens: the anchor group's (every group loads the same tokens)
         for other in self.group_transfers[1:]:
-            for field in ("loaded_chunks", "loaded_bytes", "load_ms", "failed_chunks", "saved_chunks", "saved_bytes",
-                          "save_ms", "skipped_saves", "dropped_saves"):
-                setattr(now, field, getattr(now, field) + getattr(other.stats, field))
+            for field in dataclasses.fields(now):
+                if field.name not in _RANK0_ONLY:
+                    setattr(now, field.name, getattr(now, field.name) + getattr(other.stats, field.name))
         last, self._reported = self._reported, now
         delta: dict = {name: getattr(now, field) - getattr(last, field) for field, name in STATS_FIELDS.items()}
         if self.rank != 0:
@@ -359,6 +360,15 @@ class WorkerSide:
             if field in shared:
                 delta[name] = shared[field] - last_shared.get(field, 0)
         return delta if any(delta.values()) else None
+
+    def settle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every submitted load and save has finished, every tier write has landed and
+        rank 0 has been told (tests and benches: the next lookup then sees every save). True if
+        all of it happened within ``timeout_s`` seconds (the loads and saves themselves are waited for)."""
+        for transfers in self.group_transfers:
+            transfers.drain()
+        landed = self.store is None or self.store._flush(timeout_s)
+        return (self.reporter is None or self.reporter.flush(timeout_s)) and landed
 
     def close(self) -> None:
         if self._nixl_started is not None:
