@@ -348,10 +348,10 @@ class Harness:
             if block.ref_cnt != 1 or block.block_hash is not None:
                 raise InvariantError(f"{job.req_id}: load targets block {block_id} that holds computed tokens "
                                      f"(ref_cnt {block.ref_cnt}, cached {block.block_hash is not None})")
-        if job.group:
-            self.stats.loads["window"] += 1
-            return start
         parked = getattr(self.sched, "_parked", ())
+        if job.group:
+            self.stats.loads["window_handoff" if job.req_id in parked else "window"] += 1
+            return start
         kind = "handoff" if job.req_id in parked else ("partial" if job.first_block else "load")
         self.stats.loads[kind] += 1
         return start

@@ -152,8 +152,8 @@ def test_connector_keeps_the_hybrid_manager_on():
 class _Engine:
     """The real (kvtier) scheduler over a hybrid KV cache config; steps stand in for the workers."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig):
-        config = vllm_config(BS, CHUNK, "auto", None, 4, 128, True)
+    def __init__(self, kv_cache_config: KVCacheConfig, unaligned: str = "auto"):
+        config = vllm_config(BS, CHUNK, unaligned, None, 4, 128, True)
         config.cache_config.num_gpu_blocks = NUM_BLOCKS
         _, server = lookup_server()
         server.index = HoldIndex(1)
@@ -265,6 +265,28 @@ def test_a_sliding_window_hit_loads_every_full_block_and_only_the_window():
         engine.index.remove(group_key(keys[1], 1))
         engine.index.remove(group_key(keys[0], 1))
         assert connector.get_num_new_matched_tokens(engine.add(prompt), 0) == (0, False)
+    finally:
+        engine.sched.shutdown()
+
+
+def test_a_hybrid_handoff_needs_every_windowed_chunk_from_its_boundary():
+    """A handoff prefills to the chunk boundary, then loads the rest into blocks vLLM gives every
+    group there, so a windowed group must hold every chunk from the boundary on, not only the
+    window's; where it does not, the hit loads partial chunks instead."""
+    engine = _Engine(hybrid_config(full(), sliding(2 * BS)), unaligned="handoff")
+    try:
+        connector = engine.sched.connector
+        rng = random.Random(12)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
+        keys = chunk_keys(prompt, CHUNK, engine.root)
+        for job in _saved(engine, prompt):
+            for key in job.keys:
+                engine.index.put(key, "cpu", ())
+        floor = 2 * BS  # half way into chunk 0
+        assert connector.get_num_new_matched_tokens(engine.add(prompt), floor) == (0, False)  # a handoff
+        assert connector._scheduler.prefill_cap(f"r{len(engine.requests) - 1}", floor) == CHUNK - floor
+        engine.index.remove(group_key(keys[1], 1))  # not in the window at the hit's end
+        assert connector.get_num_new_matched_tokens(engine.add(prompt), floor) == (3 * CHUNK - floor, True)
     finally:
         engine.sched.shutdown()
 
