@@ -511,9 +511,10 @@ class SchedulerSide:
         for _ in range(WINDOW_LOOKUPS):
             if chunks == 0:
                 return 0
+            start = chunks if loaded_from is None else loaded_from
             needed = [(i, group_key(keys[i], slot)) for i in range(chunks - 1, -1, -1)
                       for slot, group in enumerate(self.others, 1)
-                      if i >= min(group.first_needed_token(chunks * c) // c, chunks if loaded_from is None else loaded_from)]
+                      if i >= min(group.first_needed_token(chunks * c) // c, start)]
             reply = self.client.lookup([key for _, key in needed])
             held = len(reply.tiers) if reply is not None else 0
             if held >= len(needed):
