@@ -362,9 +362,8 @@ class WorkerSide:
         return delta if any(delta.values()) else None
 
     def settle(self, timeout_s: float = 30.0) -> bool:
-        """Wait until every submitted load and save has finished, every tier write has landed and
-        rank 0 has been told (tests and benches: the next lookup then sees every save). True if
-        all of it happened within ``timeout_s`` seconds (the loads and saves themselves are waited for)."""
+        """Wait for every load and save, then (False after ``timeout_s`` s) for tier writes and rank
+        0 to hear of them: the next lookup sees every save (tests and benches)."""
         for transfers in self.group_transfers:
             transfers.drain()
         landed = self.store is None or self.store._flush(timeout_s)
