@@ -61,15 +61,10 @@ def scheduler(llm):
     return llm.llm_engine.engine_core.engine_core.scheduler
 
 
-def settle(ws) -> None:
-    """Every submitted load and save finished and every disk write landed."""
-    ws.settle()
-
-
 def leaks(ws) -> dict:
     """What kvtier still holds beyond its cached chunks: CPU chunks referenced by anything but the
     cache, buffers handed out and not released, save bytes pending."""
-    settle(ws)
+    ws.settle()
     cpu = ws.store._cpu
     with cpu.cpu_lock:
         extra_refs = sum(1 for obj in cpu.hot_cache.values() if obj.get_ref_count() != 1)
@@ -102,7 +97,7 @@ def disk_full_mid_burst(llm, spec, out):
 
     tier._orig_write_file = write_then_fill
     out["burst"] = generate(llm, spec, spec["prompts"])
-    settle(ws)
+    ws.settle()
     out["again"] = generate(llm, spec, spec["prompts"], reset=True)
     out["leaks"] = leaks(ws)
     resource.setrlimit(resource.RLIMIT_FSIZE, (hard, hard))
@@ -114,12 +109,12 @@ def disk_read_only(llm, spec, out):
     first, later = spec["prompts"][:1], spec["prompts"][1:]
     ws = worker_side()
     out["first"] = generate(llm, spec, first)
-    settle(ws)
+    ws.settle()
     out["files_before"] = len(kv_files(disk))
     os.chmod(disk, 0o555)
     try:
         out["during"] = generate(llm, spec, later)
-        settle(ws)
+        ws.settle()
         out["again"] = generate(llm, spec, first + later, reset=True)
         out["files_after"] = len(kv_files(disk))
         out["leaks"] = leaks(ws)
@@ -134,11 +129,11 @@ def files_vanish(llm, spec, out):
     victims, others = spec["prompts"][:2], spec["prompts"][2:]
     ws = worker_side()
     out["first"] = generate(llm, spec, victims)
-    settle(ws)
+    ws.settle()
     files = kv_files(disk)
     out["victim_files"] = len(files)
     generate(llm, spec, others)
-    settle(ws)
+    ws.settle()
     out["victims_in_cpu"] = sum(ws.store.contains(ws.transfers.skey(k)) is not None and
                                 ws.store.contains(ws.transfers.skey(k)).value == "cpu"
                                 for k in _chain_keys(ws, victims))
@@ -150,10 +145,10 @@ def files_vanish(llm, spec, out):
                 f.truncate(path.stat().st_size // 2)
     failed = ws.transfers.stats.failed_chunks
     out["after"] = generate(llm, spec, victims, reset=True)
-    settle(ws)
+    ws.settle()
     out["failed_loads_after"], failed = ws.transfers.stats.failed_chunks - failed, ws.transfers.stats.failed_chunks
     out["healed"] = generate(llm, spec, victims, reset=True)
-    settle(ws)
+    ws.settle()
     out["failed_loads_healed"] = ws.transfers.stats.failed_chunks - failed
     out["leaks"] = leaks(ws)
 
@@ -172,7 +167,7 @@ def lookup_slow_then_dead(llm, spec, out):
     sched = scheduler(llm)
     prompts = spec["prompts"]
     out["first"] = generate(llm, spec, prompts)
-    settle(ws)
+    ws.settle()
     schedule, stalls = sched.schedule, []
 
     def timed_schedule(*args, **kwargs):
@@ -212,7 +207,7 @@ def reload_under_save_burst(llm, spec, out):
     ws = worker_side()
     hot, burst = spec["prompts"][0], spec["prompts"][1:]
     out["first"] = generate(llm, spec, [hot])
-    settle(ws)
+    ws.settle()
     load, times = ws.transfers.load, []
 
     def timed_load(job):
@@ -228,7 +223,7 @@ def reload_under_save_burst(llm, spec, out):
     out["idle_load_ms"], times[:] = list(times), []
     out["busy"] = [generate(llm, spec, [hot] + burst[i * per:(i + 1) * per], reset=True) for i in range(rounds)]
     out["busy_load_ms"] = list(times)
-    settle(ws)  # saves land in the background: count them once they have
+    ws.settle()  # saves land in the background: count them once they have
     out["saved_chunks"] = ws.transfers.stats.saved_chunks
     out["leaks"] = leaks(ws)
 
@@ -244,7 +239,7 @@ def abort_parked_under_pressure(llm, spec, out):
     prompts = spec["prompts"]
     for p in prompts:  # one at a time: saving needs no memory pressure, nor a long answer
         generate(llm, spec, [p], max_tokens=1)
-    settle(ws)
+    ws.settle()
     llm.reset_prefix_cache()
     load = ws.transfers.load
 
@@ -271,7 +266,7 @@ def abort_parked_under_pressure(llm, spec, out):
                 if len(aborted) < spec["aborts"] and req.request_id not in aborted:
                     aborted.append(req.request_id)
                     engine.abort_request([req.request_id.split("-")[0]])
-    settle(ws)
+    ws.settle()
     for _ in range(3):  # late load reports of aborted requests are taken in the next steps
         engine.step()
     out["done"] = done
