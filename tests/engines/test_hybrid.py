@@ -8,6 +8,7 @@ it idle: no hits (even for prompts whose chunks are stored), no saves, one start
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import time
@@ -49,8 +50,9 @@ def sliding(window: int = 2 * BS) -> SlidingWindowSpec:
     return SlidingWindowSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32, sliding_window=window)
 
 
-def mamba() -> MambaSpec:
-    return MambaSpec(block_size=BS, shapes=((4,), (4,)), dtypes=(torch.float32, torch.float32))
+def mamba(mode: str = "none") -> MambaSpec:
+    """Mamba state; ``mode``: vLLM's ``mamba_cache_mode`` (``none`` without prefix caching)."""
+    return MambaSpec(block_size=BS, shapes=((4,), (4,)), dtypes=(torch.float32, torch.float32), mamba_cache_mode=mode)
 
 
 def hybrid_config(*specs) -> KVCacheConfig:
@@ -63,8 +65,9 @@ def test_group_kinds():
     chunked = ChunkedLocalAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32,
                                         attention_chunk_size=4 * BS)
     mla = MLAAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32)
-    assert [spec_kind(s) for s in (full(), mla, sliding(), chunked, mamba())] == [
-        "full_attention", "full_attention", "sliding_window", "chunked_local_attention", "mamba"]
+    assert [spec_kind(s) for s in (full(), mla, sliding(), chunked, mamba("align"), mamba("all"), mamba())] == [
+        "full_attention", "full_attention", "sliding_window", "chunked_local_attention", "mamba", "mamba_all",
+        "mamba_uncached"]
     # the hybrid manager off: a sliding layer as full attention keeps every token, served
     windowed = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32,
                                  sliding_window=2 * BS)
@@ -104,19 +107,31 @@ def test_what_a_windowed_group_still_reads():
     assert local.window == 4 * BS
     assert [local.first_needed_token(n) for n in (0, 4 * BS - 1, 4 * BS, 9 * BS)] == [0, 0, 4 * BS, 8 * BS]
     assert group_support(hybrid_config(full())).anchor.first_needed_token(1000) == 0
+    state = group_support(hybrid_config(full(), mamba("align"))).served[1]
+    assert [state.first_needed_token(n) for n in (0, BS, 4 * BS)] == [0, BS - 1, 4 * BS - 1]  # the state at n
 
 
-@pytest.mark.parametrize("specs, unserved", [
-    ((mamba(), full()), [(0, "mamba")]),
-    ((mamba(),), [(0, "mamba")]),
-    ((full(), sliding(), mamba()), [(2, "mamba")]),
+@pytest.mark.parametrize("mode, kind", [("align", "mamba"), ("all", "mamba_all")])
+def test_mamba_state_cached_by_block_is_served_after_attention(mode, kind):
+    support = group_support(hybrid_config(mamba(mode), sliding(), full()))
+    assert support.active and [(g.index, g.kind) for g in support.served] == [
+        (2, "full_attention"), (1, "sliding_window"), (0, kind)]
+    assert support.state_groups and not group_support(hybrid_config(full(), sliding())).state_groups
+
+
+@pytest.mark.parametrize("specs, unserved, why", [
+    ((mamba(), full()), [(0, "mamba_uncached")], "not served: enable prefix caching"),
+    ((mamba(),), [(0, "mamba_uncached")], "not served: enable prefix caching"),
+    ((full(), sliding(), mamba()), [(2, "mamba_uncached")], "not served: enable prefix caching"),
+    ((mamba("align"),), [(0, "mamba")], "no attention group to anchor lookups"),
 ])
-def test_mamba_leaves_kvtier_idle(specs, unserved):
+def test_mamba_state_not_cached_by_block_leaves_kvtier_idle(specs, unserved, why):
     support = group_support(hybrid_config(*specs))
     assert not support.active and not support.served
     assert list(support.unserved) == unserved
     for group, kind in unserved:
-        assert f"group {group} {kind} (not served)" in support.describe()
+        assert f"group {group} {kind} (not served" in support.describe()
+    assert why in support.describe()
     assert not support.fits_without_hybrid
 
 
@@ -152,9 +167,13 @@ def test_connector_keeps_the_hybrid_manager_on():
 class _Engine:
     """The real (kvtier) scheduler over a hybrid KV cache config; steps stand in for the workers."""
 
-    def __init__(self, kv_cache_config: KVCacheConfig, unaligned: str = "auto"):
+    def __init__(self, kv_cache_config: KVCacheConfig, unaligned: str = "auto", mamba_mode: str | None = None):
         config = vllm_config(BS, CHUNK, unaligned, None, 4, 128, True)
         config.cache_config.num_gpu_blocks = NUM_BLOCKS
+        if mamba_mode is not None:  # the scheduler then ends prefill steps where Mamba state is cached
+            config = copy.copy(config)
+            config.cache_config = copy.copy(config.cache_config)
+            config.cache_config.mamba_cache_mode = mamba_mode
         _, server = lookup_server()
         server.index = HoldIndex(1)
         self.index = Index(server)
@@ -178,7 +197,8 @@ class _Engine:
         for key in chunk_keys(prompt, CHUNK, self.root):
             self.index.put(key, "cpu", ())
 
-    def step(self):
+    def step(self, loaded: tuple[str, ...] = ()):
+        """One engine step; ``loaded``: requests whose loads the workers report finished."""
         out = self.sched.schedule()
         req_ids = list(out.num_scheduled_tokens)
         starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
@@ -188,11 +208,11 @@ class _Engine:
                    for r in req_ids]
         self.sched.update_from_output(out, ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput()))
+            kv_connector_output=KVConnectorOutput(finished_recving=set(loaded))))
         return out
 
 
-@pytest.mark.parametrize("specs, kind", [((mamba(), full()), "mamba")], ids=["full+mamba"])
+@pytest.mark.parametrize("specs, kind", [((mamba(), full()), "mamba_uncached")], ids=["full+mamba"])
 def test_hybrid_engine_starts_and_recomputes(specs, kind, caplog):
     caplog.set_level(logging.WARNING, logger="kvtier.engines.vllm.connector")
     engine = _Engine(hybrid_config(*specs))
@@ -200,8 +220,8 @@ def test_hybrid_engine_starts_and_recomputes(specs, kind, caplog):
         connector = engine.sched.connector
         assert isinstance(connector, KvtierConnector) and not connector.active
         lines = [r.getMessage() for r in caplog.records if "kvtier is idle" in r.getMessage()]
-        assert len(lines) == 1 and f"{kind} (not served)" in lines[0]
-        assert ("--disable-hybrid-kv-cache-manager" in lines[0]) == (kind != "mamba")  # Mamba needs the manager
+        assert len(lines) == 1 and f"{kind} (not served" in lines[0]
+        assert ("--disable-hybrid-kv-cache-manager" in lines[0]) == (not kind.startswith("mamba"))  # Mamba needs it
         rng = random.Random(7)
         prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
         engine.store(prompt)  # stored chunks an idle kvtier must not offer
@@ -265,6 +285,58 @@ def test_a_sliding_window_hit_loads_every_full_block_and_only_the_window():
         engine.index.remove(group_key(keys[1], 1))
         engine.index.remove(group_key(keys[0], 1))
         assert connector.get_num_new_matched_tokens(engine.add(prompt), 0) == (0, False)
+    finally:
+        engine.sched.shutdown()
+
+
+def test_mamba_state_is_kept_at_chunk_ends_and_loaded_with_the_hits_last_chunk():
+    """Full attention + Mamba state in align mode, chunks of 4 blocks, 128 tokens a step: the
+    prefill of 197 tokens ends steps at 128 and 192 (the last block boundary), so the Mamba group
+    saves the states at the ends of chunks 1 and 2, one block each, and none for chunk 0. After
+    the engine forgets the prompt, the hit loads the full group's 12 blocks and the one state
+    block vLLM gives the Mamba group at the hit's end; it ends only where a state is stored, and
+    never covers a whole prompt (vLLM runs the last token again from the state after it)."""
+    engine = _Engine(hybrid_config(full(), mamba("align")), mamba_mode="align")
+    try:
+        connector = engine.sched.connector
+        assert connector.active and connector.other_groups == (1,)
+        rng = random.Random(13)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
+        keys = chunk_keys(prompt, CHUNK, engine.root)
+        first, saves, steps = engine.add(prompt), [], []
+        while not first.is_finished():
+            steps.append(engine.step())
+            saves += steps[-1].kv_connector_metadata.plan.saves
+        assert [sum(out.num_scheduled_tokens.values()) for out in steps[:3]] == [128, 64, 5]
+        states = [job for job in saves if job.group == 1]
+        assert [job.keys for job in states] == [(group_key(keys[1], 1),), (group_key(keys[2], 1),)]
+        assert all(len(job.block_ids) == 1 and NULL_BLOCK not in job.block_ids for job in states)
+        assert [k for job in saves if job.group == 0 for k in job.keys] == keys
+        for job in saves:
+            for key in job.keys:
+                engine.index.put(key, "cpu", ())
+        assert engine.sched.reset_prefix_cache()
+        request = engine.add(prompt)
+        out = engine.step()
+        full_job, state_job = sorted(out.kv_connector_metadata.plan.loads, key=lambda j: j.group)
+        full_ids, mamba_ids = engine.sched.kv_cache_manager.get_block_ids(request.request_id)
+        assert full_job.keys == tuple(keys) and full_job.block_ids == tuple(full_ids[:12])
+        assert mamba_ids[:11] == [NULL_BLOCK] * 11 and mamba_ids[11] != NULL_BLOCK
+        assert (state_job.keys, state_job.first_block, state_job.block_ids) == ((group_key(keys[2], 1),), 0,
+                                                                               (mamba_ids[11],))
+        engine.step(loaded=(request.request_id,))
+        resumed = engine.step()
+        assert [(new.req_id, new.num_computed_tokens) for new in resumed.scheduled_new_reqs] == [
+            (request.request_id, 3 * CHUNK)]
+        # a hit ends only where the Mamba group holds a state
+        engine.index.remove(group_key(keys[2], 1))
+        assert connector.get_num_new_matched_tokens(engine.add(prompt), 0) == (2 * CHUNK, True)
+        engine.index.remove(group_key(keys[1], 1))
+        assert connector.get_num_new_matched_tokens(engine.add(prompt), 0) == (0, False)  # chunk 0 has none
+        # a prompt of two whole chunks, the state at its end stored: never a whole-prompt hit
+        engine.index.put(group_key(keys[1], 1), "cpu", ())
+        assert connector.get_num_new_matched_tokens(engine.add(prompt[: 3 * CHUNK]), 0) == (2 * CHUNK, True)
+        assert connector.get_num_new_matched_tokens(engine.add(prompt[: 2 * CHUNK]), 0) == (0, False)
     finally:
         engine.sched.shutdown()
 
@@ -384,18 +456,27 @@ def test_idle_worker_half_registers_nothing():
         connector.shutdown()
 
 
-def test_a_mamba_hybrid_whose_block_size_no_chunk_fits_starts_idle():
+@pytest.mark.parametrize("mode", ["none", "align"])
+def test_a_mamba_hybrid_whose_block_size_no_chunk_fits_starts(mode, caplog):
     """vLLM sizes a Mamba hybrid's attention blocks to hold a Mamba state page (144 tokens for a
-    small Granite 4 on CUDA): no chunk of 64 tokens fits, and the idle kvtier must not care."""
+    small Granite 4 on CUDA): no chunk of 64 tokens fits. Without prefix caching kvtier is idle
+    and must not care; with it, a chunk is one block, and a start-up line says so."""
+    caplog.set_level(logging.INFO, logger="kvtier.engines.vllm.connector")
     page = 144
-    config = vllm_config(BS, CHUNK, "auto", None, 4, 128, True)
+    config = copy.copy(vllm_config(BS, CHUNK, "auto", None, 4, 128, True))
+    config.cache_config = copy.copy(config.cache_config)
     config.cache_config.block_size = page
-    state = MambaSpec(block_size=page, shapes=((4,), (4,)), dtypes=(torch.float32, torch.float32))
+    state = MambaSpec(block_size=page, shapes=((4,), (4,)), dtypes=(torch.float32, torch.float32),
+                      mamba_cache_mode=mode)
     attention = FullAttentionSpec(block_size=page, num_kv_heads=1, head_size=16, dtype=torch.float32)
     connector = KvtierConnector(config, KVConnectorRole.SCHEDULER, hybrid_config(state, attention))
     try:
-        assert not connector.active and connector.scheduler_side is None
+        assert connector.active == (mode == "align") and (connector.scheduler_side is None) == (mode == "none")
         assert not connector.has_pending_push_work()
+        lines = [r.getMessage() for r in caplog.records if "one block of this Mamba hybrid" in r.getMessage()]
+        if mode == "align":
+            assert connector.config.chunk_tokens == page == connector.scheduler_side.chunk_tokens
+            assert len(lines) == 1 and "chunks of 144 tokens" in lines[0] and "'chunk_tokens', 64" in lines[0]
     finally:
         connector.shutdown()
 
@@ -451,6 +532,55 @@ def test_the_worker_half_saves_and_loads_each_group_under_its_own_keys(tmp_path)
                           LoadJob("c", (group_key(other, 1),), 0, tuple(range(40, 40 + cb)), group=1)))
         assert finished(side) == {"c"} and side.failed_blocks() == set()  # no block ids: they name no group
         assert side.take_stats()[FAILED_REQUESTS] == ["c"]
+    finally:
+        side.close()
+
+
+@pytest.mark.parametrize("release", ["0.26", "0.32"])
+def test_the_worker_half_keeps_one_mamba_state_per_chunk(tmp_path, release):
+    """A Mamba layer as vLLM registers it: 0.26 a list ``[conv state, SSM state]`` of views into
+    one padded page per block, 0.32 one int8 view of the page. A chunk of the Mamba group holds
+    one block, the state at its end; it loads into the block vLLM gives the hit's end, and
+    nothing else of the page (its padding) or of other blocks is written."""
+    from kvtier.config import KvtierConfig
+    from kvtier.engines.vllm.worker_side import WorkerSide
+    from kvtier.jobs import LoadJob, SaveJob
+
+    page = 64  # float32 elements per block: conv 3 x 8, SSM 4 x 8, 8 of padding
+    torch.manual_seed(1)
+    pages = torch.randn(NUM_BLOCKS * page)
+    if release == "0.26":
+        state = [torch.as_strided(pages, (NUM_BLOCKS, 8, 3), (page, 1, 8), 0),  # conv, dims first
+                 torch.as_strided(pages, (NUM_BLOCKS, 4, 8), (page, 8, 1), 24)]
+    else:
+        state = pages.view(torch.int8).view(NUM_BLOCKS, 1, 1, page * 4)
+    full_kv = torch.randn(NUM_BLOCKS, 2, BS, 16)
+    groups = (("full_attention", 0, ("layers.0.attn",)), ("mamba", 0, ("layers.1.mixer",)))
+    side = WorkerSide(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24), "model", BS, NUM_BLOCKS,
+                      f"ipc://{tmp_path}/lookup.sock", 0, 1, groups=groups)
+    try:
+        side.register({"layers.0.attn": full_kv, "layers.1.mixer": state})
+        mamba_transfers = side.group_transfers[1]
+        assert mamba_transfers.chunk_blocks == 1
+        assert len(mamba_transfers.layout.regions) == (2 if release == "0.26" else 1)
+        key = chunk_keys(list(range(CHUNK)), CHUNK, b"root")[0]
+        cb = CHUNK // BS
+        side.save((SaveJob("a", (key,), tuple(range(1, 1 + cb))), SaveJob("a", (group_key(key, 1),), (7,), group=1)))
+        for t in side.group_transfers:
+            t.wait_saved()
+        blocks = pages.view(NUM_BLOCKS, page)
+        saved = blocks[7].clone()
+        blocks[30] = 0
+        before = blocks.clone()
+        side.start_loads((LoadJob("b", (key,), 0, tuple(range(20, 20 + cb))),
+                          LoadJob("b", (group_key(key, 1),), 0, (30,), group=1)))
+        assert finished(side) == {"b"} and side.failed_blocks() == set()
+        assert torch.equal(blocks[30, :56], saved[:56])  # the state, conv and SSM
+        assert (blocks != before).any(dim=1).nonzero().flatten().tolist() == [30]  # no other block
+        padding = saved[56:] if release == "0.32" else torch.zeros(8)  # 0.32 registers the whole page
+        assert torch.equal(blocks[30, 56:], padding)
+        stats = side.take_stats()
+        assert stats["loaded_bytes"] == cb * 2 * BS * 16 * 4 + (56 if release == "0.26" else page) * 4
     finally:
         side.close()
 

@@ -12,8 +12,9 @@ through the same plan, waiting state and load executor as a reload.
 
 Hybrid models (vLLM's hybrid KV cache manager): the connector is ``SupportsHMA`` where vLLM has
 it, so the manager stays on. kvtier serves a config whose transferred KV cache groups it can all
-serve (:mod:`.groups`: full attention, sliding window, chunked local attention), each group's
-blocks under keys of its own, a windowed group only within its window; any other config runs
+serve (:mod:`.groups`: full attention, sliding window, chunked local attention, Mamba state
+cached by block), each group's blocks under keys of its own, a windowed group only within its
+window, Mamba state at chunk ends; any other config runs
 with kvtier idle: no hits (the engine recomputes), no saves, one start-up line naming the groups
 it does not serve. vLLM takes no block-level load failures from a model of several groups, so
 there the workers report a failed load per request and the engine recomputes its whole prompt
@@ -22,6 +23,7 @@ there the workers report a failed load per request and the engine recomputes its
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import logging
 import threading
@@ -41,7 +43,7 @@ from kvtier.engines.vllm.compat import (
     HMA_BASES, AgreedHits, CacheHitSource, agree_on_hybrid_hits, calling_scheduler, check_version,
     forget_stale_reservation, recompute_failed_loads,
 )
-from kvtier.engines.vllm.groups import MAMBA, GroupSupport, group_support
+from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
 from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
 from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierPromMetrics, build_stats
@@ -92,6 +94,13 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self.group = served[0].index if served else 0  # the anchor KV cache group (lookups run on its chunks)
         self.other_groups = tuple(g.index for g in served[1:])  # served beside it (hybrid models)
         self.block_size = self.groups.block_size or vllm_config.cache_config.block_size
+        if self.active and self.groups.state_groups and self.config.chunk_tokens % self.block_size:
+            # vLLM sizes a Mamba hybrid's blocks to hold a state page: no chunk size can be known
+            # before it starts, and one block per chunk keeps a state at every step's end.
+            if role == KVConnectorRole.SCHEDULER:
+                logger.info("kvtier: chunks of %d tokens, one block of this Mamba hybrid (setting 'chunk_tokens', "
+                            "%d, is not a multiple of it).", self.block_size, self.config.chunk_tokens)
+            self.config = dataclasses.replace(self.config, chunk_tokens=self.block_size)
         if self.active:
             self.config.check_block_size(self.block_size)
         if self.active and self.other_groups and role == KVConnectorRole.SCHEDULER:
@@ -109,7 +118,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._worker = None
         # Mamba hybrids: the scheduler must take the hit every group holds (see agree_on_hybrid_hits);
         # done at the first lookup, when vLLM's scheduler is on the stack and its cache still empty.
-        self._agree_on_hits = role == KVConnectorRole.SCHEDULER and MAMBA in self.groups.kinds
+        self._agree_on_hits = role == KVConnectorRole.SCHEDULER and not MAMBA_KINDS.isdisjoint(self.groups.kinds)
         self._agreed_hits: AgreedHits | None = None
         parallel = vllm_config.parallel_config
         events_config = vllm_config.kv_events_config
@@ -210,8 +219,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             self._agreed_hits = agree_on_hybrid_hits(calling_scheduler("kv_cache_manager"))
             if self._agreed_hits is not None:
                 logger.info("kvtier: this vLLM admits a Mamba-hybrid request at its full-attention hit, where "
-                            "the Mamba state may not be cached; kvtier, which does not restore that state, "
-                            "has it take the hit every KV cache group holds.")
+                            "the Mamba state may not be cached; kvtier, which restores only the states it "
+                            "stored, has it take the hit every KV cache group holds.")
         elif self._agreed_hits is not None:
             self._agreed_hits.restore_junction(request)
         if not self.active:

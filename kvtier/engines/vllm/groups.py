@@ -7,13 +7,21 @@ and serves a config when it can serve every group that takes part in KV transfer
 must be valid for all of them, and a group kvtier cannot fill leaves the hit at 0 (the engine
 recomputes).
 
-Served: full attention (MLA included), sliding window and chunked local attention, all with one
-block size. A full-attention group needs every block of a hit; a windowed group only the blocks
-its attention still reads at the hit's end: vLLM gives such a request the null block in place of
-the others (:data:`NULL_BLOCK`), and kvtier loads nothing into those. Not served: Mamba state
-(it would have to be kept at chunk boundaries) and kinds kvtier has no name for. Groups vLLM
-marks as not transferred (``enable_kv_transfer=False``, rebuilt by the engine after a load) are
-ignored.
+Served: full attention (MLA included), sliding window, chunked local attention and Mamba state
+cached by block (vLLM's ``mamba_cache_mode`` ``align`` or ``all``, which prefix caching turns
+on), all with one block size. A full-attention group needs every block of a hit; a windowed
+group only the blocks its attention still reads at the hit's end: vLLM gives such a request the
+null block in place of the others (:data:`NULL_BLOCK`), and kvtier loads nothing into those.
+
+Mamba state: block ``i`` of a Mamba group holds the recurrent state after token ``(i + 1) *
+block_size``. In ``all`` mode vLLM keeps every block's state, and kvtier serves the group like
+full attention (:data:`MAMBA_ALL`). In ``align`` mode a state exists only where an engine step
+ended (vLLM ends prefill steps on block boundaries), so kvtier keeps one state per chunk, the
+chunk's last block, where a step ended at the chunk's end, and a hit ends only at a chunk whose
+state is stored (:data:`MAMBA`): its load brings that one block. Not served: Mamba state without
+prefix caching (one running state per request, overwritten in place) and kinds kvtier has no name
+for. Groups vLLM marks as not transferred (``enable_kv_transfer=False``, rebuilt by the engine
+after a load) are ignored.
 """
 
 from __future__ import annotations
@@ -29,7 +37,9 @@ from kvtier.layout import Layout, build_layout
 FULL = "full_attention"
 SLIDING = "sliding_window"
 CHUNKED_LOCAL = "chunked_local_attention"
-MAMBA = "mamba"
+MAMBA = "mamba"  # Mamba state in align mode: kept at chunk ends where a step ended there
+MAMBA_ALL = "mamba_all"  # Mamba state in all mode: every block's, served like full attention
+MAMBA_UNCACHED = "mamba_uncached"  # Mamba state without prefix caching: not served
 
 # vLLM KV cache spec class name -> kind. Names, not classes: older releases lack some of them,
 # and a subclass vLLM adds later (a window variant of full attention) must not pass for its base.
@@ -41,7 +51,9 @@ _KINDS = {
     "ChunkedLocalAttentionSpec": CHUNKED_LOCAL,
     "MambaSpec": MAMBA,
 }
-SERVED_KINDS = frozenset({FULL, SLIDING, CHUNKED_LOCAL})
+SERVED_KINDS = frozenset({FULL, SLIDING, CHUNKED_LOCAL, MAMBA, MAMBA_ALL})
+MAMBA_KINDS = frozenset({MAMBA, MAMBA_ALL, MAMBA_UNCACHED})
+_MAMBA_MODES = {"align": MAMBA, "all": MAMBA_ALL}
 NULL_BLOCK = 0  # vLLM's null block (the block pool's first): a windowed group's blocks outside its window
 
 
@@ -55,7 +67,10 @@ def spec_kind(spec: Any) -> str:
     if name == "UniformTypeKVCacheSpecs":  # several layers' specs of one type in one group
         kinds = {spec_kind(s) for s in spec.kv_cache_specs.values()}
         return kinds.pop() if len(kinds) == 1 else name
-    return _KINDS.get(name, name)
+    kind = _KINDS.get(name, name)
+    if kind == MAMBA:
+        return _MAMBA_MODES.get(getattr(spec, "mamba_cache_mode", "none"), MAMBA_UNCACHED)
+    return kind
 
 
 def _window(spec: Any, kind: str) -> int:
@@ -82,11 +97,14 @@ class ServedGroup:
 
     def first_needed_token(self, end: int) -> int:
         """First token whose KV this group's attention still reads when ``end`` tokens are
-        computed (vLLM's ``get_num_skipped_tokens``): 0 for full attention."""
+        computed (vLLM's ``get_num_skipped_tokens``): 0 for full attention; for Mamba state in
+        align mode the last token's (its state is the one at ``end``)."""
         if self.kind == SLIDING:
             return max(0, end - self.window + 1)
         if self.kind == CHUNKED_LOCAL:
             return end // self.window * self.window
+        if self.kind == MAMBA:
+            return max(0, end - 1)
         return 0
 
 
@@ -122,10 +140,17 @@ class GroupSupport:
         full-attention group that kvtier serves (not so with Mamba state or unknown kinds)."""
         return all(kind in (FULL, SLIDING, CHUNKED_LOCAL) for _, kind in self.unserved)
 
+    @property
+    def state_groups(self) -> bool:
+        """Whether a served group is Mamba state: then no hit covers a whole prompt (vLLM runs its
+        last token again, from the state after it)."""
+        return any(g.kind in MAMBA_KINDS for g in self.served)
+
     def describe(self) -> str:
         """The groups in words, e.g. ``group 0 full_attention, group 1 mamba (not served)``."""
         unserved = {g for g, _ in self.unserved}
-        text = ", ".join(f"group {g} {kind}" + (" (not served)" if g in unserved else "")
+        text = ", ".join(f"group {g} {kind}" + (" (not served" + (": enable prefix caching" if kind == MAMBA_UNCACHED
+                                                                   else "") + ")" if g in unserved else "")
                          for g, kind in enumerate(self.kinds))
         return f"{text}; {self.reason}" if self.reason else text
 
@@ -134,7 +159,8 @@ def group_support(kv_cache_config: Any) -> GroupSupport:
     """Classify ``kv_cache_config.kv_cache_groups`` (vLLM's ``KVCacheGroupSpec`` list).
 
     Every transferred group of a served kind is served when they all share one block size (a
-    chunk then covers the same tokens in each); otherwise none is.
+    chunk then covers the same tokens in each); otherwise none is. The anchor is an attention
+    group: Mamba state alone is never served.
     """
     groups = list(getattr(kv_cache_config, "kv_cache_groups", None) or ())
     if not groups:  # nothing said: the engine's one group of full attention, all layers
@@ -149,12 +175,20 @@ def group_support(kv_cache_config: Any) -> GroupSupport:
     if len(sizes) > 1:
         return GroupSupport(kinds, (), tuple((i, kinds[i]) for i in candidates),
                             reason=f"their block sizes differ ({', '.join(map(str, sorted(sizes)))} tokens)")
-    candidates.sort(key=lambda i: kinds[i] != FULL)  # stable: the first full-attention group leads
+    if all(kinds[i] in MAMBA_KINDS for i in candidates):
+        return GroupSupport(kinds, (), tuple((i, kinds[i]) for i in candidates), reason="no attention group to anchor lookups")
+    candidates.sort(key=lambda i: (kinds[i] != FULL, kinds[i] in MAMBA_KINDS))  # stable: full attention leads
     served = tuple(
         ServedGroup(i, kinds[i], _window(groups[i].kv_cache_spec, kinds[i]),
                     tuple(groups[i].layer_names) if len(groups) > 1 else ())  # one group: layers sharing KV too
         for i in candidates)
     return GroupSupport(kinds, served, (), sizes.pop())
+
+
+def blocks_per_chunk(kind: str, chunk_blocks: int) -> int:
+    """Engine blocks a group stores per chunk: one state for Mamba in align mode, else the
+    chunk's every block."""
+    return 1 if kind == MAMBA else chunk_blocks
 
 
 def group_layouts(kv_caches: dict[str, Any], groups: tuple[tuple[str, int, tuple[str, ...]], ...], block_size: int,
@@ -163,10 +197,14 @@ def group_layouts(kv_caches: dict[str, Any], groups: tuple[tuple[str, int, tuple
     layers: every tensor in ``kv_caches``, the engine's one group). With several groups all
     carry one fingerprint over every group's kind, window and layout, so no group's chunk ever
     loads into another KV cache config. ``facts``: what :func:`build_layout` fingerprints besides.
+    A layer registered as a list of tensors (vLLM 0.26's Mamba ``[conv state, SSM state]``, views
+    into one page per block) gives each its own regions.
     """
     layouts = []
     for _, _, layers in groups:
         tensors = {name: kv_caches[name] for name in layers if name in kv_caches} if layers else kv_caches
+        tensors = {f"{name}.{i}" if isinstance(value, (list, tuple)) else name: t for name, value in tensors.items()
+                   for i, t in enumerate(value if isinstance(value, (list, tuple)) else (value,))}
         layouts.append(build_layout(tensors, block_size, num_blocks, **facts))
     if len(layouts) == 1:
         return layouts

@@ -11,7 +11,9 @@ is already a pure function in :mod:`kvtier.scheduler_hooks`.
 
 Hybrid models (several served KV cache groups, :mod:`.groups`): lookups, plans and states run on
 the anchor group's chunks; each other group is loaded and saved beside it, chunk for chunk, under
-its own keys, and a hit counts only as far as every group holds the chunks it needs.
+its own keys, and a hit counts only as far as every group holds the chunks it needs. Mamba state
+in align mode is one block per chunk, the state at its end: saved where a step ends there,
+loaded for the hit's last chunk only.
 """
 
 from __future__ import annotations
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kvtier.config import KvtierConfig
-from kvtier.engines.vllm.groups import NULL_BLOCK, ServedGroup
+from kvtier.engines.vllm.groups import MAMBA, MAMBA_KINDS, NULL_BLOCK, ServedGroup
 from kvtier.jobs import ChunkBlocks, LoadJob, RemoteSource, SaveJob
 from kvtier.keys import chunk_keys, group_key, namespace, tail_key
 from kvtier.lookup import LookupClient
@@ -101,6 +103,8 @@ class SchedulerSide:
                  groups: tuple[ServedGroup, ...] = ()):
         self.config = config
         self.others = tuple(groups[1:])  # served groups beside the anchor, slot i + 1 each
+        # Mamba state: vLLM runs a whole-prompt hit's last token again, from the state after it
+        self.hits_below_prompt = any(g.kind in MAMBA_KINDS for g in groups)
         self._warned_hybrid: set[str] = set()
         self.model = model
         self.block_size = block_size
@@ -172,6 +176,8 @@ class SchedulerSide:
             self.peer_endpoints = reply.endpoints
         # Until the workers have emptied the tiers, the index may still offer what a reset removes.
         tiers = () if self.reset_pending else self._trusted(tracked.keys, reply.tiers if reply is not None else [])
+        if self.hits_below_prompt:
+            tiers = tiers[: (len(prompt) - 1) // self.chunk_tokens]
         if self.others and tiers:
             tiers = tiers[: self._held_by_every_group(tracked.keys, len(tiers))]
         remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed
@@ -325,7 +331,7 @@ class SchedulerSide:
         tracked.last_save_step = self._step
         names = () if self.name_chunk is None else tuple(self.name_chunk(req_id, i) for i in range(start, full))
         if not publish:
-            self._group_saves(req_id, tracked, start, full, computed_before)
+            self._group_saves(req_id, tracked, start, full, computed_before, computed_after)
             return SaveJob(req_id, tuple(keys), tuple(blocks), names=names)
         # A producer publishes the whole prompt, its partial tail too, once all of it is computed;
         # until then a job with what is new (maybe nothing) tells the workers it is still coming.
@@ -336,14 +342,22 @@ class SchedulerSide:
         tracked.published = final
         return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names)
 
-    def _group_saves(self, req_id: str, tracked: _Tracked, start: int, end: int, computed_before: int) -> None:
+    def _group_saves(self, req_id: str, tracked: _Tracked, start: int, end: int, computed_before: int,
+                     computed_after: int) -> None:
         """The other served groups' blocks of chunks ``[start, end)``. A windowed group saves a
         chunk only while all its blocks hold KV: not the null block (outside the window when the
         request was admitted) and not below what vLLM freed before this step (its blocks may be
-        another request's by now)."""
+        another request's by now). Mamba state in align mode: the last chunk's state, when this
+        step ends at its end (the state of any other position was never materialized)."""
         cb = self.chunk_blocks
         for slot, group in enumerate(self.others, 1):
             ids = tracked.group_blocks[slot - 1] if slot <= len(tracked.group_blocks) else []
+            if group.kind == MAMBA:
+                state = ids[end * cb - 1] if len(ids) >= end * cb else NULL_BLOCK
+                if computed_after == end * self.chunk_tokens and state != NULL_BLOCK:
+                    self._group_save_jobs.append(SaveJob(req_id, (group_key(tracked.keys[end - 1], slot),), (state,),
+                                                         group=slot))
+                continue
             live = group.first_needed_token(computed_before) // self.block_size
             chunks = [i for i in range(start, end) if i * cb >= live and len(ids) >= (i + 1) * cb
                       and NULL_BLOCK not in ids[i * cb : (i + 1) * cb]]
@@ -490,9 +504,17 @@ class SchedulerSide:
 
     def _group_loads(self, req_id: str, tracked: _Tracked, start: int, end: int) -> tuple[LoadJob, ...]:
         """The other served groups' jobs for tokens ``[start, end)``: a windowed group's blocks
-        outside its window are vLLM's null block, a prefix of its list, and are not loaded."""
+        outside its window are vLLM's null block, a prefix of its list, and are not loaded; Mamba
+        state in align mode loads the state at ``end`` into the one block vLLM gave it there."""
         c, b, jobs = self.chunk_tokens, self.block_size, []
         for slot, ids in enumerate(tracked.group_blocks, 1):
+            if self.others[slot - 1].kind == MAMBA:
+                state = ids[end // b - 1] if end % c == 0 and len(ids) >= end // b else NULL_BLOCK
+                if state == NULL_BLOCK:
+                    raise RuntimeError(f"kvtier: request {req_id} loads {end} tokens, where no Mamba state block "
+                                       "was allocated")
+                jobs.append(LoadJob(req_id, (group_key(tracked.keys[end // c - 1], slot),), 0, (state,), group=slot))
+                continue
             first, stop = start // b, min(-(-end // b), len(ids))
             while first < stop and ids[first] == NULL_BLOCK:
                 first += 1
@@ -514,7 +536,7 @@ class SchedulerSide:
             start = chunks if loaded_from is None else loaded_from
             needed = [(i, group_key(keys[i], slot)) for i in range(chunks - 1, -1, -1)
                       for slot, group in enumerate(self.others, 1)
-                      if i >= min(group.first_needed_token(chunks * c) // c, start)]
+                      if i >= group.first_needed_token(chunks * c) // c or (group.kind != MAMBA and i >= start)]
             reply = self.client.lookup([key for _, key in needed])
             held = len(reply.tiers) if reply is not None else 0
             if held >= len(needed):

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.engines.vllm.groups import group_layouts
+from kvtier.engines.vllm.groups import blocks_per_chunk, group_layouts
 from kvtier.engines.vllm.stats import FAILED_REQUESTS
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
@@ -85,8 +85,7 @@ class WorkerSide:
         # one group, every registered tensor
         self.groups = groups or (("full_attention", 0, ()),)
         self.group_transfers: list[TierWorker] = []  # one per served group, the anchor's first
-        self._parts: dict[str, list] = {}  # hybrid: request -> [jobs not finished, failed]
-        self._part_blocks: dict[tuple[str, int], frozenset[int]] = {}
+        self._parts: dict[str, list] = {}  # hybrid: request -> [jobs not finished, failed, {group: block ids}]
         self._failed_requests: list[str] = []
         self.holds: PublishHolds | None = None
         self.chunk_server: ChunkServer | None = None
@@ -147,13 +146,14 @@ class WorkerSide:
             cuda_ops.allow_build(False)
         hybrid = len(layouts) > 1
         loads_running = self._loads_running if hybrid else None  # every group's saves yield to any group's loads
-        self.transfers = TierWorker(layout, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
-                                    on_held=held, fetch_remote=self._fetch_remote, load_inline=self.load_inline,
-                                    defer_reuse=True, on_lost=self.holds.lost, loads_running=loads_running)
+        cb = config.chunk_tokens // self.block_size
+        self.transfers = TierWorker(layout, store, cb, save_backlog_bytes=backlog, on_held=held,
+                                    fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
+                                    on_lost=self.holds.lost, loads_running=loads_running)
         self.group_transfers = [self.transfers, *(
-            TierWorker(other, store, config.chunk_tokens // self.block_size, save_backlog_bytes=backlog,
-                       on_held=self._changed, load_inline=self.load_inline, defer_reuse=True,
-                       reuse=self.transfers.reuse, loads_running=loads_running) for other in layouts[1:])]
+            TierWorker(other, store, blocks_per_chunk(kind, cb), save_backlog_bytes=backlog, on_held=self._changed,
+                       load_inline=self.load_inline, defer_reuse=True, reuse=self.transfers.reuse,
+                       loads_running=loads_running) for other, (kind, _, _) in zip(layouts[1:], self.groups[1:]))]
         pd = "no P/D chunk server (kv_consumer)" if not hybrid else "no P/D (a hybrid model's groups)"
         if self.produce and not hybrid:
             bind, advertised = config.pd_endpoints(self.rank)
@@ -256,8 +256,8 @@ class WorkerSide:
             self.transfers.cancel(req_id)
         if len(self.group_transfers) > 1:
             for job in jobs:  # counted first: an inline load reports before submit_load returns
-                self._parts.setdefault(job.req_id, [0, False])[0] += 1
-                self._part_blocks[(job.req_id, job.group)] = frozenset(job.block_ids)
+                part = self._parts.setdefault(job.req_id, [0, False, {}])
+                part[0], part[2][job.group] = part[0] + 1, frozenset(job.block_ids)
         for job in jobs:
             self.group_transfers[job.group].submit_load(job)
 
@@ -317,7 +317,7 @@ class WorkerSide:
             for req_id in req_ids:
                 part = self._parts[req_id]
                 part[0] -= 1
-                part[1] |= not failed.isdisjoint(self._part_blocks.pop((req_id, group), ()))
+                part[1] |= not failed.isdisjoint(part[2].pop(group, ()))
                 if part[0] == 0:
                     del self._parts[req_id]
                     done.add(req_id)

@@ -1,0 +1,75 @@
+"""A Mamba hybrid's reload in the real CUDA vLLM: attention KV and Mamba state come back from kvtier.
+
+Runs only on a CUDA vLLM (skipped at collection elsewhere); ``python -m pytest -q -s -m gpu
+tests/gpu/test_gpu_mamba_reload.py``. The Granite-4-like hybrid of ``test_gpu_hybrid.py`` runs
+with prefix caching on (vLLM turns it off by default for Mamba hybrids) in each Mamba cache mode
+kvtier serves:
+
+- ``align``: Mamba states exist only where a step ended; kvtier keeps the state at each chunk end
+  where one did, and loads the hit's last one;
+- ``all``: vLLM keeps every block's state; kvtier keeps and loads them all, like attention KV.
+
+Rounds ``[P]``, ``[P]`` (vLLM's own prefix-cache hit), ``[reset, P]`` (kvtier's reload), in a
+connector-less engine (``ref``) and with kvtier. The reload must serve what vLLM's own prefix
+cache served (its last full block: the state there is the last step's end) and answer bit for
+bit as ``ref``'s prefix-cache round does: the same tokens cached, the same suffix computed.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+import gpu_engines as g
+
+if (reason := g.skip_reason()) is not None:  # no CUDA or no CUDA vLLM: skip this module at collection
+    pytest.skip(reason, allow_module_level=True)
+
+from test_gpu_hybrid import build  # noqa: E402
+
+pytestmark = pytest.mark.gpu
+
+P = g.prompt(61, 3000)
+ROUNDS = [{"prompts": [P]}, {"prompts": [P]}, {"prompts": [P], "reset": True}]
+KINDS = {"align": "mamba", "all": "mamba_all"}
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return build("granite_hybrid", tmp_path_factory.mktemp("gpu-mamba-reload") / "model")
+
+
+@pytest.fixture(scope="module", params=sorted(KINDS))
+def runs(request, model, tmp_path_factory):
+    mode = request.param
+    tmp = tmp_path_factory.mktemp(f"mamba-{mode}")
+    engine_args = {"mamba_cache_mode": mode, "enable_prefix_caching": True}
+
+    def spec(kvtier: dict | None) -> dict:
+        return g.engine_spec(model, ROUNDS, kvtier=kvtier, block_size=None, engine_args=engine_args)
+
+    return mode, {"ref": g.spawn(spec(None), tmp, "ref"), "kvtier": g.spawn(spec(g.kvtier_config()), tmp, "kvtier")}
+
+
+def test_kvtier_serves_the_mamba_group(runs):
+    mode, result = runs
+    with open(result["kvtier"]["log"], errors="replace") as f:
+        log = f.read()
+    assert "kvtier is idle" not in log
+    assert f"{KINDS[mode]}, " in log or f"{KINDS[mode]})" in log  # the groups it serves, named at start
+
+
+def test_the_reload_answers_as_the_engines_own_prefix_hit(runs):
+    mode, result = runs
+    ref, kv = result["ref"], result["kvtier"]
+    block = ref["block_size"]
+    hit = g.local_hit(len(P), block)
+    print(json.dumps({"mode": mode, "block_size": block, "cached": [g.only(kv, i)["cached"] for i in range(3)],
+                      "ref_cached": [g.only(ref, i)["cached"] for i in range(3)],
+                      "admissions": kv["rounds"][2]["admissions"], "counts": kv["counts"]}))
+    assert g.only(ref, 1)["cached"] == hit  # vLLM's own hit: attention and Mamba state agree there
+    assert g.only(kv, 2)["cached"] == hit and kv["rounds"][2]["admissions"].get("load") == 1
+    assert kv["counts"].get("loads_ok", 0) >= 1 and not kv["counts"].get("loads_failed")
+    for i in range(3):
+        g.assert_strict(g.only(kv, i), g.only(ref, min(i, 1)), f"{mode}: round {i}")
