@@ -35,15 +35,14 @@ ROUNDS = [{"prompts": [P]}, {"prompts": [P]}, {"prompts": [P], "reset": True}]
 KINDS = {"align": "mamba", "all": "mamba_all"}
 
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return build("granite_hybrid", tmp_path_factory.mktemp("gpu-mamba-reload") / "model")
+CASES = [("granite_hybrid", "align"), ("granite_hybrid", "all"), ("nemotron_h", "align")]
 
 
-@pytest.fixture(scope="module", params=sorted(KINDS))
-def runs(request, model, tmp_path_factory):
-    mode = request.param
-    tmp = tmp_path_factory.mktemp(f"mamba-{mode}")
+@pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{m}" for f, m in CASES])
+def runs(request, tmp_path_factory):
+    family, mode = request.param
+    tmp = tmp_path_factory.mktemp(f"{family}-{mode}")
+    model = build(family, tmp / "model")
     engine_args = {"mamba_cache_mode": mode, "enable_prefix_caching": True}
 
     def spec(kvtier: dict | None) -> dict:
