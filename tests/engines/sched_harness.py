@@ -14,10 +14,18 @@ tokens (vLLM's hybrid KV cache manager, two block tables over one pool). The sli
 checked where its attention reads (the window before every computed position), its saves must
 hold exactly their chunk's tokens (never a block vLLM freed out of the window), and its loads
 fill exactly the window's blocks; a failed load is reported per request, as the workers do.
+
+``mamba``: a hybrid model of a full-attention group and Mamba state in vLLM's align mode (the
+scheduler ends prefill steps where a state is cached). Each step must start from the state after
+its first token's prefix, read where vLLM's workers read it (the block before it for a request
+new to them, else the block the last step wrote), and leaves the state after its last token in
+its running block; a saved state must be the one at its chunk's end, a loaded one land in the
+block vLLM gives the hit's end.
 """
 
 from __future__ import annotations
 
+import copy
 import itertools
 import random
 from collections import Counter
@@ -30,7 +38,7 @@ from vllm.sampling_params import SamplingParams  # noqa: E402
 from vllm.utils.hashing import get_hash_fn_by_name  # noqa: E402
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash  # noqa: E402
 from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec,
+    FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, SlidingWindowSpec,
 )
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
 from vllm.v1.request import Request, RequestStatus  # noqa: E402
@@ -79,20 +87,28 @@ class Harness:
     def __init__(self, block_size: int = 16, chunk_tokens: int = 64, num_blocks: int = 48, unaligned: str = "auto",
                  min_load_tokens: int | None = None, max_num_seqs: int = 4, max_batched: int = 128,
                  store_chunks: int = 24, seed: int = 0, reserve_full: bool = True,
-                 scheduler_cls: type = KvtierScheduler, window: int = 0):
+                 scheduler_cls: type = KvtierScheduler, window: int = 0, mamba: bool = False):
         self.block_size, self.chunk_tokens, self.num_blocks = block_size, chunk_tokens, num_blocks
-        self.window = window
-        self.num_groups = 2 if window else 1
+        self.window, self.mamba = window, mamba
+        self.num_groups = 2 if window or mamba else 1
         self.chunk_blocks = chunk_tokens // block_size
         self.store_chunks = store_chunks
         config = vllm_config(block_size, chunk_tokens, unaligned, min_load_tokens, max_num_seqs, max_batched,
                              reserve_full)
         config.cache_config.num_gpu_blocks = num_blocks
+        if mamba:
+            config = copy.copy(config)
+            config.cache_config = copy.copy(config.cache_config)
+            config.cache_config.mamba_cache_mode = "align"
         groups = [KVCacheGroupSpec(["layer"], FullAttentionSpec(block_size=block_size, num_kv_heads=1, head_size=16,
                                                                 dtype=torch.float32))]
         if window:
             groups.append(KVCacheGroupSpec(["swa"], SlidingWindowSpec(block_size=block_size, num_kv_heads=1, head_size=16,
                                                                       dtype=torch.float32, sliding_window=window)))
+        if mamba:
+            groups.append(KVCacheGroupSpec(["mixer"], MambaSpec(block_size=block_size, shapes=((4,), (4,)),
+                                                                dtypes=(torch.float32, torch.float32),
+                                                                mamba_cache_mode="align")))
         kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         _, server = lookup_server()
         server.index = HoldIndex(1)
@@ -129,6 +145,7 @@ class Harness:
         self._ids = itertools.count()
         self.broken = False  # a step raised: the scheduler is mid-step, only close() is safe
         self.on_workers: set[str] = set()  # requests the (simulated) workers hold state for
+        self.state_block: dict[str, int] = {}  # mamba: req id -> block its last step left its state in
 
     # ---- driving ----------------------------------------------------------------------------
     def add(self, prompt: list[int], max_tokens: int = 2, remote: bool = False) -> str:
@@ -296,7 +313,7 @@ class Harness:
                                          f"expected floor + loaded = {want}")
                 self.stats.resumed_checked += 1
             ph, bs = self._ph(req_id), self.block_size
-            for group in range(self.num_groups):
+            for group in range(1 if self.mamba else self.num_groups):  # Mamba state: checked by _forward
                 blocks = self._blocks(req_id, group)
                 for j in range(self._window_start(computed) if group else 0, -(-computed // bs)):
                     need = min(bs, computed - j * bs)
@@ -309,11 +326,14 @@ class Harness:
         starts = {new.req_id: new.num_computed_tokens for new in out.scheduled_new_reqs}
         cached = out.scheduled_cached_reqs
         starts.update(zip(cached.req_ids, cached.num_computed_tokens))
+        fresh = {new.req_id for new in out.scheduled_new_reqs} | set(cached.resumed_req_ids)
         bs = self.block_size
         for req_id, n in out.num_scheduled_tokens.items():
             start, end = starts[req_id], starts[req_id] + n
             ph = self._ph(req_id)
-            for group in range(self.num_groups):
+            if self.mamba:
+                self._run_state(req_id, start, end, req_id in fresh)
+            for group in range(1 if self.mamba else self.num_groups):
                 blocks = self._blocks(req_id, group)
                 for j in range(start // bs, -(-end // bs)):
                     if blocks[j] == NULL_BLOCK:
@@ -321,6 +341,22 @@ class Harness:
                     lo, hi = j * bs, min((j + 1) * bs, end)
                     prev = self.shadow.get(blocks[j], ())[: max(0, start - lo)]
                     self.shadow[blocks[j]] = tuple(prev) + tuple(ph[p + 1] for p in range(max(lo, start), hi))
+
+    def _run_state(self, req_id: str, start: int, end: int, fresh: bool) -> None:
+        """Mamba state in align mode: the step reads the state after ``start`` tokens (from the
+        block before ``start`` for a request new to the workers, else from where its last step
+        left it) and leaves the state after ``end`` tokens in its running block."""
+        ph, bs, blocks = self._ph(req_id), self.block_size, self._blocks(req_id, 1)
+        if start:
+            prev = blocks[(start - 1) // bs] if fresh else self.state_block[req_id]
+            if prev == NULL_BLOCK or self.shadow.get(prev) != ("state", ph[start]):
+                raise InvariantError(f"{req_id}: its Mamba layers start from block {prev}, which does not hold the "
+                                     f"state after its first {start} tokens")
+        running = blocks[-(-end // bs) - 1]
+        if running == NULL_BLOCK:
+            raise InvariantError(f"{req_id}: its Mamba state after {end} tokens goes to the null block")
+        self.shadow[running] = ("state", ph[end])
+        self.state_block[req_id] = running
 
     def _job_start(self, job) -> int:
         keys = self._keys(job.req_id, job.group)
@@ -339,6 +375,11 @@ class Harness:
         if tuple(keys[k0 : k0 + len(job.keys)]) != job.keys:
             raise InvariantError(f"{job.req_id}: load keys are not consecutive chunks of its prompt")
         start = self._job_start(job)
+        if job.group and self.mamba:  # one block, the state at the chunk's end, into the block vLLM gave there
+            if (len(job.keys), job.first_block, len(job.block_ids)) != (1, 0, 1):
+                raise InvariantError(f"{job.req_id}: a Mamba state load of {len(job.keys)} chunks, {len(job.block_ids)} "
+                                     f"blocks from block {job.first_block}")
+            start += (cb - 1) * bs
         blocks = self._blocks(job.req_id, job.group)  # (that the window's loads cover what it reads: _check_computed)
         for i, block_id in enumerate(job.block_ids):
             if blocks[start // bs + i] != block_id:
@@ -350,7 +391,8 @@ class Harness:
                                      f"(ref_cnt {block.ref_cnt}, cached {block.block_hash is not None})")
         parked = getattr(self.sched, "_parked", ())
         if job.group:
-            self.stats.loads["window_handoff" if job.req_id in parked else "window"] += 1
+            kind = "state" if self.mamba else "window"
+            self.stats.loads[f"{kind}_handoff" if job.req_id in parked else kind] += 1
             return start
         kind = "handoff" if job.req_id in parked else ("partial" if job.first_block else "load")
         self.stats.loads[kind] += 1
@@ -360,15 +402,19 @@ class Harness:
         """Saved blocks must hold exactly the chunk's tokens; the store keeps what was saved."""
         keys, cb, bs = self._keys(save.req_id, save.group), self.chunk_blocks, self.block_size
         ph = self._ph(save.req_id)
+        state = bool(save.group and self.mamba)  # Mamba: one block, the state at the chunk's end
+        cb = 1 if state else cb
         for i, key in enumerate(save.keys):
             k = keys.index(key)
             contents = []
             for b in range(cb):
                 block_id, pos = save.block_ids[i * cb + b], (k * cb + b) * bs
                 held = self.shadow.get(block_id, ())
-                if held[:bs] != tuple(ph[pos + 1 : pos + bs + 1]):
+                want = ("state", ph[(k + 1) * self.chunk_tokens]) if state else tuple(ph[pos + 1 : pos + bs + 1])
+                if held[:bs] != want:
                     raise InvariantError(f"{save.req_id}: group {save.group} saves chunk {k} from block {block_id} "
-                                         f"which does not hold tokens [{pos}, {pos + bs})")
+                                         f"which does not hold {'the state after' if state else 'the KV of'} tokens "
+                                         f"[{0 if state else pos}, {(k + 1) * self.chunk_tokens if state else pos + bs})")
                 contents.append(held[:bs])
             if key not in self.index.chunks:
                 if len(self.index.chunks) >= self.store_chunks:  # LRU-ish: oldest first

@@ -5,7 +5,8 @@ sharing prefixes (so the local prefix cache, the tiers and the prompts overlap a
 offset), engine steps whose loads finish, fail or lag at random, aborts (also while a load is
 in flight), preemptions under memory pressure (few blocks), evictions between lookup and load,
 corrupt chunks, and a stale index that keeps offering a chunk that cannot load; one example in
-three is a hybrid model (full attention + a sliding window). After every
+three is a hybrid model (full attention + a sliding window), one in six full attention + Mamba
+state in align mode. After every
 step: no block freed twice, no load into a block holding computed tokens, plans aligned to
 blocks and chunks, computed tokens really computed, resumed = floor + loaded. At the end of
 each example: every request ended within a bounded number of steps and every block came back.
@@ -55,21 +56,25 @@ class SchedulerMachine(RuleBasedStateMachine):
         min_load=st.sampled_from([None, 16, 96]),
         stale=st.booleans(),
         reserve_full=st.booleans(),
-        window=st.sampled_from([0, 0, 0, 24, 40, 100]),
+        window=st.sampled_from([0, 0, 0, 0, 24, 40, 100, "mamba"]),
         seed=st.integers(0, 2**16),
     )
     def start(self, geometry, unaligned, blocks, min_load, stale, reserve_full, window, seed):
         """``window``: a hybrid model (a full-attention and a sliding-window group of that many
-        tokens, two block tables over one pool), else one full-attention group."""
+        tokens, two block tables over one pool; ``"mamba"``: a Mamba state group instead), else
+        one full-attention group."""
+        mamba = window == "mamba"
+        window = 0 if mamba else window
         block_size, chunk = geometry
         blocks = max(blocks, 2 + 640 // block_size // 2)  # every prompt fits alone with room to spare
         max_batched = 96 if block_size == 16 else 160
         # A hybrid model's second block table holds the window and a step's new tokens at most.
-        extra = -(-(window + max_batched) // block_size) + 2 if window else 0
+        extra = -(-(window + max_batched) // block_size) + 2 if window else 3 * MAX_LIVE if mamba else 0
         self.h = Harness(block_size=block_size, chunk_tokens=chunk, num_blocks=blocks + extra, unaligned=unaligned,
                          min_load_tokens=min_load, seed=seed, max_batched=max_batched, reserve_full=reserve_full,
-                         window=window)
+                         window=window, mamba=mamba)
         TOTALS["hybrid_examples"] += bool(window)
+        TOTALS["mamba_examples"] += mamba
         self.h.stale = stale
         rng = random.Random(seed)
         self.bases = [[rng.randrange(3, VOCAB) for _ in range(BASE_TOKENS)] for _ in range(BASES)]
@@ -204,7 +209,7 @@ def test_scheduler_state_machine():
     # The run must have reached the paths it exists to test.
     for key in ("loads_load", "loads_partial", "loads_handoff", "failed_loads", "preemptions",
                 "evicted_before_load", "aborted_while_waiting", "resumed_checked", "hybrid_examples", "loads_window",
-                "loads_window_handoff"):
+                "loads_window_handoff", "mamba_examples", "loads_state"):
         assert TOTALS[key] > 0, f"no {key} in {dict(TOTALS)}"
 
 
