@@ -1,10 +1,15 @@
-"""``kvtier-bench soak`` for 60 s, as a user runs it (a subprocess): a kvtier server and one without a
+"""``kvtier-bench soak`` as a user runs it (a subprocess): a kvtier server and one without a
 connector, each on its own core, under the same multi-turn chat sessions; the pass criteria must
-hold (0 errors, identical answers, no fd/thread/RSS/KV/disk leak, a clean stop)."""
+hold (0 errors, identical answers, no fd/thread/RSS/KV/disk leak, a clean stop).
+
+CI runs ``SOAK_S`` = 30 s of load; ``KVTIER_SOAK_S`` sets another length, in seconds
+(``KVTIER_SOAK_S=60 pytest tests/bench/test_bench_soak.py`` is the longer run CI made before;
+the 10-minute soak is ``kvtier-bench soak`` itself)."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -21,15 +26,18 @@ ROOT = Path(__file__).resolve().parents[2]
 # In the first minute RSS still grows by hundreds of KiB a request on both servers (allocator
 # warm-up), and K serves fewer requests than R in the same time: only the 10-minute run can hold
 # K to R's growth + 64 KiB (the default); here a 512 KiB tolerance still catches a real leak.
-TIMEOUT_S = 420  # ~3 min on a quiet 2-core host (server start-up ~40 s, 60 s of load); a loaded one is slower
+SOAK_S = int(os.environ.get("KVTIER_SOAK_S", "30"))  # seconds of load
+SAMPLE_S = max(1, SOAK_S // 20)  # seconds between samples: about 20 samples of the load
+# Server start-up takes ~40 s on a quiet 2-core host; a loaded one is slower.
+TIMEOUT_S = 360 + SOAK_S
 
 
-def test_soak_60s_meets_every_pass_criterion(tmp_path):
+def test_soak_meets_every_pass_criterion(tmp_path):
     out, png = tmp_path / "soak.json", tmp_path / "soak.png"
-    proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.cli", "soak", "--duration", "60", "--sessions", "4",
-                             "--sample-s", "3", "--rss-tolerance-kib", "512", "--json", str(out), "--plot", str(png),
-                             "--keep-logs", str(tmp_path / "logs")], cwd=ROOT, text=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    proc = subprocess.Popen([sys.executable, "-m", "kvtier.bench.cli", "soak", "--duration", str(SOAK_S),
+                             "--sessions", "4", "--sample-s", str(SAMPLE_S), "--rss-tolerance-kib", "512",
+                             "--json", str(out), "--plot", str(png), "--keep-logs", str(tmp_path / "logs")],
+                            cwd=ROOT, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         stdout, stderr = proc.communicate(timeout=TIMEOUT_S)
     except subprocess.TimeoutExpired:

@@ -22,3 +22,18 @@ def tiny_llama(tmp_path_factory) -> str:
     path = tmp_path_factory.mktemp("tiny-llama")
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     return str(path)
+
+
+@pytest.fixture(scope="session")
+def chat_model(tmp_path_factory) -> str:
+    """The served tests' chat model (random weights, seed 0, with a tokenizer), built once."""
+    from chat_model import build_chat_model
+
+    return build_chat_model(tmp_path_factory.mktemp("chat-model") / "model")
+
+
+@pytest.fixture(scope="session")
+def pd_expected() -> dict:
+    """A connector-less server's answers to every P/D prompt, by name: the first P/D module's
+    fixture fills it (``test_pd.pd_servers``), and a later one then starts no such server."""
+    return {}

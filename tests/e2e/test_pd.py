@@ -3,7 +3,8 @@ driven with the ``openai`` client. Every greedy answer must equal a colocated en
 any connector (a third server, stopped once its answers are known).
 
 P: ``kv_both`` on core 0; D: ``kv_consumer`` on core 1, ``kv_load_failure_policy="recompute"``.
-The test that kills P runs last.
+The test that kills P runs last. The connector-less server also answers ``test_pd_zmq.py``'s
+prompts (defined here), so that the second P/D module starts only its P and D.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import uuid
 import httpx
 import pytest
 
-from chat_model import build_chat_model, make_text
+from chat_model import make_text
 from servers import (MAX_MODEL_LEN, SERVED_NAME, free_port, kv_cache_usage, metric, start_proxy, start_server,
                      wait_ready)
 
 pytestmark = pytest.mark.e2e
 openai = pytest.importorskip("openai")
 
-CHUNK = 64  # tokens: two engine blocks of 32
+BLOCK = 32  # tokens: the servers' engine block
+CHUNK = 64  # tokens: two engine blocks
 KVTIER = {"chunk_tokens": CHUNK, "cpu_bytes": 256 << 20, "pd_timeout_ms": 3000}
 MAX_TOKENS = 16
 EXTERNAL = ("vllm:prompt_tokens_by_source_total", {"source": "external_kv_transfer"})
@@ -46,6 +48,10 @@ PARTIAL_HIT = ids(9, 400)
 PUSH_D_FIRST, PUSH_P_FIRST = ids(10, 350), ids(11, 350)
 DISCONNECT = ids(12, 200)
 P_KILLED = ids(13, 280)
+# test_pd_zmq.py's: one already transferred by this module's servers would be a local hit on D there.
+ZMQ_LENGTHS = {"short": ids(41, 20), "unaligned": ids(42, 300), "long": ids(43, 9 * CHUNK + 17)}
+ZMQ_PUSH = ids(44, 350)
+ZMQ_TRANSPORT = ids(48, 200)
 
 
 def complete(client, prompt, stream=False, max_tokens=MAX_TOKENS) -> str:
@@ -67,24 +73,28 @@ def external_tokens(url: str) -> float:
 
 
 @contextlib.contextmanager
-def pd_servers(tmp, kvtier: dict, reference):
+def pd_servers(tmp, model: str, kvtier: dict, expected: dict):
     """P (``kv_both``, core 0) and D (``kv_consumer``, core 1) with ``kvtier`` as their extra config,
-    behind ``kvtier-proxy``. The expected answers, ``reference(client)``, come from a connector-less
-    server (core 1) stopped before the proxy starts. Yields the fixture's dict; stops them all."""
-    model = build_chat_model(tmp / "model")
+    behind ``kvtier-proxy``. ``expected``: the answers every P/D prompt must get, by name; when empty
+    it is filled with a connector-less server's (core 1, started beside P and D and stopped before
+    the proxy starts). Yields the fixture's dict; stops them all."""
     ports = {name: free_port() for name in ("ref", "p", "d", "proxy")}
-    ref = start_server(model, ports["ref"], tmp / "ref.log", cpu=1)
-    p = start_server(model, ports["p"], tmp / "p.log", cpu=0, kv_transfer_config={
-        "kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": kvtier})
-    d = start_server(model, ports["d"], tmp / "d.log", cpu=1, kv_transfer_config={
-        "kv_connector": "kvtier", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": kvtier})
-    servers = [ref, p, d]
+    servers = []
     try:
+        if not expected:
+            ref = start_server(model, ports["ref"], tmp / "ref.log", cpu=1)
+            servers.append(ref)
+        p = start_server(model, ports["p"], tmp / "p.log", cpu=0, kv_transfer_config={
+            "kv_connector": "kvtier", "kv_role": "kv_both", "kv_connector_extra_config": kvtier})
+        d = start_server(model, ports["d"], tmp / "d.log", cpu=1, kv_transfer_config={
+            "kv_connector": "kvtier", "kv_role": "kv_consumer", "kv_load_failure_policy": "recompute",
+            "kv_connector_extra_config": kvtier})
+        servers += [p, d]
         wait_ready(servers, timeout_s=300)
-        expected = reference(openai.OpenAI(base_url=ref.url + "/v1", api_key="x", max_retries=0))
-        ref.stop()
-        servers.remove(ref)
+        if not expected:
+            expected.update(_reference(openai.OpenAI(base_url=ref.url + "/v1", api_key="x", max_retries=0)))
+            ref.stop()
+            servers.remove(ref)
         proxy = start_proxy(p.url, d.url, ports["proxy"], tmp / "proxy.log")
         servers.append(proxy)
         wait_ready([proxy], timeout_s=60)
@@ -96,19 +106,22 @@ def pd_servers(tmp, kvtier: dict, reference):
 
 
 def _reference(client) -> dict:
+    """The answers to this module's prompts and to test_pd_zmq.py's (named ``zmq_...``)."""
     expected = {name: complete(client, prompt) for name, prompt in LENGTHS.items()}
     for name, prompt in [("streamed", STREAMED), ("full_hit", FULL_HIT), ("partial_hit", PARTIAL_HIT),
                          ("push_d_first", PUSH_D_FIRST), ("push_p_first", PUSH_P_FIRST), ("p_killed", P_KILLED)]:
         expected[name] = complete(client, prompt)
     expected["chat"] = chat(client, CHAT)
     expected["chat_streamed"] = chat(client, CHAT_STREAMED)
+    for name, prompt in [*ZMQ_LENGTHS.items(), ("push", ZMQ_PUSH), ("transport", ZMQ_TRANSPORT)]:
+        expected[f"zmq_{name}"] = complete(client, prompt)
     return expected
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    """Reference answers, then P, D and the proxy, up for the whole module."""
-    with pd_servers(tmp_path_factory.mktemp("pd"), KVTIER, _reference) as servers:
+def pd(tmp_path_factory, chat_model, pd_expected):
+    """P, D and the proxy, up for the whole module (and the reference answers, unless known)."""
+    with pd_servers(tmp_path_factory.mktemp("pd"), chat_model, KVTIER, pd_expected) as servers:
         yield servers
 
 
@@ -122,7 +135,7 @@ def assert_identical_and_transferred(pd, name: str, prompt: list[int]) -> None:
     before = external_tokens(pd["d"].url)
     assert complete(pd["client"], prompt) == pd["expected"][name]
     moved = external_tokens(pd["d"].url) - before
-    if name == "short":
+    if len(prompt) < BLOCK:
         assert moved == 0  # shorter than a block: D recomputes it, nothing is worth a transfer
     else:
         assert moved >= len(prompt) - 1  # the whole prompt came from P; D recomputed at most its last token

@@ -31,7 +31,8 @@ PROMPT = prompt(21, 5 * CHUNK + 30)
 
 
 class Engine:
-    """An engine process that stays up (``pd_engine.py``); ``ask`` sends one request, waits for its answer."""
+    """An engine process that stays up (``pd_engine.py``), started at once: ``ready`` waits until it
+    says so; ``ask`` sends one request and waits for its answer."""
 
     def __init__(self, spec: dict, tmp: Path, name: str):
         (tmp / f"{name}.json").write_text(json.dumps(spec))
@@ -40,6 +41,8 @@ class Engine:
         self.proc = start_group([sys.executable, str(HERE / "pd_engine.py"), str(tmp / f"{name}.json")],
                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "wb"),
                                 text=True, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
+
+    def ready(self) -> None:
         self._expect("READY")
 
     def _expect(self, prefix: str) -> str:
@@ -63,8 +66,6 @@ class Engine:
 
 
 def test_tp2_producer_to_tp2_consumer_is_token_identical(tiny_llama, tmp_path):
-    base, _ = run_engine({"model": tiny_llama, "kvtier": None, "max_tokens": 12, "rounds": [{"prompts": [PROMPT]}]},
-                         tmp_path, "base")
     kvtier = {"chunk_tokens": CHUNK, "cpu_bytes": 64 << 20, "pd_timeout_ms": 5000}
     engines = []
     try:
@@ -72,6 +73,12 @@ def test_tp2_producer_to_tp2_consumer_is_token_identical(tiny_llama, tmp_path):
         engines.append(p)
         d = Engine({"model": tiny_llama, "tp": 2, "kvtier": kvtier, "role": "kv_consumer"}, tmp_path, "d")
         engines.append(d)
+        # The colocated run and both engines' start-ups overlap: an idle TP engine's workers spin,
+        # so an engine ready early only slows the others down.
+        base, _ = run_engine({"model": tiny_llama, "kvtier": None, "max_tokens": 12,
+                              "rounds": [{"prompts": [PROMPT]}]}, tmp_path, "base")
+        for engine in engines:
+            engine.ready()
         published = p.ask(PROMPT, 1, {"do_remote_decode": True})["params"]
         assert published["tp_size"] == 2 and len(published["kvtier_endpoints"]) == 2
         published.pop("remote_prefill_cached_tokens", None)  # else vLLM reports P's count as D's

@@ -1,7 +1,8 @@
 """P/D over kvtier's own ZMQ chunk transport (``pd_transport: "zmq"`` on both engines, though NIXL
 is installed), through ``kvtier-proxy``. Every greedy answer must equal a connector-less
-server's (stopped once its answers are known), as in ``test_pd.py``, whose helpers this module
-uses.
+server's, as in ``test_pd.py``, whose helpers and prompts this module uses: that module's
+reference server answers this module's prompts too (``zmq_...``); run alone, this module starts
+one of its own.
 """
 
 from __future__ import annotations
@@ -13,37 +14,26 @@ import time
 import pytest
 
 from servers import metric
-from test_pd import (CHUNK, KVTIER, MAX_TOKENS, _leg, assert_identical_and_transferred, complete, external_tokens,
-                     ids, pd_servers, push_params)
+from test_pd import (KVTIER, MAX_TOKENS, ZMQ_LENGTHS, ZMQ_PUSH, ZMQ_TRANSPORT, _leg,
+                     assert_identical_and_transferred, complete, external_tokens, pd_servers, push_params)
 
 pytestmark = pytest.mark.e2e
 
 ZMQ = {**KVTIER, "pd_transport": "zmq"}
-# Prompts of their own: one already transferred would be a local hit on D the second time.
-LENGTHS = {"short": ids(41, 20), "unaligned": ids(42, 300), "long": ids(43, 9 * CHUNK + 17)}
-PUSH = ids(44, 350)
-TRANSPORT = ids(48, 200)
-
-
-def _reference(client) -> dict:
-    expected = {name: complete(client, prompt) for name, prompt in LENGTHS.items()}
-    for name, prompt in [("push", PUSH), ("transport", TRANSPORT)]:
-        expected[name] = complete(client, prompt)
-    return expected
 
 
 @pytest.fixture(scope="module")
-def pd(tmp_path_factory):
-    """Reference answers, then P and D over ZMQ behind ``kvtier-proxy``, up for the whole module."""
-    with pd_servers(tmp_path_factory.mktemp("pd_zmq"), ZMQ, _reference) as servers:
+def pd(tmp_path_factory, chat_model, pd_expected):
+    """P and D over ZMQ behind ``kvtier-proxy``, up for the whole module."""
+    with pd_servers(tmp_path_factory.mktemp("pd_zmq"), chat_model, ZMQ, pd_expected) as servers:
         yield servers
 
 
-@pytest.mark.parametrize("name", list(LENGTHS))
+@pytest.mark.parametrize("name", list(ZMQ_LENGTHS))
 def test_completion_over_zmq_is_identical_and_transferred(pd, name):
     """Through ``kvtier-proxy``: the answer is the reference's, and D loaded all but at most the
     last prompt token from P (none for a prompt shorter than a block)."""
-    assert_identical_and_transferred(pd, name, LENGTHS[name])
+    assert_identical_and_transferred(pd, f"zmq_{name}", ZMQ_LENGTHS[name])
 
 
 def test_push_over_zmq_with_d_first_is_identical(pd):
@@ -52,16 +42,16 @@ def test_push_over_zmq_with_d_first_is_identical(pd):
     d_params, p_params = push_params(pd)
     out: dict = {}
     before = external_tokens(pd["d"].url)
-    d_leg = threading.Thread(target=_leg, args=(pd["d"].url, PUSH, d_params, MAX_TOKENS, out, "d"))
+    d_leg = threading.Thread(target=_leg, args=(pd["d"].url, ZMQ_PUSH, d_params, MAX_TOKENS, out, "d"))
     d_leg.start()
     deadline = time.monotonic() + 60
     while metric(pd["d"].url, "vllm:num_requests_waiting") + metric(pd["d"].url, "vllm:num_requests_running") < 1:
         assert d_leg.is_alive() and time.monotonic() < deadline, f"D did not take the leg: {out}"
         time.sleep(0.05)
-    _leg(pd["p"].url, PUSH, p_params, 1, out, "p")
+    _leg(pd["p"].url, ZMQ_PUSH, p_params, 1, out, "p")
     d_leg.join(120)
-    assert out["d"]["choices"][0]["text"] == pd["expected"]["push"]
-    assert external_tokens(pd["d"].url) - before >= len(PUSH) - 1
+    assert out["d"]["choices"][0]["text"] == pd["expected"]["zmq_push"]
+    assert external_tokens(pd["d"].url) - before >= len(ZMQ_PUSH) - 1
 
 
 def test_the_chunks_moved_over_zmq(pd):
@@ -69,8 +59,8 @@ def test_the_chunks_moved_over_zmq(pd):
     installed here (``pd_transport: "auto"`` would pick it, as ``test_pd.py`` checks), yet neither
     engine started a NIXL agent nor fetched over NIXL."""
     before = external_tokens(pd["d"].url)
-    assert complete(pd["client"], TRANSPORT) == pd["expected"]["transport"]
-    assert external_tokens(pd["d"].url) - before >= len(TRANSPORT) - 1
+    assert complete(pd["client"], ZMQ_TRANSPORT) == pd["expected"]["zmq_transport"]
+    assert external_tokens(pd["d"].url) - before >= len(ZMQ_TRANSPORT) - 1
     d_log = (pd["tmp"] / "d.log").read_text(errors="replace")
     assert re.search(r"kvtier P/D: fetching from tcp://\S+ over ZMQ\.", d_log), d_log[-3000:]
     for role in ("p", "d"):

@@ -7,6 +7,7 @@ same engine without it, and ``num_cached_tokens`` on a cold engine shows what kv
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -27,17 +28,20 @@ def kvtier_config(disk: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def runs(tiny_llama, tmp_path_factory):
-    """Recompute baseline, a saving engine, and a fresh engine on the same disk tier."""
+    """Recompute baseline, a saving engine, and a fresh engine on the same disk tier. The baseline
+    runs beside the saving engine (it shares nothing with it); the fresh engine comes after."""
     tmp = tmp_path_factory.mktemp("e2e")
     disk = tmp / "disk"
-    base, _ = run_engine({"model": tiny_llama, "kvtier": None,
-                          "rounds": [{"prompts": [P]}, {"prompts": [SUFFIXED]}]}, tmp, "baseline")
-    first, first_log = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [
-        {"prompts": [P]},                    # computes and saves 4 chunks
-        {"prompts": [P], "reset": True},     # local prefix cache cold, CPU tier warm
-        {"prompts": [SHORT], "reset": True},  # leaves block 0 of P in the local prefix cache
-        {"prompts": [P]},                    # local hit mid-chunk: load the rest block by block
-    ]}, tmp, "first")
+    with ThreadPoolExecutor(1) as pool:
+        baseline = pool.submit(run_engine, {"model": tiny_llama, "kvtier": None,
+                                            "rounds": [{"prompts": [P]}, {"prompts": [SUFFIXED]}]}, tmp, "baseline")
+        first, first_log = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [
+            {"prompts": [P]},                    # computes and saves 4 chunks
+            {"prompts": [P], "reset": True},     # local prefix cache cold, CPU tier warm
+            {"prompts": [SHORT], "reset": True},  # leaves block 0 of P in the local prefix cache
+            {"prompts": [P]},                    # local hit mid-chunk: load the rest block by block
+        ]}, tmp, "first")
+        base, _ = baseline.result()
     pristine = tmp / "pristine"
     shutil.copytree(disk, pristine)
     second, _ = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [

@@ -8,6 +8,8 @@ Engines run in their own processes through ``kvtier.bench.ttft``'s child runner.
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from e2e_engines import prompt
@@ -36,11 +38,16 @@ def spec(model, unaligned, tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(tiny_llama, tmp_path_factory):
+    """The three engines (recompute, partial, handoff) at once: each has its own process and CPU
+    tier, and one alone leaves much of the second core idle."""
     from kvtier.bench.ttft import spawn
 
     tmp = tmp_path_factory.mktemp("unaligned")
-    return {mode: spawn(spec(tiny_llama, mode, tmp), str(tmp), mode or "recompute", timeout_s=300)[0]
-            for mode in (None, "partial", "handoff")}
+    modes = (None, "partial", "handoff")
+    with ThreadPoolExecutor(len(modes)) as pool:
+        started = {mode: pool.submit(spawn, spec(tiny_llama, mode, tmp), str(tmp), mode or "recompute", timeout_s=300)
+                   for mode in modes}
+        return {mode: run.result()[0] for mode, run in started.items()}
 
 
 def outputs(run, i):
