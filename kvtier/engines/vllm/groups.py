@@ -208,7 +208,7 @@ def group_layouts(kv_caches: dict[str, Any], groups: tuple[tuple[str, int, tuple
         layouts.append(build_layout(tensors, block_size, num_blocks, **facts))
     if len(layouts) == 1:
         return layouts
-    digest = blake3.blake3()
+    digest = blake3.blake3(f"bs{block_size}|".encode())  # P/D: a hybrid's chunks are never re-cut to another block size
     for (kind, window, _), layout in zip(groups, layouts):
         digest.update(f"{kind}:{window}:".encode() + layout.fingerprint)
     fingerprint = digest.digest(len(layouts[0].fingerprint))
