@@ -37,15 +37,15 @@ from kvtier.scheduler_hooks import (
 
 logger = logging.getLogger(__name__)
 
+MAX_DISTRUSTED = 1 << 16  # chunk keys remembered as unloadable; the oldest are forgotten first
+PROBE_EVERY = 32  # after this many loads vetoed on cost in a row, one loads anyway to re-measure
+WINDOW_LOOKUPS = 4  # most lookups to find a hit every served group holds; past them the prompt recomputes
+
+
 def group_transfer(transfer_id: str, slot: int) -> str:
     """What a P/D producer publishes a served group's chunks under (each group's chunks are one
     fetch of their own, which the consumer ends on its own)."""
     return f"{transfer_id}/{slot}"
-
-
-MAX_DISTRUSTED = 1 << 16  # chunk keys remembered as unloadable; the oldest are forgotten first
-PROBE_EVERY = 32  # after this many loads vetoed on cost in a row, one loads anyway to re-measure
-WINDOW_LOOKUPS = 4  # most lookups to find a hit every served group holds; past them the prompt recomputes
 
 
 @dataclass(slots=True)
@@ -383,8 +383,9 @@ class SchedulerSide:
                 keys.append(group_key(tracked.tail, slot))
                 blocks += ids[end * cb : tail]
             if keys or transfer is not None:  # a producer's: each group's transfer says it is alive, then done
-                self._group_save_jobs.append(SaveJob(req_id, tuple(keys), tuple(blocks), group=slot, final=final,
-                                                     publish=None if transfer is None else group_transfer(transfer, slot)))
+                publish_as = None if transfer is None else group_transfer(transfer, slot)
+                self._group_save_jobs.append(SaveJob(req_id, tuple(keys), tuple(blocks), publish=publish_as,
+                                                     final=final, group=slot))
 
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
         """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""

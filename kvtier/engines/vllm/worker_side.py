@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.engines.vllm.groups import blocks_per_chunk, group_layouts
+from kvtier.engines.vllm.groups import MAMBA_KINDS, blocks_per_chunk, group_layouts
 from kvtier.engines.vllm.stats import FAILED_REQUESTS
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
@@ -158,7 +158,7 @@ class WorkerSide:
                        fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
                        on_lost=self.holds.lost, reuse=self.transfers.reuse, loads_running=loads_running)
             for other, (kind, _, _) in zip(layouts[1:], self.groups[1:]))]
-        pd_served = not any(kind.startswith("mamba") for kind, _, _ in self.groups)
+        pd_served = MAMBA_KINDS.isdisjoint(kind for kind, _, _ in self.groups)
         pd = "no P/D chunk server (kv_consumer)" if pd_served else "no P/D (Mamba state)"
         if self.produce and pd_served:
             bind, advertised = config.pd_endpoints(self.rank)
@@ -175,7 +175,8 @@ class WorkerSide:
         logger.info("kvtier rank %d/%d on vLLM %s: %d regions in %d KV cache group(s), %d B per block, chunk of %d "
                     "tokens, copies by %s, %d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size,
                     _vllm_version(), sum(len(x.regions) for x in layouts), len(layouts),
-                    sum(x.bytes_per_block for x in layouts), config.chunk_tokens, describe_backend(self.transfers.backend), len(kept),
+                    sum(x.bytes_per_block for x in layouts), config.chunk_tokens,
+                    describe_backend(self.transfers.backend), len(kept),
                     self.endpoint, pd)
 
     def _start_nixl(self) -> str:
