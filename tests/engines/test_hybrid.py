@@ -193,6 +193,16 @@ class _Engine:
         self.sched.add_request(request)
         return request
 
+    def reload(self, saves: list, prompt: list[int]):
+        """Store what ``saves`` saved, forget the engine's prefix cache, admit ``prompt`` again and
+        run one step: (the request, the step's output)."""
+        for job in saves:
+            for key in job.keys:
+                self.index.put(key, "cpu", ())
+        assert self.sched.reset_prefix_cache()
+        request = self.add(prompt)
+        return request, self.step()
+
     def store(self, prompt: list[int]) -> None:
         for key in chunk_keys(prompt, CHUNK, self.root):
             self.index.put(key, "cpu", ())
@@ -266,12 +276,7 @@ def test_a_sliding_window_hit_loads_every_full_block_and_only_the_window():
         saves = _saved(engine, prompt)
         assert [k for job in saves if job.group == 0 for k in job.keys] == keys
         assert [k for job in saves if job.group == 1 for k in job.keys] == [group_key(k, 1) for k in keys]
-        for job in saves:
-            for key in job.keys:
-                engine.index.put(key, "cpu", ())
-        assert engine.sched.reset_prefix_cache()
-        request = engine.add(prompt)
-        out = engine.step()
+        request, out = engine.reload(saves, prompt)
         assert out.num_scheduled_tokens.get(request.request_id, 0) == 0  # waits for its load
         full_job, window_job = sorted(out.kv_connector_metadata.plan.loads, key=lambda j: j.group)
         full_ids, window_ids = engine.sched.kv_cache_manager.get_block_ids(request.request_id)
@@ -312,12 +317,7 @@ def test_mamba_state_is_kept_at_chunk_ends_and_loaded_with_the_hits_last_chunk()
         assert [job.keys for job in states] == [(group_key(keys[1], 1),), (group_key(keys[2], 1),)]
         assert all(len(job.block_ids) == 1 and NULL_BLOCK not in job.block_ids for job in states)
         assert [k for job in saves if job.group == 0 for k in job.keys] == keys
-        for job in saves:
-            for key in job.keys:
-                engine.index.put(key, "cpu", ())
-        assert engine.sched.reset_prefix_cache()
-        request = engine.add(prompt)
-        out = engine.step()
+        request, out = engine.reload(saves, prompt)
         full_job, state_job = sorted(out.kv_connector_metadata.plan.loads, key=lambda j: j.group)
         full_ids, mamba_ids = engine.sched.kv_cache_manager.get_block_ids(request.request_id)
         assert full_job.keys == tuple(keys) and full_job.block_ids == tuple(full_ids[:12])

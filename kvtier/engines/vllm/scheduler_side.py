@@ -18,7 +18,6 @@ loaded for the hit's last chunk only.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -196,12 +195,6 @@ class SchedulerSide:
             # Vetoed loads measure nothing: now and then one loads anyway, so a cost model
             # that went wrong (or a tier that got faster) is corrected.
             plan = plan_load(inp, self.geometry, self.policy, None)
-        if plan.kind is PlanKind.HANDOFF and self.others and \
-                self._held_by_every_group(tracked.keys, len(tiers), plan.boundary // self.chunk_tokens) < len(tiers):
-            # A handoff's windowed groups get real blocks from the boundary on, which vLLM then
-            # caches: every chunk from there must load, not only the window's.
-            plan = plan_load(inp, self.geometry, dataclasses.replace(self.policy, handoff_supported=False),
-                             self.meter.model())
         if self.config.unaligned == "handoff" and not self.policy.handoff_supported and not self._warned_handoff:
             logger.warning("kvtier setting unaligned='handoff' needs scheduler_cls='%s'; "
                            "loading partial chunks instead.", "kvtier.engines.vllm.scheduler.KvtierScheduler")
@@ -530,20 +523,18 @@ class SchedulerSide:
                 jobs.append(LoadJob(req_id, keys, (first * b % c) // b, tuple(ids[first:stop]), group=slot))
         return tuple(jobs)
 
-    def _held_by_every_group(self, keys: list[bytes], chunks: int, loaded_from: int | None = None) -> int:
+    def _held_by_every_group(self, keys: list[bytes], chunks: int) -> int:
         """Most of the leading ``chunks`` (all held for the anchor group) that every other served
         group holds as far as a hit needs them: a full-attention group every chunk, a windowed group
-        the chunks its window covers at the hit's end (and every one from chunk ``loaded_from``
-        on, when given). Lookups ask for the needed keys latest chunk first, so a missing one
-        shortens the hit to end before it."""
+        the chunks its window covers at the hit's end, Mamba state in align mode the last one.
+        Lookups ask for the needed keys latest chunk first, so a missing one shortens the hit to
+        end before it."""
         c = self.chunk_tokens
         for _ in range(WINDOW_LOOKUPS):
             if chunks == 0:
                 return 0
-            start = chunks if loaded_from is None else loaded_from
             needed = [(i, group_key(keys[i], slot)) for i in range(chunks - 1, -1, -1)
-                      for slot, group in enumerate(self.others, 1)
-                      if i >= group.first_needed_token(chunks * c) // c or (group.kind != MAMBA and i >= start)]
+                      for slot, group in enumerate(self.others, 1) if i >= group.first_needed_token(chunks * c) // c]
             reply = self.client.lookup([key for _, key in needed])
             held = len(reply.tiers) if reply is not None else 0
             if held >= len(needed):
