@@ -75,6 +75,17 @@ def resolve_backend(layout: Layout, name: str = "auto") -> str:
     return name
 
 
+def describe_backend(name: str) -> str:
+    """Backend ``name`` in words, e.g. ``dma (cuda kernels)`` or ``dma (triton kernels; ...)``."""
+    if name != "dma":
+        return name
+    from kvtier.ops import cuda_ops
+
+    if cuda_ops.available():
+        return "dma (cuda kernels)"
+    return f"dma (triton kernels; CUDA C++ kernels: {cuda_ops.build_error()})"
+
+
 def pick_backend(layout: Layout, name: str = "auto") -> tuple[Op, Op]:
     """``(gather, scatter)`` of backend ``name`` (see :func:`resolve_backend`)."""
     return _backends()[resolve_backend(layout, name)]

@@ -440,7 +440,7 @@ class Harness:
             for i, key in enumerate(job.keys):
                 hit = self.index.chunks.get(key)
                 if job.remote is not None and i >= job.remote.first_chunk:
-                    hit = self._produced(job.req_id, key)  # the producer computed the whole prompt
+                    hit = self._produced(job.req_id, key, job.group)  # the producer computed the whole prompt
                     self.stats.loads["remote_chunks"] += 1
                 if hit is None or i == p.fail_at or key in self.fail_next:
                     if hit is None:
@@ -454,7 +454,8 @@ class Harness:
                 for b in range(count):
                     block_id = job.block_ids[done + b]
                     if blocks[p.start // bs + done + b] != block_id:
-                        raise InvariantError(f"{job.req_id}: block {block_id} changed owner before its load ran")
+                        raise InvariantError(f"{job.req_id}: block {block_id} changed owner before its load ran (group "
+                                             f"{job.group}, job from token {p.start}, blocks now {blocks})")
                     self.shadow[block_id] = hit[1][first + b]
                 done += count
             failed = done < len(job.block_ids)
@@ -483,10 +484,10 @@ class Harness:
         self.pending = waiting
         return finished, invalid, failed_requests
 
-    def _produced(self, req_id: str, key: bytes) -> tuple:
-        """What a P/D producer sends for chunk ``key`` of ``req_id``: (tier, per-block contents),
-        the last block of a partial tail holding only the prompt's tokens."""
-        k, bs, cb = self.keys[req_id].index(key), self.block_size, self.chunk_blocks
+    def _produced(self, req_id: str, key: bytes, group: int = 0) -> tuple:
+        """What a P/D producer sends for chunk ``key`` of ``req_id`` (of KV cache ``group``):
+        (tier, per-block contents), the last block of a partial tail holding only the prompt's tokens."""
+        k, bs, cb = self._keys(req_id, group).index(key), self.block_size, self.chunk_blocks
         ph, end = self._ph(req_id), self.requests[req_id].num_prompt_tokens
         blocks = [tuple(ph[p + 1] for p in range(pos, min(pos + bs, end)))
                   for pos in range(k * cb * bs, min((k + 1) * cb * bs, end), bs)]

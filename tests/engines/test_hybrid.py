@@ -193,6 +193,12 @@ class _Engine:
         self.sched.add_request(request)
         return request
 
+    def prompt(self, seed: int, length: int = 3 * CHUNK + 5) -> tuple[list[int], list[bytes]]:
+        """A random prompt and its chunk keys."""
+        rng = random.Random(seed)
+        prompt = [rng.randrange(3, VOCAB) for _ in range(length)]
+        return prompt, chunk_keys(prompt, CHUNK, self.root)
+
     def reload(self, saves: list, prompt: list[int]):
         """Store what ``saves`` saved, forget the engine's prefix cache, admit ``prompt`` again and
         run one step: (the request, the step's output)."""
@@ -270,9 +276,7 @@ def test_a_sliding_window_hit_loads_every_full_block_and_only_the_window():
     try:
         connector = engine.sched.connector
         assert connector.active and connector.other_groups == (1,)
-        rng = random.Random(11)
-        prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
-        keys = chunk_keys(prompt, CHUNK, engine.root)
+        prompt, keys = engine.prompt(11)
         saves = _saved(engine, prompt)
         assert [k for job in saves if job.group == 0 for k in job.keys] == keys
         assert [k for job in saves if job.group == 1 for k in job.keys] == [group_key(k, 1) for k in keys]
@@ -305,9 +309,7 @@ def test_mamba_state_is_kept_at_chunk_ends_and_loaded_with_the_hits_last_chunk()
     try:
         connector = engine.sched.connector
         assert connector.active and connector.other_groups == (1,)
-        rng = random.Random(13)
-        prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
-        keys = chunk_keys(prompt, CHUNK, engine.root)
+        prompt, keys = engine.prompt(13)
         first, saves, steps = engine.add(prompt), [], []
         while not first.is_finished():
             steps.append(engine.step())

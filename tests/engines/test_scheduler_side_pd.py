@@ -185,3 +185,61 @@ def test_aborted_producer_withdraws_its_transfer_once(make_side):
     assert side.finished("p", completed=False) is None
     assert side.take_plan([]).withdrawn == ("shared",)
     assert side.take_plan([]).withdrawn == ()
+
+
+# ---- hybrid models: every served group's chunks travel (full attention + a 32-token window) ----
+HYBRID_PROMPT = list(range(3, 3 + 4 * CHUNK + 40))  # four chunks and a 40-token tail (3 blocks)
+
+
+def hybrid_side(tiers=()):
+    from kvtier.engines.vllm.groups import ServedGroup
+
+    side = SchedulerSide(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24), "model", BS, "ipc:///nonexistent",
+                         engine_id="engine-p", tp_size=2,
+                         groups=(ServedGroup(0, "full_attention"), ServedGroup(1, "sliding_window", 2 * BS)))
+    side.client = StubClient(list(tiers))
+    return side
+
+
+def test_hybrid_producer_publishes_every_group_and_each_ones_tail():
+    """Each group's chunks go out under the transfer, the other group's first in the step's plan
+    (the anchor's final job then says everything is announced)."""
+    from kvtier.keys import group_key
+
+    side = hybrid_side()
+    try:
+        blocks, window = list(range(100, 119)), list(range(200, 219))
+        plan = side.matched_tokens("p", HYBRID_PROMPT, None, 0, {"do_remote_decode": True})
+        side.allocated("p", blocks, plan.external_tokens, (window,))
+        anchor = side.scheduled("p", blocks, True, len(HYBRID_PROMPT), (window,), 0)
+        saves = side.take_plan([anchor]).saves
+        assert [(job.group, job.publish, job.final) for job in saves] == [(1, "p/1", True), (0, "p", True)]
+        assert saves[1].final and saves[1].keys[-1] == side._requests["p"].tail
+        assert saves[0].keys == tuple(group_key(k, 1) for k in saves[1].keys)
+        assert saves[0].block_ids == tuple(window)  # every chunk (all in the window at the step's start), tail too
+    finally:
+        side.close()
+
+
+def test_hybrid_consumer_stops_a_block_short_and_loads_the_window_from_the_producer():
+    """vLLM gives a windowed group only the blocks its window reads past the whole prompt, then
+    runs the last token again: a hybrid consumer loads through the last full block before the
+    prompt's last token, the window group only its window, the tail as stored (3 blocks)."""
+    from kvtier.engines.vllm.groups import NULL_BLOCK
+    from kvtier.keys import group_key
+
+    side = hybrid_side(tiers=["cpu"])
+    try:
+        plan = side.matched_tokens("d", HYBRID_PROMPT, None, 0, consumer_params())
+        end = (len(HYBRID_PROMPT) - 1) // BS * BS
+        assert plan.kind is PlanKind.REMOTE and plan.load_end == end == 4 * CHUNK + 2 * BS
+        blocks, window = list(range(100, 118)), [NULL_BLOCK] * 16 + [216, 217]  # as vLLM allocates at `end`
+        side.allocated("d", blocks, plan.external_tokens, (window,))
+        anchor, group = sorted(side.take_plan([]).loads, key=lambda j: j.group)
+        tail = side._requests["d"].tail
+        assert anchor.block_ids == tuple(blocks) and anchor.tail_blocks == 3 and anchor.remote.first_chunk == 1
+        assert (group.keys, group.first_block, group.block_ids, group.tail_blocks) == (
+            (group_key(tail, 1),), 0, (216, 217), 3)
+        assert group.remote.first_chunk == 0 and group.remote.transfer_id == anchor.remote.transfer_id + "/1"
+    finally:
+        side.close()

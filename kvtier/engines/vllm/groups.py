@@ -176,7 +176,8 @@ def group_support(kv_cache_config: Any) -> GroupSupport:
         return GroupSupport(kinds, (), tuple((i, kinds[i]) for i in candidates),
                             reason=f"their block sizes differ ({', '.join(map(str, sorted(sizes)))} tokens)")
     if all(kinds[i] in MAMBA_KINDS for i in candidates):
-        return GroupSupport(kinds, (), tuple((i, kinds[i]) for i in candidates), reason="no attention group to anchor lookups")
+        return GroupSupport(kinds, (), tuple((i, kinds[i]) for i in candidates),
+                            reason="no attention group to anchor lookups")
     candidates.sort(key=lambda i: (kinds[i] != FULL, kinds[i] in MAMBA_KINDS))  # stable: full attention leads
     served = tuple(
         ServedGroup(i, kinds[i], _window(groups[i].kv_cache_spec, kinds[i]),
@@ -208,7 +209,7 @@ def group_layouts(kv_caches: dict[str, Any], groups: tuple[tuple[str, int, tuple
         layouts.append(build_layout(tensors, block_size, num_blocks, **facts))
     if len(layouts) == 1:
         return layouts
-    digest = blake3.blake3()
+    digest = blake3.blake3(f"bs{block_size}|".encode())  # P/D never re-cuts a hybrid's chunks to another block size
     for (kind, window, _), layout in zip(groups, layouts):
         digest.update(f"{kind}:{window}:".encode() + layout.fingerprint)
     fingerprint = digest.digest(len(layouts[0].fingerprint))

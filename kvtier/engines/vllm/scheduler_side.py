@@ -41,6 +41,12 @@ PROBE_EVERY = 32  # after this many loads vetoed on cost in a row, one loads any
 WINDOW_LOOKUPS = 4  # most lookups to find a hit every served group holds; past them the prompt recomputes
 
 
+def group_transfer(transfer_id: str, slot: int) -> str:
+    """What a P/D producer publishes a served group's chunks under (each group's chunks are one
+    fetch of their own, which the consumer ends on its own)."""
+    return f"{transfer_id}/{slot}"
+
+
 @dataclass(slots=True)
 class _Load:
     """A load handed (or about to be handed) to the workers."""
@@ -153,9 +159,9 @@ class SchedulerSide:
             keys = chunk_keys(prompt, self.chunk_tokens, root)
             tracked = self._requests[req_id] = _Tracked(keys, len(prompt))
             role = pd.parse(transfer_params)
-            if role is not None and self.others:
-                self._warn_hybrid("pd", "kvtier P/D moves single-group models only; requests of this hybrid "
-                                        "model compute their prompts where they run.")
+            if role is not None and self.hits_below_prompt:
+                self._warn_hybrid("pd", "kvtier P/D moves no Mamba state; requests of this hybrid model compute "
+                                        "their prompts where they run.")
                 role = None
             if isinstance(role, pd.Consume) and role.tp_size != self.tp_size:
                 logger.warning("kvtier P/D: request %s comes from a producer with %d TP ranks, this engine has %d; "
@@ -191,6 +197,12 @@ class SchedulerSide:
             tiers += ("remote",) * (len(tracked.keys) + (tracked.tail is not None) - len(tiers))
         inp = PlanInput(len(prompt), local_tokens, tiers, remote)
         plan = plan_load(inp, self.geometry, self.policy, self.meter.model())
+        if plan.kind is PlanKind.REMOTE and self.others:
+            # vLLM runs a whole prompt's last token again, but gives a windowed group only the
+            # blocks the window reads past the whole prompt: a hybrid's consumer stops a block short.
+            end = (len(prompt) - 1) // self.block_size * self.block_size
+            plan = dataclasses.replace(plan, load_end=end) if end > local_tokens else \
+                LoadPlan(PlanKind.NONE, local_tokens, local_tokens, local_tokens, Skip.NO_HIT)
         if plan.skip is Skip.SLOWER and self._vetoes >= PROBE_EVERY:
             # Vetoed loads measure nothing: now and then one loads anyway, so a cost model
             # that went wrong (or a tier that got faster) is corrected.
@@ -330,12 +342,12 @@ class SchedulerSide:
             self._distrusted.pop(key, None)
         tracked.last_save_step = self._step
         names = () if self.name_chunk is None else tuple(self.name_chunk(req_id, i) for i in range(start, full))
-        if not publish:
-            self._group_saves(req_id, tracked, start, full, computed_before, computed_after)
-            return SaveJob(req_id, tuple(keys), tuple(blocks), names=names)
         # A producer publishes the whole prompt, its partial tail too, once all of it is computed;
         # until then a job with what is new (maybe nothing) tells the workers it is still coming.
-        final = computed_after >= tracked.prompt_tokens
+        final = publish and computed_after >= tracked.prompt_tokens
+        self._group_saves(req_id, tracked, start, full, computed_before, computed_after, publish, final)
+        if not publish:
+            return SaveJob(req_id, tuple(keys), tuple(blocks), names=names)
         if final and tracked.tail is not None:
             keys = [*keys, tracked.tail]
             blocks = [*blocks, *tracked.block_ids[full * self.chunk_blocks : -(-tracked.prompt_tokens // self.block_size)]]
@@ -343,13 +355,16 @@ class SchedulerSide:
         return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names)
 
     def _group_saves(self, req_id: str, tracked: _Tracked, start: int, end: int, computed_before: int,
-                     computed_after: int) -> None:
+                     computed_after: int, publish: bool = False, final: bool = False) -> None:
         """The other served groups' blocks of chunks ``[start, end)``. A windowed group saves a
         chunk only while all its blocks hold KV: not the null block (outside the window when the
         request was admitted) and not below what vLLM freed before this step (its blocks may be
         another request's by now). Mamba state in align mode: the last chunk's state, when this
-        step ends at its end (the state of any other position was never materialized)."""
-        cb = self.chunk_blocks
+        step ends at its end (the state of any other position was never materialized). A P/D
+        producer's (``publish``) are published with the anchor's, the prompt's tail too when
+        ``final``."""
+        cb, transfer = self.chunk_blocks, tracked.transfer_id if publish else None
+        tail = -(-tracked.prompt_tokens // self.block_size)  # blocks through the prompt's last token
         for slot, group in enumerate(self.others, 1):
             ids = tracked.group_blocks[slot - 1] if slot <= len(tracked.group_blocks) else []
             if group.kind == MAMBA:
@@ -361,10 +376,15 @@ class SchedulerSide:
             live = group.first_needed_token(computed_before) // self.block_size
             chunks = [i for i in range(start, end) if i * cb >= live and len(ids) >= (i + 1) * cb
                       and NULL_BLOCK not in ids[i * cb : (i + 1) * cb]]
-            if chunks:
-                self._group_save_jobs.append(SaveJob(req_id, tuple(group_key(tracked.keys[i], slot) for i in chunks),
-                                                     tuple(b for i in chunks for b in ids[i * cb : (i + 1) * cb]),
-                                                     group=slot))
+            keys = [group_key(tracked.keys[i], slot) for i in chunks]
+            blocks = [b for i in chunks for b in ids[i * cb : (i + 1) * cb]]
+            if final and tracked.tail is not None and len(ids) >= tail and NULL_BLOCK not in ids[end * cb : tail]:
+                keys.append(group_key(tracked.tail, slot))
+                blocks += ids[end * cb : tail]
+            if keys or transfer is not None:  # a producer's: each group's transfer says it is alive, then done
+                publish_as = None if transfer is None else group_transfer(transfer, slot)
+                self._group_save_jobs.append(SaveJob(req_id, tuple(keys), tuple(blocks), publish=publish_as,
+                                                     final=final, group=slot))
 
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
         """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""
@@ -375,7 +395,8 @@ class SchedulerSide:
         for load in self._loads:
             load.issued_s = now
         loads, self._loads = tuple(job for load in self._loads for job in (load.job, *load.others)), []
-        saves, self._group_save_jobs = [*saves, *self._group_save_jobs], []
+        # other groups' first: a P/D producer's last anchor job says the transfer is all announced
+        saves, self._group_save_jobs = [*self._group_save_jobs, *saves], []
         cancels, self._cancels = tuple(self._cancels), []
         withdrawn, self._withdrawn = tuple(self._withdrawn), []
         reset = self.reset_pending and self._reset_step is None
@@ -461,7 +482,8 @@ class SchedulerSide:
             return None
         params = None
         if isinstance(tracked.role, pd.Produce) and not completed and not tracked.published:
-            self._withdrawn.append(tracked.transfer_id)  # a consumer waiting for it stops at once
+            self._withdrawn += [tracked.transfer_id, *(group_transfer(tracked.transfer_id, slot)  # a consumer
+                                                       for slot in range(1, len(self.others) + 1))]  # waiting stops
         if isinstance(tracked.role, pd.Produce) and completed:
             if self.peer_endpoints:
                 params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size)
@@ -493,20 +515,29 @@ class SchedulerSide:
         first, last = start // c, -(-end // c)
         all_keys = tracked.keys + ([tracked.tail] if tracked.tail is not None else [])
         keys, blocks = tuple(all_keys[first:last]), tuple(block_ids[start // b : -(-end // b)])
-        tail_blocks = -(-(end - len(tracked.keys) * c) // b) if last > len(tracked.keys) else 0
+        tail_blocks = self._tail_blocks(tracked) if last > len(tracked.keys) else 0
         remote = None
         if isinstance(tracked.role, pd.Consume) and "remote" in tracked.tiers[first:last]:
             role = tracked.role
             remote = RemoteSource(role.transfer_id, role.endpoints, tracked.tiers[first:last].index("remote"), role.wait)
         job = LoadJob(req_id, keys, (start % c) // b, blocks, tail_blocks, remote)
-        tracked.load = _Load(job, tracked.tiers[first:last], start, others=self._group_loads(req_id, tracked, start, end))
+        from_chunk = first + remote.first_chunk if remote is not None else 0
+        tracked.load = _Load(job, tracked.tiers[first:last], start,
+                             others=self._group_loads(req_id, tracked, start, end, remote, from_chunk))
         self._loads.append(tracked.load)
 
-    def _group_loads(self, req_id: str, tracked: _Tracked, start: int, end: int) -> tuple[LoadJob, ...]:
+    def _tail_blocks(self, tracked: _Tracked) -> int:
+        """Blocks of the prompt's trailing partial chunk, as its producer stored it."""
+        return -(-(tracked.prompt_tokens - len(tracked.keys) * self.chunk_tokens) // self.block_size)
+
+    def _group_loads(self, req_id: str, tracked: _Tracked, start: int, end: int, remote: RemoteSource | None = None,
+                     from_chunk: int = 0) -> tuple[LoadJob, ...]:
         """The other served groups' jobs for tokens ``[start, end)``: a windowed group's blocks
         outside its window are vLLM's null block, a prefix of its list, and are not loaded; Mamba
-        state in align mode loads the state at ``end`` into the one block vLLM gave it there."""
+        state in align mode loads the state at ``end`` into the one block vLLM gave it there.
+        ``remote``: the anchor's P/D producer, whose chunks start at chunk ``from_chunk``."""
         c, b, jobs = self.chunk_tokens, self.block_size, []
+        all_keys = tracked.keys + ([tracked.tail] if tracked.tail is not None else [])
         for slot, ids in enumerate(tracked.group_blocks, 1):
             if self.others[slot - 1].kind == MAMBA:
                 state = ids[end // b - 1] if end % c == 0 and len(ids) >= end // b else NULL_BLOCK
@@ -519,8 +550,14 @@ class SchedulerSide:
             while first < stop and ids[first] == NULL_BLOCK:
                 first += 1
             if first < stop:
-                keys = tuple(group_key(k, slot) for k in tracked.keys[first * b // c : -(-stop * b // c)])
-                jobs.append(LoadJob(req_id, keys, (first * b % c) // b, tuple(ids[first:stop]), group=slot))
+                lo, hi = first * b // c, -(-stop * b // c)
+                keys = tuple(group_key(k, slot) for k in all_keys[lo:hi])
+                tail_blocks = self._tail_blocks(tracked) if hi > len(tracked.keys) else 0
+                source = None if remote is None or from_chunk >= hi else \
+                    dataclasses.replace(remote, first_chunk=max(0, from_chunk - lo),
+                                        transfer_id=group_transfer(remote.transfer_id, slot))
+                jobs.append(LoadJob(req_id, keys, (first * b % c) // b, tuple(ids[first:stop]), tail_blocks, source,
+                                    group=slot))
         return tuple(jobs)
 
     def _held_by_every_group(self, keys: list[bytes], chunks: int) -> int:

@@ -12,14 +12,16 @@ to decode engines). Any engine fetches a producer's chunks when a load job says 
 
 Hybrid models: one layout and one :class:`TierWorker` per served KV cache group (its layers'
 tensors, its block ids), over one store; jobs name their group. The groups' layouts share one
-fingerprint that covers them all, and one reuse guard (their blocks come from one pool). A
-request's load ends when every group's job has; a failure is reported per request.
+fingerprint and one reuse guard (their blocks come from one pool). A request's load ends when
+every group's job has; a failure is reported per request. P/D serves and fetches every group's
+chunks (not Mamba state), between engines of one block size.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import itertools
 import logging
 import sys
 import threading
@@ -28,11 +30,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.engines.vllm.groups import blocks_per_chunk, group_layouts
+from kvtier.engines.vllm.groups import MAMBA_KINDS, blocks_per_chunk, group_layouts
 from kvtier.engines.vllm.stats import FAILED_REQUESTS
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
 from kvtier.lookup import HoldReporter, LookupServer
+from kvtier.ops import describe_backend
 from kvtier.pd import nixl
 from kvtier.pd.fetch import PeerError, fetch_chunks
 from kvtier.pd.holds import PublishHolds
@@ -151,26 +154,29 @@ class WorkerSide:
                                     fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
                                     on_lost=self.holds.lost, loads_running=loads_running)
         self.group_transfers = [self.transfers, *(
-            TierWorker(other, store, blocks_per_chunk(kind, cb), save_backlog_bytes=backlog, on_held=self._changed,
-                       load_inline=self.load_inline, defer_reuse=True, reuse=self.transfers.reuse,
-                       loads_running=loads_running) for other, (kind, _, _) in zip(layouts[1:], self.groups[1:]))]
-        pd = "no P/D chunk server (kv_consumer)" if not hybrid else "no P/D (a hybrid model's groups)"
-        if self.produce and not hybrid:
+            TierWorker(other, store, blocks_per_chunk(kind, cb), save_backlog_bytes=backlog, on_held=held,
+                       fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
+                       on_lost=self.holds.lost, reuse=self.transfers.reuse, loads_running=loads_running)
+            for other, (kind, _, _) in zip(layouts[1:], self.groups[1:]))]
+        pd_served = MAMBA_KINDS.isdisjoint(kind for kind, _, _ in self.groups)
+        pd = "no P/D chunk server (kv_consumer)" if pd_served else "no P/D (Mamba state)"
+        if self.produce and pd_served:
             bind, advertised = config.pd_endpoints(self.rank)
             served = ServedLayout(layout.fingerprint, layout.description, config.chunk_tokens, self.world_size,
-                                  layout.token_bytes)
+                                  () if hybrid else layout.token_bytes)  # hybrid: one block size, no re-cut
             self.chunk_server = ChunkServer(bind, store, self.holds, served, self.transfers.saving, config.secret,
                                             config.pd_timeout_ms)
             pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"
             self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
-        if not hybrid:
+        if pd_served:
             pd += self._start_nixl()
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
         logger.info("kvtier rank %d/%d on vLLM %s: %d regions in %d KV cache group(s), %d B per block, chunk of %d "
                     "tokens, copies by %s, %d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size,
                     _vllm_version(), sum(len(x.regions) for x in layouts), len(layouts),
-                    sum(x.bytes_per_block for x in layouts), config.chunk_tokens, self._copies(), len(kept),
+                    sum(x.bytes_per_block for x in layouts), config.chunk_tokens,
+                    describe_backend(self.transfers.backend), len(kept),
                     self.endpoint, pd)
 
     def _start_nixl(self) -> str:
@@ -210,17 +216,6 @@ class WorkerSide:
             self._nixl_started.join(timeout_s)
         return self.nixl is not None
 
-    def _copies(self) -> str:
-        """The copy backend in words, e.g. ``dma (cuda kernels)`` or ``dma (triton kernels; ...)``."""
-        name = self.transfers.backend
-        if name != "dma":
-            return name
-        from kvtier.ops import cuda_ops
-
-        if cuda_ops.available():
-            return "dma (cuda kernels)"
-        return f"dma (triton kernels; CUDA C++ kernels: {cuda_ops.build_error()})"
-
     def _changed(self, keys: list[bytes]) -> None:
         self.reporter.changed(keys)
         if self.events is not None:
@@ -230,12 +225,13 @@ class WorkerSide:
         remote = job.remote
         if len(remote.endpoints) != self.world_size:
             raise PeerError(f"the producer has {len(remote.endpoints)} TP ranks, this engine {self.world_size}")
-        layout = self.transfers.layout
+        transfers = self.group_transfers[job.group]  # a hybrid's engines share one block size: chunks as stored
         return fetch_chunks(remote.endpoints[self.rank], self._hello, remote.transfer_id, items, wait=remote.wait,
                             timeout_ms=self.config.pd_timeout_ms, secret=self.config.secret,
-                            cancelled=lambda: self.transfers.cancelled(job.req_id),
+                            cancelled=lambda: transfers.cancelled(job.req_id),
                             allocate=lambda n: self.store.allocate(n, wait=False),
-                            chunk_bytes=lambda n: chunk_bytes(layout, n), nixl=self.nixl, block_size=layout.block_size)
+                            chunk_bytes=lambda n: chunk_bytes(transfers.layout, n), nixl=self.nixl,
+                            block_size=0 if len(self.group_transfers) > 1 else transfers.layout.block_size)
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
@@ -252,8 +248,8 @@ class WorkerSide:
         self.transfers.guard_reuse(allocated)
 
     def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = ()) -> None:
-        for req_id in cancels:
-            self.transfers.cancel(req_id)
+        for req_id, transfers in itertools.product(cancels, self.group_transfers):
+            transfers.cancel(req_id)
         if len(self.group_transfers) > 1:
             for job in jobs:  # counted first: an inline load reports before submit_load returns
                 part = self._parts.setdefault(job.req_id, [0, False, {}])
