@@ -18,6 +18,7 @@ loaded for the hit's last chunk only.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
