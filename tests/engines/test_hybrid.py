@@ -29,8 +29,9 @@ from vllm.v1.kv_cache_interface import (  # noqa: E402
     ChunkedLocalAttentionSpec, FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec, MLAAttentionSpec,
     SlidingWindowSpec,
 )
+from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput  # noqa: E402
-from vllm.v1.request import Request  # noqa: E402
+from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvtier.engines.vllm.connector import KvtierConnector  # noqa: E402
@@ -298,6 +299,26 @@ def test_a_sliding_window_hit_loads_every_full_block_and_only_the_window():
         engine.sched.shutdown()
 
 
+def test_a_parked_load_reserves_the_window_blocks_its_prefill_needs():
+    """vLLM reserves an asynchronous load's remaining blocks against later loads, but counts a
+    windowed group's null blocks as held: parked with 12 full-group blocks and a 2-block window,
+    the request reserves nothing for its window, and a second load could take the blocks its
+    next chunk needs (both would then wait forever). kvtier's scheduler counts real blocks."""
+    engine = _Engine(hybrid_config(full(), sliding(2 * BS)))
+    try:
+        prompt, _ = engine.prompt(14)
+        request, _ = engine.reload(_saved(engine, prompt), prompt)
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        window = engine.sched.kv_cache_manager.coordinator.single_type_managers[1]
+        blocks, cap = -(-len(prompt) // BS), window.max_admission_blocks_per_request
+        assert cap < blocks  # the window recycles its blocks
+        vllm_count = Scheduler._request_remaining_blocks(engine.sched, request)
+        assert vllm_count == blocks - 12  # the full group's only
+        assert engine.sched._request_remaining_blocks(request) == blocks - 12 + cap - 2
+    finally:
+        engine.sched.shutdown()
+
+
 def test_mamba_state_is_kept_at_chunk_ends_and_loaded_with_the_hits_last_chunk():
     """Full attention + Mamba state in align mode, chunks of 4 blocks, 128 tokens a step: the
     prefill of 197 tokens ends steps at 128 and 192 (the last block boundary), so the Mamba group
@@ -343,24 +364,50 @@ def test_mamba_state_is_kept_at_chunk_ends_and_loaded_with_the_hits_last_chunk()
         engine.sched.shutdown()
 
 
-def test_a_hybrid_model_loads_partial_chunks_where_a_handoff_was_asked(caplog):
-    """vLLM frees a windowed group's blocks that fall out of the window at the hit's end while a
-    parked request waits for its load, and a handoff's load from the chunk boundary would fill
-    them: with several groups kvtier's scheduler never hands off, it loads partial chunks, and
-    one line says so."""
-    caplog.set_level(logging.WARNING, logger="kvtier.engines.vllm.scheduler_side")
+def test_a_sliding_window_handoff_loads_what_the_window_reads_and_survives_an_abort():
+    """Full attention + a window of 2 blocks, a local hit of 2 blocks into chunk 0: the handoff
+    prefills to the chunk boundary and parks with blocks through the hit; the windowed group's
+    blocks its attention no longer reads at the hit's end are freed at once (vLLM frees them
+    when a parked request is aborted), so its load writes only the window's 2 blocks, which an
+    abort while the load runs leaves to the load."""
     engine = _Engine(hybrid_config(full(), sliding(2 * BS)), unaligned="handoff")
     try:
         connector = engine.sched.connector
-        assert not connector.scheduler_side.policy.handoff_supported
-        assert sum("handoffs are off for hybrid models" in r.getMessage() for r in caplog.records) == 1
-        rng = random.Random(12)
-        prompt = [rng.randrange(3, VOCAB) for _ in range(3 * CHUNK + 5)]
-        for job in _saved(engine, prompt):
-            for key in job.keys:
-                engine.index.put(key, "cpu", ())
-        floor = 2 * BS  # half way into chunk 0
-        assert connector.get_num_new_matched_tokens(engine.add(prompt), floor) == (3 * CHUNK - floor, True)
+        assert connector.scheduler_side.policy.handoff_supported
+        prompt, keys = engine.prompt(12)
+        saves = _saved(engine, prompt)
+        for key in (k for job in saves for k in job.keys):
+            engine.index.put(key, "cpu", ())
+        assert engine.sched.reset_prefix_cache()
+        _saved(engine, prompt[: 2 * BS] + [3] * (CHUNK + 1))  # the engine now holds the first 2 blocks
+        request = engine.add(prompt)
+        boundary = engine.step()  # prefills [2 blocks, chunk boundary)
+        assert boundary.scheduled_new_reqs[0].num_computed_tokens == 2 * BS
+        assert boundary.num_scheduled_tokens[request.request_id] == CHUNK - 2 * BS
+        parked = engine.step()
+        assert request.status == RequestStatus.WAITING_FOR_REMOTE_KVS
+        full_job, window_job = sorted(parked.kv_connector_metadata.plan.loads, key=lambda j: j.group)
+        full_ids, window_ids = engine.sched.kv_cache_manager.get_block_ids(request.request_id)
+        assert full_job.keys == tuple(keys[1:]) and full_job.block_ids == tuple(full_ids[4:12])
+        assert window_ids[:10] == [NULL_BLOCK] * 10  # freed at the park, never loaded
+        assert window_job.keys == (group_key(keys[2], 1),) and window_job.block_ids == tuple(window_ids[10:12])
+        engine.sched.finish_requests(request.request_id, RequestStatus.FINISHED_ABORTED)
+        pool = engine.sched.kv_cache_manager.block_pool.blocks
+        assert all(pool[b].ref_cnt == 1 for job in (full_job, window_job) for b in job.block_ids)
+        engine.step(loaded=(request.request_id,))
+        assert all(pool[b].ref_cnt == 0 for job in (full_job, window_job) for b in job.block_ids)
+    finally:
+        engine.sched.shutdown()
+
+
+def test_a_mamba_hybrid_loads_partial_chunks_where_a_handoff_was_asked(caplog):
+    """A handoff's boundary prefill would save Mamba state at the boundary that no load brings
+    back: a Mamba hybrid never hands off, it loads partial chunks, and one line says so."""
+    caplog.set_level(logging.WARNING, logger="kvtier.engines.vllm.scheduler_side")
+    engine = _Engine(hybrid_config(full(), mamba("align")), unaligned="handoff", mamba_mode="align")
+    try:
+        assert not engine.sched.connector.scheduler_side.policy.handoff_supported
+        assert sum("handoffs are off for Mamba hybrids" in r.getMessage() for r in caplog.records) == 1
         assert not any("needs scheduler_cls" in r.getMessage() for r in caplog.records)
     finally:
         engine.sched.shutdown()

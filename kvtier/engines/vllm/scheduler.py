@@ -28,7 +28,7 @@ class KvtierScheduler(Scheduler):
         if isinstance(self.connector, KvtierConnector) and self.connector.scheduler_side is not None:
             self.kvtier = self.connector.scheduler_side
             self.kvtier.enable_handoff()
-        self._parked: set[str] = set()  # handoffs waiting for their load; they resume as preempted
+        self._parked: set[str] = set()  # handoffs parked on a load until they run again; they resume as preempted
         self._scheduled_s: float | None = None
 
     # ---- step -----------------------------------------------------------------------------------
@@ -38,6 +38,7 @@ class KvtierScheduler(Scheduler):
         output = super().schedule(throttle_prefills)
         if self.kvtier is not None:
             self._scheduled_s = self.kvtier.clock()
+            self._parked.difference_update(output.num_scheduled_tokens)  # resumed
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
@@ -72,11 +73,34 @@ class KvtierScheduler(Scheduler):
             request.status = RequestStatus.WAITING_FOR_REMOTE_KVS
             # As for any async load: counted computed now, corrected by vLLM if blocks fail.
             request.num_computed_tokens = plan.load_end
+            # A windowed group's blocks that its attention no longer reads at the hit's end are
+            # freed now, as an admitted load never gets them; else vLLM frees them while the load
+            # runs (when the parked request is aborted) and the load writes another request's blocks.
+            self.kv_cache_manager.remove_skipped_blocks(req_id, plan.load_end, request.num_prompt_tokens)
             self._inflight_prefills.add(request)
             self._parked.add(req_id)
             ids = self.kv_cache_manager.get_block_ids(req_id)
             self.kvtier.park(req_id, ids[self.connector.group], tuple(ids[g] for g in self.connector.other_groups))
             self._enqueue_waiting_request(request)
+
+    def _request_remaining_blocks(self, request: Request) -> int:
+        """What vLLM reserves for an asynchronous load's request, with a windowed group's blocks
+        counted right: vLLM caps such a group at its peak real blocks, then subtracts every entry
+        of its block list, the null blocks outside the window too. A request parked after a long
+        load then reserves no window blocks, the next load is admitted into them, and neither
+        request can prefill its next chunk: the engine stalls with both waiting."""
+        remaining = super()._request_remaining_blocks(request)
+        tokens = min(request.num_tokens, self.max_model_len)
+        for manager in self.kv_cache_manager.coordinator.single_type_managers:
+            cap = getattr(manager, "max_admission_blocks_per_request",
+                          getattr(manager, "_max_admission_blocks_per_request", None))
+            blocks = manager.req_to_blocks.get(request.request_id, ())
+            nulls = sum(block.is_null for block in blocks)
+            if cap is None or not nulls:
+                continue
+            needed = min(-(-tokens // manager.block_size), cap)
+            remaining += max(needed - (len(blocks) - nulls), 0) - max(needed - len(blocks), 0)
+        return remaining
 
     def _reserve_prefill_lookahead(self, request: Request, num_computed_tokens: int, num_new_tokens: int) -> int:
         num_new_tokens = super()._reserve_prefill_lookahead(request, num_computed_tokens, num_new_tokens)
@@ -86,9 +110,9 @@ class KvtierScheduler(Scheduler):
     def _handle_blocked_waiting_request(self, request: Request) -> bool:
         ready = super()._handle_blocked_waiting_request(request)
         if ready and request.request_id in self._parked:
-            self._parked.discard(request.request_id)
             # The workers still hold this request's state: it must come back as a resumed
-            # request (full block table replaced), never as a new one.
+            # request (full block table replaced), never as a new one; also after a hybrid
+            # model's failed load, which looks it up and may park it on a load again.
             request.status = RequestStatus.PREEMPTED
         return ready
 

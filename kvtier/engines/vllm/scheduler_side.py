@@ -141,12 +141,11 @@ class SchedulerSide:
         self._vetoes = 0  # admissions committed to recompute on cost since the last load
 
     def enable_handoff(self) -> None:
-        """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary. Not for a
-        hybrid model: vLLM frees a windowed group's blocks that fall out of the window at the hit's
-        end while a parked request waits, and a handoff's load from the boundary would fill them."""
-        if self.others:
+        """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary. Not with
+        Mamba state, which a step ending at the boundary would save there but no load brings back."""
+        if self.hits_below_prompt:
             if self.config.unaligned == "handoff":
-                logger.warning("kvtier: handoffs are off for hybrid models; unaligned hits load partial chunks.")
+                logger.warning("kvtier: handoffs are off for Mamba hybrids; unaligned hits load partial chunks.")
             self._warned_handoff = True
             return
         self.policy = Policy(self.policy.min_load_tokens, self.policy.unaligned, handoff_supported=True)
