@@ -211,7 +211,7 @@ def test_scheduler_state_machine():
     # The run must have reached the paths it exists to test.
     for key in ("loads_load", "loads_partial", "loads_handoff", "failed_loads", "preemptions",
                 "evicted_before_load", "aborted_while_waiting", "resumed_checked", "hybrid_examples", "loads_window",
-                "mamba_examples", "loads_state"):
+                "loads_window_handoff", "mamba_examples", "loads_state"):
         assert TOTALS[key] > 0, f"no {key} in {dict(TOTALS)}"
 
 

@@ -7,6 +7,8 @@ exercised. One small random-weight model per family, built offline with ``transf
 
 - ``gemma3``: Gemma-3-like, five sliding-window layers (128 tokens) to one global layer;
 - ``gpt_oss``: gpt-oss-like, sliding-window and global layers alternating, a small MoE;
+- ``llama4``: Llama-4-like, three chunked-local layers (chunks of 384 tokens, across kvtier's
+  chunk boundaries) to one global layer;
 - ``granite_hybrid`` and ``nemotron_h``: Mamba-2 hybrids (Granite 4, Nemotron-H), attention and
   Mamba layers alternating.
 
@@ -54,6 +56,9 @@ FAMILIES = {
     "gpt_oss": ("GptOssConfig", {**_COMMON, "head_dim": 64, "num_hidden_layers": 4, "sliding_window": 128,
                                  "num_local_experts": 4, "num_experts_per_tok": 2,
                                  "layer_types": ["sliding_attention", "full_attention"] * 2}),
+    "llama4": ("Llama4TextConfig", {**_COMMON, "intermediate_size_mlp": 1024, "num_hidden_layers": 4,
+                                    "attention_chunk_size": 384, "no_rope_layers": [1, 1, 1, 0],
+                                    "num_local_experts": 2, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2}),
     "granite_hybrid": ("GraniteMoeHybridConfig", {
         **_COMMON, "num_hidden_layers": 4, "layer_types": ["mamba", "attention"] * 2, "mamba_n_heads": 16,
         "mamba_d_head": 64, "mamba_expand": 2, "mamba_d_state": 64, "mamba_n_groups": 1, "mamba_chunk_size": 256,
@@ -62,7 +67,7 @@ FAMILIES = {
         **_COMMON, "num_hidden_layers": 4, "hybrid_override_pattern": "M*M*", "mamba_num_heads": 16,
         "mamba_head_dim": 64, "ssm_state_size": 64, "n_groups": 1, "chunk_size": 256, "conv_kernel": 4, "expand": 2}),
 }
-SLIDING = {"gemma3", "gpt_oss"}
+SLIDING = {"gemma3", "gpt_oss", "llama4"}  # windowed attention: sliding window or chunked local
 
 
 def build(family: str, path) -> str:
@@ -109,7 +114,8 @@ def test_kvtier_keeps_the_hybrid_manager_on_with_one_line(family):
     idle = [line for line in text.splitlines() if IDLE_LINE in line]
     if family["name"] in SLIDING:
         assert not idle, idle
-        served = [line for line in text.splitlines() if SERVES_LINE in line and "sliding_window" in line]
+        served = [line for line in text.splitlines()
+                  if SERVES_LINE in line and ("sliding_window" in line or "chunked_local" in line)]
         assert len(served) == 1, served  # one line per engine, from the scheduler side
         return
     assert len(idle) == 1, idle
