@@ -489,6 +489,8 @@ class Harness:
         (tier, per-block contents), the last block of a partial tail holding only the prompt's tokens."""
         k, bs, cb = self._keys(req_id, group).index(key), self.block_size, self.chunk_blocks
         ph, end = self._ph(req_id), self.requests[req_id].num_prompt_tokens
+        if group and self.mamba:  # the state at the chunk's end
+            return "remote", (("state", ph[(k + 1) * self.chunk_tokens]),)
         blocks = [tuple(ph[p + 1] for p in range(pos, min(pos + bs, end)))
                   for pos in range(k * cb * bs, min((k + 1) * cb * bs, end), bs)]
         return "remote", tuple(blocks)

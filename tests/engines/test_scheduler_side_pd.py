@@ -191,12 +191,12 @@ def test_aborted_producer_withdraws_its_transfer_once(make_side):
 HYBRID_PROMPT = list(range(3, 3 + 4 * CHUNK + 40))  # four chunks and a 40-token tail (3 blocks)
 
 
-def hybrid_side(tiers=()):
+def hybrid_side(tiers=(), other=None):
     from kvtier.engines.vllm.groups import ServedGroup
 
+    other = other or ServedGroup(1, "sliding_window", 2 * BS)
     side = SchedulerSide(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24), "model", BS, "ipc:///nonexistent",
-                         engine_id="engine-p", tp_size=2,
-                         groups=(ServedGroup(0, "full_attention"), ServedGroup(1, "sliding_window", 2 * BS)))
+                         engine_id="engine-p", tp_size=2, groups=(ServedGroup(0, "full_attention"), other))
     side.client = StubClient(list(tiers))
     return side
 
@@ -241,5 +241,41 @@ def test_hybrid_consumer_stops_a_block_short_and_loads_the_window_from_the_produ
         assert (group.keys, group.first_block, group.block_ids, group.tail_blocks) == (
             (group_key(tail, 1),), 0, (216, 217), 3)
         assert group.remote.first_chunk == 0 and group.remote.transfer_id == anchor.remote.transfer_id + "/1"
+    finally:
+        side.close()
+
+
+def test_mamba_hybrid_pd_moves_the_state_at_the_consumers_last_chunk_end():
+    """Mamba state in align mode: P publishes a state where a step ended at a chunk's end, and
+    every step's job says its group transfer is alive, the last one that it is done; D loads
+    through the last chunk end before the prompt's last token and that chunk's state."""
+    from kvtier.engines.vllm.groups import MAMBA, NULL_BLOCK, ServedGroup
+    from kvtier.keys import group_key
+
+    side = hybrid_side(other=ServedGroup(1, MAMBA))
+    try:
+        blocks, states = list(range(100, 119)), list(range(200, 219))
+        plan = side.matched_tokens("p", HYBRID_PROMPT, None, 0, {"do_remote_decode": True})
+        side.allocated("p", blocks, plan.external_tokens, (states,))
+        keys = side._requests["p"].keys
+        first = side.scheduled("p", blocks, True, 2 * CHUNK, (states,), 0)  # a step ends at chunk 1's end
+        saves = side.take_plan([first]).saves
+        assert [(job.group, job.publish, job.final, job.keys) for job in saves[:1]] == [
+            (1, "p/1", False, (group_key(keys[1], 1),))]
+        assert saves[0].block_ids == (states[2 * CHUNK // BS - 1],)
+        last = side.scheduled("p", [], False, len(HYBRID_PROMPT), ((),), 2 * CHUNK)  # ends mid-chunk: no state
+        saves = side.take_plan([last]).saves
+        assert [(job.group, job.publish, job.final, job.keys) for job in saves[:1]] == [(1, "p/1", True, ())]
+
+        d = hybrid_side(tiers=["cpu"], other=ServedGroup(1, MAMBA))
+        plan = d.matched_tokens("d", HYBRID_PROMPT, None, 0, consumer_params())
+        assert plan.kind is PlanKind.REMOTE and plan.load_end == 4 * CHUNK  # the last chunk end before the last token
+        state_ids = [NULL_BLOCK] * 15 + [216]  # as vLLM allocates at the hit's end
+        d.allocated("d", blocks[:16], plan.external_tokens, (state_ids,))
+        anchor, state = sorted(d.take_plan([]).loads, key=lambda j: j.group)
+        assert anchor.keys == tuple(d._requests["d"].keys) and anchor.tail_blocks == 0
+        assert (state.keys, state.block_ids) == ((group_key(d._requests["d"].keys[3], 1),), (216,))
+        assert state.remote.first_chunk == 0 and state.remote.transfer_id == anchor.remote.transfer_id + "/1"
+        d.close()
     finally:
         side.close()

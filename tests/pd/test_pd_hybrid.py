@@ -2,7 +2,8 @@
 
 A full-attention layer and a sliding-window layer (two KV cache groups over one block pool), as
 vLLM's hybrid KV cache manager lays them out; real stores, real ZMQ. P publishes both groups'
-chunks and tails; D loads the full group's every block and the window group's window only.
+chunks and tails; D loads the full group's every block and the window group's window only. With
+Mamba state, the state at the last chunk end before the prompt's last token.
 """
 
 from __future__ import annotations
@@ -76,13 +77,39 @@ def test_a_hybrid_consumer_loads_every_group_from_the_producer(tmp_path):
         d.close()
 
 
-def test_a_mamba_hybrid_serves_no_chunks_to_consumers(tmp_path):
+def test_a_mamba_hybrids_consumer_loads_the_state_at_its_last_chunk_end(tmp_path):
+    """Full attention + Mamba state in align mode (one block per chunk, the state at its end):
+    P publishes the states where its steps ended (chunks 1 and 2); D loads through chunk 2's
+    end, the last before the prompt's last token, and that one state lands in its block."""
     groups = (GROUPS[0], ("mamba", 0, ("layer.1",)))
-    side, _ = engine(tmp_path, "m", seed=3, groups=groups)
+    tokens = tokens_of(3 * CHUNK + 20, seed=7)
+    keys, tail = prompt_keys(tokens)
+    p, p_kv = engine(tmp_path, "p", seed=3, groups=groups)
+    d, d_kv = engine(tmp_path, "d", seed=4, groups=groups)
     try:
-        assert side.chunk_server is None
+        assert p.chunk_server is not None
+        n = -(-len(tokens) // BLOCK)
+        p_blocks, states = list(range(1, 1 + n)), {1: 30, 2: 31}  # chunk -> P's state block
+        p.save((SaveJob("p-req", (group_key(keys[1], 1), group_key(keys[2], 1)), (30, 31), publish="t/1", group=1,
+                        final=True),
+                SaveJob("p-req", tuple(keys + [tail]), tuple(p_blocks), publish="t", final=True)))
+        source = RemoteSource("t", (f"tcp://127.0.0.1:{p.chunk_server.port}",), 0)
+        d_blocks = list(range(40, 40 + 3 * CHUNK // BLOCK))
+        d.start_loads((LoadJob("d-req", tuple(keys), 0, tuple(d_blocks), 0, source),
+                       LoadJob("d-req", (group_key(keys[2], 1),), 0, (60,), 0, RemoteSource("t/1", source.endpoints, 0),
+                               group=1)))
+        stats = loaded(d, "d-req")
+        assert FAILED_REQUESTS not in stats and d.failed_blocks() == set()
+        assert torch.equal(d_kv["layer.0"][d_blocks], p_kv["layer.0"][p_blocks[: len(d_blocks)]])
+        assert torch.equal(d_kv["layer.1"][60], p_kv["layer.1"][states[2]])
+        # negative control: a state P never published (chunk 0's: no step ended there) fails the request
+        d.start_loads((LoadJob("e-req", keys[:1], 0, tuple(d_blocks[: CHUNK // BLOCK]), 0, source),
+                       LoadJob("e-req", (group_key(keys[0], 1),), 0, (61,), 0, RemoteSource("t/1", source.endpoints, 0),
+                               group=1)))
+        assert loaded(d, "e-req").get(FAILED_REQUESTS) == ["e-req"]
     finally:
-        side.close()
+        p.close()
+        d.close()
 
 
 def test_hybrid_engines_of_different_block_sizes_never_pair(tmp_path):

@@ -159,10 +159,6 @@ class SchedulerSide:
             keys = chunk_keys(prompt, self.chunk_tokens, root)
             tracked = self._requests[req_id] = _Tracked(keys, len(prompt))
             role = pd.parse(transfer_params)
-            if role is not None and self.hits_below_prompt:
-                self._warn_hybrid("pd", "kvtier P/D moves no Mamba state; requests of this hybrid model compute "
-                                        "their prompts where they run.")
-                role = None
             if isinstance(role, pd.Consume) and role.tp_size != self.tp_size:
                 logger.warning("kvtier P/D: request %s comes from a producer with %d TP ranks, this engine has %d; "
                                "recomputing its prompt.", req_id, role.tp_size, self.tp_size)
@@ -199,8 +195,10 @@ class SchedulerSide:
         plan = plan_load(inp, self.geometry, self.policy, self.meter.model())
         if plan.kind is PlanKind.REMOTE and self.others:
             # vLLM runs a whole prompt's last token again, but gives a windowed group only the
-            # blocks the window reads past the whole prompt: a hybrid's consumer stops a block short.
-            end = (len(prompt) - 1) // self.block_size * self.block_size
+            # blocks the window reads past the whole prompt: a hybrid's consumer stops a block
+            # short; with Mamba state, at the last chunk's end before the last token (its state).
+            unit = self.chunk_tokens if self.hits_below_prompt else self.block_size
+            end = (len(prompt) - 1) // unit * unit
             plan = dataclasses.replace(plan, load_end=end) if end > local_tokens else \
                 LoadPlan(PlanKind.NONE, local_tokens, local_tokens, local_tokens, Skip.NO_HIT)
         if plan.skip is Skip.SLOWER and self._vetoes >= PROBE_EVERY:
@@ -367,11 +365,14 @@ class SchedulerSide:
         tail = -(-tracked.prompt_tokens // self.block_size)  # blocks through the prompt's last token
         for slot, group in enumerate(self.others, 1):
             ids = tracked.group_blocks[slot - 1] if slot <= len(tracked.group_blocks) else []
+            publish_as = None if transfer is None else group_transfer(transfer, slot)
             if group.kind == MAMBA:
                 state = ids[end * cb - 1] if len(ids) >= end * cb else NULL_BLOCK
-                if computed_after == end * self.chunk_tokens and state != NULL_BLOCK:
-                    self._group_save_jobs.append(SaveJob(req_id, (group_key(tracked.keys[end - 1], slot),), (state,),
-                                                         group=slot))
+                saved = computed_after == end * self.chunk_tokens and state != NULL_BLOCK
+                if saved or transfer is not None:
+                    keys = (group_key(tracked.keys[end - 1], slot),) if saved else ()
+                    self._group_save_jobs.append(SaveJob(req_id, keys, (state,) if saved else (), publish=publish_as,
+                                                         final=final, group=slot))
                 continue
             live = group.first_needed_token(computed_before) // self.block_size
             chunks = [i for i in range(start, end) if i * cb >= live and len(ids) >= (i + 1) * cb
@@ -382,7 +383,6 @@ class SchedulerSide:
                 keys.append(group_key(tracked.tail, slot))
                 blocks += ids[end * cb : tail]
             if keys or transfer is not None:  # a producer's: each group's transfer says it is alive, then done
-                publish_as = None if transfer is None else group_transfer(transfer, slot)
                 self._group_save_jobs.append(SaveJob(req_id, tuple(keys), tuple(blocks), publish=publish_as,
                                                      final=final, group=slot))
 
@@ -544,7 +544,10 @@ class SchedulerSide:
                 if state == NULL_BLOCK:
                     raise RuntimeError(f"kvtier: request {req_id} loads {end} tokens, where no Mamba state block "
                                        "was allocated")
-                jobs.append(LoadJob(req_id, (group_key(tracked.keys[end // c - 1], slot),), 0, (state,), group=slot))
+                source = None if remote is None or from_chunk >= end // c else \
+                    dataclasses.replace(remote, first_chunk=0, transfer_id=group_transfer(remote.transfer_id, slot))
+                jobs.append(LoadJob(req_id, (group_key(tracked.keys[end // c - 1], slot),), 0, (state,), 0, source,
+                                    group=slot))
                 continue
             first, stop = start // b, min(-(-end // b), len(ids))
             while first < stop and ids[first] == NULL_BLOCK:

@@ -14,7 +14,7 @@ Hybrid models: one layout and one :class:`TierWorker` per served KV cache group 
 tensors, its block ids), over one store; jobs name their group. The groups' layouts share one
 fingerprint and one reuse guard (their blocks come from one pool). A request's load ends when
 every group's job has; a failure is reported per request. P/D serves and fetches every group's
-chunks (not Mamba state), between engines of one block size.
+chunks, Mamba state too, between engines of one block size.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from kvtier.config import ConfigError, KvtierConfig
-from kvtier.engines.vllm.groups import MAMBA_KINDS, blocks_per_chunk, group_layouts
+from kvtier.engines.vllm.groups import blocks_per_chunk, group_layouts
 from kvtier.engines.vllm.stats import FAILED_REQUESTS
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.codec import chunk_bytes
@@ -158,9 +158,8 @@ class WorkerSide:
                        fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
                        on_lost=self.holds.lost, reuse=self.transfers.reuse, loads_running=loads_running)
             for other, (kind, _, _) in zip(layouts[1:], self.groups[1:]))]
-        pd_served = MAMBA_KINDS.isdisjoint(kind for kind, _, _ in self.groups)
-        pd = "no P/D chunk server (kv_consumer)" if pd_served else "no P/D (Mamba state)"
-        if self.produce and pd_served:
+        pd = "no P/D chunk server (kv_consumer)"
+        if self.produce:
             bind, advertised = config.pd_endpoints(self.rank)
             served = ServedLayout(layout.fingerprint, layout.description, config.chunk_tokens, self.world_size,
                                   () if hybrid else layout.token_bytes)  # hybrid: one block size, no re-cut
@@ -168,8 +167,7 @@ class WorkerSide:
                                             config.pd_timeout_ms)
             pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"
             self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
-        if pd_served:
-            pd += self._start_nixl()
+        pd += self._start_nixl()
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
         logger.info("kvtier rank %d/%d on vLLM %s: %d regions in %d KV cache group(s), %d B per block, chunk of %d "
