@@ -45,6 +45,7 @@ def build_engine(spec: dict):
     kw = {"kv_transfer_config": _transfer_config(spec)} if spec["connector"] != "none" else {}
     if spec.get("block_size"):
         kw["block_size"] = spec["block_size"]
+    kw.update(spec.get("engine_args") or {})  # e.g. {"enable_prefix_caching": True} for a Mamba hybrid
     return LLM(model=spec["model"], load_format=spec.get("load_format", "dummy"), skip_tokenizer_init=True,
                enforce_eager=True, seed=0, max_model_len=spec["max_model_len"],
                gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.35), disable_log_stats=True, **kw)
