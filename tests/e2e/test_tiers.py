@@ -5,6 +5,8 @@ directory, a restart that hits the disk tier, and real tensor parallelism (TP=2)
 
 from __future__ import annotations
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 
 from e2e_engines import prompt, run_engine
@@ -27,7 +29,8 @@ def only(rounds, i):
 
 @pytest.fixture(scope="module")
 def shared_disk(tiny_llama, tmp_path_factory):
-    """Four engines, one after another, on one disk directory."""
+    """Four engines on one disk directory: the first saves alice's chunks; then, at once, two
+    engines of other layouts (their own chunks, which never hit alice's) and a restart."""
     tmp = tmp_path_factory.mktemp("tiers")
     disk = tmp / "disk"
     spec = {"model": tiny_llama, "kvtier": kvtier_config(disk)}
@@ -38,11 +41,16 @@ def shared_disk(tiny_llama, tmp_path_factory):
         {"prompts": [P], "salts": bob, "reset": True},    # same tokens, other tenant
         {"prompts": [P], "salts": alice, "reset": True},  # alice again: from the CPU tier
     ]}, tmp, "first")
-    runs["block64"], _ = run_engine({**spec, "block_size": 64, "rounds": [
-        {"prompts": [P], "salts": alice}, {"prompts": [P], "salts": alice, "reset": True}]}, tmp, "block64")
-    runs["bf16"], _ = run_engine({**spec, "dtype": "bfloat16", "rounds": [
-        {"prompts": [P], "salts": alice}, {"prompts": [P], "salts": alice, "reset": True}]}, tmp, "bf16")
-    runs["restart"], _ = run_engine({**spec, "rounds": [{"prompts": [P], "salts": alice}]}, tmp, "restart")
+    later = {
+        "block64": {**spec, "block_size": 64, "rounds": [
+            {"prompts": [P], "salts": alice}, {"prompts": [P], "salts": alice, "reset": True}]},
+        "bf16": {**spec, "dtype": "bfloat16", "rounds": [
+            {"prompts": [P], "salts": alice}, {"prompts": [P], "salts": alice, "reset": True}]},
+        "restart": {**spec, "rounds": [{"prompts": [P], "salts": alice}]},
+    }
+    with ThreadPoolExecutor(len(later)) as pool:
+        futures = {name: pool.submit(run_engine, later_spec, tmp, name) for name, later_spec in later.items()}
+        runs.update({name: future.result()[0] for name, future in futures.items()})
     return runs
 
 
