@@ -15,15 +15,34 @@ TINY_MODEL = ["--hidden", "64", "--layers", "1"]
 pytestmark = pytest.mark.e2e
 
 
-def bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "kvtier.bench.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+ARGS = {
+    "ttft": ["ttft", "--prompt-lens", "512", "--repeats", "1", "--engines", "in-process", "--settle-s", "1"],
+    "overhead": ["overhead", "--short", "2", "--short-len", "32", "--decode", "4", "--long", "1", "--long-len", "512",
+                 "--rounds", "1", "--alternations", "1"],
+}
 
 
-def test_ttft_measures_every_mode_and_reloads_from_both_tiers(tmp_path):
-    out = tmp_path / "t.json"
-    run = bench("ttft", "--prompt-lens", "512", "--repeats", "1", "--engines", "in-process", "--settle-s", "1",
-                *TINY_MODEL, "--json", str(out))
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """Both benches at once (each runs one engine at a time, and the box has two cores): name ->
+    (the finished process, its JSON path)."""
+    tmp = tmp_path_factory.mktemp("benches")
+    procs = {name: subprocess.Popen([sys.executable, "-m", "kvtier.bench.cli", *args, *TINY_MODEL, "--json",
+                                     str(tmp / f"{name}.json")], cwd=ROOT, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True) for name, args in ARGS.items()}
+    done = {}
+    for name, proc in procs.items():
+        try:
+            out, err = proc.communicate(timeout=600)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        done[name] = (subprocess.CompletedProcess(proc.args, proc.returncode, out, err), tmp / f"{name}.json")
+    return done
+
+
+def test_ttft_measures_every_mode_and_reloads_from_both_tiers(runs):
+    run, out = runs["ttft"]
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "cpu/local" in run.stdout
     data = json.loads(out.read_text())
@@ -34,10 +53,8 @@ def test_ttft_measures_every_mode_and_reloads_from_both_tiers(tmp_path):
     assert loaded["recompute"] == [0] and loaded["cpu"][0] >= 256 and loaded["disk"][0] >= 256  # really reloaded
 
 
-def test_overhead_compares_kvtier_with_no_connector(tmp_path):
-    out = tmp_path / "o.json"
-    run = bench("overhead", "--short", "2", "--short-len", "32", "--decode", "4", "--long", "1", "--long-len", "512",
-                "--rounds", "1", "--alternations", "1", *TINY_MODEL, "--json", str(out))
+def test_overhead_compares_kvtier_with_no_connector(runs):
+    run, out = runs["overhead"]
     assert run.returncode == 0, run.stdout + run.stderr[-3000:]
     assert "kvtier / no connector" in run.stdout
     data = json.loads(out.read_text())
