@@ -413,6 +413,22 @@ def test_a_mamba_hybrid_loads_partial_chunks_where_a_handoff_was_asked(caplog):
         engine.sched.shutdown()
 
 
+def test_without_vllms_handoff_hooks_unaligned_hits_load_partial_chunks(monkeypatch, caplog):
+    """vLLM 0.26's scheduler has no method to cap a prefill at the chunk boundary: kvtier's
+    scheduler then never hands off (the prefill would run past the boundary and the load write
+    into computed blocks), it loads partial chunks, and one line says why."""
+    monkeypatch.delattr(Scheduler, "_reserve_prefill_lookahead")
+    caplog.set_level(logging.WARNING, logger="kvtier.engines.vllm.scheduler_side")
+    engine = _Engine(hybrid_config(full(), sliding(2 * BS)), unaligned="handoff")
+    try:
+        assert not engine.sched.connector.scheduler_side.policy.handoff_supported
+        lines = [r.getMessage() for r in caplog.records if "unaligned hits load partial chunks" in r.getMessage()]
+        assert len(lines) == 1 and "_reserve_prefill_lookahead" in lines[0], lines
+    finally:
+        monkeypatch.undo()
+        engine.sched.shutdown()
+
+
 def test_a_hybrid_model_recomputes_a_failed_load_from_its_first_token():
     """vLLM takes no block ids from a model of several groups: the workers name the request, and
     the engine drops its tokens, frees its blocks and admits it afresh, without the failed chunk."""

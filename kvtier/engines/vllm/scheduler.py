@@ -21,13 +21,18 @@ from kvtier.engines.vllm.connector import KvtierConnector
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
 
 
+# vLLM's scheduler methods a handoff needs (0.32 has them): the prefill cap at the chunk boundary
+# and the return of a parked request as a resumed one. Without them, unaligned hits load partial chunks.
+HANDOFF_HOOKS = ("_reserve_prefill_lookahead", "_handle_blocked_waiting_request")
+
+
 class KvtierScheduler(Scheduler):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.kvtier: SchedulerSide | None = None
         if isinstance(self.connector, KvtierConnector) and self.connector.scheduler_side is not None:
             self.kvtier = self.connector.scheduler_side
-            self.kvtier.enable_handoff()
+            self.kvtier.enable_handoff(tuple(hook for hook in HANDOFF_HOOKS if not hasattr(Scheduler, hook)))
         self._parked: set[str] = set()  # handoffs parked on a load until they run again; they resume as preempted
         self._scheduled_s: float | None = None
 

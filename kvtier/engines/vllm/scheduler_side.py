@@ -140,12 +140,15 @@ class SchedulerSide:
         self.counts: Counter[str] = Counter()  # admissions by committed plan kind (and skip reason)
         self._vetoes = 0  # admissions committed to recompute on cost since the last load
 
-    def enable_handoff(self) -> None:
-        """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary. Not with
-        Mamba state, which a step ending at the boundary would save there but no load brings back."""
-        if self.hits_below_prompt:
+    def enable_handoff(self, missing: tuple[str, ...] = ()) -> None:
+        """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary, unless this
+        vLLM's scheduler lacks the methods it needs for that (``missing``). Not with Mamba state,
+        which a step ending at the boundary would save there but no load brings back."""
+        why = f"this vLLM's scheduler has no {', '.join(missing)}" if missing else \
+            "handoffs are off for Mamba hybrids" if self.hits_below_prompt else None
+        if why is not None:
             if self.config.unaligned == "handoff":
-                logger.warning("kvtier: handoffs are off for Mamba hybrids; unaligned hits load partial chunks.")
+                logger.warning("kvtier: %s; unaligned hits load partial chunks.", why)
             self._warned_handoff = True
             return
         self.policy = Policy(self.policy.min_load_tokens, self.policy.unaligned, handoff_supported=True)
