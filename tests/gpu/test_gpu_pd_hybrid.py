@@ -13,6 +13,7 @@ negative control sends D a transfer P never published: D recomputes and still an
 
 from __future__ import annotations
 
+import contextlib
 import json
 
 import pytest
@@ -37,34 +38,48 @@ def _spec(model: str) -> dict:
             "kvtier": g.kvtier_config(pd_transport="auto")}
 
 
-def test_hybrid_pd_moves_every_group(tmp_path, monkeypatch):
+@contextlib.contextmanager
+def pd_pair(spec: dict, tmp_path, monkeypatch):
+    """P and D, two engines of ``spec`` on the GPU; stopped at the end."""
     from kvtier.bench.pd_engines import Engine
 
-    model = build("gemma3", tmp_path / "model")
     for key, value in g.child_env(multiprocess=True).items():
         monkeypatch.setenv(key, value)
     engines = []
     try:
-        p = Engine("P", _spec(model), str(tmp_path))
-        engines.append(p)
-        d = Engine("D", _spec(model), str(tmp_path))
-        engines.append(d)
+        engines.append(Engine("P", spec, str(tmp_path)))
+        engines.append(Engine("D", spec, str(tmp_path)))
+        yield engines
+    finally:
+        for e in engines:
+            e.stop()
+
+
+def published(p, prompt: list[int]) -> dict:
+    """The ``kv_transfer_params`` P answers ``prompt``'s prefill leg with."""
+    params = p.ask(prompt, {"do_remote_decode": True})["params"]
+    assert params and params.get("kvtier_endpoints"), f"P published nothing: {params}"
+    return params
+
+
+def check_never_published_is_recomputed(p, d, params: dict, prompt: list[int]) -> None:
+    """Negative control: D asked for a transfer P never published recomputes, and answers like P."""
+    got = _ask(d, prompt, {**params, "remote_request_id": "never-published"})
+    assert got["cached"] < g.CHUNK, f"D loaded {got['cached']} tokens of a transfer never published"
+    g.assert_close(_as_output(got), _as_output(_ask(p, prompt)), "recompute vs P")
+
+
+def test_hybrid_pd_moves_every_group(tmp_path, monkeypatch):
+    model = build("gemma3", tmp_path / "model")
+    with pd_pair(_spec(model), tmp_path, monkeypatch) as (p, d):
         prompt = g.prompt(400, LENGTH)
-        params = p.ask(prompt, {"do_remote_decode": True})["params"]
-        assert params and params.get("kvtier_endpoints"), f"P published nothing: {params}"
+        params = published(p, prompt)
         got = _ask(d, prompt, params)
         print(json.dumps({"loaded": got["cached"], "expected": LOADED}))
         assert got["cached"] == LOADED, f"D loaded {got['cached']} tokens, expected {LOADED}"
         g.assert_strict(_as_output(got), _as_output(_ask(p, prompt)), "pull vs P's own KV")
-
-        unknown = g.prompt(401, LENGTH)
-        got = _ask(d, unknown, {**params, "remote_request_id": "never-published"})
-        assert got["cached"] < g.CHUNK, f"D loaded {got['cached']} tokens of a transfer never published"
-        g.assert_close(_as_output(got), _as_output(_ask(p, unknown)), "recompute vs P")
+        check_never_published_is_recomputed(p, d, params, g.prompt(401, LENGTH))
         for engine in (p, d):
             with open(engine.log_path, errors="replace") as f:
                 log = f.read()
             assert "KV cache groups (" in log and "kvtier is idle" not in log
-    finally:
-        for e in engines:
-            e.stop()

@@ -24,6 +24,7 @@ if (_reason := g.skip_reason()) is not None:
 
 from test_gpu_hybrid import build  # noqa: E402
 from test_gpu_pd import _as_output, _ask  # noqa: E402
+from test_gpu_pd_hybrid import check_never_published_is_recomputed, pd_pair, published  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -37,34 +38,17 @@ def _spec(model: str) -> dict:
 
 
 def test_mamba_hybrid_pd_moves_attention_kv_and_state(tmp_path, monkeypatch):
-    from kvtier.bench.pd_engines import Engine
-
     model = build("granite_hybrid", tmp_path / "model")
-    for key, value in g.child_env(multiprocess=True).items():
-        monkeypatch.setenv(key, value)
-    engines = []
-    try:
-        p = Engine("P", _spec(model), str(tmp_path))
-        engines.append(p)
-        d = Engine("D", _spec(model), str(tmp_path))
-        engines.append(d)
+    with pd_pair(_spec(model), tmp_path, monkeypatch) as (p, d):
         prompt = g.prompt(402, LENGTH)
-        params = p.ask(prompt, {"do_remote_decode": True})["params"]
-        assert params and params.get("kvtier_endpoints"), f"P published nothing: {params}"
+        params = published(p, prompt)
         got = _ask(d, prompt, params)
         again = _ask(p, prompt)
         print(json.dumps({"loaded": got["cached"], "p_prefix_hit": again["cached"]}))
         assert got["cached"] == again["cached"] == (LENGTH - 1) // 144 * 144, (got["cached"], again["cached"])
         g.assert_strict(_as_output(got), _as_output(again), "pull vs P's own KV and state")
-
-        unknown = g.prompt(403, LENGTH)
-        got = _ask(d, unknown, {**params, "remote_request_id": "never-published"})
-        assert got["cached"] == 0, f"D loaded {got['cached']} tokens of a transfer never published"
-        g.assert_close(_as_output(got), _as_output(_ask(p, unknown)), "recompute vs P")
+        check_never_published_is_recomputed(p, d, params, g.prompt(403, LENGTH))
         for engine in (p, d):
             with open(engine.log_path, errors="replace") as f:
                 log = f.read()
             assert "mamba" in log and "kvtier is idle" not in log
-    finally:
-        for e in engines:
-            e.stop()
