@@ -111,7 +111,6 @@ class SchedulerSide:
         self.others = tuple(groups[1:])  # served groups beside the anchor, slot i + 1 each
         # Mamba state: vLLM runs a whole-prompt hit's last token again, from the state after it
         self.hits_below_prompt = any(g.kind in MAMBA_KINDS for g in groups)
-        self._warned_hybrid: set[str] = set()
         self.model = model
         self.block_size = block_size
         self.geometry = Geometry(block_size, config.chunk_tokens)
@@ -584,11 +583,6 @@ class SchedulerSide:
                 return chunks
             chunks = needed[held][0]
         return 0
-
-    def _warn_hybrid(self, what: str, message: str) -> None:
-        if what not in self._warned_hybrid:
-            self._warned_hybrid.add(what)
-            logger.warning(message)
 
     def _trusted(self, keys: list[bytes], tiers: list[str]) -> tuple[str, ...]:
         for i, key in enumerate(keys[: len(tiers)]):
