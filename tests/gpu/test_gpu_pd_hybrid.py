@@ -69,6 +69,15 @@ def check_never_published_is_recomputed(p, d, params: dict, prompt: list[int]) -
     g.assert_close(_as_output(got), _as_output(_ask(p, prompt)), "recompute vs P")
 
 
+def logs(*engines) -> list[str]:
+    """Each engine's log, as its process wrote it."""
+    texts = []
+    for engine in engines:
+        with open(engine.log_path, errors="replace") as f:
+            texts.append(f.read())
+    return texts
+
+
 def test_hybrid_pd_moves_every_group(tmp_path, monkeypatch):
     model = build("gemma3", tmp_path / "model")
     with pd_pair(_spec(model), tmp_path, monkeypatch) as (p, d):
@@ -79,7 +88,5 @@ def test_hybrid_pd_moves_every_group(tmp_path, monkeypatch):
         assert got["cached"] == LOADED, f"D loaded {got['cached']} tokens, expected {LOADED}"
         g.assert_strict(_as_output(got), _as_output(_ask(p, prompt)), "pull vs P's own KV")
         check_never_published_is_recomputed(p, d, params, g.prompt(401, LENGTH))
-        for engine in (p, d):
-            with open(engine.log_path, errors="replace") as f:
-                log = f.read()
+        for log in logs(p, d):
             assert "KV cache groups (" in log and "kvtier is idle" not in log

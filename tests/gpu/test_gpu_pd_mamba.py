@@ -24,7 +24,7 @@ if (_reason := g.skip_reason()) is not None:
 
 from test_gpu_hybrid import build  # noqa: E402
 from test_gpu_pd import _as_output, _ask  # noqa: E402
-from test_gpu_pd_hybrid import check_never_published_is_recomputed, pd_pair, published  # noqa: E402
+from test_gpu_pd_hybrid import check_never_published_is_recomputed, logs, pd_pair, published  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -48,7 +48,5 @@ def test_mamba_hybrid_pd_moves_attention_kv_and_state(tmp_path, monkeypatch):
         assert got["cached"] == again["cached"] == (LENGTH - 1) // 144 * 144, (got["cached"], again["cached"])
         g.assert_strict(_as_output(got), _as_output(again), "pull vs P's own KV and state")
         check_never_published_is_recomputed(p, d, params, g.prompt(403, LENGTH))
-        for engine in (p, d):
-            with open(engine.log_path, errors="replace") as f:
-                log = f.read()
+        for log in logs(p, d):
             assert "mamba" in log and "kvtier is idle" not in log

@@ -367,24 +367,21 @@ class SchedulerSide:
         tail = -(-tracked.prompt_tokens // self.block_size)  # blocks through the prompt's last token
         for slot, group in enumerate(self.others, 1):
             ids = tracked.group_blocks[slot - 1] if slot <= len(tracked.group_blocks) else []
-            publish_as = None if transfer is None else group_transfer(transfer, slot)
             if group.kind == MAMBA:
                 state = ids[end * cb - 1] if len(ids) >= end * cb else NULL_BLOCK
                 saved = computed_after == end * self.chunk_tokens and state != NULL_BLOCK
-                if saved or transfer is not None:
-                    keys = (group_key(tracked.keys[end - 1], slot),) if saved else ()
-                    self._group_save_jobs.append(SaveJob(req_id, keys, (state,) if saved else (), publish=publish_as,
-                                                         final=final, group=slot))
-                continue
-            live = group.first_needed_token(computed_before) // self.block_size
-            chunks = [i for i in range(start, end) if i * cb >= live and len(ids) >= (i + 1) * cb
-                      and NULL_BLOCK not in ids[i * cb : (i + 1) * cb]]
-            keys = [group_key(tracked.keys[i], slot) for i in chunks]
-            blocks = [b for i in chunks for b in ids[i * cb : (i + 1) * cb]]
-            if final and tracked.tail is not None and len(ids) >= tail and NULL_BLOCK not in ids[end * cb : tail]:
-                keys.append(group_key(tracked.tail, slot))
-                blocks += ids[end * cb : tail]
+                keys, blocks = ([group_key(tracked.keys[end - 1], slot)], [state]) if saved else ([], [])
+            else:
+                live = group.first_needed_token(computed_before) // self.block_size
+                chunks = [i for i in range(start, end) if i * cb >= live and len(ids) >= (i + 1) * cb
+                          and NULL_BLOCK not in ids[i * cb : (i + 1) * cb]]
+                keys = [group_key(tracked.keys[i], slot) for i in chunks]
+                blocks = [b for i in chunks for b in ids[i * cb : (i + 1) * cb]]
+                if final and tracked.tail is not None and len(ids) >= tail and NULL_BLOCK not in ids[end * cb : tail]:
+                    keys.append(group_key(tracked.tail, slot))
+                    blocks += ids[end * cb : tail]
             if keys or transfer is not None:  # a producer's: each group's transfer says it is alive, then done
+                publish_as = None if transfer is None else group_transfer(transfer, slot)
                 self._group_save_jobs.append(SaveJob(req_id, tuple(keys), tuple(blocks), publish=publish_as,
                                                      final=final, group=slot))
 
