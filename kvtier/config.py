@@ -31,6 +31,8 @@ def _default_cpu_bytes() -> int:
     return int(min(64 * GiB, max(GiB // 4, psutil.virtual_memory().available // 4)))
 
 
+_ZERO_TURNS_OFF = {"pd_hbm_lease_ms"}  # integer settings for which 0 means "off"
+
 @dataclass(frozen=True, slots=True)
 class KvtierConfig:
     """Every setting, with its unit.
@@ -59,6 +61,8 @@ class KvtierConfig:
     pinned when no decode engine fetches them. pd_transport: how chunks travel, ``auto`` (NIXL
     when both engines have it, else ZMQ), ``nixl`` (NIXL required: start-up fails without it;
     a producer without it is still read over ZMQ) or ``zmq``. ZMQ stays the control plane.
+    pd_hbm_lease_ms: how long a prefill engine keeps a finished P/D request's engine blocks for
+    decode engines to READ HBM to HBM over NIXL (0: never; they always fetch from its CPU tier).
 
     Shared tier (a Redis or Valkey server many engines use; named "shared" because "remote" is
     P/D's producer): shared_url: ``redis://[:password@]host:port[/db]`` (``valkey://`` alike;
@@ -86,6 +90,7 @@ class KvtierConfig:
     pd_hold_bytes: int | None = None
     pd_hold_s: int = 120
     pd_transport: str = "auto"
+    pd_hbm_lease_ms: int = 2000
     shared_url: str | None = None
     shared_timeout_ms: int = 1000
 
@@ -129,8 +134,9 @@ class KvtierConfig:
                     value = int(value)
                 except ValueError:
                     raise ConfigError(f"kvtier setting {name!r} must be an integer, got {value!r}.") from None
-                if value <= 0:
-                    raise ConfigError(f"kvtier setting {name!r} must be positive, got {value}.")
+                if value < 0 or (value == 0 and name not in _ZERO_TURNS_OFF):
+                    raise ConfigError(f"kvtier setting {name!r} must be positive{' or 0' if name in _ZERO_TURNS_OFF else ''}, "
+                                      f"got {value}.")
             elif value is not None and not isinstance(value, str):
                 raise ConfigError(f"kvtier setting {name!r} must be a string, got {value!r}.")
             values[name] = value

@@ -79,3 +79,27 @@ class SaveJob:
     final: bool = False
     names: tuple[ChunkBlocks | None, ...] = ()
     group: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Landed:
+    """A producer's chunk that a transfer wrote straight into this engine's blocks (P/D, HBM to
+    HBM): ``checksum`` is the KVSUM64 its blocks must have, read region-major as a chunk payload;
+    ``nbytes``: bytes moved."""
+
+    checksum: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class Lend:
+    """A finished P/D producer request whose engine blocks stay for ``lease_ms`` (the free is
+    delayed until the workers say the lease ended): published under ``transfer_id``,
+    ``block_ids`` in token order, ``keys`` the chain keys of its published chunks in order
+    (chunk i starts at block i × blocks per chunk)."""
+
+    req_id: str
+    transfer_id: str
+    block_ids: tuple[int, ...]
+    keys: tuple[bytes, ...]
+    lease_ms: int

@@ -10,6 +10,13 @@ engine's CPU tier (registered with NIXL) is allocated and a READ posted into it,
 the window are in flight together; a chunk is yielded once its READ is done and its MAC checked.
 Buffers and READs not handed to the caller are settled and released when the transfer ends,
 however it ends.
+
+HBM to HBM (a :class:`Landing` given: this engine's KV is registered with NIXL): where the
+producer still holds the request's engine blocks under a lease, its reply names them and D
+READs them region by region straight into the engine blocks the caller named, one descriptor
+per run of consecutive blocks (:mod:`kvtier.pd.hbm`); the caller gets a :class:`Landed` with the
+KVSUM64 to check the blocks against. The first such READ from each producer says how fast it
+went (:func:`kvtier.pd.hbm.read_speed`).
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ import msgspec
 import numpy as np
 import zmq
 
+from kvtier.jobs import Landed
+from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated, read_descriptors, read_speed
 from kvtier.pd.protocol import (
     VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_reply, encode, mac,
 )
@@ -48,7 +57,8 @@ class PeerError(RuntimeError):
 def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tuple[bytes, int]], *,
                  wait: bool, timeout_ms: int, secret: bytes | None, allocate: Allocate,
                  chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool,
-                 nixl: Agent | None = None, block_size: int = 0) -> Iterator[ChunkBuffer]:
+                 nixl: Agent | None = None, block_size: int = 0,
+                 landing: Landing | None = None) -> Iterator[ChunkBuffer | Landed]:
     """Yield the chunks ``items`` (chain key, block count) of ``transfer_id`` from ``endpoint``, in
     order, each in a fresh buffer from ``allocate`` that the caller owns.
 
@@ -58,6 +68,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
     which picks NIXL or ZMQ (None: ZMQ only). ``block_size``: this engine's, in tokens: each
     chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
+    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only).
     Tells the producer it is done (releases its pins and lent buffers) when the generator ends,
     however it ends.
     """
@@ -69,7 +80,8 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size)
     try:
         if nixl is not None:  # push: P may WRITE each chunk into a buffer of ours as soon as it has it
-            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), nixl=nixl.metadata() if wait else b"")
+            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), nixl=nixl.metadata() if wait else b"",
+                                            hbm=landing is not None and not emulated(endpoint))
         peer.send(hello)
         reply = peer.receive()
         if not isinstance(reply, HelloReply):
@@ -78,10 +90,14 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
             peer.landing_enabled = wait
-        if (endpoint, reply.transport) not in _told:
-            _told.add((endpoint, reply.transport))
-            logger.info("kvtier P/D: fetching from %s over %s.", endpoint,
-                        "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")
+            remote = tuple(RegionSpan(*r) for r in reply.regions)
+            if landing is not None and remote and compatible(landing.regions, remote):
+                peer.hbm, peer.remote_regions, peer.remote_device = landing, remote, reply.device
+        how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
+               if peer.hbm else "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")
+        if (endpoint, how) not in _told:
+            _told.add((endpoint, how))
+            logger.info("kvtier P/D: fetching from %s over %s.", endpoint, how)
         sent = 0
         for index, (key, num_blocks) in enumerate(items):
             while sent < len(items) and sent < index + WINDOW:
@@ -108,6 +124,7 @@ class _Arrived:
     transfer: Transfer | None = None
     tag: bytes = b""
     body: bytes = b""
+    started_s: float = 0.0  # when the READ was posted (perf_counter s)
 
 
 class _Peer:
@@ -128,6 +145,9 @@ class _Peer:
         self.landing_enabled = False  # push over NIXL: each fetch names a buffer P writes into
         self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
         self.early: dict[int, _Arrived] = {}  # replies ahead of their turn
+        self.hbm: Landing | None = None  # where chunks may be READ into the engine (HBM to HBM)
+        self.remote_regions: tuple[RegionSpan, ...] = ()
+        self.remote_device = 0
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
@@ -165,7 +185,8 @@ class _Peer:
             payload = frames[2] if len(frames) == 3 else None
             try:
                 reply = decode_reply(body)
-                lent = isinstance(reply, ChunkReply) and reply.status == "ok" and payload is None and self.nixl
+                lent = (isinstance(reply, ChunkReply) and reply.status == "ok" and payload is None and self.nixl
+                        and not reply.blocks)
                 if not lent:
                     check_mac(self.secret, tag, body, None if payload is None else payload.buffer)
             except (AuthError, msgspec.DecodeError, ValueError) as exc:  # UnicodeDecodeError on bad UTF-8
@@ -190,6 +211,8 @@ class _Peer:
         nbytes = self.sizes[index]
         if arrived.reply.status != "ok":
             raise PeerError(f"{self.endpoint} no longer has chunk {index} ({arrived.reply.status})")
+        if arrived.reply.blocks:
+            return self._finish_landed(index, arrived)
         if arrived.payload is None:
             return self._finish_read(index, arrived)
         payload, buffer = arrived.payload, arrived.buffer
@@ -210,8 +233,9 @@ class _Peer:
         if self.landing_enabled and (buffer := self.allocate(self.sizes[index])) is not None:
             self.landing[index] = buffer
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
+        hbm = self.hbm is not None and self.hbm.block_ids[index] is not None
         self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
-                        num_blocks * self.block_size))
+                        num_blocks * self.block_size, hbm))
 
     def _take(self, got: HelloReply | _Arrived) -> None:
         if isinstance(got, HelloReply):
@@ -223,6 +247,11 @@ class _Peer:
         if got.reply.status != "ok":
             if landing is not None:
                 landing.release()
+            return
+        if got.reply.blocks:
+            if landing is not None:
+                landing.release()
+            self._start_landing(got)
             return
         got.buffer = landing
         if got.payload is None and not got.reply.written:
@@ -241,6 +270,38 @@ class _Peer:
                                               [(reply.address, nbytes)])
         except NixlError:
             pass  # reported when its turn comes
+
+    def _start_landing(self, arrived: _Arrived) -> None:
+        """Post the READ of a chunk's engine blocks into this engine's (a failure is raised by its turn)."""
+        index, blocks = arrived.reply.index, arrived.reply.blocks
+        mine = self.hbm.block_ids[index] if self.hbm is not None else None
+        if mine is None or len(mine) != len(blocks):
+            return
+        try:
+            local, remote = read_descriptors(self.hbm.regions, self.remote_regions, mine, blocks)
+            arrived.transfer = self.nixl.read(self.nixl_peer, local, remote,
+                                              (self.hbm.kind, self.hbm.device, self.remote_device))
+            arrived.started_s = time.perf_counter()
+        except (NixlError, ValueError):
+            pass  # reported when its turn comes
+
+    def _finish_landed(self, index: int, arrived: _Arrived) -> Landed:
+        transfer = arrived.transfer
+        try:
+            if transfer is None:
+                raise PeerError(f"{self.endpoint} named {len(arrived.reply.blocks)} engine blocks for chunk {index}; "
+                                "they could not be read into this engine's")
+            try:
+                transfer.wait(self.timeout_ms / 1000, self.cancelled)
+            except NixlError as exc:
+                self.failed = True
+                raise PeerError(f"NIXL READ of chunk {index}'s engine blocks from {self.endpoint}: {exc}") from None
+        except BaseException:
+            self._discard(arrived)
+            raise
+        transfer.release()
+        read_speed(self.endpoint, self.hbm.kind, transfer.nbytes, time.perf_counter() - arrived.started_s)
+        return Landed(arrived.reply.checksum, transfer.nbytes)
 
     def _finish_read(self, index: int, arrived: _Arrived) -> ChunkBuffer:
         reply, buffer, transfer = arrived.reply, arrived.buffer, arrived.transfer

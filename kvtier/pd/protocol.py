@@ -22,6 +22,14 @@ pool in each fetch (``address``, ``capacity``), and P WRITEs the chunk there the
 it (its ``ok`` reply then says ``written``); D's metadata came with its hello. P gives its NIXL
 metadata only in an authenticated handshake reply: a peer that fails the handshake never learns
 how to reach P's memory.
+
+HBM to HBM (``Hello.hbm``: D registered its engine KV with NIXL): while P holds a finished
+request's engine blocks under a lease (:mod:`kvtier.pd.leases`), its handshake reply gives its
+engine KV regions (``regions``, ``device``), and a fetch that asks for it (``Fetch.hbm``) is
+answered with the chunk's block ids in P's engine (``ChunkReply.blocks``) and the KVSUM64 its
+save computed (``checksum``), both under the MAC. D READs those blocks into its own, checks the
+KVSUM64 of what landed, and releases the transfer when done. Without a lease (it ended, or P
+keeps none) the same fetch gets the CPU-tier answer above.
 """
 
 from __future__ import annotations
@@ -35,7 +43,7 @@ import msgspec
 from kvtier.codec import HEADER_BYTES
 from kvtier.codec.chunk import CHECKSUM_BLAKE3, read_header
 
-VERSION = 3
+VERSION = 4
 MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larger ones unread
 KEY_BYTES = 16
 MAC_BYTES = 32
@@ -46,6 +54,9 @@ Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 Address = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit
 Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 Text = Annotated[str, msgspec.Meta(max_length=4096)]
+Checksum = int  # unsigned 64 bits; msgspec bounds stop at int64, so D compares it as it came
+Device = Annotated[int, msgspec.Meta(ge=0, le=1 << 10)]
+RegionAddress = tuple[Address, Size, Size]  # (base address, stride between blocks, bytes per block)
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):
@@ -59,6 +70,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     chunk_tokens: Count
     transports: tuple[Literal["nixl", "zmq"], ...] = ("zmq",)
     nixl: bytes = b""  # D's NIXL agent metadata, offered with "nixl": P may WRITE into D's buffers
+    hbm: bool = False  # D registered its engine KV with NIXL: it may READ P's engine blocks into it
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
@@ -77,6 +89,7 @@ class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
     address: Address = 0  # NIXL push: D's buffer P may WRITE the chunk into (0: none)
     capacity: Size = 0  # its size in bytes; P writes only a chunk of exactly this size
     tokens: Count = 0
+    hbm: bool = False  # answer with P's engine blocks of the chunk, if P still holds them
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -95,6 +108,8 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     error: str = ""
     transport: str = "zmq"
     nixl: bytes = b""  # P's NIXL agent metadata, with transport "nixl"
+    regions: tuple[RegionAddress, ...] = ()  # P's engine KV, when it may lend engine blocks (hbm)
+    device: Device = 0  # the CUDA device of those regions in P's process
 
 
 ChunkStatus = Literal["ok", "missing", "pending", "refused"]
@@ -102,7 +117,7 @@ ChunkStatus = Literal["ok", "missing", "pending", "refused"]
 
 class ChunkReply(msgspec.Struct, frozen=True, tag="chunk"):
     """``ok``: the payload frame follows, or (NIXL) the chunk is at ``address`` in P's registered
-    memory, ``nbytes`` long. ``missing``: P does not have it (and will not). ``pending``: a
+    memory, ``nbytes`` long, or (HBM) in P's engine ``blocks``. ``missing``: P does not have it (and will not). ``pending``: a
     heartbeat, P is still computing the transfer. ``refused``: a bad request."""
 
     version: int
@@ -112,6 +127,8 @@ class ChunkReply(msgspec.Struct, frozen=True, tag="chunk"):
     address: int = 0
     nbytes: int = 0
     written: bool = False  # NIXL push: the chunk is already in the buffer the fetch named
+    blocks: tuple[Size, ...] = ()  # HBM: the chunk's blocks in P's engine, to READ region by region
+    checksum: Checksum = 0  # HBM: the chunk's KVSUM64, over its payload as P's save sealed it
 
 
 encode = msgspec.msgpack.Encoder().encode

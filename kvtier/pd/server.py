@@ -14,6 +14,13 @@ releases the transfer, or, should the peer vanish, until it has asked nothing fo
 the chunk is written there (a NIXL WRITE posted on this thread) and the reply says so. While
 NIXL peers are known the thread wakes every 10 ms (every 1 ms while a WRITE runs) to let NIXL
 make progress (no progress thread, see :mod:`kvtier.pd.nixl`).
+
+HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with NIXL): a peer
+whose hello offered it gets this rank's engine KV regions in the handshake reply; its fetches
+for a transfer under a lease (:mod:`kvtier.pd.leases`) are answered with the chunk's engine
+block ids and the KVSUM64 of its stored copy, which the peer READs and checks itself. A fetch
+for a transfer whose lease should begin any moment (its request finished computing) waits for
+it up to :data:`EXPECT_S`; without a lease the chunk is lent or sent from the CPU tier as above.
 """
 
 from __future__ import annotations
@@ -29,8 +36,10 @@ import zmq
 
 from kvtier import codec
 from kvtier.keys import storage_key
+from kvtier.pd.hbm import EngineBlocks
 from kvtier.pd.holds import PublishHolds
-from kvtier.pd.nixl import Agent, Transfer
+from kvtier.pd.nixl import Agent
+from kvtier.pd.writes import PeerWrites
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_request,
     encode, mac,
@@ -46,6 +55,7 @@ MAX_WAITING = 4096  # fetches parked for chunks still being computed, over all p
 ACTIVE_S = 60.0
 _SEND_HWM = 64  # replies queued per peer; D keeps a few fetches in flight, so this is never reached
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
+EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
 
 
 @dataclass(frozen=True, slots=True)
@@ -70,16 +80,6 @@ class _Lent:
 
 
 @dataclass(slots=True)
-class _Write:
-    """A chunk being written into a NIXL peer's buffer: answered once ``transfer`` is done."""
-
-    identity: bytes
-    fetch: Fetch
-    buffer: ChunkBuffer
-    transfer: Transfer
-
-
-@dataclass(slots=True)
 class _Waiting:
     identity: bytes
     fetch: Fetch
@@ -99,11 +99,13 @@ class ChunkServer:
                  nixl: Agent | None = None):
         self.store = store
         self.nixl = nixl
+        self.engine: EngineBlocks | None = None  # set once the engine KV is registered with NIXL
+        self._hbm_peers: set[bytes] = set()  # identities given the engine KV regions
+        self.hbm_total = 0  # chunks answered with engine blocks since start
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
-        self._writes: list[_Write] = []  # WRITEs not done yet (RDMA; on one host they finish when posted)
-        self.written_total = 0  # chunks written into NIXL peers' buffers since start
+        self._writes = PeerWrites(self._send)  # WRITEs not done yet (RDMA; on one host they finish when posted)
         self.lent_total = 0  # chunks lent over NIXL since start
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
         self._lend_s = 2 * timeout_ms / 1000
@@ -138,6 +140,8 @@ class ChunkServer:
         last_beat = last_expire = time.monotonic()
         while not self._stop.is_set():
             events = dict(poller.poll(1 if self._writes else 10 if self._waiting or self._nixl_peers else 100))
+            if self._waiting and self._hbm_peers:  # a fetch may be waiting for a lease: look again
+                self.holds.changed.set()
             try:
                 if events:
                     for _ in range(64):  # bounded, so waiting fetches and expiry still run
@@ -149,7 +153,7 @@ class ChunkServer:
                 if self._nixl_peers:
                     self.nixl.progress()
                 if self._writes:
-                    self._poll_writes()
+                    self._writes.poll()
                 now = time.monotonic()
                 self._serve_waiting(now)
                 if now - last_beat >= self._heartbeat_s:
@@ -165,10 +169,7 @@ class ChunkServer:
                 logger.exception("kvtier P/D chunk server: unexpected error; still serving")
         for transfer_id in list(self._lent):
             self._return(transfer_id)
-        for w in self._writes:  # a buffer goes back only once no WRITE reads it
-            if w.transfer.settle(self._lend_s):
-                w.transfer.release()
-                w.buffer.release()
+        self._writes.settle(self._lend_s)
         self._socket.close()
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -190,6 +191,9 @@ class ChunkServer:
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
             self._writers.pop(identity, None)
+            self._hbm_peers.discard(identity)
+            if self.engine is not None:
+                self.engine.leases.release(message.transfer_id)
             self._return(message.transfer_id)
             self.holds.release(message.transfer_id)
             self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
@@ -199,10 +203,14 @@ class ChunkServer:
         error = ""
         if hello.tp_size != mine.tp_size:
             error = f"tensor-parallel size {hello.tp_size} on the decode engine, {mine.tp_size} here"
-        transport, metadata = "zmq", b""
+        transport, metadata, regions, device = "zmq", b"", (), 0
         if not error and self.nixl is not None and "nixl" in hello.transports:
             transport, metadata = "nixl", self.nixl.metadata()
             self._nixl_peers[identity] = time.monotonic()
+            engine = self.engine
+            if hello.hbm and engine is not None and hello.fingerprint == mine.fingerprint:
+                regions, device = tuple((r.base, r.stride, r.block_bytes) for r in engine.regions), engine.device
+                self._hbm_peers.add(identity)
             if hello.nixl:  # the peer may be written to (push): reach its agent now
                 try:
                     self._writers[identity] = self.nixl.connect(hello.nixl)
@@ -212,10 +220,13 @@ class ChunkServer:
         else:
             self._nixl_peers.pop(identity, None)
         self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
-                                        mine.tp_size, error, transport, metadata))
+                                        mine.tp_size, error, transport, metadata, regions, device))
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
+        if (fetch.hbm and identity in self._hbm_peers and now + EXPECT_S > time.monotonic()
+                and self.engine.leases.expected(fetch.transfer_id)):
+            return self._park(identity, fetch, now)
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)
         if buffer is not None:
@@ -227,6 +238,10 @@ class ChunkServer:
         if not coming:
             self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
             return True
+        return self._park(identity, fetch, now)
+
+    def _park(self, identity: bytes, fetch: Fetch, now: float) -> bool:
+        """Keep ``fetch`` to answer later (False), or refuse it when too many wait (True)."""
         if not any(w.identity == identity and w.fetch == fetch for w in self._waiting):
             if len(self._waiting) >= MAX_WAITING:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "refused", "too many waiting fetches"))
@@ -242,8 +257,11 @@ class ChunkServer:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
                 return True
         self.served_total += 1
+        if fetch.hbm and identity in self._hbm_peers and self._lend_blocks(identity, fetch, buffer):
+            return True
         if fetch.address and fetch.capacity == buffer.data.numel() and identity in self._writers:
-            self._write(identity, fetch, buffer)
+            self._writes.start(self.nixl, self._writers[identity], identity, fetch, buffer)
+            self._nixl_peers[identity] = time.monotonic()
             return True
         if identity in self._nixl_peers and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
             self._lend(identity, fetch, buffer)
@@ -289,34 +307,25 @@ class ChunkServer:
         self._send(identity, reply, memoryview(buffer.data.numpy()), out_of_band=True)  # if the peer is gone,
         # the buffer goes back when the loan expires
 
-    def _write(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> None:
-        """WRITE the chunk into the buffer the fetch named; reply once it is there."""
+    def _lend_blocks(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
+        """Reply with the chunk's engine blocks and its KVSUM64, if a lease holds them (takes
+        ``buffer`` then: the stored copy only told the checksum); False to serve it otherwise."""
+        engine = self.engine
+        try:
+            header = codec.read_header(buffer.data)
+        except codec.ChunkError:
+            return False  # sent as it is: the consumer's check refuses it
+        num_blocks = header.payload_bytes // engine.bytes_per_block
+        if header.checksum_kind != codec.KVSUM64 or num_blocks != fetch.num_blocks:
+            return False
+        blocks = engine.leases.blocks(fetch.transfer_id, fetch.key, num_blocks)
+        if blocks is None:
+            return False
         self._nixl_peers[identity] = time.monotonic()
-        transfer = self.nixl.write(self._writers[identity], [(buffer.data.data_ptr(), buffer.data.numel())],
-                                   [(fetch.address, fetch.capacity)])
-        self._writes.append(_Write(identity, fetch, buffer, transfer))
-        self._poll_writes()
-
-    def _poll_writes(self) -> None:
-        """Answer the WRITEs that finished; one that failed sends its chunk as a payload instead."""
-        running = []
-        for w in self._writes:
-            state = w.transfer.state()
-            if state == "PROC":
-                running.append(w)
-                continue
-            w.transfer.release()
-            try:
-                payload = memoryview(w.buffer.data.numpy())
-                if state == "DONE":
-                    self.written_total += 1
-                    reply = ChunkReply(VERSION, w.fetch.index, "ok", nbytes=w.buffer.data.numel(), written=True)
-                    self._send(w.identity, reply, payload, out_of_band=True)
-                else:
-                    self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok"), payload)
-            finally:
-                w.buffer.release()
-        self._writes = running
+        self.hbm_total += 1
+        self._send(identity, ChunkReply(VERSION, fetch.index, "ok", blocks=blocks, checksum=header.checksum))
+        buffer.release()
+        return True
 
     def _return(self, transfer_id: str) -> None:
         lent = self._lent.pop(transfer_id, None)
@@ -326,11 +335,17 @@ class ChunkServer:
     def _expire_lent(self, now: float) -> None:
         for identity in [i for i, last_s in self._nixl_peers.items() if now - last_s > self._lend_s]:
             del self._nixl_peers[identity]
+            self._hbm_peers.discard(identity)
         for transfer_id in [t for t, lent in self._lent.items() if now - lent.last_s > self._lend_s]:
             logger.info("kvtier P/D chunk server: transfer %s was not released within %.0f s; its %d lent "
                         "chunks go back to the CPU tier.", transfer_id, self._lend_s,
                         len(self._lent[transfer_id].buffers))
             self._return(transfer_id)
+
+    @property
+    def written_total(self) -> int:
+        """Chunks written into NIXL peers' buffers since start (tests, stats)."""
+        return self._writes.written_total
 
     @property
     def lent_chunks(self) -> int:

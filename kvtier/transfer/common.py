@@ -16,15 +16,18 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from kvtier.jobs import LoadJob
+from kvtier.jobs import Landed, LoadJob
 from kvtier.layout import Layout
 from kvtier.ops import checksums_in_kernel, copies_in_background, pick_backend
 from kvtier.storage import ChunkBuffer
 
 HeldChanged = Callable[[list[bytes]], None]  # storage keys this worker stored, re-confirmed or promoted
-# (job, [(chain key, blocks)] of its producer's chunks) -> those chunks in order, in buffers the
-# caller owns; raises kvtier.pd.PeerError (after yielding what arrived) when the producer fails.
-FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]]], Iterator[ChunkBuffer]]
+# (job, [(chain key, blocks)] of its producer's chunks, per chunk None or (its index in the prompt,
+# the engine blocks it may be written into directly)) -> those chunks in order, each in a buffer
+# the caller owns or, when it was written into the engine blocks named, a Landed; raises
+# kvtier.pd.PeerError (after yielding what arrived) when the producer fails.
+Targets = list[tuple[int, tuple[int, ...]] | None]
+FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets], Iterator[ChunkBuffer | Landed]]
 _EWMA = 0.2  # weight of the newest sample in the per-tier load cost
 
 
@@ -40,6 +43,7 @@ class TransferStats:
     cpu_hit_tokens: int = 0
     disk_hit_tokens: int = 0
     remote_hit_tokens: int = 0  # from a P/D producer
+    landed_bytes: int = 0  # of those, bytes the producer wrote straight into engine blocks (HBM to HBM)
     shared_hit_tokens: int = 0  # from the shared Redis/Valkey tier
     saved_chunks: int = 0
     saved_bytes: int = 0

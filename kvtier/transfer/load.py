@@ -37,12 +37,13 @@ from typing import Callable
 import torch
 
 from kvtier import codec
-from kvtier.jobs import LoadJob
+from kvtier.jobs import Landed, LoadJob
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 from kvtier.transfer.common import Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms
+from kvtier.transfer.landed import LandedCheck
 
 logger = logging.getLogger(__name__)
 
@@ -85,6 +86,12 @@ class LoadSide:
         self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
         self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
         self._loads_running = 0  # written by whichever thread runs local loads; the save thread yields while > 0
+        self._landed: LandedCheck | None = None  # set when producers may write chunks into the engine's blocks
+
+    def accept_landings(self) -> None:
+        """P/D producers may write chunks straight into this engine's blocks from now on (its KV
+        is registered with NIXL): they are checked here against their KVSUM64."""
+        self._landed = LandedCheck(self.layout, self.chunk_blocks)
 
     def skey(self, key: bytes) -> bytes:
         return storage_key(key, self.layout.fingerprint)
@@ -233,12 +240,21 @@ class LoadSide:
         items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
         held, count_chunks, chunks = [], 0, None
         try:
-            chunks = self._fetch_remote(job, items)
+            chunks = self._fetch_remote(job, items, self._targets(job, done))
             for i, buffer in enumerate(chunks, start=first):
                 if done == len(job.block_ids):
-                    buffer.release()
+                    if not isinstance(buffer, Landed):
+                        buffer.release()
                     break
                 num_blocks = self._num_blocks(job, i)
+                if isinstance(buffer, Landed):  # written straight into this engine's blocks (HBM to HBM)
+                    count = self._span(job, i, done)[1]
+                    if not self._landed_intact(job, i, done, count, buffer):
+                        break
+                    done += count
+                    count_chunks += 1
+                    self.stats.landed_bytes += buffer.nbytes
+                    continue
                 try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)
                     fused = self._kernel_sums and codec.read_header(buffer.data).checksum_kind == codec.KVSUM64
                     header = codec.verify_chunk(buffer.data, self.layout, num_blocks, payload=not fused)
@@ -276,6 +292,28 @@ class LoadSide:
         if held:
             self._on_held(held)
         return done, count_chunks
+
+    def _targets(self, job: LoadJob, done: int) -> list[tuple[int, tuple[int, ...]] | None]:
+        """Per producer chunk of ``job`` (``done`` blocks loaded before them): the engine blocks it
+        may be written into directly, when the whole chunk goes into them (a chunk loaded from a
+        block inside it comes through the CPU tier: its checksum covers the whole chunk)."""
+        targets: list[tuple[int, tuple[int, ...]] | None] = []
+        for i in range(job.remote.first_chunk, len(job.keys)):
+            block, count = self._span(job, i, done)
+            whole = block == 0 and count == self._num_blocks(job, i) and self._landed is not None
+            targets.append((i, tuple(job.block_ids[done : done + count])) if whole else None)
+            done += count
+        return targets
+
+    def _landed_intact(self, job: LoadJob, i: int, done: int, count: int, landed: Landed) -> bool:
+        """Check chunk ``i``'s blocks, written by the producer, against its KVSUM64."""
+        ids = self._ids(job.block_ids[done : done + count])
+        if self._landed.matches(ids, count, landed.checksum):
+            return True
+        logger.warning("kvtier P/D: chunk %d of transfer %s from %s arrived in the engine's blocks with another "
+                       "KVSUM64 than the producer saved; recomputing from there.", i, job.remote.transfer_id,
+                       job.remote.endpoints[0])
+        return False
 
     def _start_scatter(self, spans: list[ChunkSpan], sums: list[int]):
         """Start scattering ``spans`` (checked against their chunks' KVSUM64s ``sums`` when the

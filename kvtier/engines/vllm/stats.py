@@ -9,7 +9,7 @@ from typing import Any
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics, KVConnectorStats
 
 TIERS = ("cpu", "disk", "shared", "remote")
-HELD_TIERS = ("cpu", "disk")
+HELD_TIERS = ("cpu", "disk", "hbm")  # hbm: a P/D producer's engine blocks kept under leases
 # Per chunk batch (one load job, one step's saves): a chunk is ~1-100 ms, a 32k prompt ~0.1-2 s.
 LATENCY_BUCKETS_S = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 # Request ids whose load failed on a hybrid model's workers (vLLM takes no block ids there): a
@@ -22,7 +22,8 @@ class KvtierStats(KVConnectorStats):
     """``data`` holds plain values, so it crosses processes as is, in three kinds:
 
     * counters, summed over steps and TP ranks: ``hit_tokens_{cpu,disk,shared,remote}`` (tokens
-      loaded from each tier, counted once), ``loaded_bytes``, ``saved_bytes``, ``load_ms``,
+      loaded from each tier, counted once), ``loaded_bytes`` (of which ``landed_bytes``: written
+      by a P/D producer straight into engine blocks, HBM to HBM), ``saved_bytes``, ``load_ms``,
       ``save_ms`` (time spent loading / saving, summed over ranks), ``dropped_saves`` (chunks
       dropped from a full save backlog or for want of CPU memory), ``failed_loads`` (loads that
       ended early and recomputed); with a shared tier also ``shared_writes``,
@@ -30,8 +31,9 @@ class KvtierStats(KVConnectorStats):
       ``shared_failed_writes`` (chunks, summed over ranks);
     * observations, concatenated: ``load_batch_ms`` (one per load job), ``save_batch_ms`` (one
       per step's batch of saved chunks, copy-out to stored);
-    * gauges per rank, the latest value kept: ``held_bytes_cpu``, ``held_bytes_disk``
-      (``{rank: bytes}``, rank as a string).
+    * gauges per rank, the latest value kept: ``held_bytes_cpu``, ``held_bytes_disk``,
+      ``held_bytes_hbm`` (a P/D producer's engine blocks kept under leases) (``{rank: bytes}``,
+      rank as a string).
     """
 
     def reset(self) -> None:
@@ -84,6 +86,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                                   documentation="Prompt tokens kvtier loaded into the engine, by the tier they came from.")
         self.loaded_bytes = counter(name="vllm:kvtier_loaded_bytes", labelnames=names,
                                     documentation="KV bytes kvtier loaded into engine blocks, summed over TP ranks.")
+        self.landed_bytes = counter(name="vllm:kvtier_landed_bytes", labelnames=names,
+                                    documentation="P/D KV bytes a producer wrote straight into engine blocks "
+                                                  "(HBM to HBM), summed over TP ranks.")
         self.saved_bytes = counter(name="vllm:kvtier_saved_bytes", labelnames=names,
                                    documentation="KV bytes kvtier stored in its CPU tier, summed over TP ranks.")
         self.failed_loads = counter(name="vllm:kvtier_failed_loads", labelnames=names,
@@ -105,7 +110,8 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         for tier in TIERS:
             if n := data.get(f"hit_tokens_{tier}", 0):
                 self.hit_tokens.labels(*labels, tier).inc(n)
-        for metric, name in ((self.loaded_bytes, "loaded_bytes"), (self.saved_bytes, "saved_bytes"),
+        for metric, name in ((self.loaded_bytes, "loaded_bytes"), (self.landed_bytes, "landed_bytes"),
+                             (self.saved_bytes, "saved_bytes"),
                              (self.failed_loads, "failed_loads"), (self.dropped_saves, "dropped_saves")):
             if n := data.get(name, 0):
                 metric.labels(*labels).inc(n)

@@ -24,19 +24,20 @@ import dataclasses
 import itertools
 import logging
 import sys
-import threading
 from typing import TYPE_CHECKING
 
 import torch
 
-from kvtier.config import ConfigError, KvtierConfig
+from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.groups import blocks_per_chunk, group_layouts
 from kvtier.engines.vllm.stats import FAILED_REQUESTS
-from kvtier.jobs import LoadJob, SaveJob
+from kvtier.jobs import LoadJob, Lend, SaveJob
 from kvtier.codec import chunk_bytes
 from kvtier.lookup import HoldReporter, LookupServer
 from kvtier.ops import describe_backend
-from kvtier.pd import nixl
+from kvtier.pd.engine_kv import EngineKv
+from kvtier.pd.nixl import Agent
+from kvtier.pd.nixl_start import NixlStart
 from kvtier.pd.fetch import PeerError, fetch_chunks
 from kvtier.pd.holds import PublishHolds
 from kvtier.pd.protocol import VERSION as PD_VERSION
@@ -57,6 +58,7 @@ STATS_FIELDS = {
     "remote_hit_tokens": "hit_tokens_remote",
     "shared_hit_tokens": "hit_tokens_shared",
     "loaded_bytes": "loaded_bytes",
+    "landed_bytes": "landed_bytes",
     "saved_bytes": "saved_bytes",
     "load_ms": "load_ms",
     "save_ms": "save_ms",
@@ -103,8 +105,9 @@ class WorkerSide:
         self.events: TierEvents | None = None
         self._kv_events = kv_events and rank == 0  # one rank announces: every rank holds the same chunks
         self._shared_reported: dict[str, int] = {}
-        self.nixl: nixl.Agent | None = None  # set once NIXL is up with the CPU pool registered
-        self._nixl_started: threading.Thread | None = None
+        self._nixl_start: NixlStart | None = None
+        self.engine_kv: EngineKv | None = None  # P/D HBM to HBM (one KV cache group only)
+        self._unkept: set[str] = set()  # lends this rank cannot keep: their blocks go at once
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
         layouts = group_layouts(kv_caches, self.groups, self.block_size, self.num_blocks, model=self.model,
@@ -167,7 +170,12 @@ class WorkerSide:
                                             config.pd_timeout_ms)
             pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"
             self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
-        pd += self._start_nixl()
+        if not hybrid:
+            lease_ms = config.pd_hbm_lease_ms if self.produce else 0
+            self.engine_kv = EngineKv(layout, cb, lease_ms, grace_s=config.pd_timeout_ms / 1000)
+        self._nixl_start = NixlStart(self.rank, store.pool_memory(), self.engine_kv, self.chunk_server,
+                                     self.transfers.loads.accept_landings)
+        pd += self._nixl_start.start(config.pd_transport)
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
         logger.info("kvtier rank %d/%d on vLLM %s: %d regions in %d KV cache group(s), %d B per block, chunk of %d "
@@ -177,49 +185,24 @@ class WorkerSide:
                     describe_backend(self.transfers.backend), len(kept),
                     self.endpoint, pd)
 
-    def _start_nixl(self) -> str:
-        """Start NIXL in the background (UCX takes ~2 s to start) and register the CPU pool with
-        it; until it is up, transfers go over ZMQ. The start-up line's words for the transport."""
-        transport = self.config.pd_transport
-        if transport == "zmq":
-            return "; P/D chunks over ZMQ"
-        if not nixl.available():
-            if transport == "nixl":
-                raise ConfigError("kvtier setting 'pd_transport' is 'nixl', but NIXL is not installed here "
-                                  "(pip install nixl-cu12, or nixl on CUDA hosts).")
-            return "; P/D chunks over ZMQ (NIXL is not installed)"
-        self._nixl_started = threading.Thread(target=self._register_nixl, name="kvtier-nixl-start", daemon=True)
-        self._nixl_started.start()
-        return "; P/D chunks over NIXL where the peer has it (starting), else ZMQ"
-
-    def _register_nixl(self) -> None:
-        try:
-            agent = nixl.make_agent()
-            agent.register([self.store.pool_memory()])
-        except Exception as exc:  # UCX could not start: ZMQ carries every transfer
-            logger.warning("kvtier P/D: NIXL did not start (%s); chunks go over ZMQ.", exc)
-            return
-        self.nixl = agent
-        if self.chunk_server is not None:
-            self.chunk_server.nixl = agent
-        logger.info("kvtier rank %d: NIXL agent %s up, %.1f GiB of CPU pool registered (UCX, no progress "
-                    "thread).", self.rank, agent.name, self.store.pool_memory()[1] / (1 << 30))
-
     def _loads_running(self) -> int:
         return sum(t.loads.running() for t in self.group_transfers)
 
     def nixl_ready(self, timeout_s: float = 30.0) -> bool:
         """Wait until NIXL is up (True), or is not to be used here (False)."""
-        if self._nixl_started is not None:
-            self._nixl_started.join(timeout_s)
-        return self.nixl is not None
+        return self._nixl_start is not None and self._nixl_start.ready(timeout_s)
+
+    @property
+    def nixl(self) -> Agent | None:
+        """This rank's NIXL agent, once it is up with the CPU pool registered."""
+        return self._nixl_start.agent if self._nixl_start is not None else None
 
     def _changed(self, keys: list[bytes]) -> None:
         self.reporter.changed(keys)
         if self.events is not None:
             self.events.changed(keys)
 
-    def _fetch_remote(self, job: LoadJob, items: list[tuple[bytes, int]]):
+    def _fetch_remote(self, job: LoadJob, items: list[tuple[bytes, int]], targets):
         remote = job.remote
         if len(remote.endpoints) != self.world_size:
             raise PeerError(f"the producer has {len(remote.endpoints)} TP ranks, this engine {self.world_size}")
@@ -229,7 +212,8 @@ class WorkerSide:
                             cancelled=lambda: transfers.cancelled(job.req_id),
                             allocate=lambda n: self.store.allocate(n, wait=False),
                             chunk_bytes=lambda n: chunk_bytes(transfers.layout, n), nixl=self.nixl,
-                            block_size=0 if len(self.group_transfers) > 1 else transfers.layout.block_size)
+                            block_size=0 if len(self.group_transfers) > 1 else transfers.layout.block_size,
+                            landing=self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None)
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
@@ -265,7 +249,21 @@ class WorkerSide:
             if job.publish is not None:
                 self.holds.announce(job.publish, [self.transfers.skey(k) for k in job.keys], False)
 
+    def lend(self, lends: tuple[Lend, ...]) -> None:
+        """Keep finished producer requests' blocks for decode engines (see :mod:`kvtier.pd.engine_kv`)."""
+        if lends and self.engine_kv is not None and self.engine_kv.lend(lends):
+            self.holds.changed.set()  # a fetch waiting for its lease looks again
+        elif lends:
+            self._unkept.update(lend.req_id for lend in lends)
+
+    def finished_sends(self, finished_req_ids: set[str]) -> set[str]:
+        """Requests whose blocks vLLM may free now (their lease ended)."""
+        unkept, self._unkept = self._unkept, set()
+        return unkept | (self.engine_kv.ended(finished_req_ids) if self.engine_kv is not None else set())
+
     def save(self, jobs: tuple[SaveJob, ...]) -> None:
+        if self.engine_kv is not None:
+            self.engine_kv.saving(jobs)
         for job in jobs:
             if job.publish is not None:  # announced before the save can land, so it is pinned
                 self.holds.announce(job.publish, [self.transfers.skey(k) for k in job.keys], job.final)
@@ -343,7 +341,8 @@ class WorkerSide:
                                         for _ in range(len(t.batch_ms[way]))]
         if self._failed_requests:
             delta[FAILED_REQUESTS], self._failed_requests = self._failed_requests, []
-        held = {"held_bytes_cpu": self.store.cpu_bytes_used(), "held_bytes_disk": self.store.disk_bytes_used()}
+        held = {"held_bytes_cpu": self.store.cpu_bytes_used(), "held_bytes_disk": self.store.disk_bytes_used(),
+                "held_bytes_hbm": self.engine_kv.held_bytes if self.engine_kv is not None else 0}
         for name, nbytes in held.items():
             if self._held_reported.get(name) != nbytes:  # a gauge travels only when it moved
                 delta[name] = {str(self.rank): nbytes}
@@ -364,8 +363,8 @@ class WorkerSide:
         return (self.reporter is None or self.reporter.flush(timeout_s)) and landed
 
     def close(self) -> None:
-        if self._nixl_started is not None:
-            self._nixl_started.join(30)
+        if self._nixl_start is not None:
+            self._nixl_start.ready(30)
         if self.chunk_server is not None:
             self.chunk_server.close()
         if self.holds is not None:
@@ -378,11 +377,11 @@ class WorkerSide:
             self.reporter.close()
         if self.server is not None:
             self.server.close()
+        if self.engine_kv is not None:
+            self.engine_kv.close()
         if self.store is not None:
-            if self.nixl is not None:
-                self.nixl.deregister([self.store.pool_memory()])
-                self.nixl.close()
-                self.nixl = None
+            if self._nixl_start is not None:
+                self._nixl_start.close()
             self.store.close()
         self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = None
         self.group_transfers = []

@@ -1,0 +1,156 @@
+"""Engine KV memory as NIXL sees it: the regions of :mod:`kvtier.layout`, registered once, and
+the descriptors of a block-to-block READ, one per run of consecutive blocks.
+
+Registration covers each region's whole span of blocks (overlapping or touching spans merged),
+once per rank at start, never per transfer. A transfer's descriptors pair a run of consecutive
+blocks on both sides with one ``(address, bytes)`` per region where the region's blocks are
+dense (stride = block bytes), else one per block: NIXL's post time grows with the descriptor
+count, so a 32k-token prompt of a 32-layer model read in 256-token chunks is 32 descriptors a
+chunk when the blocks are consecutive, not 512.
+
+Whether UCX reaches the peer's GPU memory directly (``cuda_ipc`` between GPUs of one host,
+GPUDirect RDMA across hosts) or emulates it through the host shows only in how fast a READ
+goes: the consumer times its first READs from each producer (:func:`read_speed`) and one line
+says which it is; an emulated path (a VM without ``cuda_ipc`` moved 0.4 GB/s) is turned off for
+that producer, whose chunks then come from its CPU tier.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import dataclass
+
+from kvtier.layout import Layout
+from kvtier.pd.leases import BlockLeases
+
+logger = logging.getLogger(__name__)
+
+EMULATED_GBPS = 2.0  # the fastest of a producer's first READs slower than this, GB/s: emulated
+TIMED_READS = 3  # READs timed per producer before judging
+TIMED_MIN_BYTES = 4 << 20  # smaller READs time their latency, not the path's bandwidth
+_lock = threading.Lock()
+_timed: dict[str, list[float]] = {}  # producer endpoint -> GB/s of its first READs
+_emulated: set[str] = set()
+
+
+@dataclass(frozen=True, slots=True)
+class RegionSpan:
+    """One region of engine KV: ``base`` address, ``stride`` bytes between blocks, ``block_bytes``."""
+
+    base: int
+    stride: int
+    block_bytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineBlocks:
+    """What a producer rank lends HBM to HBM: its engine KV ``regions`` on CUDA device ``device``
+    (this process's index), the ``leases`` of finished requests' blocks, ``bytes_per_block``
+    over all regions."""
+
+    regions: tuple[RegionSpan, ...]
+    device: int
+    leases: BlockLeases
+    bytes_per_block: int
+
+
+@dataclass(frozen=True, slots=True)
+class Landing:
+    """A consumer's engine KV where chunks may land HBM to HBM: its ``regions``, registered with
+    NIXL as ``kind`` ("VRAM" of CUDA device ``device``, this process's index, or "DRAM"), and per
+    item of a fetch the engine blocks that chunk may be written into (None: not that one)."""
+
+    regions: tuple[RegionSpan, ...]
+    kind: str
+    device: int
+    block_ids: list[tuple[int, ...] | None]
+
+
+def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float) -> None:
+    """Time one of the first READs of GPU memory (``kind`` VRAM) from producer ``endpoint``;
+    after :data:`TIMED_READS` of them say how fast its HBM path is, and turn it off if emulated."""
+    if kind != "VRAM" or nbytes < TIMED_MIN_BYTES:
+        return
+    with _lock:
+        rates = _timed.setdefault(endpoint, [])
+        if len(rates) >= TIMED_READS:
+            return
+        rates.append(nbytes / max(seconds, 1e-9) / 1e9)
+        if len(rates) < TIMED_READS:
+            return
+        best = max(rates)
+        if best < EMULATED_GBPS:
+            _emulated.add(endpoint)
+    if best < EMULATED_GBPS:
+        logger.warning("kvtier P/D: HBM to HBM READs from %s moved at most %.2f GB/s: UCX has no direct GPU path "
+                       "here (no cuda_ipc, no GPUDirect RDMA); later transfers from it come through its CPU tier.",
+                       endpoint, best)
+    else:
+        logger.info("kvtier P/D: HBM to HBM from %s at %.1f GB/s per chunk READ (a direct path: cuda_ipc or "
+                    "GPUDirect RDMA).", endpoint, best)
+
+
+def emulated(endpoint: str) -> bool:
+    """Whether READs from ``endpoint``'s engine KV were found emulated (see :func:`read_speed`)."""
+    with _lock:
+        return endpoint in _emulated
+
+
+def region_spans(layout: Layout) -> tuple[RegionSpan, ...]:
+    """The layout's regions as addresses."""
+    return tuple(RegionSpan(r.blocks.data_ptr(), r.block_stride, r.block_bytes) for r in layout.regions)
+
+
+def registration(spans: tuple[RegionSpan, ...], num_blocks: int) -> list[tuple[int, int]]:
+    """``(address, bytes)`` ranges covering every block of every region, merged where they
+    overlap or touch (regions of one allocation interleave)."""
+    ranges = sorted((s.base, s.base + (num_blocks - 1) * s.stride + s.block_bytes) for s in spans)
+    merged: list[list[int]] = []
+    for start, end in ranges:
+        if merged and start <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+        else:
+            merged.append([start, end])
+    return [(start, end - start) for start, end in merged]
+
+
+def block_runs(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]]:
+    """``(src block, dst block, count)`` runs where both sides' block ids go up by one together."""
+    if len(src) != len(dst):
+        raise ValueError(f"{len(src)} source blocks for {len(dst)} destination blocks")
+    runs: list[tuple[int, int, int]] = []
+    for s, d in zip(src, dst):
+        if runs and s == runs[-1][0] + runs[-1][2] and d == runs[-1][1] + runs[-1][2]:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((s, d, 1))
+    return runs
+
+
+def compatible(mine: tuple[RegionSpan, ...], theirs: tuple[RegionSpan, ...]) -> bool:
+    """Whether blocks may be copied region for region, byte for byte (same count and sizes)."""
+    return len(mine) == len(theirs) and all(a.block_bytes == b.block_bytes for a, b in zip(mine, theirs))
+
+
+def read_descriptors(local: tuple[RegionSpan, ...], remote: tuple[RegionSpan, ...], local_ids, remote_ids,
+                     ) -> tuple[list[tuple[int, int]], list[tuple[int, int]]]:
+    """Paired ``(address, bytes)`` lists to READ ``remote_ids`` (the peer's blocks) into
+    ``local_ids`` (this engine's), every region. Raises ValueError on mismatched regions."""
+    if not compatible(local, remote):
+        raise ValueError("the engines' KV regions differ in count or block size")
+    runs = block_runs(list(remote_ids), list(local_ids))
+    mine: list[tuple[int, int]] = []
+    theirs: list[tuple[int, int]] = []
+    for lr, rr in zip(local, remote):
+        n = lr.block_bytes
+        dense = lr.stride == n and rr.stride == n
+        for src, dst, count in runs:
+            if dense:
+                theirs.append((rr.base + src * n, count * n))
+                mine.append((lr.base + dst * n, count * n))
+            else:
+                for i in range(count):
+                    theirs.append((rr.base + (src + i) * rr.stride, n))
+                    mine.append((lr.base + (dst + i) * lr.stride, n))
+    return mine, theirs

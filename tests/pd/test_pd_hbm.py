@@ -1,0 +1,132 @@
+"""P/D engine block to engine block (HBM to HBM on a GPU) through the real worker halves and real
+NIXL over UCX on loopback. The engine KV here is host memory (vLLM-CPU's layout), registered
+with NIXL as DRAM: it stands in for VRAM, and every step of the protocol, the leases and the
+checks is the one a GPU pair runs.
+
+A producer (P) lends a finished request's blocks under a lease; the consumer (D) READs them into
+its own blocks and checks each chunk's KVSUM64 there. After the lease D gets P's CPU-tier copy;
+a block that changed before D read it, a consumer that never releases, a lease this rank cannot
+keep: each ends in a recompute or the CPU-tier path, and no block is held past the lease."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from pd_workers import BLOCK, Engine, prompt_keys, publish, remote_job, tokens_of
+from kvtier.jobs import Lend
+from kvtier.pd import nixl
+
+PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
+P_BLOCKS = [10, 11, 12, 13, 20, 21, 22]  # two runs: the READ takes a descriptor per run and region
+D_BLOCKS = list(range(40, 47))
+
+pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
+
+
+@pytest.fixture
+def transport() -> str:
+    return "nixl"
+
+
+def blocks(engine: Engine, ids: list[int], nhd: bool = False) -> torch.Tensor:
+    return engine.kv[:, :, ids].clone() if nhd else engine.blocks(ids)
+
+
+def lend(p: Engine, transfer_id: str, lease_ms: int = 2000) -> None:
+    """What P's scheduler half plans when the published request finishes: keep its blocks."""
+    full, tail = prompt_keys(PROMPT)
+    p.side.lend((Lend("p-req", transfer_id, tuple(P_BLOCKS), tuple(full + [tail]), lease_ms),))
+
+
+def wait_ended(p: Engine, req_id: str = "p-req", timeout_s: float = 10.0) -> float:
+    """Seconds until P's workers say the request's blocks may be freed."""
+    start = time.monotonic()
+    while time.monotonic() - start < timeout_s:
+        if req_id in p.side.finished_sends(set()):
+            return time.monotonic() - start
+        time.sleep(0.01)
+    raise AssertionError(f"the lease of {req_id} never ended")
+
+
+@pytest.mark.parametrize("nhd", [False, True], ids=["vllm-cpu", "nhd"])
+def test_consumer_reads_the_producers_blocks_into_its_own_while_the_lease_runs(engines, nhd):
+    p, d = engines("p", 1, nhd=nhd), engines("d", 2, nhd=nhd)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    lend(p, "t1")
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(blocks(d, D_BLOCKS, nhd), blocks(p, P_BLOCKS, nhd))
+    assert p.side.chunk_server.hbm_total == 4 and p.side.chunk_server.lent_total == 0
+    assert d.side.transfers.stats.landed_bytes == len(D_BLOCKS) * d.side.transfers.layout.bytes_per_block
+    wait_ended(p)  # D released the transfer: the blocks go at once, not when the lease runs out
+    assert p.side.engine_kv.held_bytes == 0 and p.side.engine_kv.leases.stats.released == 1
+
+
+def test_after_the_lease_the_consumer_gets_the_cpu_tier_copy_and_no_block_is_held(engines):
+    p, d = engines("p", 1, pd_hbm_lease_ms=100), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    lend(p, "t1", lease_ms=100)
+    assert p.side.engine_kv.held_bytes == len(P_BLOCKS) * p.side.transfers.layout.bytes_per_block
+    assert wait_ended(p) < 5
+    assert p.side.engine_kv.held_bytes == 0 and p.side.engine_kv.leases.stats.expired == 1
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()  # no recompute
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert p.side.chunk_server.hbm_total == 0 and p.side.chunk_server.lent_total == 4
+    assert d.side.transfers.stats.landed_bytes == 0
+
+
+def test_a_block_that_changed_before_the_read_fails_its_chunk_and_those_after(engines, caplog):
+    p, d = engines("p", 1), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    assert p.side.settle()  # the CPU-tier copies (and their KVSUM64s) are sealed first
+    p.kv[:, P_BLOCKS[3]] += 1.0  # chunk 1's second block: what a reused block or a torn write looks like
+    lend(p, "t1")
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+        failed = d.wait_loaded("d-req")
+    assert failed == set(D_BLOCKS[2:])  # vLLM recomputes from chunk 1 on
+    assert p.side.chunk_server.hbm_total >= 2  # chunk 0 and the bad chunk 1 came HBM to HBM
+    assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))
+    assert "another KVSUM64" in caplog.text
+
+
+def test_a_consumer_that_never_releases_holds_nothing_past_lease_and_grace(engines):
+    from kvtier.codec import chunk_bytes
+    from kvtier.pd.fetch import fetch_chunks
+    from kvtier.pd.hbm import Landing
+
+    p, d = engines("p", 1, pd_timeout_ms=500), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    lend(p, "t1", lease_ms=200)
+    full, _ = prompt_keys(PROMPT)
+    kv = d.side.engine_kv
+    landing = Landing(kv.spans, kv.kind, kv.device, [tuple(D_BLOCKS[:2])])
+    chunks = fetch_chunks(p.endpoint, d.side._hello, "t1", [(full[0], 2)], wait=False, timeout_ms=500, secret=None,
+                          allocate=lambda n: d.side.store.allocate(n, wait=False), chunk_bytes=lambda n: chunk_bytes(d.side.transfers.layout, n),
+                          nixl=d.side.nixl, block_size=BLOCK, landing=landing)
+    next(chunks)  # READ done; the consumer dies here: no release ever comes
+    assert wait_ended(p) >= 0.6  # not at the lease's end: a READ may still run until lease + grace
+    assert p.side.engine_kv.held_bytes == 0 and p.side.engine_kv.leases.stats.abandoned == 1
+    chunks.close()
+
+
+def test_a_lease_a_consumer_engine_cannot_keep_is_ended_at_once(engines):
+    c = engines("c", 3, produce=False)
+    full, tail = prompt_keys(PROMPT)
+    c.side.lend((Lend("r", "t9", tuple(P_BLOCKS), tuple(full + [tail]), 2000),))
+    assert c.side.finished_sends(set()) == {"r"}
+
+
+def test_a_fetch_waits_for_a_lease_its_request_is_about_to_begin(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t1")  # the last chunk is computed: P's workers expect the lease
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    time.sleep(0.1)  # D asked before the step that tells P's workers the request finished
+    lend(p, "t1")
+    assert d.wait_loaded("d-req") == set()
+    assert p.side.chunk_server.hbm_total == 4
