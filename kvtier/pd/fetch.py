@@ -300,6 +300,10 @@ class _Peer:
             self._discard(arrived)
             raise
         transfer.release()
+        if (self.endpoint, "landed") not in _told:
+            _told.add((self.endpoint, "landed"))
+            logger.info("kvtier P/D: chunks from %s land HBM to HBM (the producer's engine blocks into this engine's).",
+                        self.endpoint)
         read_speed(self.endpoint, self.hbm.kind, transfer.nbytes, time.perf_counter() - arrived.started_s)
         return Landed(arrived.reply.checksum, transfer.nbytes)
 

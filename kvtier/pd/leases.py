@@ -20,10 +20,13 @@ blocks and releases.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -92,6 +95,8 @@ class BlockLeases:
             chunks = {key: i * self.chunk_blocks for i, key in enumerate(keys)}
             self._leases[transfer_id] = _Lease(req_id, tuple(block_ids), chunks, self._clock() + lease_s)
             self.stats.lent += 1
+        logger.debug("kvtier P/D: lease of transfer %s began: %d blocks for %.0f ms", transfer_id, len(block_ids),
+                     lease_s * 1000)
 
     def end_now(self, req_id: str) -> None:
         """The request's blocks are not to be kept at all (no way to lend them here)."""
@@ -117,19 +122,26 @@ class BlockLeases:
             if lease is not None:
                 self._ended.add(lease.req_id)
                 self.stats.released += 1
+        if lease is not None:
+            logger.debug("kvtier P/D: lease of transfer %s ended: released by the decode engine", transfer_id)
 
     def expire(self) -> None:
         """End the leases whose time is up (see the module docstring)."""
         now = self._clock()
+        ended = []
         with self._lock:
             for transfer_id, lease in list(self._leases.items()):
                 if now >= lease.ends_s + (self.grace_s if lease.lent else 0.0):
                     del self._leases[transfer_id]
                     self._ended.add(lease.req_id)
+                    ended.append((transfer_id, "never released by the decode engine it lent to" if lease.lent
+                                  else "expired unread"))
                     if lease.lent:
                         self.stats.abandoned += 1
                     else:
                         self.stats.expired += 1
+        for transfer_id, why in ended:
+            logger.debug("kvtier P/D: lease of transfer %s ended: %s", transfer_id, why)
 
     def take_ended(self) -> set[str]:
         """Request ids whose blocks vLLM may free now (each once)."""
