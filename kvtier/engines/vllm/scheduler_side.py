@@ -10,15 +10,12 @@ The module is one piece: each of those calls reads and advances the same per-req
 is already a pure function in :mod:`kvtier.scheduler_hooks`.
 
 Hybrid models (several served KV cache groups, :mod:`.groups`): lookups, plans and states run on
-the anchor group's chunks; each other group is loaded and saved beside it, chunk for chunk, under
-its own keys, and a hit counts only as far as every group holds the chunks it needs. Mamba state
-in align mode is one block per chunk, the state at its end: saved where a step ends there,
-loaded for the hit's last chunk only.
+the anchor group's chunks; how far the other groups hold a hit, and their loads and saves beside
+the anchor's, are :class:`~kvtier.engines.vllm.group_jobs.GroupJobs`' (:mod:`.group_jobs`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import time
 from collections import Counter, OrderedDict
@@ -26,9 +23,10 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 from kvtier.config import KvtierConfig
-from kvtier.engines.vllm.groups import MAMBA, MAMBA_KINDS, NULL_BLOCK, ServedGroup
+from kvtier.engines.vllm.group_jobs import GroupJobs
+from kvtier.engines.vllm.groups import ServedGroup
 from kvtier.jobs import ChunkBlocks, LoadJob, RemoteSource, SaveJob
-from kvtier.keys import chunk_keys, group_key, namespace, tail_key
+from kvtier.keys import chunk_keys, namespace, tail_key
 from kvtier.lookup import LookupClient
 from kvtier.pd import params as pd
 from kvtier.scheduler_hooks import (
@@ -39,13 +37,6 @@ logger = logging.getLogger(__name__)
 
 MAX_DISTRUSTED = 1 << 16  # chunk keys remembered as unloadable; the oldest are forgotten first
 PROBE_EVERY = 32  # after this many loads vetoed on cost in a row, one loads anyway to re-measure
-WINDOW_LOOKUPS = 4  # most lookups to find a hit every served group holds; past them the prompt recomputes
-
-
-def group_transfer(transfer_id: str, slot: int) -> str:
-    """What a P/D producer publishes a served group's chunks under (each group's chunks are one
-    fetch of their own, which the consumer ends on its own)."""
-    return f"{transfer_id}/{slot}"
 
 
 @dataclass(slots=True)
@@ -108,12 +99,10 @@ class SchedulerSide:
                  name_chunk: Callable[[str, int], ChunkBlocks | None] | None = None,
                  groups: tuple[ServedGroup, ...] = ()):
         self.config = config
-        self.others = tuple(groups[1:])  # served groups beside the anchor, slot i + 1 each
-        # Mamba state: vLLM runs a whole-prompt hit's last token again, from the state after it
-        self.hits_below_prompt = any(g.kind in MAMBA_KINDS for g in groups)
         self.model = model
         self.block_size = block_size
         self.geometry = Geometry(block_size, config.chunk_tokens)
+        self.groups = GroupJobs(groups, self.geometry)
         self.chunk_tokens = config.chunk_tokens
         self.chunk_blocks = self.geometry.chunk_blocks
         self.policy = Policy(config.min_load_tokens or config.chunk_tokens, config.unaligned, handoff_supported=False)
@@ -144,7 +133,7 @@ class SchedulerSide:
         vLLM's scheduler lacks the methods it needs for that (``missing``). Not with Mamba state,
         which a step ending at the boundary would save there but no load brings back."""
         why = f"this vLLM's scheduler has no {', '.join(missing)}" if missing else \
-            "handoffs are off for Mamba hybrids" if self.hits_below_prompt else None
+            "handoffs are off for Mamba hybrids" if self.groups.state_groups else None
         if why is not None:
             if self.config.unaligned == "handoff":
                 logger.warning("kvtier: %s; unaligned hits load partial chunks.", why)
@@ -186,23 +175,13 @@ class SchedulerSide:
             self.peer_endpoints = reply.endpoints
         # Until the workers have emptied the tiers, the index may still offer what a reset removes.
         tiers = () if self.reset_pending else self._trusted(tracked.keys, reply.tiers if reply is not None else [])
-        if self.hits_below_prompt:
-            tiers = tiers[: (len(prompt) - 1) // self.chunk_tokens]
-        if self.others and tiers:
-            tiers = tiers[: self._held_by_every_group(tracked.keys, len(tiers))]
+        tiers = tiers[: self.groups.held_chunks(tracked.keys, len(prompt), len(tiers), self.client.lookup)]
         remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed
         if remote:
             tiers += ("remote",) * (len(tracked.keys) + (tracked.tail is not None) - len(tiers))
         inp = PlanInput(len(prompt), local_tokens, tiers, remote)
-        plan = plan_load(inp, self.geometry, self.policy, self.meter.model())
-        if plan.kind is PlanKind.REMOTE and self.others:
-            # vLLM runs a whole prompt's last token again, but gives a windowed group only the
-            # blocks the window reads past the whole prompt: a hybrid's consumer stops a block
-            # short; with Mamba state, at the last chunk's end before the last token (its state).
-            unit = self.chunk_tokens if self.hits_below_prompt else self.block_size
-            end = (len(prompt) - 1) // unit * unit
-            plan = dataclasses.replace(plan, load_end=end) if end > local_tokens else \
-                LoadPlan(PlanKind.NONE, local_tokens, local_tokens, local_tokens, Skip.NO_HIT)
+        plan = self.groups.remote_plan(plan_load(inp, self.geometry, self.policy, self.meter.model()),
+                                       len(prompt), local_tokens)
         if plan.skip is Skip.SLOWER and self._vetoes >= PROBE_EVERY:
             # Vetoed loads measure nothing: now and then one loads anyway, so a cost model
             # that went wrong (or a tier that got faster) is corrected.
@@ -345,7 +324,9 @@ class SchedulerSide:
         # A producer publishes the whole prompt, its partial tail too, once all of it is computed;
         # until then a job with what is new (maybe nothing) tells the workers it is still coming.
         final = publish and computed_after >= tracked.prompt_tokens
-        self._group_saves(req_id, tracked, start, full, computed_before, computed_after, publish, final)
+        self._group_save_jobs += self.groups.saves(
+            req_id, tracked.keys, tracked.tail, tracked.prompt_tokens, tracked.group_blocks, start, full,
+            computed_before, computed_after, tracked.transfer_id if publish else None, final)
         if not publish:
             return SaveJob(req_id, tuple(keys), tuple(blocks), names=names)
         if final and tracked.tail is not None:
@@ -353,37 +334,6 @@ class SchedulerSide:
             blocks = [*blocks, *tracked.block_ids[full * self.chunk_blocks : -(-tracked.prompt_tokens // self.block_size)]]
         tracked.published = final
         return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names)
-
-    def _group_saves(self, req_id: str, tracked: _Tracked, start: int, end: int, computed_before: int,
-                     computed_after: int, publish: bool = False, final: bool = False) -> None:
-        """The other served groups' blocks of chunks ``[start, end)``. A windowed group saves a
-        chunk only while all its blocks hold KV: not the null block (outside the window when the
-        request was admitted) and not below what vLLM freed before this step (its blocks may be
-        another request's by now). Mamba state in align mode: the last chunk's state, when this
-        step ends at its end (the state of any other position was never materialized). A P/D
-        producer's (``publish``) are published with the anchor's, the prompt's tail too when
-        ``final``."""
-        cb, transfer = self.chunk_blocks, tracked.transfer_id if publish else None
-        tail = -(-tracked.prompt_tokens // self.block_size)  # blocks through the prompt's last token
-        for slot, group in enumerate(self.others, 1):
-            ids = tracked.group_blocks[slot - 1] if slot <= len(tracked.group_blocks) else []
-            if group.kind == MAMBA:
-                state = ids[end * cb - 1] if len(ids) >= end * cb else NULL_BLOCK
-                saved = computed_after == end * self.chunk_tokens and state != NULL_BLOCK
-                keys, blocks = ([group_key(tracked.keys[end - 1], slot)], [state]) if saved else ([], [])
-            else:
-                live = group.first_needed_token(computed_before) // self.block_size
-                chunks = [i for i in range(start, end) if i * cb >= live and len(ids) >= (i + 1) * cb
-                          and NULL_BLOCK not in ids[i * cb : (i + 1) * cb]]
-                keys = [group_key(tracked.keys[i], slot) for i in chunks]
-                blocks = [b for i in chunks for b in ids[i * cb : (i + 1) * cb]]
-                if final and tracked.tail is not None and len(ids) >= tail and NULL_BLOCK not in ids[end * cb : tail]:
-                    keys.append(group_key(tracked.tail, slot))
-                    blocks += ids[end * cb : tail]
-            if keys or transfer is not None:  # a producer's: each group's transfer says it is alive, then done
-                publish_as = None if transfer is None else group_transfer(transfer, slot)
-                self._group_save_jobs.append(SaveJob(req_id, tuple(keys), tuple(blocks), publish=publish_as,
-                                                     final=final, group=slot))
 
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
         """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""
@@ -481,8 +431,7 @@ class SchedulerSide:
             return None
         params = None
         if isinstance(tracked.role, pd.Produce) and not completed and not tracked.published:
-            self._withdrawn += [tracked.transfer_id, *(group_transfer(tracked.transfer_id, slot)  # a consumer
-                                                       for slot in range(1, len(self.others) + 1))]  # waiting stops
+            self._withdrawn += self.groups.transfers(tracked.transfer_id)  # a consumer waiting stops
         if isinstance(tracked.role, pd.Produce) and completed:
             if self.peer_endpoints:
                 params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size)
@@ -521,65 +470,14 @@ class SchedulerSide:
             remote = RemoteSource(role.transfer_id, role.endpoints, tracked.tiers[first:last].index("remote"), role.wait)
         job = LoadJob(req_id, keys, (start % c) // b, blocks, tail_blocks, remote)
         from_chunk = first + remote.first_chunk if remote is not None else 0
-        tracked.load = _Load(job, tracked.tiers[first:last], start,
-                             others=self._group_loads(req_id, tracked, start, end, remote, from_chunk))
+        others = self.groups.loads(req_id, tracked.keys, tracked.tail, tracked.group_blocks, start, end,
+                                   self._tail_blocks(tracked), remote, from_chunk)
+        tracked.load = _Load(job, tracked.tiers[first:last], start, others=others)
         self._loads.append(tracked.load)
 
     def _tail_blocks(self, tracked: _Tracked) -> int:
         """Blocks of the prompt's trailing partial chunk, as its producer stored it."""
         return -(-(tracked.prompt_tokens - len(tracked.keys) * self.chunk_tokens) // self.block_size)
-
-    def _group_loads(self, req_id: str, tracked: _Tracked, start: int, end: int, remote: RemoteSource | None = None,
-                     from_chunk: int = 0) -> tuple[LoadJob, ...]:
-        """The other served groups' jobs for tokens ``[start, end)``: a windowed group's blocks
-        outside its window are vLLM's null block, a prefix of its list, and are not loaded; Mamba
-        state in align mode loads the state at ``end`` into the one block vLLM gave it there.
-        ``remote``: the anchor's P/D producer, whose chunks start at chunk ``from_chunk``."""
-        c, b, jobs = self.chunk_tokens, self.block_size, []
-        all_keys = tracked.keys + ([tracked.tail] if tracked.tail is not None else [])
-        for slot, ids in enumerate(tracked.group_blocks, 1):
-            if self.others[slot - 1].kind == MAMBA:
-                state = ids[end // b - 1] if end % c == 0 and len(ids) >= end // b else NULL_BLOCK
-                if state == NULL_BLOCK:
-                    raise RuntimeError(f"kvtier: request {req_id} loads {end} tokens, where no Mamba state block "
-                                       "was allocated")
-                source = None if remote is None or from_chunk >= end // c else \
-                    dataclasses.replace(remote, first_chunk=0, transfer_id=group_transfer(remote.transfer_id, slot))
-                jobs.append(LoadJob(req_id, (group_key(tracked.keys[end // c - 1], slot),), 0, (state,), 0, source,
-                                    group=slot))
-                continue
-            first, stop = start // b, min(-(-end // b), len(ids))
-            while first < stop and ids[first] == NULL_BLOCK:
-                first += 1
-            if first < stop:
-                lo, hi = first * b // c, -(-stop * b // c)
-                keys = tuple(group_key(k, slot) for k in all_keys[lo:hi])
-                tail_blocks = self._tail_blocks(tracked) if hi > len(tracked.keys) else 0
-                source = None if remote is None or from_chunk >= hi else \
-                    dataclasses.replace(remote, first_chunk=max(0, from_chunk - lo),
-                                        transfer_id=group_transfer(remote.transfer_id, slot))
-                jobs.append(LoadJob(req_id, keys, (first * b % c) // b, tuple(ids[first:stop]), tail_blocks, source,
-                                    group=slot))
-        return tuple(jobs)
-
-    def _held_by_every_group(self, keys: list[bytes], chunks: int) -> int:
-        """Most of the leading ``chunks`` (all held for the anchor group) that every other served
-        group holds as far as a hit needs them: a full-attention group every chunk, a windowed group
-        the chunks its window covers at the hit's end, Mamba state in align mode the last one.
-        Lookups ask for the needed keys latest chunk first, so a missing one shortens the hit to
-        end before it."""
-        c = self.chunk_tokens
-        for _ in range(WINDOW_LOOKUPS):
-            if chunks == 0:
-                return 0
-            needed = [(i, group_key(keys[i], slot)) for i in range(chunks - 1, -1, -1)
-                      for slot, group in enumerate(self.others, 1) if i >= group.first_needed_token(chunks * c) // c]
-            reply = self.client.lookup([key for _, key in needed])
-            held = len(reply.tiers) if reply is not None else 0
-            if held >= len(needed):
-                return chunks
-            chunks = needed[held][0]
-        return 0
 
     def _trusted(self, keys: list[bytes], tiers: list[str]) -> tuple[str, ...]:
         for i, key in enumerate(keys[: len(tiers)]):
