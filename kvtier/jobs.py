@@ -103,3 +103,15 @@ class Lend:
     block_ids: tuple[int, ...]
     keys: tuple[bytes, ...]
     lease_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StepPlan:
+    """What the workers must do this step (the connector metadata's payload)."""
+
+    loads: tuple[LoadJob, ...]
+    saves: tuple[SaveJob, ...]
+    cancels: tuple[str, ...] = ()  # aborted requests whose P/D transfer may still be waiting: stop it
+    withdrawn: tuple[str, ...] = ()  # transfer ids of aborted producer requests: nothing more comes
+    reset: bool = False  # empty the tiers before anything else
+    allocated: tuple[int, ...] = ()  # engine block ids given to requests this step (saves may still read some)

@@ -222,3 +222,14 @@ def _unless_slower(plan: LoadPlan, geometry: Geometry, tiers: tuple[str, ...], c
     if seconds > recompute_s:
         return none(plan.local_tokens, Skip.SLOWER)
     return _with_cost(plan, seconds)
+
+
+def tier_tokens(tiers: tuple[str, ...], start: int, end: int, chunk_tokens: int) -> dict[str, int]:
+    """Tokens ``[start, end)`` of a load per tier, ``tiers`` naming the tier of each chunk from
+    the one holding token ``start`` on."""
+    counts: dict[str, int] = {}
+    first = start // chunk_tokens
+    for i, tier in enumerate(tiers):
+        lo, hi = max(start, (first + i) * chunk_tokens), min(end, (first + i + 1) * chunk_tokens)
+        counts[tier] = counts.get(tier, 0) + max(0, hi - lo)
+    return counts

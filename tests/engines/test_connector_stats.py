@@ -15,7 +15,7 @@ from kvtier.engines.vllm.stats import KvtierStats  # noqa: E402
 from kvtier.engines.vllm.worker_side import STATS_FIELDS  # noqa: E402
 from kvtier.transfer import TransferStats  # noqa: E402
 
-RANK0 = {"hit_tokens_cpu": 512, "hit_tokens_disk": 256, "hit_tokens_remote": 64, "hit_tokens_shared": 128, "loaded_bytes": 3 << 20, "saved_bytes": 1 << 20,
+RANK0 = {"hit_tokens_cpu": 512, "hit_tokens_disk": 256, "hit_tokens_remote": 64, "hit_tokens_shared": 128, "loaded_bytes": 3 << 20, "landed_bytes": 1 << 20, "saved_bytes": 1 << 20,
          "load_ms": 2.0, "save_ms": 4.0, "dropped_saves": 1, "failed_loads": 0}
 RANK1 = {**RANK0, "hit_tokens_cpu": 0, "hit_tokens_disk": 0, "hit_tokens_remote": 0, "hit_tokens_shared": 0}
 
@@ -63,7 +63,8 @@ def test_prometheus_metrics_move_by_what_the_stats_say():
     for _ in range(2):
         prom.observe({**RANK0, "hit_tokens_shared": 32, "shared_dropped_writes": 3,
                       "load_batch_ms": [2.0, 40.0], "save_batch_ms": [7.0],
-                      "held_bytes_cpu": {"0": 1 << 20, "1": 3 << 20}, "held_bytes_disk": {"0": 5}}, engine_idx=1)
+                      "held_bytes_cpu": {"0": 1 << 20, "1": 3 << 20}, "held_bytes_disk": {"0": 5},
+                      "held_bytes_hbm": {"0": 7}}, engine_idx=1)
 
     def value(name, **labels):
         return registry.get_sample_value(name, {"model_name": "m", "engine": "1", **labels})
@@ -73,11 +74,13 @@ def test_prometheus_metrics_move_by_what_the_stats_say():
     assert value("vllm:kvtier_hit_tokens_total", tier="shared") == 64
     assert value("vllm:kvtier_shared_writes_total", outcome="dropped") == 6
     assert value("vllm:kvtier_loaded_bytes_total") == 6 << 20
+    assert value("vllm:kvtier_landed_bytes_total") == 2 << 20  # P/D bytes that came HBM to HBM
     assert value("vllm:kvtier_dropped_saves_total") == 2
     assert value("vllm:kvtier_load_seconds_count") == 4 and value("vllm:kvtier_save_seconds_count") == 2
     assert value("vllm:kvtier_load_seconds_bucket", le="0.0025") == 2  # the two 2 ms loads
     assert value("vllm:kvtier_held_bytes", tier="cpu") == 4 << 20  # a gauge: set, not added
     assert value("vllm:kvtier_held_bytes", tier="disk") == 5
+    assert value("vllm:kvtier_held_bytes", tier="hbm") == 7  # a producer's blocks under leases
     assert registry.get_sample_value("vllm:kvtier_loaded_bytes_total", {"model_name": "m", "engine": "0"}) is None
 
 
@@ -103,6 +106,7 @@ def test_shared_tier_write_counters_are_reported_as_deltas():
     side.rank, side.store, side.transfers = 1, Store(), Transfers()
     side.group_transfers, side._failed_requests = [side.transfers], []
     side._reported, side._shared_reported, side._held_reported = TransferStats(), {}, {}
+    side.engine_kv = None
     side.take_stats()  # the held-bytes gauges' first report
     Store.counters["writes"] += 3
     Store.counters["dropped_writes"] += 1

@@ -44,7 +44,8 @@ from kvtier.engines.vllm.compat import (
     forget_stale_reservation, recompute_failed_loads,
 )
 from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
-from kvtier.engines.vllm.scheduler_side import SchedulerSide, StepPlan
+from kvtier.engines.vllm.scheduler_side import SchedulerSide
+from kvtier.jobs import Lend, StepPlan
 from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
 from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierPromMetrics, build_stats
 
@@ -80,6 +81,7 @@ def _import_quietly(name: str) -> None:
 @dataclass
 class KvtierMetadata(KVConnectorMetadata):
     plan: StepPlan
+    lends: tuple[Lend, ...] = ()  # finished producer requests whose blocks the workers keep for decode engines
 
 
 class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
@@ -124,6 +126,9 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         events_config = vllm_config.kv_events_config
         kv_events = events_config is not None and events_config.enable_kv_cache_events
         self._live: dict[str, Request] = {}  # with KV events: live requests, whose saved chunks are named
+        self._lends: list[Lend] = []  # producer requests whose blocks to keep, for the next step's workers
+        self._lent: set[str] = set()  # ... kept now: vLLM frees them once the workers say so (finished_sending)
+        self._lend_ms = self.config.pd_hbm_lease_ms if transfer.kv_role != "kv_consumer" and not self.other_groups else 0
         self._events = KvtierKVEvents(num_workers=0)  # from the workers, until vLLM takes them
         if role == KVConnectorRole.SCHEDULER and self.active:  # idle: no scheduler half either (its chunk
             # geometry may not fit a block size vLLM chose for another group, e.g. a Mamba state page)
@@ -159,6 +164,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._worker.guard_reuse(meta.plan.allocated)  # before this step's kernels write any block
         if meta.plan.reset:
             self._worker.reset()
+        self._worker.lend(meta.lends)
         self._worker.start_loads(meta.plan.loads, meta.plan.cancels)
         self._worker.announce(meta.plan.saves, meta.plan.withdrawn)
 
@@ -175,7 +181,9 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             self._worker.save(meta.plan.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, (self._worker.finished_loads() or None) if self._worker is not None else None
+        if self._worker is None:
+            return None, None
+        return self._worker.finished_sends(finished_req_ids) or None, self._worker.finished_loads() or None
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.failed_blocks() if self._worker is not None else set()
@@ -273,7 +281,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
                     tuple(new_blocks[o] for o in others) if new_blocks else (), before,
                 )
             )
-        return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)))
+        lends, self._lends = tuple(self._lends), []
+        return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)), lends)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if not self.active:
@@ -288,15 +297,29 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             recompute_failed_loads(failed)
         self._scheduler.loads_reported(set(connector_output.finished_recving or ()),
                                        set(connector_output.invalid_block_ids or ()), failed)
+        if connector_output.finished_sending:
+            self._lent.difference_update(connector_output.finished_sending)
 
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
-        # Blocks may be freed now: saves are copied out inside the step that planned them (a P/D
-        # producer's too: its published chunks live in the CPU tier, never in engine blocks),
-        # and vLLM itself holds a waiting request's blocks until its load reports.
+        # Blocks may be freed now: saves are copied out inside the step that planned them, and
+        # vLLM itself holds a waiting request's blocks until its load reports. A completed P/D
+        # producer request's blocks stay for decode engines to read HBM to HBM, under a lease
+        # that its workers end (finished_sending).
         self._live.pop(request.request_id, None)
         if not self.active:
             return False, None
-        return False, self._scheduler.finished(request.request_id, request.status in _COMPLETED)
+        completed = request.status in _COMPLETED
+        lent = completed and self._lend(request.request_id, block_ids)
+        return lent, self._scheduler.finished(request.request_id, completed)
+
+    def _lend(self, req_id: str, block_ids: list[int]) -> bool:
+        """Keep a completed producer request's blocks for decode engines to READ (``pd_hbm_lease_ms``)."""
+        published = self._scheduler.published(req_id) if self._lend_ms > 0 and block_ids else None
+        if published is None:
+            return False
+        self._lends.append(Lend(req_id, published[0], tuple(block_ids), published[1], self._lend_ms))
+        self._lent.add(req_id)
+        return True
 
     def request_finished_all_groups(self, request: Request,
                                     block_ids: tuple[list[int], ...]) -> tuple[bool, dict[str, Any] | None]:
@@ -316,8 +339,9 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         return True
 
     def has_pending_push_work(self) -> bool:
-        # Keeps an idle engine stepping until the tiers are emptied / every stored chunk is announced.
-        return (self.active and self._scheduler.reset_pending) or self._events.settling
+        # Keeps an idle engine stepping until the tiers are emptied / every stored chunk is announced /
+        # every lease of a producer's blocks has ended.
+        return (self.active and self._scheduler.reset_pending) or bool(self._lent) or self._events.settling
 
     def _name_chunk(self, req_id: str, chunk: int):
         request = self._live.get(req_id)

@@ -6,7 +6,7 @@ connector (admission, allocation, metadata, worker output, finish) and, when it 
 from :class:`kvtier.engines.vllm.scheduler.KvtierScheduler` (handoff boundary, step times).
 
 The module is one piece: each of those calls reads and advances the same per-request records
-(:class:`_Tracked`) and step counters, which nothing else may change, and every decision in it
+(:class:`~kvtier.engines.vllm.records.Tracked`) and step counters, which nothing else may change, and every decision in it
 is already a pure function in :mod:`kvtier.scheduler_hooks`.
 
 Hybrid models (several served KV cache groups, :mod:`.groups`): lookups, plans and states run on
@@ -18,70 +18,25 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter, OrderedDict
-from dataclasses import dataclass, field
+from collections import Counter
 from typing import Callable, Iterator
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.group_jobs import GroupJobs
 from kvtier.engines.vllm.groups import ServedGroup
-from kvtier.jobs import ChunkBlocks, LoadJob, RemoteSource, SaveJob
+from kvtier.engines.vllm.records import PlannedLoad, Tracked
+from kvtier.jobs import ChunkBlocks, LoadJob, RemoteSource, SaveJob, StepPlan
 from kvtier.keys import chunk_keys, namespace, tail_key
 from kvtier.lookup import LookupClient
 from kvtier.pd import params as pd
 from kvtier.scheduler_hooks import (
-    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, Skip, advance, plan_load,
+    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, Skip, advance, plan_load, tier_tokens,
 )
+from kvtier.scheduler_hooks.distrust import Distrusted
 
 logger = logging.getLogger(__name__)
 
-MAX_DISTRUSTED = 1 << 16  # chunk keys remembered as unloadable; the oldest are forgotten first
 PROBE_EVERY = 32  # after this many loads vetoed on cost in a row, one loads anyway to re-measure
-
-
-@dataclass(slots=True)
-class _Load:
-    """A load handed (or about to be handed) to the workers."""
-
-    job: LoadJob
-    tiers: tuple[str, ...]  # tier of each chunk in job.keys
-    start: int  # first token loaded
-    issued_s: float | None = None  # clock when the job left in a step's metadata
-    others: tuple[LoadJob, ...] = ()  # the other served groups' jobs for the same tokens (hybrid models)
-
-
-@dataclass(slots=True)
-class _Tracked:
-    """What the scheduler half remembers of a live request."""
-
-    keys: list[bytes]  # chain keys of the prompt's full chunks
-    prompt_tokens: int
-    tail: bytes | None = None  # key of the prompt's trailing partial chunk (P/D requests only)
-    role: pd.Produce | pd.Consume | None = None
-    transfer_id: str | None = None  # what a producer request publishes under
-    published: bool = False  # a producer request's last chunk is planned
-    remote_failed: bool = False  # a consumer's transfer failed once: the rest is recomputed, never retried
-    state: ReqState = ReqState.LOOKUP
-    block_ids: list[int] = field(default_factory=list)
-    group_blocks: list[list[int]] = field(default_factory=list)  # each other served group's, by slot - 1
-    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or queued for saving
-    plan: LoadPlan | None = None  # of the latest lookup; committed by allocated()
-    tiers: tuple[str, ...] = ()  # of the latest lookup
-    handoff: LoadPlan | None = None  # committed handoff, until parked at its boundary
-    load: _Load | None = None  # in flight
-    last_save_step: int = -1
-
-
-@dataclass(frozen=True, slots=True)
-class StepPlan:
-    """What the workers must do this step (the connector metadata's payload)."""
-
-    loads: tuple[LoadJob, ...]
-    saves: tuple[SaveJob, ...]
-    cancels: tuple[str, ...] = ()  # aborted requests whose P/D transfer may still be waiting: stop it
-    withdrawn: tuple[str, ...] = ()  # transfer ids of aborted producer requests: nothing more comes
-    reset: bool = False  # empty the tiers before anything else
-    allocated: tuple[int, ...] = ()  # engine block ids given to requests this step (saves may still read some)
 
 
 class SchedulerSide:
@@ -115,13 +70,13 @@ class SchedulerSide:
         self.reset_pending = False  # reset_cache() was asked; the workers have not emptied the tiers yet
         self._reset_step: int | None = None  # the step whose plan carries the reset
         self.peer_endpoints: list[str] = []  # this engine's P/D chunk servers, as rank 0 last told
-        self._requests: dict[str, _Tracked] = {}
-        self._loads: list[_Load] = []  # planned this step, not yet in a StepPlan
+        self._requests: dict[str, Tracked] = {}
+        self._loads: list[PlannedLoad] = []  # planned this step, not yet in a StepPlan
         self._group_save_jobs: list[SaveJob] = []  # other served groups' saves planned this step
         self._load_failures: set[str] = set()  # hybrid: requests whose load failed, until reported finished
         self._cancels: list[str] = []
         self._withdrawn: list[str] = []
-        self._distrusted: OrderedDict[bytes, None] = OrderedDict()
+        self._distrusted = Distrusted()
         self._step = 0  # steps planned (StepPlans taken)
         self._completed = 0  # steps whose output came back
         self._warned_handoff = False
@@ -143,12 +98,12 @@ class SchedulerSide:
 
     # ---- admission --------------------------------------------------------------------------
     def track(self, req_id: str, prompt: list[int], cache_salt: str | None,
-              transfer_params: dict | None = None) -> _Tracked:
+              transfer_params: dict | None = None) -> Tracked:
         tracked = self._requests.get(req_id)
         if tracked is None:
             root = namespace(self.model, cache_salt)
             keys = chunk_keys(prompt, self.chunk_tokens, root)
-            tracked = self._requests[req_id] = _Tracked(keys, len(prompt))
+            tracked = self._requests[req_id] = Tracked(keys, len(prompt))
             role = pd.parse(transfer_params)
             if isinstance(role, pd.Consume) and role.tp_size != self.tp_size:
                 logger.warning("kvtier P/D: request %s comes from a producer with %d TP ranks, this engine has %d; "
@@ -174,7 +129,7 @@ class SchedulerSide:
         if reply is not None and reply.endpoints:
             self.peer_endpoints = reply.endpoints
         # Until the workers have emptied the tiers, the index may still offer what a reset removes.
-        tiers = () if self.reset_pending else self._trusted(tracked.keys, reply.tiers if reply is not None else [])
+        tiers = () if self.reset_pending else self._distrusted.trusted(tracked.keys, reply.tiers if reply is not None else [])
         tiers = tiers[: self.groups.held_chunks(tracked.keys, len(prompt), len(tiers), self.client.lookup)]
         remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed
         if remote:
@@ -257,16 +212,11 @@ class SchedulerSide:
     def hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the planned load per tier name (``cpu`` / ``disk``)."""
         tracked = self._requests.get(req_id)
-        counts: dict[str, int] = {}
         load = tracked.load if tracked else None
-        if load is not None:
-            end = min(load.start + len(load.job.block_ids) * self.block_size, tracked.prompt_tokens)
-            first = load.start // self.chunk_tokens
-            for i, tier in enumerate(load.tiers):
-                lo = max(load.start, (first + i) * self.chunk_tokens)
-                hi = min(end, (first + i + 1) * self.chunk_tokens)
-                counts[tier] = counts.get(tier, 0) + max(0, hi - lo)
-        return counts
+        if load is None:
+            return {}
+        end = min(load.start + len(load.job.block_ids) * self.block_size, tracked.prompt_tokens)
+        return tier_tokens(load.tiers, load.start, end, self.chunk_tokens)
 
     # ---- handoff ------------------------------------------------------------------------------
     def handoffs(self) -> Iterator[tuple[str, LoadPlan]]:
@@ -318,7 +268,7 @@ class SchedulerSide:
         blocks = tracked.block_ids[start * self.chunk_blocks : full * self.chunk_blocks]
         keys = tracked.keys[start:full]
         for key in keys:  # re-saved from freshly computed blocks: trust it again
-            self._distrusted.pop(key, None)
+            self._distrusted.discard(key)
         tracked.last_save_step = self._step
         names = () if self.name_chunk is None else tuple(self.name_chunk(req_id, i) for i in range(start, full))
         # A producer publishes the whole prompt, its partial tail too, once all of it is computed;
@@ -407,7 +357,7 @@ class SchedulerSide:
                 tracked.saved_chunks = min(tracked.saved_chunks, load.start // self.chunk_tokens + chunk)
                 remote = load.job.remote
                 if remote is None or chunk < remote.first_chunk:  # a producer's chunk is not ours to distrust
-                    self._distrust(load.job.keys[chunk])
+                    self._distrusted.add(load.job.keys[chunk])
                 if (load.start + failed[0] * self.block_size == 0 or failed_request) \
                         and tracked.state is ReqState.WAITING_FOR_KV:
                     # vLLM keeps the valid prefix; with none it frees the blocks and admits the
@@ -443,6 +393,14 @@ class SchedulerSide:
         self._advance(req_id, tracked, Event.FINISHED, saves_pending=tracked.last_save_step >= self._completed)
         return params
 
+    def published(self, req_id: str) -> tuple[str, tuple[bytes, ...]] | None:
+        """A P/D producer request's transfer id and the chain keys of the chunks it published (the
+        partial tail's last), if a decode engine will be told where they are; else None."""
+        tracked = self._requests.get(req_id)
+        if tracked is None or not isinstance(tracked.role, pd.Produce) or not self.peer_endpoints:
+            return None
+        return tracked.transfer_id, tuple(tracked.keys + ([tracked.tail] if tracked.tail is not None else []))
+
     def state(self, req_id: str) -> ReqState | None:
         tracked = self._requests.get(req_id)
         return tracked.state if tracked else None
@@ -451,12 +409,12 @@ class SchedulerSide:
         self.client.close()
 
     # ---- internals ----------------------------------------------------------------------------
-    def _advance(self, req_id: str, tracked: _Tracked, event: Event, saves_pending: bool = False) -> None:
+    def _advance(self, req_id: str, tracked: Tracked, event: Event, saves_pending: bool = False) -> None:
         tracked.state = advance(tracked.state, event, saves_pending)
         if tracked.state is ReqState.DONE:
             del self._requests[req_id]
 
-    def _plan_job(self, req_id: str, tracked: _Tracked, start: int, end: int, block_ids: list[int]) -> None:
+    def _plan_job(self, req_id: str, tracked: Tracked, start: int, end: int, block_ids: list[int]) -> None:
         """Load tokens ``[start, end)``: whole blocks, the prompt's last partial block when ``end``
         is the prompt's end (only a P/D consumer loads that far)."""
         c, b = self.chunk_tokens, self.block_size
@@ -472,21 +430,9 @@ class SchedulerSide:
         from_chunk = first + remote.first_chunk if remote is not None else 0
         others = self.groups.loads(req_id, tracked.keys, tracked.tail, tracked.group_blocks, start, end,
                                    self._tail_blocks(tracked), remote, from_chunk)
-        tracked.load = _Load(job, tracked.tiers[first:last], start, others=others)
+        tracked.load = PlannedLoad(job, tracked.tiers[first:last], start, others=others)
         self._loads.append(tracked.load)
 
-    def _tail_blocks(self, tracked: _Tracked) -> int:
+    def _tail_blocks(self, tracked: Tracked) -> int:
         """Blocks of the prompt's trailing partial chunk, as its producer stored it."""
         return -(-(tracked.prompt_tokens - len(tracked.keys) * self.chunk_tokens) // self.block_size)
-
-    def _trusted(self, keys: list[bytes], tiers: list[str]) -> tuple[str, ...]:
-        for i, key in enumerate(keys[: len(tiers)]):
-            if key in self._distrusted:
-                return tuple(tiers[:i])
-        return tuple(tiers)
-
-    def _distrust(self, key: bytes) -> None:
-        self._distrusted[key] = None
-        self._distrusted.move_to_end(key)
-        while len(self._distrusted) > MAX_DISTRUSTED:
-            self._distrusted.popitem(last=False)

@@ -1,0 +1,44 @@
+"""The scheduler half's record of each live request (:class:`Tracked`) and of a load it planned
+(:class:`PlannedLoad`). Only :class:`kvtier.engines.vllm.scheduler_side.SchedulerSide` makes,
+reads and changes them; they live in its table of requests and nowhere else."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from kvtier.jobs import LoadJob
+from kvtier.pd import params as pd
+from kvtier.scheduler_hooks import LoadPlan, ReqState
+
+
+@dataclass(slots=True)
+class PlannedLoad:
+    """A load handed (or about to be handed) to the workers."""
+
+    job: LoadJob
+    tiers: tuple[str, ...]  # tier of each chunk in job.keys
+    start: int  # first token loaded
+    issued_s: float | None = None  # clock when the job left in a step's metadata
+    others: tuple[LoadJob, ...] = ()  # the other served groups' jobs for the same tokens (hybrid models)
+
+
+@dataclass(slots=True)
+class Tracked:
+    """What the scheduler half remembers of a live request."""
+
+    keys: list[bytes]  # chain keys of the prompt's full chunks
+    prompt_tokens: int
+    tail: bytes | None = None  # key of the prompt's trailing partial chunk (P/D requests only)
+    role: pd.Produce | pd.Consume | None = None
+    transfer_id: str | None = None  # what a producer request publishes under
+    published: bool = False  # a producer request's last chunk is planned
+    remote_failed: bool = False  # a consumer's transfer failed once: the rest is recomputed, never retried
+    state: ReqState = ReqState.LOOKUP
+    block_ids: list[int] = field(default_factory=list)
+    group_blocks: list[list[int]] = field(default_factory=list)  # each other served group's, by slot - 1
+    saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or queued for saving
+    plan: LoadPlan | None = None  # of the latest lookup; committed by allocated()
+    tiers: tuple[str, ...] = ()  # of the latest lookup
+    handoff: LoadPlan | None = None  # committed handoff, until parked at its boundary
+    load: PlannedLoad | None = None  # in flight
+    last_save_step: int = -1
