@@ -1,25 +1,33 @@
 """One engine of a P/D pair that stays up: a vLLM ``LLM`` with kvtier, with vLLM's
-``NixlConnector`` or with no connector, answering one request per line of its stdin.
+``NixlConnector`` or ``NixlPushConnector`` or with no connector, answering one request per line of
+its stdin.
 
 ``python -m kvtier.bench.pd_child SPEC.json`` prints ``READY {"start_s": s}`` once the engine is
 built, then for each request line ``{"prompt": [ids], "max_tokens": n, "params": {...} | null,
-"logprobs": k | null}`` one line ``OUT {"seconds": s, "tokens": [ids], "cached": tokens,
-"params": {...} | null, "logprobs": [{id: logprob}] | null}``: ``params`` in is the request's
+"logprobs": k | null, "request_id": id | null}`` one line ``OUT {"seconds": s, "tokens": [ids],
+"cached": tokens, "params": {...} | null, "logprobs": [{id: logprob}] | null}``: ``params`` in is the request's
 ``kv_transfer_params``, out is what the engine returned (a prefill engine's answer for the decode
 engine); ``seconds`` is the wall time of ``generate`` (with ``max_tokens`` 1: time to first token).
-An empty line or end of input ends the engine.
+``request_id`` (decimal digits: ``LLM`` sorts its answers by ``int(request_id)``) names the
+request in the engine (vLLM appends its random suffix), as a proxy's ``X-Request-Id`` does for
+both legs: ``NixlPushConnector`` pairs P's finished request with D's by that name; without it the
+``LLM``'s own counter (0, 1, ...) names it. An empty line or end of input ends the engine.
 
-SPEC: ``{"model": dir, "connector": "kvtier" | "nixl" | "none", "kvtier": extra config,
-"load_format": "dummy" | "auto", "gpu_memory_utilization": fraction, "max_model_len": tokens,
-"block_size": tokens | null}``. The engine runs eager, greedy, with token-id prompts only.
+SPEC: ``{"model": dir, "connector": "kvtier" | "nixl" | "nixl-push" | "none", "kvtier": extra
+config, "engine_id": NIXL engine id | null, "load_format": "dummy" | "auto",
+"gpu_memory_utilization": fraction, "max_model_len": tokens, "block_size": tokens | null}``. The
+engine runs eager, greedy, with token-id prompts only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import time
+
+NIXL_CONNECTORS = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}
 
 
 def _transfer_config(spec: dict):
@@ -27,8 +35,9 @@ def _transfer_config(spec: dict):
 
     from vllm.config import KVTransferConfig
 
-    if spec["connector"] == "nixl":
-        return KVTransferConfig(kv_connector="NixlConnector", kv_role="kv_both")
+    if spec["connector"] in NIXL_CONNECTORS:
+        return KVTransferConfig(kv_connector=NIXL_CONNECTORS[spec["connector"]], kv_role="kv_both",
+                                engine_id=spec.get("engine_id"))
     if spec["connector"] != "kvtier":
         return None
     # Where kvtier is only on the path (not installed), vLLM finds the connector by module.
@@ -51,6 +60,22 @@ def build_engine(spec: dict):
                gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.35), disable_log_stats=True, **kw)
 
 
+@contextlib.contextmanager
+def request_named(llm, request_id: str | None):
+    """The next request ``llm`` adds is named ``request_id`` (``LLM`` names each request
+    ``str(next(llm.request_counter))``); None leaves the counter as it is."""
+    if request_id is None:
+        yield
+        return
+    if not hasattr(llm, "request_counter"):
+        raise RuntimeError("this vLLM's LLM has no request_counter: a request cannot be given an id")
+    counter, llm.request_counter = llm.request_counter, iter([request_id])
+    try:
+        yield
+    finally:
+        llm.request_counter = counter
+
+
 def answer(llm, request: dict) -> dict:
     """Run one request line; the ``OUT`` record."""
     from vllm import SamplingParams
@@ -59,9 +84,10 @@ def answer(llm, request: dict) -> dict:
     extra = {"kv_transfer_params": request["params"]} if request.get("params") else None
     params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 1), ignore_eos=True,
                             detokenize=False, logprobs=request.get("logprobs"), extra_args=extra)
-    start = time.perf_counter()
-    out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
-    seconds = time.perf_counter() - start
+    with request_named(llm, request.get("request_id")):
+        start = time.perf_counter()
+        out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
+        seconds = time.perf_counter() - start
     logprobs = None
     if out.outputs[0].logprobs is not None:
         logprobs = [{str(t): lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]

