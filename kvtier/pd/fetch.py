@@ -233,7 +233,8 @@ class _Peer:
         if self.landing_enabled and (buffer := self.allocate(self.sizes[index])) is not None:
             self.landing[index] = buffer
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
-        hbm = self.hbm is not None and self.hbm.block_ids[index] is not None
+        # an emulated path found by the first READs ends HBM fetches from then on, mid-transfer too
+        hbm = self.hbm is not None and self.hbm.block_ids[index] is not None and not emulated(self.endpoint)
         self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
                         num_blocks * self.block_size, hbm))
 

