@@ -41,7 +41,8 @@ from kvtier.storage import ChunkBuffer
 
 logger = logging.getLogger(__name__)
 
-WINDOW = 4  # fetches in flight per transfer
+WINDOW = 4  # fetches in flight per transfer (each holds a CPU-tier buffer)
+HBM_WINDOW = 16  # ... when chunks land in the engine's blocks: no buffer held, more READs in flight
 _CANCEL_CHECK_S = 0.05  # how often a waiting transfer checks whether its request was aborted
 _PROGRESS_S = 0.001  # how often a push transfer over NIXL lets NIXL progress while it waits
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
@@ -92,20 +93,26 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             peer.landing_enabled = wait
             remote = tuple(RegionSpan(*r) for r in reply.regions)
             if landing is not None and remote and compatible(landing.regions, remote):
-                peer.hbm, peer.remote_regions, peer.remote_device = landing, remote, reply.device
+                peer.hbm, peer.remote_regions, peer.remote_device, peer.timing["post_s"] = (
+                    landing, remote, reply.device, nixl.post_s)
         how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
                if peer.hbm else "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")
         if (endpoint, how) not in _told:
             _told.add((endpoint, how))
             logger.info("kvtier P/D: fetching from %s over %s.", endpoint, how)
-        sent = 0
+        sent, window = 0, HBM_WINDOW if peer.hbm else WINDOW
         for index, (key, num_blocks) in enumerate(items):
-            while sent < len(items) and sent < index + WINDOW:
+            while sent < len(items) and sent < index + window:
                 peer.fetch(transfer_id, sent, items[sent][0], items[sent][1], wait)
                 sent += 1
             yield peer.chunk(index)
     finally:
         peer.close()
+        if peer.hbm and peer.timing["chunks"]:  # posting: this engine's, every transfer meanwhile
+            t = {**peer.timing, "post_s": peer.nixl.post_s - peer.timing["post_s"]}
+            logger.debug("kvtier P/D: transfer %s from %s: %d chunks landed; ms waiting for replies %.1f, posting "
+                         "READs %.1f, waiting for READs %.1f", transfer_id, endpoint, t["chunks"],
+                         t["reply_s"] * 1e3, t["post_s"] * 1e3, t["read_s"] * 1e3)
         try:
             peer.send(Release(VERSION, transfer_id))
         except zmq.ZMQError:
@@ -148,6 +155,7 @@ class _Peer:
         self.hbm: Landing | None = None  # where chunks may be READ into the engine (HBM to HBM)
         self.remote_regions: tuple[RegionSpan, ...] = ()
         self.remote_device = 0
+        self.timing = {"chunks": 0, "reply_s": 0.0, "post_s": 0.0, "read_s": 0.0}  # HBM landings: where time went
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
@@ -203,8 +211,10 @@ class _Peer:
             return _Arrived(reply, payload, tag=tag, body=body)
 
     def chunk(self, index: int) -> ChunkBuffer:
+        begin = time.perf_counter()
         while index not in self.early:
             self._take(self.receive())
+        self.timing["reply_s"] += time.perf_counter() - begin
         while (got := self.receive(block=False)) is not None:  # replies already here: their READs
             self._take(got)  # start now, while the caller scatters this chunk
         arrived = self.early.pop(index)
@@ -293,7 +303,10 @@ class _Peer:
                 raise PeerError(f"{self.endpoint} named {len(arrived.reply.blocks)} engine blocks for chunk {index}; "
                                 "they could not be read into this engine's")
             try:
+                begin = time.perf_counter()
                 transfer.wait(self.timeout_ms / 1000, self.cancelled)
+                self.timing["read_s"] += time.perf_counter() - begin
+                self.timing["chunks"] += 1
             except NixlError as exc:
                 self.failed = True
                 raise PeerError(f"NIXL READ of chunk {index}'s engine blocks from {self.endpoint}: {exc}") from None
@@ -303,8 +316,7 @@ class _Peer:
         transfer.release()
         if (self.endpoint, "landed") not in _told:
             _told.add((self.endpoint, "landed"))
-            logger.info("kvtier P/D: chunks from %s land HBM to HBM (the producer's engine blocks into this engine's).",
-                        self.endpoint)
+            logger.info("kvtier P/D: chunks from %s land HBM to HBM (engine blocks to engine blocks).", self.endpoint)
         read_speed(self.endpoint, self.hbm.kind, transfer.nbytes, time.perf_counter() - arrived.started_s)
         return Landed(arrived.reply.checksum, transfer.nbytes)
 

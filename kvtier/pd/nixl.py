@@ -133,6 +133,7 @@ class Agent:
         # posts transfers, in order
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
         self.registered_bytes = 0
+        self.post_s = 0.0  # seconds the poster thread spent posting transfers, since start
 
     def bind_device(self) -> None:
         """Make this agent's CUDA device the calling thread's (no-op for host memory)."""
@@ -220,6 +221,7 @@ class Agent:
                memory: Memory = ("DRAM", 0, 0)):
         """On the poster thread: NIXL's handle of a posted transfer; raises :class:`NixlError`."""
         kind, mine, theirs = memory
+        begin = time.perf_counter()
         try:
             local_descs = self._nixl.get_xfer_descs(np.array([[a, n, mine] for a, n in local], dtype=np.uint64), kind)
             remote_descs = self._nixl.get_xfer_descs(np.array([[a, n, theirs] for a, n in remote], dtype=np.uint64), kind)
@@ -230,6 +232,7 @@ class Agent:
             state = self._nixl.transfer(handle)
         except Exception as exc:
             state = f"ERR ({exc})"
+        self.post_s += time.perf_counter() - begin
         if state.startswith("ERR"):
             self._nixl.release_xfer_handle(handle)
             raise NixlError(f"NIXL refused a {op} with {peer}: {state}")

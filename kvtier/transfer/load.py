@@ -239,6 +239,7 @@ class LoadSide:
         first = remote.first_chunk
         items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
         held, count_chunks, chunks = [], 0, None
+        checked_s, landed = self._landed.check_s if self._landed is not None else 0.0, 0
         try:
             chunks = self._fetch_remote(job, items, self._targets(job, done))
             for i, buffer in enumerate(chunks, start=first):
@@ -249,10 +250,12 @@ class LoadSide:
                 num_blocks = self._num_blocks(job, i)
                 if isinstance(buffer, Landed):  # written straight into this engine's blocks (HBM to HBM)
                     count = self._span(job, i, done)[1]
-                    if not self._landed_intact(job, i, done, count, buffer):
+                    what = f"chunk {i} of transfer {remote.transfer_id} from {remote.endpoints[0]}"
+                    if not self._landed.intact(self._ids(job.block_ids[done : done + count]), count, buffer.checksum,
+                                               what):
                         break
                     done += count
-                    count_chunks += 1
+                    count_chunks, landed = count_chunks + 1, landed + 1
                     self.stats.landed_bytes += buffer.nbytes
                     continue
                 try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)
@@ -289,14 +292,16 @@ class LoadSide:
         finally:
             if chunks is not None:
                 chunks.close()
+        if landed:
+            checked_ms = (self._landed.check_s - checked_s) * 1e3
+            logger.debug("kvtier P/D: %d chunks landed, checked in %.1f ms", landed, checked_ms)
         if held:
             self._on_held(held)
         return done, count_chunks
 
     def _targets(self, job: LoadJob, done: int) -> list[tuple[int, tuple[int, ...]] | None]:
-        """Per producer chunk of ``job`` (``done`` blocks loaded before them): the engine blocks it
-        may be written into directly, when the whole chunk goes into them (a chunk loaded from a
-        block inside it comes through the CPU tier: its checksum covers the whole chunk)."""
+        """Per producer chunk of ``job`` (``done`` blocks loaded before them): the engine blocks it may be
+        written into directly, if all of it goes there (its checksum covers the whole chunk)."""
         targets: list[tuple[int, tuple[int, ...]] | None] = []
         for i in range(job.remote.first_chunk, len(job.keys)):
             block, count = self._span(job, i, done)
@@ -304,16 +309,6 @@ class LoadSide:
             targets.append((i, tuple(job.block_ids[done : done + count])) if whole else None)
             done += count
         return targets
-
-    def _landed_intact(self, job: LoadJob, i: int, done: int, count: int, landed: Landed) -> bool:
-        """Check chunk ``i``'s blocks, written by the producer, against its KVSUM64."""
-        ids = self._ids(job.block_ids[done : done + count])
-        if self._landed.matches(ids, count, landed.checksum):
-            return True
-        logger.warning("kvtier P/D: chunk %d of transfer %s from %s arrived in the engine's blocks with another "
-                       "KVSUM64 than the producer saved; recomputing from there.", i, job.remote.transfer_id,
-                       job.remote.endpoints[0])
-        return False
 
     def _start_scatter(self, spans: list[ChunkSpan], sums: list[int]):
         """Start scattering ``spans`` (checked against their chunks' KVSUM64s ``sums`` when the
