@@ -15,8 +15,7 @@ HBM to HBM (a :class:`Landing` given: this engine's KV is registered with NIXL):
 producer still holds the request's engine blocks under a lease, its reply names them and D
 READs them region by region straight into the engine blocks the caller named, one descriptor
 per run of consecutive blocks (:mod:`kvtier.pd.hbm`); the caller gets a :class:`Landed` with the
-KVSUM64 to check the blocks against. The first such READ from each producer says how fast it
-went (:func:`kvtier.pd.hbm.read_speed`).
+KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`).
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import msgspec
@@ -32,11 +30,13 @@ import numpy as np
 import zmq
 
 from kvtier.jobs import Landed
-from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated, read_descriptors, read_speed
+from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated
+from kvtier.pd.landing import Arrived, Landings
 from kvtier.pd.protocol import (
-    VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_reply, encode, mac,
+    VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_reply, encode, layout_problem,
+    mac,
 )
-from kvtier.pd.nixl import Agent, NixlError, Transfer
+from kvtier.pd.nixl import Agent, NixlError
 from kvtier.storage import ChunkBuffer
 
 logger = logging.getLogger(__name__)
@@ -93,8 +93,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             peer.landing_enabled = wait
             remote = tuple(RegionSpan(*r) for r in reply.regions)
             if landing is not None and remote and compatible(landing.regions, remote):
-                peer.hbm, peer.remote_regions, peer.remote_device, peer.timing["post_s"] = (
-                    landing, remote, reply.device, nixl.post_s)
+                peer.hbm = Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
         how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
                if peer.hbm else "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")
         if (endpoint, how) not in _told:
@@ -108,30 +107,13 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             yield peer.chunk(index)
     finally:
         peer.close()
-        if peer.hbm and peer.timing["chunks"]:  # posting: this engine's, every transfer meanwhile
-            t = {**peer.timing, "post_s": peer.nixl.post_s - peer.timing["post_s"]}
-            logger.debug("kvtier P/D: transfer %s from %s: %d chunks landed; ms waiting for replies %.1f, posting "
-                         "READs %.1f, waiting for READs %.1f", transfer_id, endpoint, t["chunks"],
-                         t["reply_s"] * 1e3, t["post_s"] * 1e3, t["read_s"] * 1e3)
+        if peer.hbm is not None:
+            peer.hbm.log(transfer_id, peer.reply_s)
         try:
             peer.send(Release(VERSION, transfer_id))
         except zmq.ZMQError:
             pass
         socket.close()
-
-
-@dataclass(slots=True)
-class _Arrived:
-    """A chunk reply ahead of its turn. ZMQ: its ``payload`` frame. NIXL: the ``buffer`` being
-    read into by ``transfer``, and the ``tag`` and ``body`` whose MAC covers the bytes read."""
-
-    reply: ChunkReply
-    payload: zmq.Frame | None = None
-    buffer: ChunkBuffer | None = None
-    transfer: Transfer | None = None
-    tag: bytes = b""
-    body: bytes = b""
-    started_s: float = 0.0  # when the READ was posted (perf_counter s)
 
 
 class _Peer:
@@ -151,11 +133,9 @@ class _Peer:
         self.failed = False  # a NIXL transfer with this peer failed
         self.landing_enabled = False  # push over NIXL: each fetch names a buffer P writes into
         self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
-        self.early: dict[int, _Arrived] = {}  # replies ahead of their turn
-        self.hbm: Landing | None = None  # where chunks may be READ into the engine (HBM to HBM)
-        self.remote_regions: tuple[RegionSpan, ...] = ()
-        self.remote_device = 0
-        self.timing = {"chunks": 0, "reply_s": 0.0, "post_s": 0.0, "read_s": 0.0}  # HBM landings: where time went
+        self.early: dict[int, Arrived] = {}  # replies ahead of their turn
+        self.hbm: Landings | None = None  # chunks READ into the engine's blocks (HBM to HBM)
+        self.reply_s = 0.0  # seconds spent waiting for replies
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
@@ -168,7 +148,7 @@ class _Peer:
         body = encode(message)
         self.socket.send_multipart([mac(self.secret, body), body], flags=zmq.NOBLOCK)
 
-    def receive(self, block: bool = True) -> HelloReply | _Arrived | None:
+    def receive(self, block: bool = True) -> HelloReply | Arrived | None:
         """The next authenticated reply; heartbeats extend the deadline. Raises PeerError. A NIXL
         chunk reply is authenticated once its bytes are read (:meth:`chunk`). ``block=False``:
         None at once when no reply is waiting."""
@@ -208,15 +188,17 @@ class _Peer:
                 continue
             if reply.status == "refused":
                 raise PeerError(f"{self.endpoint} refused a request: {reply.error}")
-            return _Arrived(reply, payload, tag=tag, body=body)
+            return Arrived(reply, payload, tag=tag, body=body)
 
     def chunk(self, index: int) -> ChunkBuffer:
         begin = time.perf_counter()
         while index not in self.early:
             self._take(self.receive())
-        self.timing["reply_s"] += time.perf_counter() - begin
+        self.reply_s += time.perf_counter() - begin
         while (got := self.receive(block=False)) is not None:  # replies already here: their READs
             self._take(got)  # start now, while the caller scatters this chunk
+        if self.hbm is not None:
+            self.hbm.post()
         arrived = self.early.pop(index)
         nbytes = self.sizes[index]
         if arrived.reply.status != "ok":
@@ -244,11 +226,11 @@ class _Peer:
             self.landing[index] = buffer
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
         # an emulated path found by the first READs ends HBM fetches from then on, mid-transfer too
-        hbm = self.hbm is not None and self.hbm.block_ids[index] is not None and not emulated(self.endpoint)
+        hbm = self.hbm is not None and self.hbm.wants(index)
         self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
                         num_blocks * self.block_size, hbm))
 
-    def _take(self, got: HelloReply | _Arrived) -> None:
+    def _take(self, got: HelloReply | Arrived) -> None:
         if isinstance(got, HelloReply):
             raise PeerError(f"{self.endpoint} sent a second handshake reply")
         if not 0 <= got.reply.index < len(self.sizes) or got.reply.index in self.early:
@@ -262,13 +244,14 @@ class _Peer:
         if got.reply.blocks:
             if landing is not None:
                 landing.release()
-            self._start_landing(got)
+            if self.hbm is not None:
+                self.hbm.add(got)  # READ with the other replies at hand (chunk() posts them)
             return
         got.buffer = landing
         if got.payload is None and not got.reply.written:
             self._start_read(got)
 
-    def _start_read(self, arrived: _Arrived) -> None:
+    def _start_read(self, arrived: Arrived) -> None:
         """Post the READ of a lent chunk into a fresh buffer (a failure is raised by its turn)."""
         reply, nbytes = arrived.reply, self.sizes[arrived.reply.index]
         if reply.nbytes != nbytes or self.nixl is None:
@@ -282,45 +265,20 @@ class _Peer:
         except NixlError:
             pass  # reported when its turn comes
 
-    def _start_landing(self, arrived: _Arrived) -> None:
-        """Post the READ of a chunk's engine blocks into this engine's (a failure is raised by its turn)."""
-        index, blocks = arrived.reply.index, arrived.reply.blocks
-        mine = self.hbm.block_ids[index] if self.hbm is not None else None
-        if mine is None or len(mine) != len(blocks):
-            return
+    def _finish_landed(self, index: int, arrived: Arrived) -> Landed:
         try:
-            local, remote = read_descriptors(self.hbm.regions, self.remote_regions, mine, blocks)
-            arrived.transfer = self.nixl.read(self.nixl_peer, local, remote,
-                                              (self.hbm.kind, self.hbm.device, self.remote_device))
-            arrived.started_s = time.perf_counter()
-        except (NixlError, ValueError):
-            pass  # reported when its turn comes
-
-    def _finish_landed(self, index: int, arrived: _Arrived) -> Landed:
-        transfer = arrived.transfer
-        try:
-            if transfer is None:
-                raise PeerError(f"{self.endpoint} named {len(arrived.reply.blocks)} engine blocks for chunk {index}; "
-                                "they could not be read into this engine's")
-            try:
-                begin = time.perf_counter()
-                transfer.wait(self.timeout_ms / 1000, self.cancelled)
-                self.timing["read_s"] += time.perf_counter() - begin
-                self.timing["chunks"] += 1
-            except NixlError as exc:
-                self.failed = True
-                raise PeerError(f"NIXL READ of chunk {index}'s engine blocks from {self.endpoint}: {exc}") from None
+            if self.hbm is None:
+                raise PeerError(f"{self.endpoint} named engine blocks for chunk {index}, which this engine did not ask")
+            return self.hbm.finish(index, arrived, self.timeout_ms / 1000, self.cancelled)
+        except NixlError as exc:
+            self.failed = True
+            self._discard(arrived)
+            raise PeerError(f"{self.endpoint}, chunk {index}: {exc}") from None
         except BaseException:
             self._discard(arrived)
             raise
-        transfer.release()
-        if (self.endpoint, "landed") not in _told:
-            _told.add((self.endpoint, "landed"))
-            logger.info("kvtier P/D: chunks from %s land HBM to HBM (engine blocks to engine blocks).", self.endpoint)
-        read_speed(self.endpoint, self.hbm.kind, transfer.nbytes, time.perf_counter() - arrived.started_s)
-        return Landed(arrived.reply.checksum, transfer.nbytes)
 
-    def _finish_read(self, index: int, arrived: _Arrived) -> ChunkBuffer:
+    def _finish_read(self, index: int, arrived: Arrived) -> ChunkBuffer:
         reply, buffer, transfer = arrived.reply, arrived.buffer, arrived.transfer
         nbytes = self.sizes[index]
         try:
@@ -353,7 +311,7 @@ class _Peer:
             transfer.release()
         return buffer
 
-    def _discard(self, arrived: _Arrived) -> None:
+    def _discard(self, arrived: Arrived) -> None:
         """Release a chunk that will not be handed out; a READ still running keeps its buffer."""
         settled = arrived.transfer is None or arrived.transfer.settle(self.timeout_ms / 1000)
         if arrived.transfer is not None and settled:
@@ -383,16 +341,8 @@ class _Peer:
 
 
 def _check_layouts(endpoint: str, hello: Hello, reply: HelloReply) -> None:
-    """Refuse a producer whose chunks mean other bytes than this engine's: another layout
-    fingerprint (which includes the block size unless the layout is token-contiguous: see
-    :mod:`kvtier.layout`), or another ``chunk_tokens`` (chunk keys cover that many tokens)."""
-    problem = reply.error
-    if not problem and reply.fingerprint != hello.fingerprint:
-        problem = (f"KV layouts differ (block sizes may differ only where both layouts are token-contiguous, "
-                   f"e.g. flash attention's NHD or MLA): this engine has {hello.layout}; the producer has {reply.layout}")
-    if not problem and reply.chunk_tokens != hello.chunk_tokens:
-        problem = (f"chunk_tokens differ ({hello.chunk_tokens} here, {reply.chunk_tokens} on the producer): "
-                   f"both engines must use the same, a multiple of each one's block size")
+    """Refuse a producer whose chunks mean other bytes than this engine's (one line per producer)."""
+    problem = reply.error or layout_problem(hello, reply)
     if problem:
         if endpoint not in _warned:
             _warned.add(endpoint)

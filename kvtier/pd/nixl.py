@@ -69,16 +69,28 @@ class Transfer:
         self._agent = agent
         self._future = future
         self._released = False
+        self._final: str | None = None  # DONE or ERR, once seen (several chunks may share one READ)
         self.peer = peer
         self.nbytes = nbytes
 
     def state(self) -> str:
         """``DONE``, ``PROC`` (being posted, or in flight) or ``ERR``."""
+        if self._final is not None:
+            return self._final
         if not self._future.done():
             return "PROC"
         if self._future.exception() is not None:
+            self._final = "ERR"
             return "ERR"
-        return self._agent._nixl.check_xfer_state(self._future.result())
+        state = self._agent._nixl.check_xfer_state(self._future.result())
+        if state != "PROC":
+            self._final = "DONE" if state == "DONE" else "ERR"
+        return state
+
+    @property
+    def released(self) -> bool:
+        """Whether NIXL's handle was given back (by whichever chunk sharing it finished first)."""
+        return self._released
 
     def wait(self, timeout_s: float, cancelled: Callable[[], bool] = bool) -> None:
         """Return once done; raise :class:`NixlError` on a failure, on timeout or when ``cancelled()``."""

@@ -136,6 +136,19 @@ decode_request = msgspec.msgpack.Decoder(Union[Hello, Fetch, Release]).decode
 decode_reply = msgspec.msgpack.Decoder(Union[HelloReply, ChunkReply]).decode
 
 
+def layout_problem(hello: Hello, reply: HelloReply) -> str:
+    """Why a producer's chunks mean other bytes than the consumer's ("" if they do not): another
+    layout fingerprint (which includes the block size unless the layout is token-contiguous: see
+    :mod:`kvtier.layout`), or another ``chunk_tokens`` (chunk keys cover that many tokens)."""
+    if reply.fingerprint != hello.fingerprint:
+        return (f"KV layouts differ (block sizes may differ only where both layouts are token-contiguous, "
+                f"e.g. flash attention's NHD or MLA): this engine has {hello.layout}; the producer has {reply.layout}")
+    if reply.chunk_tokens != hello.chunk_tokens:
+        return (f"chunk_tokens differ ({hello.chunk_tokens} here, {reply.chunk_tokens} on the producer): "
+                f"both engines must use the same, a multiple of each one's block size")
+    return ""
+
+
 class AuthError(ValueError):
     """A message whose MAC is missing or wrong."""
 

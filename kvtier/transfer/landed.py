@@ -2,8 +2,9 @@
 
 The producer sends the KVSUM64 its save computed over the chunk's payload (the blocks read
 region-major). Here the same blocks are gathered into a scratch chunk on the engine's device by
-a copy kernel that computes KVSUM64 while it copies: on a GPU one pass at HBM speed (a 32 MiB
-chunk in tens of microseconds), no host round trip of the bytes. A mismatch means the blocks
+a copy kernel that computes KVSUM64 while it copies: once the transfer's READs are done, one
+launch over all its chunks (on a GPU at HBM speed: 4 GiB in a few ms), no host round trip of
+the bytes. A mismatch means the blocks
 are not what the producer computed (a torn or late READ, a reused block, a bit flip).
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import Callable
 
 import torch
 
 from kvtier import codec
+from kvtier.jobs import Landed, LoadJob
 from kvtier.layout import Layout
 from kvtier.ops import backend_names, checksums_in_kernel, pick_backend
 from kvtier.ops.checksum import as_unsigned, payload_checksum
@@ -24,8 +27,8 @@ logger = logging.getLogger(__name__)
 
 
 class LandedCheck:
-    """KVSUM64 of a chunk's engine blocks. ``chunk_blocks``: blocks of a whole chunk (the
-    scratch is sized for it, allocated on first use: ``codec.chunk_bytes`` on the layout's device)."""
+    """KVSUM64s of chunks' engine blocks. ``chunk_blocks``: blocks of a whole chunk (the scratch
+    is sized for one, ``codec.chunk_bytes`` on the layout's device, allocated on first use)."""
 
     def __init__(self, layout: Layout, chunk_blocks: int):
         self.layout = layout
@@ -40,31 +43,47 @@ class LandedCheck:
             if name in ("cuda", "triton") else {}
         self.check_s = 0.0  # seconds spent checking, since start
         self._scratch: torch.Tensor | None = None
-        self._sums = torch.zeros(1, dtype=torch.int64, device=layout.device)
 
-    def checksum(self, block_ids: torch.Tensor, num_blocks: int) -> int:
-        """KVSUM64 (unsigned) of blocks ``block_ids`` (``int64 [num_blocks]`` on the layout's
-        device) as chunk payload. Runs on the current stream and waits for it."""
-        if self._scratch is None:
-            self._scratch = torch.empty(codec.chunk_bytes(self.layout, self.chunk_blocks), dtype=torch.uint8,
-                                        device=self.layout.device)
-        buffer = self._scratch[: codec.chunk_bytes(self.layout, num_blocks)]
-        span = ChunkSpan(buffer, num_blocks, 0, block_ids)
+    def first_bad(self, chunks: list[tuple[torch.Tensor, int, int]]) -> int | None:
+        """Index of the first of ``chunks`` whose blocks do not hold what the producer saved, or
+        None. Each chunk is ``(block_ids, num_blocks, expected)``: ``int64 [num_blocks]`` engine
+        block ids on the layout's device and the KVSUM64 (unsigned) they must have as payload.
+        One pass over all of them; runs on the current stream and waits for it."""
+        if not chunks:
+            return None
         begin = time.perf_counter()
-        try:
-            if self.in_kernel:
-                self._gather(self.layout, [span], checksums_out=self._sums, **self._kw)
-                return as_unsigned(self._sums.cpu())[0]
-            self._gather(self.layout, [span])
-            return payload_checksum(buffer[codec.HEADER_BYTES:])
-        finally:
-            self.check_s += time.perf_counter() - begin
+        largest = max(n for _, n, _ in chunks)
+        if self._scratch is None or self._scratch.numel() < codec.chunk_bytes(self.layout, largest):
+            self._scratch = torch.empty(codec.chunk_bytes(self.layout, max(largest, self.chunk_blocks)),
+                                        dtype=torch.uint8, device=self.layout.device)
+        # Every span gathers into the same scratch: its bytes are garbage, the sums are taken from
+        # the blocks as they are read.
+        spans = [ChunkSpan(self._scratch[: codec.chunk_bytes(self.layout, n)], n, 0, ids) for ids, n, _ in chunks]
+        if self.in_kernel:
+            sums = torch.empty(len(spans), dtype=torch.int64, device=self.layout.device)
+            self._gather(self.layout, spans, checksums_out=sums, **self._kw)
+            got = as_unsigned(sums.cpu())
+        else:
+            got = []
+            for span in spans:
+                self._gather(self.layout, [span])
+                got.append(payload_checksum(span.buffer[codec.HEADER_BYTES:]))
+        self.check_s += time.perf_counter() - begin
+        return next((i for i, (value, (_, _, want)) in enumerate(zip(got, chunks)) if value != want), None)
 
-    def intact(self, block_ids: torch.Tensor, num_blocks: int, expected: int, what: str) -> bool:
-        """Whether the blocks hold the chunk whose KVSUM64 is ``expected``; if not, one line names
-        ``what`` (the chunk, its transfer and producer)."""
-        if self.checksum(block_ids, num_blocks) == expected:
-            return True
-        logger.warning("kvtier P/D: %s arrived in the engine's blocks with another KVSUM64 than the producer "
-                       "saved; recomputing from there.", what)
-        return False
+    def loaded(self, job: LoadJob, landed: list[tuple[int, int, int, Landed]], done: int, chunks: int,
+               ids: Callable[[tuple[int, ...]], torch.Tensor]) -> tuple[int, int, int]:
+        """Check ``job``'s chunks that landed, ``(chunk, blocks loaded before it, its blocks, what
+        came)`` each, when ``done`` blocks in ``chunks`` chunks were taken as loaded: from the first
+        bad one on nothing counts (one line says so). Returns the (blocks, chunks, bytes landed)
+        that count. ``ids``: block ids as a device tensor."""
+        begin = self.check_s
+        bad = self.first_bad([(ids(job.block_ids[b : b + n]), n, x.checksum) for _, b, n, x in landed])
+        logger.debug("kvtier P/D: %d chunks landed, checked in %.1f ms", len(landed), (self.check_s - begin) * 1e3)
+        if bad is not None:
+            i, done, _, _ = landed[bad]
+            chunks = i - job.remote.first_chunk
+            logger.warning("kvtier P/D: chunk %d of transfer %s from %s arrived in the engine's blocks with another "
+                           "KVSUM64 than the producer saved; recomputing from there.", i, job.remote.transfer_id,
+                           job.remote.endpoints[0])
+        return done, chunks, sum(x.nbytes for _, b, _, x in landed if b < done)

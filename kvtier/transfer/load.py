@@ -239,7 +239,7 @@ class LoadSide:
         first = remote.first_chunk
         items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
         held, count_chunks, chunks = [], 0, None
-        checked_s, landed = self._landed.check_s if self._landed is not None else 0.0, 0
+        landed: list[tuple[int, int, int, Landed]] = []  # (chunk, blocks loaded before it, its blocks, what came)
         try:
             chunks = self._fetch_remote(job, items, self._targets(job, done))
             for i, buffer in enumerate(chunks, start=first):
@@ -248,15 +248,10 @@ class LoadSide:
                         buffer.release()
                     break
                 num_blocks = self._num_blocks(job, i)
-                if isinstance(buffer, Landed):  # written straight into this engine's blocks (HBM to HBM)
+                if isinstance(buffer, Landed):  # written straight into this engine's blocks: checked below
                     count = self._span(job, i, done)[1]
-                    what = f"chunk {i} of transfer {remote.transfer_id} from {remote.endpoints[0]}"
-                    if not self._landed.intact(self._ids(job.block_ids[done : done + count]), count, buffer.checksum,
-                                               what):
-                        break
-                    done += count
-                    count_chunks, landed = count_chunks + 1, landed + 1
-                    self.stats.landed_bytes += buffer.nbytes
+                    landed.append((i, done, count, buffer))
+                    done, count_chunks = done + count, count_chunks + 1
                     continue
                 try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)
                     fused = self._kernel_sums and codec.read_header(buffer.data).checksum_kind == codec.KVSUM64
@@ -293,8 +288,8 @@ class LoadSide:
             if chunks is not None:
                 chunks.close()
         if landed:
-            checked_ms = (self._landed.check_s - checked_s) * 1e3
-            logger.debug("kvtier P/D: %d chunks landed, checked in %.1f ms", landed, checked_ms)
+            done, count_chunks, nbytes = self._landed.loaded(job, landed, done, count_chunks, self._ids)
+            self.stats.landed_bytes += nbytes
         if held:
             self._on_held(held)
         return done, count_chunks
