@@ -19,7 +19,7 @@ import time
 import msgspec
 import pytest
 import zmq
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import ask, mutated
@@ -28,6 +28,8 @@ from kvtier.pd.fetch import PeerError, fetch_chunks
 from kvtier.pd.protocol import (
     VERSION, ChunkReply, Fetch, Hello, HelloReply, Release, decode_reply, decode_request, encode,
 )
+from kvtier.jobs import Landed
+from kvtier.pd.hbm import Landing, RegionSpan
 from kvtier.storage import ChunkStore, StoreConfig
 
 EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "200"))
@@ -35,6 +37,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
                 suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
 FP = b"f" * 16
 CHUNK_BYTES = 4096 + 64  # what the fetch below expects per chunk
+ENGINE_BLOCK = 4096  # bytes of one engine block in the HBM-to-HBM fuzz (one region)
 
 
 requests = st.one_of(
@@ -128,19 +131,24 @@ reply_frames = st.one_of(
 )
 
 
-def fetch_from_hostile(producer, store, wait: bool = False, nixl=None) -> None:
+def fetch_from_hostile(producer, store, wait: bool = False, nixl=None, landing=None) -> None:
     """Fetch two one-block chunks from the hostile producer with the real fetch code; each chunk
-    that arrives must have the asked size, and is released. Only a ``PeerError`` may end it."""
+    that arrives must have the asked size (or, with ``landing``, have landed in the engine blocks),
+    and is released. Only a ``PeerError`` may end it."""
     got = []
     try:
         for buffer in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32), "t",
                                    [(b"k" * 16, 1), (b"l" * 16, 1)], wait=wait, timeout_ms=100, secret=None,
-                                   allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES, nixl=nixl):
+                                   allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES, nixl=nixl,
+                                   landing=landing):
             got.append(buffer)
     except PeerError:
         pass  # the clear refusal; anything else fails the test
     finally:
         for buffer in got:
+            if isinstance(buffer, Landed):
+                assert landing is not None and buffer.nbytes == ENGINE_BLOCK
+                continue
             assert buffer.data.numel() == CHUNK_BYTES
             buffer.release()
 
@@ -217,4 +225,35 @@ def test_a_decode_engine_reads_any_lent_chunk_reply_as_chunks_or_a_peer_error(ho
     deadline = time.monotonic() + 3
     while store.cpu_bytes_used() and time.monotonic() < deadline:
         time.sleep(0.01)  # quarantined push buffers: 3 timeouts
+    assert store.cpu_bytes_used() == 0
+
+
+@settings(FUZZ, max_examples=max(20, EXAMPLES // 10))
+@given(regions=st.lists(st.tuples(st.integers(-8, 5 * CHUNK_BYTES), st.sampled_from([ENGINE_BLOCK, 1, 2 * ENGINE_BLOCK]),
+                                  st.sampled_from([ENGINE_BLOCK, 7])), max_size=2),
+       chunks=st.lists(st.tuples(st.integers(-1, 2), st.lists(st.integers(0, 1 << 40), max_size=3),
+                                 st.integers(0, (1 << 64) - 1)), max_size=3))
+@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1), (1, [1], 2)])  # both land
+def test_a_decode_engine_reads_any_engine_block_reply_as_landed_chunks_or_a_peer_error(hostile_nixl, regions, chunks):
+    """HBM to HBM a producer names its engine KV regions and each chunk's blocks: any regions,
+    block ids, index or checksum end in landed chunks or a PeerError, and D's engine KV is
+    written only in the blocks D named for the chunks (host memory stands in for VRAM)."""
+    import torch
+
+    producer, store, p_agent, d_agent, base = hostile_nixl
+    kv = torch.zeros(8 * ENGINE_BLOCK, dtype=torch.uint8)  # D's engine KV: 8 blocks, one region
+    d_agent.register([(kv.data_ptr(), kv.numel())])
+    try:
+        landing = Landing((RegionSpan(kv.data_ptr(), ENGINE_BLOCK, ENGINE_BLOCK),), "DRAM", 0, [(2,), (5,)])
+        hello = [b"", encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=p_agent.metadata(),
+                                        regions=tuple((max(0, base + o), st_, bb) for o, st_, bb in regions)))]
+        replies = [[b"", encode(ChunkReply(VERSION, index, "ok", blocks=tuple(blocks), checksum=checksum))]
+                   for index, blocks, checksum in chunks]
+        with producer.lock:
+            producer.replies[:] = [hello, *replies]
+        fetch_from_hostile(producer, store, nixl=d_agent, landing=landing)
+        outside = torch.cat([kv[: 2 * ENGINE_BLOCK], kv[3 * ENGINE_BLOCK: 5 * ENGINE_BLOCK], kv[6 * ENGINE_BLOCK:]])
+        assert not outside.any(), "a producer's reply wrote outside the blocks D named"
+    finally:
+        d_agent.deregister([(kv.data_ptr(), kv.numel())])
     assert store.cpu_bytes_used() == 0
