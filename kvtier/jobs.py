@@ -70,6 +70,8 @@ class SaveJob:
     A job with no keys only says the published request is still being computed. ``names``: one
     per full chunk in ``keys``, when the engine publishes KV cache events (else empty).
     ``group``: which of the served KV cache groups the blocks are (0: the anchor group).
+    ``lease``: with ``final``, the request's engine blocks will be lent once it finishes (P/D HBM
+    to HBM), so a decode engine's fetch may wait a moment for the lease.
     """
 
     req_id: str
@@ -79,6 +81,7 @@ class SaveJob:
     final: bool = False
     names: tuple[ChunkBlocks | None, ...] = ()
     group: int = 0
+    lease: bool = False
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,11 +61,12 @@ class EngineKv:
         return Landing(self.spans, self.kind, self.device, [None if t is None else t[1] for t in targets])
 
     def saving(self, jobs: tuple[SaveJob, ...]) -> None:
-        """A published request whose last chunk is computed now will be lent when it finishes."""
+        """A published request whose last chunk is computed now will be lent when it finishes (the
+        scheduler half says so: ``SaveJob.lease``)."""
         if self.leases is None or self.agent is None:
             return
         for job in jobs:
-            if job.publish is not None and job.final and job.group == 0:
+            if job.publish is not None and job.final and job.lease and job.group == 0:
                 self.leases.expect(job.publish, job.req_id)
 
     def lend(self, lends: tuple[Lend, ...]) -> bool:

@@ -102,6 +102,7 @@ class ChunkServer:
         self.engine: EngineBlocks | None = None  # set once the engine KV is registered with NIXL
         self._hbm_peers: set[bytes] = set()  # identities given the engine KV regions
         self.hbm_total = 0  # chunks answered with engine blocks since start
+        self.lease_waits = 0  # times a fetch waited for its transfer's lease to begin
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
@@ -226,6 +227,7 @@ class ChunkServer:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
         if (fetch.hbm and identity in self._hbm_peers and now + EXPECT_S > time.monotonic()
                 and self.engine.leases.expected(fetch.transfer_id)):
+            self.lease_waits += 1
             return self._park(identity, fetch, now)
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)

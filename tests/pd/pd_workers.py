@@ -64,11 +64,12 @@ def prompt_keys(tokens: list[int]) -> tuple[list[bytes], bytes | None]:
     return keys, tail_key(tokens, CHUNK, root, keys)
 
 
-def publish(p: Engine, tokens: list[int], blocks: list[int], transfer_id: str) -> list[bytes]:
-    """What P's scheduler half plans for a producer request computed in one step; returns all keys."""
+def publish(p: Engine, tokens: list[int], blocks: list[int], transfer_id: str, lease: bool = False) -> list[bytes]:
+    """What P's scheduler half plans for a producer request computed in one step (``lease``: whose
+    blocks it will lend when the request finishes); returns all keys."""
     keys, tail = prompt_keys(tokens)
     all_keys = keys + ([tail] if tail else [])
-    p.side.save((SaveJob("p-req", tuple(all_keys), tuple(blocks), publish=transfer_id, final=True),))
+    p.side.save((SaveJob("p-req", tuple(all_keys), tuple(blocks), publish=transfer_id, final=True, lease=lease),))
     return all_keys
 
 

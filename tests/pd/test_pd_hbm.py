@@ -115,6 +115,15 @@ def test_a_consumer_that_never_releases_holds_nothing_past_lease_and_grace(engin
     chunks.close()
 
 
+def test_without_a_lease_coming_a_fetch_takes_the_cpu_tier_at_once(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t1")  # the scheduler half will not lend these blocks
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    assert p.side.chunk_server.lease_waits == 0  # no fetch waited for a lease
+    assert p.side.chunk_server.hbm_total == 0 and p.side.chunk_server.lent_total == 4
+
+
 def test_a_lease_a_consumer_engine_cannot_keep_is_ended_at_once(engines):
     c = engines("c", 3, produce=False)
     full, tail = prompt_keys(PROMPT)
@@ -124,9 +133,9 @@ def test_a_lease_a_consumer_engine_cannot_keep_is_ended_at_once(engines):
 
 def test_a_fetch_waits_for_a_lease_its_request_is_about_to_begin(engines):
     p, d = engines("p", 1), engines("d", 2)
-    publish(p, PROMPT, P_BLOCKS, "t1")  # the last chunk is computed: P's workers expect the lease
+    publish(p, PROMPT, P_BLOCKS, "t1", lease=True)  # the last chunk is computed: P's workers expect the lease
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
     time.sleep(0.1)  # D asked before the step that tells P's workers the request finished
     lend(p, "t1")
     assert d.wait_loaded("d-req") == set()
-    assert p.side.chunk_server.hbm_total == 4
+    assert p.side.chunk_server.hbm_total == 4 and p.side.chunk_server.lease_waits > 0

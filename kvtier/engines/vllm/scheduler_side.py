@@ -283,7 +283,9 @@ class SchedulerSide:
             keys = [*keys, tracked.tail]
             blocks = [*blocks, *tracked.block_ids[full * self.chunk_blocks : -(-tracked.prompt_tokens // self.block_size)]]
         tracked.published = final
-        return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names)
+        lease = final and self.config.pd_hbm_lease_ms > 0 and not self.groups.others  # see connector._lend
+        return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names,
+                       lease=lease)
 
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
         """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""

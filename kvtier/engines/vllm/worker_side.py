@@ -194,8 +194,13 @@ class WorkerSide:
 
     @property
     def nixl(self) -> Agent | None:
-        """This rank's NIXL agent, once it is up with the CPU pool registered."""
+        """This rank's NIXL agent, once it is up with the CPU pool registered (benches set None to
+        fetch over ZMQ, then set it back)."""
         return self._nixl_start.agent if self._nixl_start is not None else None
+
+    @nixl.setter
+    def nixl(self, agent: Agent | None) -> None:
+        self._nixl_start.agent = agent
 
     def _changed(self, keys: list[bytes]) -> None:
         self.reporter.changed(keys)
