@@ -56,3 +56,20 @@ def test_names_newer_releases_add_are_detected():
     assert compat.CacheHitSource is not None
     assert compat.to_event_extra_keys([None, ("lora",)]) is not None
     assert compat.has_hook("request_finished") and not compat.has_hook("no_such_hook")
+
+
+def test_the_plugin_registers_once_in_a_vllm_that_hides_its_registry(monkeypatch):
+    """vLLM runs general plugins unguarded: a plugin that raised would stop every vLLM start."""
+    names: set[str] = set()
+
+    def register_connector(name, module, cls):
+        if name in names:
+            raise ValueError(f"Connector '{name}' is already registered.")
+        names.add(name)
+
+    factory = types.SimpleNamespace(KVConnectorFactory=types.SimpleNamespace(register_connector=register_connector))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.kv_transfer.kv_connector.factory", factory)
+    monkeypatch.setattr(compat.check_version, "__defaults__", ("0.26.0",))
+    plugin.register()
+    plugin.register()  # every vLLM process runs the plugin, some twice
+    assert names == {"kvtier"}

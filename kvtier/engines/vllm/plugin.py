@@ -23,8 +23,13 @@ def register() -> None:
         return
     from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 
-    if NAME not in KVConnectorFactory._registry:
+    registry = getattr(KVConnectorFactory, "_registry", None)  # private: ask only where it exists
+    if registry is not None and NAME in registry:
+        return
+    try:
         KVConnectorFactory.register_connector(NAME, "kvtier.engines.vllm.connector", "KvtierConnector")
+    except ValueError:  # registered already, in a release that hides its registry
+        pass
 
 
 def _show_logs() -> None:
