@@ -154,6 +154,9 @@ def test_the_chunks_moved_over_nixl_engine_blocks_to_engine_blocks(pd):
     while (held := metric(pd["p"].url, "vllm:kvtier_held_bytes", {"tier": "hbm"})) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert held == 0, f"P still holds {held} B of engine blocks under leases"
+    while (used := kv_cache_usage(pd["p"].url)) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert used == 0, f"vLLM did not free P's blocks once their leases ended ({used:.1%} of its KV cache in use)"
 
 
 def test_streamed_completion_is_identical(pd):

@@ -128,7 +128,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._live: dict[str, Request] = {}  # with KV events: live requests, whose saved chunks are named
         self._lends: list[Lend] = []  # producer requests whose blocks to keep, for the next step's workers
         self._lent: set[str] = set()  # ... kept now: vLLM frees them once the workers say so (finished_sending)
-        self._lend_ms = self.config.pd_hbm_lease_ms if transfer.kv_role != "kv_consumer" and not self.other_groups else 0
+        lends = transfer.kv_role != "kv_consumer" and not self.other_groups  # hybrids: the CPU-tier path only
+        self._lend_ms = self.config.pd_hbm_lease_ms if lends else 0
         self._events = KvtierKVEvents(num_workers=0)  # from the workers, until vLLM takes them
         if role == KVConnectorRole.SCHEDULER and self.active:  # idle: no scheduler half either (its chunk
             # geometry may not fit a block size vLLM chose for another group, e.g. a Mamba state page)
