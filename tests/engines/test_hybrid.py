@@ -429,6 +429,32 @@ def test_without_vllms_handoff_hooks_unaligned_hits_load_partial_chunks(monkeypa
         engine.sched.shutdown()
 
 
+@pytest.mark.parametrize("name", ["_enqueue_waiting_request", "_request_remaining_blocks", "_inflight_prefills"])
+def test_a_release_without_what_a_park_needs_never_hands_off(monkeypatch, caplog, name):
+    """A release that keeps the two hooks but renames what a handoff's park calls or edits would
+    hand off, then fail at the first park: kvtier's scheduler checks them all and loads partial
+    chunks instead, and one line names what is missing."""
+    if name == "_inflight_prefills":  # set by vLLM's __init__: gone from the instance
+        init = Scheduler.__init__
+
+        def init_without(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            vars(self).pop(name, None)
+
+        monkeypatch.setattr(Scheduler, "__init__", init_without)
+    else:
+        monkeypatch.delattr(Scheduler, name)
+    caplog.set_level(logging.WARNING, logger="kvtier.engines.vllm.scheduler_side")
+    engine = _Engine(hybrid_config(full(), sliding(2 * BS)), unaligned="handoff")
+    try:
+        assert not engine.sched.connector.scheduler_side.policy.handoff_supported
+        lines = [r.getMessage() for r in caplog.records if "unaligned hits load partial chunks" in r.getMessage()]
+        assert len(lines) == 1 and name in lines[0], lines
+    finally:
+        monkeypatch.undo()
+        engine.sched.shutdown()
+
+
 def test_a_hybrid_model_recomputes_a_failed_load_from_its_first_token():
     """vLLM takes no block ids from a model of several groups: the workers name the request, and
     the engine drops its tokens, frees its blocks and admits it afresh, without the failed chunk."""

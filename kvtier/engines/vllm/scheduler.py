@@ -23,7 +23,11 @@ from kvtier.engines.vllm.scheduler_side import SchedulerSide
 
 # vLLM's scheduler methods a handoff needs (0.32 has them): the prefill cap at the chunk boundary
 # and the return of a parked request as a resumed one. Without them, unaligned hits load partial chunks.
-HANDOFF_HOOKS = ("_reserve_prefill_lookahead", "_handle_blocked_waiting_request")
+# vLLM's private scheduler names a handoff needs: the two it caps and parks through, then what a
+# park calls and edits (docs/vllm-private-names.md). Handoffs are on only where all are there.
+HANDOFF_HOOKS = ("_reserve_prefill_lookahead", "_handle_blocked_waiting_request", "_enqueue_waiting_request",
+                 "_request_remaining_blocks")
+HANDOFF_STATE = ("_inflight_prefills",)  # instance attributes, set by vLLM's __init__
 
 
 class KvtierScheduler(Scheduler):
@@ -32,7 +36,8 @@ class KvtierScheduler(Scheduler):
         self.kvtier: SchedulerSide | None = None
         if isinstance(self.connector, KvtierConnector) and self.connector.scheduler_side is not None:
             self.kvtier = self.connector.scheduler_side
-            self.kvtier.enable_handoff(tuple(hook for hook in HANDOFF_HOOKS if not hasattr(Scheduler, hook)))
+            missing = [hook for hook in HANDOFF_HOOKS if not hasattr(Scheduler, hook)]
+            self.kvtier.enable_handoff(tuple(missing + [name for name in HANDOFF_STATE if not hasattr(self, name)]))
         self._parked: set[str] = set()  # handoffs parked on a load until they run again; they resume as preempted
         self._scheduled_s: float | None = None
 
