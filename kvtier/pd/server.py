@@ -102,7 +102,8 @@ class ChunkServer:
         self.engine: EngineBlocks | None = None  # set once the engine KV is registered with NIXL
         self._hbm_peers: set[bytes] = set()  # identities given the engine KV regions
         self.hbm_total = 0  # chunks answered with engine blocks since start
-        self.lease_waits = 0  # times a fetch waited for its transfer's lease to begin
+        self.lease_waits = 0  # looks at fetches that found their transfer's lease not begun yet
+        self._lease_wait = False  # one is parked: look again at the next turn of the loop
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
@@ -141,7 +142,8 @@ class ChunkServer:
         last_beat = last_expire = time.monotonic()
         while not self._stop.is_set():
             events = dict(poller.poll(1 if self._writes else 10 if self._waiting or self._nixl_peers else 100))
-            if self._waiting and self._hbm_peers:  # a fetch may be waiting for a lease: look again
+            if self._lease_wait:  # a fetch waits for a lease, which no announcement wakes: look again
+                self._lease_wait = False
                 self.holds.changed.set()
             try:
                 if events:
@@ -227,7 +229,7 @@ class ChunkServer:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
         if (fetch.hbm and identity in self._hbm_peers and now + EXPECT_S > time.monotonic()
                 and self.engine.leases.expected(fetch.transfer_id)):
-            self.lease_waits += 1
+            self.lease_waits, self._lease_wait = self.lease_waits + 1, True
             return self._park(identity, fetch, now)
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)
