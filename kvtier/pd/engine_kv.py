@@ -54,11 +54,11 @@ class EngineKv:
             return None
         return EngineBlocks(self.spans, self.device, self.leases, self.layout.bytes_per_block)
 
-    def landing(self, targets: list[tuple[int, tuple[int, ...]] | None]) -> Landing | None:
+    def landing(self, targets: list[tuple[int, ...] | None]) -> Landing | None:
         """Where a fetch's chunks may land in the engine (None: not registered, or no chunk may)."""
         if self.agent is None or not any(targets):
             return None
-        return Landing(self.spans, self.kind, self.device, [None if t is None else t[1] for t in targets])
+        return Landing(self.spans, self.kind, self.device, list(targets))
 
     def saving(self, jobs: tuple[SaveJob, ...]) -> None:
         """A published request whose last chunk is computed now will be lent when it finishes (the

@@ -70,7 +70,8 @@ class Landings:
         for arrived in batch:
             own = self.mine.block_ids[arrived.reply.index]
             if own is not None and len(own) == len(arrived.reply.blocks):
-                mine, theirs = mine + list(own), theirs + list(arrived.reply.blocks)
+                mine.extend(own)
+                theirs.extend(arrived.reply.blocks)
                 posted.append(arrived)
         if not posted:
             return

@@ -22,11 +22,11 @@ from kvtier.ops import checksums_in_kernel, copies_in_background, pick_backend
 from kvtier.storage import ChunkBuffer
 
 HeldChanged = Callable[[list[bytes]], None]  # storage keys this worker stored, re-confirmed or promoted
-# (job, [(chain key, blocks)] of its producer's chunks, per chunk None or (its index in the prompt,
-# the engine blocks it may be written into directly)) -> those chunks in order, each in a buffer
-# the caller owns or, when it was written into the engine blocks named, a Landed; raises
-# kvtier.pd.PeerError (after yielding what arrived) when the producer fails.
-Targets = list[tuple[int, tuple[int, ...]] | None]
+# (job, [(chain key, blocks)] of its producer's chunks, per chunk the engine blocks it may be
+# written into directly or None) -> those chunks in order, each in a buffer the caller owns or,
+# when it was written into the engine blocks named, a Landed; raises kvtier.pd.PeerError (after
+# yielding what arrived) when the producer fails.
+Targets = list[tuple[int, ...] | None]
 FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets], Iterator[ChunkBuffer | Landed]]
 _EWMA = 0.2  # weight of the newest sample in the per-tier load cost
 

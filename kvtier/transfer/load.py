@@ -294,14 +294,14 @@ class LoadSide:
             self._on_held(held)
         return done, count_chunks
 
-    def _targets(self, job: LoadJob, done: int) -> list[tuple[int, tuple[int, ...]] | None]:
+    def _targets(self, job: LoadJob, done: int) -> list[tuple[int, ...] | None]:
         """Per producer chunk of ``job`` (``done`` blocks loaded before them): the engine blocks it may be
         written into directly, if all of it goes there (its checksum covers the whole chunk)."""
-        targets: list[tuple[int, tuple[int, ...]] | None] = []
+        targets: list[tuple[int, ...] | None] = []
         for i in range(job.remote.first_chunk, len(job.keys)):
             block, count = self._span(job, i, done)
             whole = block == 0 and count == self._num_blocks(job, i) and self._landed is not None
-            targets.append((i, tuple(job.block_ids[done : done + count])) if whole else None)
+            targets.append(tuple(job.block_ids[done : done + count]) if whole else None)
             done += count
         return targets
 

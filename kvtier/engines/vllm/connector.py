@@ -128,8 +128,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._live: dict[str, Request] = {}  # with KV events: live requests, whose saved chunks are named
         self._lends: list[Lend] = []  # producer requests whose blocks to keep, for the next step's workers
         self._lent: set[str] = set()  # ... kept now: vLLM frees them once the workers say so (finished_sending)
-        lends = transfer.kv_role != "kv_consumer" and not self.other_groups  # hybrids: the CPU-tier path only
-        self._lend_ms = self.config.pd_hbm_lease_ms if lends else 0
         self._events = KvtierKVEvents(num_workers=0)  # from the workers, until vLLM takes them
         if role == KVConnectorRole.SCHEDULER and self.active:  # idle: no scheduler half either (its chunk
             # geometry may not fit a block size vLLM chose for another group, e.g. a Mamba state page)
@@ -314,11 +312,12 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         return lent, self._scheduler.finished(request.request_id, completed)
 
     def _lend(self, req_id: str, block_ids: list[int]) -> bool:
-        """Keep a completed producer request's blocks for decode engines to READ (``pd_hbm_lease_ms``)."""
-        published = self._scheduler.published(req_id) if self._lend_ms > 0 and block_ids else None
+        """Keep a completed producer request's blocks for decode engines to READ (``pd_hbm_lease_ms``).
+        Only where this engine publishes: a consumer runs no chunk server, so nothing is published."""
+        published = self._scheduler.published(req_id) if self._scheduler.lends_blocks and block_ids else None
         if published is None:
             return False
-        self._lends.append(Lend(req_id, published[0], tuple(block_ids), published[1], self._lend_ms))
+        self._lends.append(Lend(req_id, published[0], tuple(block_ids), published[1], self.config.pd_hbm_lease_ms))
         self._lent.add(req_id)
         return True
 

@@ -283,9 +283,8 @@ class SchedulerSide:
             keys = [*keys, tracked.tail]
             blocks = [*blocks, *tracked.block_ids[full * self.chunk_blocks : -(-tracked.prompt_tokens // self.block_size)]]
         tracked.published = final
-        lease = final and self.config.pd_hbm_lease_ms > 0 and not self.groups.others  # see connector._lend
         return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names,
-                       lease=lease)
+                       lease=final and self.lends_blocks)
 
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
         """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""
@@ -394,6 +393,12 @@ class SchedulerSide:
             self._cancels.append(req_id)  # vLLM keeps its blocks until the cancelled load reports
         self._advance(req_id, tracked, Event.FINISHED, saves_pending=tracked.last_save_step >= self._completed)
         return params
+
+    @property
+    def lends_blocks(self) -> bool:
+        """Whether a completed producer request's engine blocks stay for decode engines to READ
+        (``pd_hbm_lease_ms``; never for a hybrid model's groups, which take the CPU-tier path)."""
+        return self.config.pd_hbm_lease_ms > 0 and not self.groups.others
 
     def published(self, req_id: str) -> tuple[str, tuple[bytes, ...]] | None:
         """A P/D producer request's transfer id and the chain keys of the chunks it published (the

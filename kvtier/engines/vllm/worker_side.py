@@ -207,7 +207,7 @@ class WorkerSide:
         if self.events is not None:
             self.events.changed(keys)
 
-    def _fetch_remote(self, job: LoadJob, items: list[tuple[bytes, int]], targets):
+    def _fetch_remote(self, job: LoadJob, items: list[tuple[bytes, int]], targets: list[tuple[int, ...] | None]):
         remote = job.remote
         if len(remote.endpoints) != self.world_size:
             raise PeerError(f"the producer has {len(remote.endpoints)} TP ranks, this engine {self.world_size}")
