@@ -70,8 +70,9 @@ class SaveJob:
     A job with no keys only says the published request is still being computed. ``names``: one
     per full chunk in ``keys``, when the engine publishes KV cache events (else empty).
     ``group``: which of the served KV cache groups the blocks are (0: the anchor group).
-    ``lease``: with ``final``, the request's engine blocks will be lent once it finishes (P/D HBM
-    to HBM), so a decode engine's fetch may wait a moment for the lease.
+    ``lease``: the request's engine blocks will be lent once it finishes (P/D HBM to HBM): the
+    chunks' blocks may be written into a decode engine that named its own (push) while the
+    request runs, and with ``final`` a decode engine's fetch may wait a moment for the lease.
     """
 
     req_id: str

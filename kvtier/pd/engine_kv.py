@@ -52,7 +52,7 @@ class EngineKv:
         """What the chunk server lends (None: no leases here, or not registered)."""
         if self.agent is None or self.leases is None:
             return None
-        return EngineBlocks(self.spans, self.device, self.leases, self.layout.bytes_per_block)
+        return EngineBlocks(self.spans, self.device, self.leases, self.layout.bytes_per_block, self.kind)
 
     def landing(self, targets: list[tuple[int, ...] | None]) -> Landing | None:
         """Where a fetch's chunks may land in the engine (None: not registered, or no chunk may)."""
@@ -61,13 +61,16 @@ class EngineKv:
         return Landing(self.spans, self.kind, self.device, list(targets))
 
     def saving(self, jobs: tuple[SaveJob, ...]) -> None:
-        """A published request whose last chunk is computed now will be lent when it finishes (the
-        scheduler half says so: ``SaveJob.lease``)."""
+        """Published requests whose blocks will be lent when they finish (the scheduler half says
+        so: ``SaveJob.lease``): the blocks of the chunks computed now may be written into a decode
+        engine at once, and once the last chunk is computed a lease is expected."""
         if self.leases is None or self.agent is None:
             return
         for job in jobs:
-            if job.publish is not None and job.final and job.lease and job.group == 0:
-                self.leases.expect(job.publish, job.req_id)
+            if job.publish is not None and job.lease and job.group == 0:
+                self.leases.live(job.publish, job.req_id, job.block_ids, job.keys)
+                if job.final:
+                    self.leases.expect(job.publish, job.req_id)
 
     def lend(self, lends: tuple[Lend, ...]) -> bool:
         """Begin the leases the scheduler asked for (or end them at once where this rank cannot

@@ -15,7 +15,12 @@ HBM to HBM (a :class:`Landing` given: this engine's KV is registered with NIXL):
 producer still holds the request's engine blocks under a lease, its reply names them and D
 READs them region by region straight into the engine blocks the caller named, one descriptor
 per run of consecutive blocks (:mod:`kvtier.pd.hbm`); the caller gets a :class:`Landed` with the
-KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`).
+KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`). In a push transfer D gives P its
+NIXL metadata and engine KV regions in a second hello, once P's reply checked out, and names the
+engine blocks of each chunk in its fetch: P WRITEs the chunk there the moment it has it, and the
+reply carries the KVSUM64. A push transfer that ends with such fetches unanswered waits (up to
+the timeout) for P to say that none of its WRITEs still runs, so no late WRITE lands in blocks
+this engine recomputes.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ logger = logging.getLogger(__name__)
 
 WINDOW = 4  # fetches in flight per transfer (each holds a CPU-tier buffer)
 HBM_WINDOW = 16  # ... when chunks land in the engine's blocks: no buffer held, more READs in flight
+PUSH_WINDOW = 256  # ... when P writes them into the engine's blocks as it computes them (a 64k prompt)
 _CANCEL_CHECK_S = 0.05  # how often a waiting transfer checks whether its request was aborted
 _PROGRESS_S = 0.001  # how often a push transfer over NIXL lets NIXL progress while it waits
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
@@ -80,14 +86,14 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     sizes = [chunk_bytes(n) for _, n in items]
     peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size)
     try:
-        if nixl is not None:  # push: P may WRITE each chunk into a buffer of ours as soon as it has it
-            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), nixl=nixl.metadata() if wait else b"",
+        if nixl is not None:
+            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"),
                                             hbm=landing is not None and not emulated(endpoint))
-        peer.send(hello)
-        reply = peer.receive()
-        if not isinstance(reply, HelloReply):
-            raise PeerError(f"{endpoint} answered the handshake with {type(reply).__name__}")
-        _check_layouts(endpoint, hello, reply)
+        reply = peer.hello(hello)
+        if reply.transport == "nixl" and nixl is not None and wait:  # push: P may WRITE into our memory
+            hello = msgspec.structs.replace(hello, nixl=nixl.metadata(), regions=() if landing is None else tuple(
+                (r.base, r.stride, r.block_bytes) for r in landing.regions), device=getattr(landing, "device", 0))
+            reply = peer.hello(hello)  # P passed the handshake: only now does it learn how to reach us
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
             peer.landing_enabled = wait
@@ -99,7 +105,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         if (endpoint, how) not in _told:
             _told.add((endpoint, how))
             logger.info("kvtier P/D: fetching from %s over %s.", endpoint, how)
-        sent, window = 0, HBM_WINDOW if peer.hbm else WINDOW
+        sent, window = 0, (PUSH_WINDOW if wait else HBM_WINDOW) if peer.hbm else WINDOW
         for index, (key, num_blocks) in enumerate(items):
             while sent < len(items) and sent < index + window:
                 peer.fetch(transfer_id, sent, items[sent][0], items[sent][1], wait)
@@ -110,7 +116,9 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         if peer.hbm is not None:
             peer.hbm.log(transfer_id, peer.reply_s)
         try:
-            peer.send(Release(VERSION, transfer_id))
+            peer.send(Release(VERSION, transfer_id, answer=bool(peer.named)))
+            if peer.named:  # P might still WRITE into blocks this engine will now recompute: wait for its word
+                peer.settle_writes()
         except zmq.ZMQError:
             pass
         socket.close()
@@ -135,6 +143,7 @@ class _Peer:
         self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
         self.early: dict[int, Arrived] = {}  # replies ahead of their turn
         self.hbm: Landings | None = None  # chunks READ into the engine's blocks (HBM to HBM)
+        self.named: set[int] = set()  # chunks whose engine blocks were named to P (push), not answered yet
         self.reply_s = 0.0  # seconds spent waiting for replies
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
@@ -143,6 +152,25 @@ class _Peer:
         except Exception as exc:  # nixlBind's own errors: bad metadata, UCX could not reach it
             raise PeerError(f"could not reach {self.endpoint} over NIXL: {exc}") from None
         self.nixl, self.nixl_metadata = agent, metadata
+
+    def hello(self, hello: Hello) -> HelloReply:
+        """Send ``hello``; the producer's checked reply (raises :class:`PeerError`)."""
+        self.send(hello)
+        reply = self.receive()
+        if not isinstance(reply, HelloReply):
+            raise PeerError(f"{self.endpoint} answered the handshake with {type(reply).__name__}")
+        _check_layouts(self.endpoint, hello, reply)
+        return reply
+
+    def settle_writes(self) -> None:
+        """After a release that asked for an answer: wait until P says none of its WRITEs into
+        this engine still runs (or the timeout passes: P is gone, and so are its WRITEs)."""
+        try:
+            while (got := self.receive()) is not None and got.reply.status != "released":
+                self._discard(got)
+        except PeerError as exc:
+            logger.warning("kvtier P/D: %s did not confirm that its WRITEs into this engine ended (%s).",
+                           self.endpoint, exc)
 
     def send(self, message: msgspec.Struct) -> None:
         body = encode(message)
@@ -221,14 +249,17 @@ class _Peer:
 
     def fetch(self, transfer_id: str, index: int, key: bytes, num_blocks: int, wait: bool) -> None:
         """Ask for chunk ``index``; in a push transfer over NIXL, name a buffer P may WRITE it into."""
-        address = capacity = 0
-        if self.landing_enabled and (buffer := self.allocate(self.sizes[index])) is not None:
-            self.landing[index] = buffer
-            address, capacity = buffer.data.data_ptr(), self.sizes[index]
         # an emulated path found by the first READs ends HBM fetches from then on, mid-transfer too
         hbm = self.hbm is not None and self.hbm.wants(index)
+        blocks = self.hbm.mine.block_ids[index] if hbm and self.landing_enabled else ()
+        address = capacity = 0
+        if blocks:  # push into the engine's blocks: no buffer of the CPU tier needed
+            self.named.add(index)
+        elif self.landing_enabled and (buffer := self.allocate(self.sizes[index])) is not None:
+            self.landing[index] = buffer
+            address, capacity = buffer.data.data_ptr(), self.sizes[index]
         self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
-                        num_blocks * self.block_size, hbm))
+                        num_blocks * self.block_size, hbm, blocks))
 
     def _take(self, got: HelloReply | Arrived) -> None:
         if isinstance(got, HelloReply):
@@ -236,7 +267,8 @@ class _Peer:
         if not 0 <= got.reply.index < len(self.sizes) or got.reply.index in self.early:
             raise PeerError(f"{self.endpoint} answered for chunk {got.reply.index}, which was not asked")
         self.early[got.reply.index] = got
-        landing = self.landing.pop(got.reply.index, None)  # P answered: it will not write there later
+        self.named.discard(got.reply.index)  # P answered: it will not write there later
+        landing = self.landing.pop(got.reply.index, None)
         if got.reply.status != "ok":
             if landing is not None:
                 landing.release()
@@ -244,7 +276,7 @@ class _Peer:
         if got.reply.blocks:
             if landing is not None:
                 landing.release()
-            if self.hbm is not None:
+            if self.hbm is not None and not got.reply.written:
                 self.hbm.add(got)  # READ with the other replies at hand (chunk() posts them)
             return
         got.buffer = landing

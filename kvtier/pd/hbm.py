@@ -46,13 +46,14 @@ class RegionSpan:
 @dataclass(frozen=True, slots=True)
 class EngineBlocks:
     """What a producer rank lends HBM to HBM: its engine KV ``regions`` on CUDA device ``device``
-    (this process's index), the ``leases`` of finished requests' blocks, ``bytes_per_block``
-    over all regions."""
+    (this process's index), registered as ``kind`` ("VRAM" or "DRAM"), the ``leases`` of its
+    requests' blocks, ``bytes_per_block`` over all regions."""
 
     regions: tuple[RegionSpan, ...]
     device: int
     leases: BlockLeases
     bytes_per_block: int
+    kind: str = "VRAM"
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,9 +68,10 @@ class Landing:
     block_ids: list[tuple[int, ...] | None]
 
 
-def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float) -> None:
-    """Time one of the first READs of GPU memory (``kind`` VRAM) from producer ``endpoint``;
-    after :data:`TIMED_READS` of them say how fast its HBM path is, and turn it off if emulated."""
+def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float, op: str = "READ") -> None:
+    """Time one of the first READs of GPU memory (``kind`` VRAM) from producer ``endpoint`` (or,
+    ``op`` "WRITE", a producer's WRITEs into the consumer ``endpoint``); after
+    :data:`TIMED_READS` of them say how fast its HBM path is, and turn it off if emulated."""
     if kind != "VRAM" or nbytes < TIMED_MIN_BYTES:
         return
     with _lock:
@@ -83,12 +85,12 @@ def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float) -> None:
         if best < EMULATED_GBPS:
             _emulated.add(endpoint)
     if best < EMULATED_GBPS:
-        logger.warning("kvtier P/D: HBM to HBM READs from %s moved at most %.2f GB/s: UCX has no direct GPU path "
-                       "here (no cuda_ipc, no GPUDirect RDMA); later transfers from it come through its CPU tier.",
-                       endpoint, best)
+        logger.warning("kvtier P/D: HBM to HBM %ss with %s moved at most %.2f GB/s: UCX has no direct GPU path "
+                       "here (no cuda_ipc, no GPUDirect RDMA); later transfers with it go through the CPU tiers.",
+                       op, endpoint, best)
     else:
-        logger.info("kvtier P/D: HBM to HBM from %s at %.1f GB/s per chunk READ (a direct path: cuda_ipc or "
-                    "GPUDirect RDMA).", endpoint, best)
+        logger.info("kvtier P/D: HBM to HBM with %s at %.1f GB/s per %s (a direct path: cuda_ipc or "
+                    "GPUDirect RDMA).", endpoint, best, op)
 
 
 def emulated(endpoint: str) -> bool:

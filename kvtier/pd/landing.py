@@ -85,7 +85,14 @@ class Landings:
             arrived.transfer, arrived.started_s = transfer, now
 
     def finish(self, index: int, arrived: Arrived, timeout_s: float, cancelled: Callable[[], bool]) -> Landed:
-        """Wait for chunk ``index``'s READ; raises :class:`NixlError` (the caller discards ``arrived``)."""
+        """Wait for chunk ``index``'s READ (or take P's word that it WROTE the chunk into the blocks
+        this engine named); raises :class:`NixlError` (the caller discards ``arrived``)."""
+        if arrived.reply.written:
+            if tuple(arrived.reply.blocks) != tuple(self.mine.block_ids[index] or ()):
+                raise NixlError(f"chunk {index} was written into blocks {arrived.reply.blocks[:4]}…, not those named")
+            self.chunks += 1
+            self._tell()
+            return Landed(arrived.reply.checksum, len(arrived.reply.blocks) * self.block_bytes)
         transfer = arrived.transfer
         if transfer is None:
             raise NixlError(f"{len(arrived.reply.blocks)} engine blocks named could not be read into this engine's")
@@ -96,10 +103,13 @@ class Landings:
         if not transfer.released:  # the first of the chunks sharing this READ
             transfer.release()
             read_speed(self.endpoint, self.mine.kind, transfer.nbytes, time.perf_counter() - arrived.started_s)
+        self._tell()
+        return Landed(arrived.reply.checksum, len(arrived.reply.blocks) * self.block_bytes)
+
+    def _tell(self) -> None:
         if self.endpoint not in _told:
             _told.add(self.endpoint)
             logger.info("kvtier P/D: chunks from %s land HBM to HBM (engine blocks to engine blocks).", self.endpoint)
-        return Landed(arrived.reply.checksum, len(arrived.reply.blocks) * self.block_bytes)
 
     def log(self, transfer_id: str, reply_s: float) -> None:
         """One debug line on where the transfer's time went (posting: this engine's, all transfers meanwhile)."""

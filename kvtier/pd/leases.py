@@ -1,7 +1,9 @@
 """A prefill engine's (P) engine blocks, kept after a P/D request ends so that decode engines
 (D) READ them HBM to HBM.
 
-When a published request finishes, vLLM keeps its blocks (the connector's ``request_finished``
+While a published request runs, its blocks are its own: each step's save tells which blocks
+hold which computed chunk (:meth:`BlockLeases.live`), so a decode engine that named its own
+blocks first (push) is written into straight from them. When a published request finishes, vLLM keeps its blocks (the connector's ``request_finished``
 asked it to delay the free) and the scheduler half hands them here: a *lease* of
 ``lease_s``. While it runs, the chunk server answers D's fetches with P's block ids instead of
 a CPU-tier buffer, and D READs the blocks straight into its own. The lease ends, and vLLM frees
@@ -39,6 +41,16 @@ class _Lease:
 
 
 @dataclass(slots=True)
+class _Live:
+    """A published request still running: the blocks of each chunk computed so far."""
+
+    req_id: str
+    chunks: dict[bytes, tuple[int, ...]]  # chain key -> the chunk's blocks
+    lent: bool = False  # some D was given block ids
+    released: bool = False  # ... and released the transfer: no lease needed when the request ends
+
+
+@dataclass(slots=True)
 class LeaseStats:
     """Counters since start: leases begun, released by D, ended unread, ended unreleased."""
 
@@ -63,6 +75,7 @@ class BlockLeases:
         self._leases: dict[str, _Lease] = {}
         self._ended: set[str] = set()  # request ids whose blocks vLLM may free now
         self._expected: dict[str, str] = {}  # transfer id -> request id: computed, its lease not begun yet
+        self._live: dict[str, _Live] = {}  # transfer id -> its running request's computed chunks
         self.stats = LeaseStats()
 
     def expect(self, transfer_id: str, req_id: str) -> None:
@@ -76,11 +89,25 @@ class BlockLeases:
         with self._lock:
             return transfer_id in self._expected
 
+    def live(self, transfer_id: str, req_id: str, block_ids: tuple[int, ...], keys: tuple[bytes, ...]) -> None:
+        """The running request ``req_id`` computed the chunks ``keys`` into ``block_ids`` (in
+        order, :attr:`chunk_blocks` each; the last may hold fewer: a partial tail)."""
+        with self._lock:
+            live = self._live.get(transfer_id)
+            if live is None or live.req_id != req_id:
+                live = self._live[transfer_id] = _Live(req_id, {})
+            for i, key in enumerate(keys):
+                chunk = tuple(block_ids[i * self.chunk_blocks:(i + 1) * self.chunk_blocks])
+                if chunk:
+                    live.chunks[key] = chunk
+
     def finished(self, req_ids: set[str]) -> None:
         """These requests finished: those not lent by now never will be."""
         with self._lock:
             for transfer_id in [t for t, r in self._expected.items() if r in req_ids]:
                 del self._expected[transfer_id]
+            for transfer_id in [t for t, live in self._live.items() if live.req_id in req_ids]:
+                del self._live[transfer_id]
 
     def lend(self, transfer_id: str, req_id: str, block_ids: tuple[int, ...], keys: tuple[bytes, ...],
              lease_s: float) -> None:
@@ -89,11 +116,17 @@ class BlockLeases:
         second lease under the same transfer id ends the first (its request's blocks are freed)."""
         with self._lock:
             self._expected.pop(transfer_id, None)
+            live = self._live.pop(transfer_id, None)
             old = self._leases.pop(transfer_id, None)
             if old is not None:
                 self._ended.add(old.req_id)
             chunks = {key: i * self.chunk_blocks for i, key in enumerate(keys)}
-            self._leases[transfer_id] = _Lease(req_id, tuple(block_ids), chunks, self._clock() + lease_s)
+            if live is not None and live.released and live.req_id == req_id:  # its D already has it all
+                self._ended.add(req_id)
+                self.stats.released += 1
+                return
+            lent = live is not None and live.lent and live.req_id == req_id  # a D is being written into
+            self._leases[transfer_id] = _Lease(req_id, tuple(block_ids), chunks, self._clock() + lease_s, lent)
             self.stats.lent += 1
         logger.debug("kvtier P/D: lease of transfer %s began: %d blocks for %.0f ms", transfer_id, len(block_ids),
                      lease_s * 1000)
@@ -103,11 +136,16 @@ class BlockLeases:
         with self._lock:
             self._ended.add(req_id)
 
-    def blocks(self, transfer_id: str, key: bytes, count: int) -> tuple[int, ...] | None:
+    def blocks(self, transfer_id: str, key: bytes, count: int, live: bool = False) -> tuple[int, ...] | None:
         """The ``count`` blocks of the transfer's chunk ``key`` (a chain key), now handed to a D
         (which must release the transfer); None when there is no running lease, the chunk is not
-        its request's, or the request holds fewer blocks."""
+        its request's, or the request holds fewer blocks. ``live``: a running request's blocks
+        too (for a WRITE posted at once, while the request still owns them)."""
         with self._lock:
+            running = self._live.get(transfer_id) if live else None
+            if running is not None and len(running.chunks.get(key, ())) == count > 0:
+                running.lent = True
+                return running.chunks[key]
             lease = self._leases.get(transfer_id)
             first = None if lease is None else lease.chunks.get(key)
             if first is None or self._clock() >= lease.ends_s or count <= 0 or first + count > len(lease.block_ids):
@@ -122,6 +160,9 @@ class BlockLeases:
             if lease is not None:
                 self._ended.add(lease.req_id)
                 self.stats.released += 1
+            live = self._live.get(transfer_id)
+            if live is not None:
+                live.released = True  # D has what it wanted: the request's blocks go when it ends
         if lease is not None:
             logger.debug("kvtier P/D: lease of transfer %s ended: released by the decode engine", transfer_id)
 
@@ -156,6 +197,7 @@ class BlockLeases:
             for lease in self._leases.values():
                 self._ended.add(lease.req_id)
             self._leases.clear()
+            self._live.clear()
             ended, self._ended = self._ended, set()
         return ended
 

@@ -73,6 +73,13 @@ class Transfer:
         self.peer = peer
         self.nbytes = nbytes
 
+    @classmethod
+    def failed(cls, agent: Agent, peer: str, exc: Exception) -> Transfer:
+        """A transfer that could not be posted (its state is ``ERR``)."""
+        future: Future = Future()
+        future.set_exception(NixlError(str(exc)))
+        return cls(agent, future, peer, 0)
+
     def state(self) -> str:
         """``DONE``, ``PROC`` (being posted, or in flight) or ``ERR``."""
         if self._final is not None:
@@ -214,12 +221,13 @@ class Agent:
         ``memory``: (kind, this process's device, the peer's device) of both sides' memory."""
         return self._post("READ", peer, local, remote, memory)
 
-    def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]]) -> Transfer:
+    def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
+              memory: Memory = ("DRAM", 0, 0)) -> Transfer:
         """Post a one-sided WRITE of ``local`` into the peer's ``remote``, on the caller's thread
-        (on one host the bytes move before it returns)."""
+        (on one host the bytes of host memory move before it returns). ``memory``: as for :meth:`read`."""
         future: Future = Future()
         try:
-            future.set_result(self._start("WRITE", peer, local, remote))
+            future.set_result(self._start("WRITE", peer, local, remote, memory))
         except NixlError as exc:
             future.set_exception(exc)
         return Transfer(self, future, peer, sum(n for _, n in local))

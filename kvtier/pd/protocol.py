@@ -19,9 +19,10 @@ metadata came with the handshake reply; D READs the bytes itself (pull), then ch
 the bytes it read, exactly as it would over a payload frame. P lends that buffer until D releases
 the transfer. In a push transfer (``Fetch.wait``) D also names a buffer of its own registered
 pool in each fetch (``address``, ``capacity``), and P WRITEs the chunk there the moment it has
-it (its ``ok`` reply then says ``written``); D's metadata came with its hello. P gives its NIXL
-metadata only in an authenticated handshake reply: a peer that fails the handshake never learns
-how to reach P's memory.
+it (its ``ok`` reply then says ``written``). Each side gives its NIXL metadata only to a peer
+that passed the handshake: P in its authenticated handshake reply, D in a second
+:class:`Hello` sent once that reply checked out (P answers it again). A peer that fails the
+handshake never learns how to reach the other's memory.
 
 HBM to HBM (``Hello.hbm``: D registered its engine KV with NIXL): while P holds a finished
 request's engine blocks under a lease (:mod:`kvtier.pd.leases`), its handshake reply gives its
@@ -30,6 +31,14 @@ answered with the chunk's block ids in P's engine (``ChunkReply.blocks``) and th
 save computed (``checksum``), both under the MAC. D READs those blocks into its own, checks the
 KVSUM64 of what landed, and releases the transfer when done. Without a lease (it ended, or P
 keeps none) the same fetch gets the CPU-tier answer above.
+
+HBM push: D's second hello also gives its engine KV regions, and each fetch names the engine
+blocks the chunk goes into (``Fetch.blocks``). P WRITEs the chunk from its own engine blocks
+(the running request's, or under the lease that follows it) the moment the chunk is stored; the
+``ok`` reply says ``written`` and carries the KVSUM64. A WRITE that fails sends the CPU-tier copy
+as a payload instead. A transfer that D gives up with such fetches unanswered is released and
+D waits for P's ``released`` answer, which P sends once no WRITE of the transfer is in flight:
+no late WRITE lands in blocks D recomputes.
 """
 
 from __future__ import annotations
@@ -43,7 +52,7 @@ import msgspec
 from kvtier.codec import HEADER_BYTES
 from kvtier.codec.chunk import CHECKSUM_BLAKE3, read_header
 
-VERSION = 4
+VERSION = 5
 MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larger ones unread
 KEY_BYTES = 16
 MAC_BYTES = 32
@@ -69,8 +78,10 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     layout: Text
     chunk_tokens: Count
     transports: tuple[Literal["nixl", "zmq"], ...] = ("zmq",)
-    nixl: bytes = b""  # D's NIXL agent metadata, offered with "nixl": P may WRITE into D's buffers
+    nixl: bytes = b""  # D's NIXL agent metadata (second hello): P may WRITE into D's memory
     hbm: bool = False  # D registered its engine KV with NIXL: it may READ P's engine blocks into it
+    regions: tuple[RegionAddress, ...] = ()  # D's engine KV (second hello): P may WRITE blocks into it
+    device: Device = 0  # the CUDA device of those regions in D's process
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
@@ -90,13 +101,16 @@ class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
     capacity: Size = 0  # its size in bytes; P writes only a chunk of exactly this size
     tokens: Count = 0
     hbm: bool = False  # answer with P's engine blocks of the chunk, if P still holds them
+    blocks: tuple[Size, ...] = ()  # HBM push: D's engine blocks P may WRITE the chunk into
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
-    """D is done with ``transfer_id``: P may unpin its chunks."""
+    """D is done with ``transfer_id``: P may unpin its chunks. ``answer``: reply ``released``
+    once no WRITE into D's memory for it is in flight."""
 
     version: int
     transfer_id: TransferId
+    answer: bool = False
 
 
 class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
@@ -112,13 +126,14 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     device: Device = 0  # the CUDA device of those regions in P's process
 
 
-ChunkStatus = Literal["ok", "missing", "pending", "refused"]
+ChunkStatus = Literal["ok", "missing", "pending", "refused", "released"]
 
 
 class ChunkReply(msgspec.Struct, frozen=True, tag="chunk"):
     """``ok``: the payload frame follows, or (NIXL) the chunk is at ``address`` in P's registered
     memory, ``nbytes`` long, or (HBM) in P's engine ``blocks``. ``missing``: P does not have it (and will not). ``pending``: a
-    heartbeat, P is still computing the transfer. ``refused``: a bad request."""
+    heartbeat, P is still computing the transfer. ``refused``: a bad request. ``released``: the
+    answer to a :class:`Release` that asked for one: no WRITE of the transfer is in flight."""
 
     version: int
     index: int

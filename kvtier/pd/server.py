@@ -15,12 +15,11 @@ the chunk is written there (a NIXL WRITE posted on this thread) and the reply sa
 NIXL peers are known the thread wakes every 10 ms (every 1 ms while a WRITE runs) to let NIXL
 make progress (no progress thread, see :mod:`kvtier.pd.nixl`).
 
-HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with NIXL): a peer
-whose hello offered it gets this rank's engine KV regions in the handshake reply; its fetches
-for a transfer under a lease (:mod:`kvtier.pd.leases`) are answered with the chunk's engine
-block ids and the KVSUM64 of its stored copy, which the peer READs and checks itself. A fetch
-for a transfer whose lease should begin any moment (its request finished computing) waits for
-it up to :data:`EXPECT_S`; without a lease the chunk is lent or sent from the CPU tier as above.
+HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with NIXL): see
+:mod:`kvtier.pd.hbm_serve`. A pull fetch for a transfer whose lease should begin any moment
+(its request finished computing) waits for it up to :data:`EXPECT_S`; without a lease the chunk
+is lent or sent from the CPU tier as above. A release that asks for an answer gets it once no
+WRITE of its transfer runs.
 """
 
 from __future__ import annotations
@@ -34,11 +33,12 @@ from typing import Callable
 import msgspec
 import zmq
 
-from kvtier import codec
 from kvtier.keys import storage_key
 from kvtier.pd.hbm import EngineBlocks
+from kvtier.pd.hbm_serve import HbmServing
 from kvtier.pd.holds import PublishHolds
 from kvtier.pd.nixl import Agent
+from kvtier.pd.recut import recut
 from kvtier.pd.writes import PeerWrites
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_request,
@@ -99,15 +99,13 @@ class ChunkServer:
                  nixl: Agent | None = None):
         self.store = store
         self.nixl = nixl
-        self.engine: EngineBlocks | None = None  # set once the engine KV is registered with NIXL
-        self._hbm_peers: set[bytes] = set()  # identities given the engine KV regions
-        self.hbm_total = 0  # chunks answered with engine blocks since start
-        self.lease_waits = 0  # looks at fetches that found their transfer's lease not begun yet
-        self._lease_wait = False  # one is parked: look again at the next turn of the loop
+        self._lease_wait = False  # a fetch waits for a lease: look again at the next turn of the loop
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
         self._writes = PeerWrites(self._send)  # WRITEs not done yet (RDMA; on one host they finish when posted)
+        self._hbm = HbmServing(self._send, self._writes)
+        self._answer_releases: list[tuple[bytes, str]] = []  # (identity, transfer id): answer once no WRITE runs
         self.lent_total = 0  # chunks lent over NIXL since start
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
         self._lend_s = 2 * timeout_ms / 1000
@@ -153,12 +151,16 @@ class ChunkServer:
                         except zmq.Again:
                             break
                         self._handle(frames)
+                    self._hbm.flush(self.nixl)
                 if self._nixl_peers:
                     self.nixl.progress()
                 if self._writes:
                     self._writes.poll()
+                if self._answer_releases:
+                    self._answer_released()
                 now = time.monotonic()
                 self._serve_waiting(now)
+                self._hbm.flush(self.nixl)
                 if now - last_beat >= self._heartbeat_s:
                     self._heartbeat()
                     last_beat = now
@@ -194,12 +196,15 @@ class ChunkServer:
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
             self._writers.pop(identity, None)
-            self._hbm_peers.discard(identity)
+            self._hbm.forget(identity)  # its WRITEs not posted yet never are
             if self.engine is not None:
                 self.engine.leases.release(message.transfer_id)
             self._return(message.transfer_id)
             self.holds.release(message.transfer_id)
             self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
+            if message.answer:
+                self._answer_releases.append((identity, message.transfer_id))
+                self._answer_released()
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         mine = self.layout
@@ -210,26 +215,24 @@ class ChunkServer:
         if not error and self.nixl is not None and "nixl" in hello.transports:
             transport, metadata = "nixl", self.nixl.metadata()
             self._nixl_peers[identity] = time.monotonic()
-            engine = self.engine
-            if hello.hbm and engine is not None and hello.fingerprint == mine.fingerprint:
-                regions, device = tuple((r.base, r.stride, r.block_bytes) for r in engine.regions), engine.device
-                self._hbm_peers.add(identity)
             if hello.nixl:  # the peer may be written to (push): reach its agent now
                 try:
                     self._writers[identity] = self.nixl.connect(hello.nixl)
                 except Exception as exc:  # bad metadata, UCX cannot reach it: the peer READs instead
                     logger.warning("kvtier P/D chunk server: cannot reach a decode engine's NIXL agent (%s); "
                                    "it reads the chunks itself.", exc)
+            regions, device = self._hbm.hello(identity, hello, hello.fingerprint == mine.fingerprint,
+                                              self._writers.get(identity))
         else:
             self._nixl_peers.pop(identity, None)
+            self._hbm.forget(identity)
         self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
                                         mine.tp_size, error, transport, metadata, regions, device))
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
-        if (fetch.hbm and identity in self._hbm_peers and now + EXPECT_S > time.monotonic()
-                and self.engine.leases.expected(fetch.transfer_id)):
-            self.lease_waits, self._lease_wait = self.lease_waits + 1, True
+        if now + EXPECT_S > time.monotonic() and self._hbm.waits_for_lease(identity, fetch):
+            self._lease_wait = True
             return self._park(identity, fetch, now)
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)
@@ -256,12 +259,13 @@ class ChunkServer:
     def _answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
         """Serve a stored chunk: WRITE it into the peer's buffer, lend it, or send it (takes ``buffer``)."""
         if fetch.tokens and self.layout.token_bytes:
-            buffer = self._recut(fetch, buffer)
+            buffer = recut(self.store, buffer, fetch, self.layout.token_bytes)
             if buffer is None:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
                 return True
         self.served_total += 1
-        if fetch.hbm and identity in self._hbm_peers and self._lend_blocks(identity, fetch, buffer):
+        if self._hbm.answer(identity, fetch, buffer):
+            self._nixl_peers[identity] = time.monotonic()
             return True
         if fetch.address and fetch.capacity == buffer.data.numel() and identity in self._writers:
             self._writes.start(self.nixl, self._writers[identity], identity, fetch, buffer)
@@ -277,30 +281,6 @@ class ChunkServer:
             buffer.release()
         return True
 
-    def _recut(self, fetch: Fetch, buffer: ChunkBuffer) -> ChunkBuffer | None:
-        """``buffer``, or a copy of it re-cut to the ``fetch.tokens`` token slots the consumer asks
-        for: a prompt's partial tail, which each engine rounds up to its own block size (takes
-        ``buffer``; None when there is no room or the chunk is corrupt)."""
-        try:
-            stored = codec.read_header(buffer.data).tokens
-        except codec.ChunkError:
-            stored = fetch.tokens  # sent as it is: the consumer's check refuses it
-        if stored == fetch.tokens:
-            return buffer
-        token_bytes = self.layout.token_bytes
-        out = self.store.allocate(codec.HEADER_BYTES + fetch.tokens * sum(token_bytes), wait=False)
-        try:
-            if out is not None:
-                codec.retoken(buffer.data, out.data, token_bytes, fetch.tokens)
-        except codec.ChunkError as exc:
-            logger.warning("kvtier P/D chunk server: chunk %d of transfer %s is unusable (%s); answered missing.",
-                           fetch.index, fetch.transfer_id, exc)
-            out.release()
-            out = None
-        finally:
-            buffer.release()
-        return out
-
     def _lend(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> None:
         """Reply with where the chunk lies; keep its buffer until the transfer is released."""
         lent = self._lent.setdefault(fetch.transfer_id, _Lent([], time.monotonic()))
@@ -311,26 +291,6 @@ class ChunkServer:
         self._send(identity, reply, memoryview(buffer.data.numpy()), out_of_band=True)  # if the peer is gone,
         # the buffer goes back when the loan expires
 
-    def _lend_blocks(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
-        """Reply with the chunk's engine blocks and its KVSUM64, if a lease holds them (takes
-        ``buffer`` then: the stored copy only told the checksum); False to serve it otherwise."""
-        engine = self.engine
-        try:
-            header = codec.read_header(buffer.data)
-        except codec.ChunkError:
-            return False  # sent as it is: the consumer's check refuses it
-        num_blocks = header.payload_bytes // engine.bytes_per_block
-        if header.checksum_kind != codec.KVSUM64 or num_blocks != fetch.num_blocks:
-            return False
-        blocks = engine.leases.blocks(fetch.transfer_id, fetch.key, num_blocks)
-        if blocks is None:
-            return False
-        self._nixl_peers[identity] = time.monotonic()
-        self.hbm_total += 1
-        self._send(identity, ChunkReply(VERSION, fetch.index, "ok", blocks=blocks, checksum=header.checksum))
-        buffer.release()
-        return True
-
     def _return(self, transfer_id: str) -> None:
         lent = self._lent.pop(transfer_id, None)
         for buffer in lent.buffers if lent else ():
@@ -339,17 +299,51 @@ class ChunkServer:
     def _expire_lent(self, now: float) -> None:
         for identity in [i for i, last_s in self._nixl_peers.items() if now - last_s > self._lend_s]:
             del self._nixl_peers[identity]
-            self._hbm_peers.discard(identity)
+            self._hbm.forget(identity)
         for transfer_id in [t for t, lent in self._lent.items() if now - lent.last_s > self._lend_s]:
             logger.info("kvtier P/D chunk server: transfer %s was not released within %.0f s; its %d lent "
                         "chunks go back to the CPU tier.", transfer_id, self._lend_s,
                         len(self._lent[transfer_id].buffers))
             self._return(transfer_id)
 
+    def _answer_released(self) -> None:
+        """Answer the releases whose transfer has no WRITE running any more."""
+        waiting = []
+        for identity, transfer_id in self._answer_releases:
+            if self._writes.busy(transfer_id):
+                waiting.append((identity, transfer_id))
+            else:
+                self._send(identity, ChunkReply(VERSION, -1, "released"))
+        self._answer_releases = waiting
+
+    @property
+    def engine(self) -> EngineBlocks | None:
+        """This rank's engine KV as NIXL has it (set once registered; None: no HBM to HBM)."""
+        return self._hbm.engine
+
+    @engine.setter
+    def engine(self, engine: EngineBlocks | None) -> None:
+        self._hbm.engine = engine
+
+    @property
+    def hbm_total(self) -> int:
+        """Chunks answered with engine blocks to READ (pull) since start (tests, stats)."""
+        return self._hbm.lent_total
+
+    @property
+    def lease_waits(self) -> int:
+        """Looks at fetches that found their transfer's lease not begun yet (tests, stats)."""
+        return self._hbm.lease_waits
+
     @property
     def written_total(self) -> int:
         """Chunks written into NIXL peers' buffers since start (tests, stats)."""
         return self._writes.written_total
+
+    @property
+    def blocks_written_total(self) -> int:
+        """Chunks written from engine blocks into push consumers' engine blocks since start."""
+        return self._writes.blocks_total
 
     @property
     def lent_chunks(self) -> int:

@@ -1,15 +1,25 @@
-"""A chunk server's NIXL WRITEs into push consumers' buffers (see :mod:`kvtier.pd.server`).
+"""A chunk server's NIXL WRITEs into push consumers' memory (see :mod:`kvtier.pd.server`).
 
-Each WRITE keeps its chunk's buffer until it no longer runs: on one host the bytes move while it
-is posted, with RDMA later. Once done, the consumer is told the chunk is there (``written``); a
-WRITE that failed sends the chunk as a payload frame instead, so the consumer still gets it.
+Into a consumer's CPU-tier buffer: each WRITE keeps its chunk's buffer until it no longer runs
+(on one host the bytes move while it is posted, with RDMA later). Once done, the consumer is
+told the chunk is there (``written``); a WRITE that failed sends the chunk as a payload frame
+instead, so the consumer still gets it.
+
+Into a consumer's engine blocks (HBM push): the chunks that became ready in one turn of the
+server go out as one WRITE from this engine's blocks, one descriptor per run of consecutive
+blocks and region (:func:`kvtier.pd.hbm.read_descriptors`). Each ``written`` reply carries the
+chunk's KVSUM64, which the consumer checks on its GPU; a failed WRITE sends the stored copy
+instead. The first WRITEs to each consumer are timed (:func:`kvtier.pd.hbm.read_speed`): an
+emulated path ends HBM pushes to it.
 """
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable
 
+from kvtier.pd.hbm import EngineBlocks, RegionSpan, read_descriptors, read_speed
 from kvtier.pd.nixl import Agent, Transfer
 from kvtier.pd.protocol import VERSION, ChunkReply, Fetch
 from kvtier.storage import ChunkBuffer
@@ -19,12 +29,27 @@ Send = Callable[..., None]  # (identity, reply, payload, out_of_band=...) -> Non
 
 @dataclass(slots=True)
 class _Write:
-    """A chunk being written into a NIXL peer's buffer: answered once ``transfer`` is done."""
+    """A chunk being written into a NIXL peer's memory: answered once ``transfer`` is done.
+    ``checksum``: the chunk's KVSUM64 when written from engine blocks (HBM push), else None."""
 
     identity: bytes
     fetch: Fetch
     buffer: ChunkBuffer
     transfer: Transfer
+    checksum: int | None = None
+    started_s: float = 0.0  # perf_counter s
+
+
+@dataclass(frozen=True, slots=True)
+class BlockWrite:
+    """A stored chunk to write from this engine's ``blocks`` into those ``fetch`` names (its
+    ``buffer``, the stored copy, and ``checksum``, its KVSUM64)."""
+
+    identity: bytes
+    fetch: Fetch
+    buffer: ChunkBuffer
+    blocks: tuple[int, ...]
+    checksum: int
 
 
 class PeerWrites:
@@ -33,7 +58,8 @@ class PeerWrites:
     def __init__(self, send: Send):
         self._send = send
         self._writes: list[_Write] = []
-        self.written_total = 0  # chunks written into NIXL peers' buffers since start
+        self.written_total = 0  # chunks written into NIXL peers' memory since start
+        self.blocks_total = 0  # ... of them, from engine blocks into engine blocks
 
     def __bool__(self) -> bool:
         return bool(self._writes)
@@ -44,6 +70,26 @@ class PeerWrites:
         self._writes.append(_Write(identity, fetch, buffer, transfer))
         self.poll()
 
+    def start_blocks(self, agent: Agent, peer: str, engine: EngineBlocks, theirs: tuple[RegionSpan, ...],
+                     device: int, chunks: list[BlockWrite]) -> None:
+        """One WRITE of ``chunks`` (their buffers taken) from this engine's blocks into NIXL peer
+        ``peer``'s engine KV ``theirs`` on its CUDA device ``device``."""
+        mine_ids = [b for c in chunks for b in c.blocks]
+        their_ids = [b for c in chunks for b in c.fetch.blocks]
+        try:
+            local, remote = read_descriptors(engine.regions, theirs, mine_ids, their_ids)
+        except ValueError as exc:  # checked at the handshake; a failed WRITE's answer if it happens
+            transfer = Transfer.failed(agent, peer, exc)
+        else:
+            transfer = agent.write(peer, local, remote, (engine.kind, engine.device, device))
+        now = time.perf_counter()
+        self._writes += [_Write(c.identity, c.fetch, c.buffer, transfer, c.checksum, now) for c in chunks]
+        self.poll()
+
+    def busy(self, transfer_id: str) -> bool:
+        """Whether a WRITE of ``transfer_id`` still runs."""
+        return any(w.fetch.transfer_id == transfer_id for w in self._writes)
+
     def poll(self) -> None:
         """Answer the WRITEs that finished; one that failed sends its chunk as a payload instead."""
         running = []
@@ -52,15 +98,23 @@ class PeerWrites:
             if state == "PROC":
                 running.append(w)
                 continue
-            w.transfer.release()
+            if not w.transfer.released:  # the first of the chunks sharing this WRITE
+                w.transfer.release()
+                if w.checksum is not None and state == "DONE":
+                    read_speed(w.transfer.peer, "VRAM", w.transfer.nbytes, time.perf_counter() - w.started_s, "WRITE")
             try:
                 payload = memoryview(w.buffer.data.numpy())
-                if state == "DONE":
-                    self.written_total += 1
+                if state != "DONE":
+                    self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok"), payload)
+                    continue
+                self.written_total += 1
+                if w.checksum is None:
                     reply = ChunkReply(VERSION, w.fetch.index, "ok", nbytes=w.buffer.data.numel(), written=True)
                     self._send(w.identity, reply, payload, out_of_band=True)
                 else:
-                    self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok"), payload)
+                    self.blocks_total += 1
+                    self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok", written=True,
+                                                      blocks=w.fetch.blocks, checksum=w.checksum))
             finally:
                 w.buffer.release()
         self._writes = running
@@ -68,7 +122,8 @@ class PeerWrites:
     def settle(self, timeout_s: float) -> None:
         """At close: a buffer goes back only once no WRITE reads it."""
         for w in self._writes:
-            if w.transfer.settle(timeout_s):
-                w.transfer.release()
+            if w.transfer.released or w.transfer.settle(timeout_s):
+                if not w.transfer.released:
+                    w.transfer.release()
                 w.buffer.release()
         self._writes = []

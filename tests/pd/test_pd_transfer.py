@@ -47,21 +47,25 @@ def test_consumer_starting_after_its_own_tiers_fetches_only_the_rest(engines):
     assert not torch.equal(d.blocks(D_BLOCKS[:skip]), p.blocks(P_BLOCKS[:skip]))
 
 
-def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines, transport):
-    p, d = engines("p", 1), engines("d", 2)
+@pytest.mark.parametrize("lease_ms", [2000, 0], ids=["engine-blocks", "cpu-tier"])
+def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines, transport, lease_ms):
+    p, d = engines("p", 1, pd_hbm_lease_ms=lease_ms), engines("d", 2)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     time.sleep(0.3)  # D is waiting before P computed anything
     full, tail = prompt_keys(PROMPT)
-    p.side.save((SaveJob("p", (), (), publish="t1"),))  # P's first step: computing, nothing sealed yet
+    lease = lease_ms > 0
+    p.side.save((SaveJob("p", (), (), publish="t1", lease=lease),))  # P's first step: computing, nothing sealed yet
     time.sleep(0.5)  # longer than half the timeout: heartbeats keep D waiting
-    p.side.save((SaveJob("p", tuple(full[:2]), tuple(P_BLOCKS[:4]), publish="t1"),))
+    p.side.save((SaveJob("p", tuple(full[:2]), tuple(P_BLOCKS[:4]), publish="t1", lease=lease),))
     time.sleep(0.5)
-    p.side.save((SaveJob("p", (full[2], tail), tuple(P_BLOCKS[4:]), publish="t1", final=True),))
+    p.side.save((SaveJob("p", (full[2], tail), tuple(P_BLOCKS[4:]), publish="t1", final=True, lease=lease),))
     assert d.wait_loaded("d-req") == set()
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
-    # NIXL: P wrote each chunk into a buffer D named, the moment it was sealed; none was lent
+    # NIXL: P wrote each chunk, the moment it was sealed, from its engine blocks into D's (with
+    # leases) or into a buffer of D's CPU tier; none was lent
     server = p.side.chunk_server
     assert (server.written_total, server.lent_total) == ((4, 0) if transport == "nixl" else (0, 0))
+    assert server.blocks_written_total == (4 if transport == "nixl" and lease else 0)
 
 
 def test_corrupt_chunk_fails_from_that_chunk_on(engines, caplog):

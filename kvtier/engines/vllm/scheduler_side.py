@@ -284,7 +284,7 @@ class SchedulerSide:
             blocks = [*blocks, *tracked.block_ids[full * self.chunk_blocks : -(-tracked.prompt_tokens // self.block_size)]]
         tracked.published = final
         return SaveJob(req_id, tuple(keys), tuple(blocks), publish=tracked.transfer_id, final=final, names=names,
-                       lease=final and self.lends_blocks)
+                       lease=self.lends_blocks)
 
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
         """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""

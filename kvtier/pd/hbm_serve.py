@@ -1,0 +1,109 @@
+"""A chunk server's engine blocks, HBM to HBM (the producer's side of :mod:`kvtier.pd.hbm`).
+
+A consumer whose hello offered it (``Hello.hbm``, same layout fingerprint) gets this rank's
+engine KV regions in the handshake reply. Its pull fetches for a transfer under a lease
+(:mod:`kvtier.pd.leases`) are answered with the chunk's engine block ids and the KVSUM64 of its
+stored copy, which the consumer READs and checks itself. A push consumer that also gave its own
+engine KV (its second hello, after this server's reply checked out) and names its blocks in each
+fetch (``Fetch.blocks``) is written into instead: from the running request's blocks, or from the
+lease that follows it, as soon as the chunk is stored; the chunks ready in one turn of the
+server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`).
+
+Used by the chunk server's thread only.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+from kvtier import codec
+from kvtier.pd.hbm import EngineBlocks, RegionSpan, compatible, emulated
+from kvtier.pd.nixl import Agent
+from kvtier.pd.protocol import VERSION, ChunkReply, Fetch, Hello
+from kvtier.pd.writes import BlockWrite, PeerWrites
+from kvtier.storage import ChunkBuffer
+
+logger = logging.getLogger(__name__)
+
+Send = Callable[..., None]  # (identity, reply, payload=None) -> None: the server's _send
+
+
+class HbmServing:
+    """``send``: how the server replies; ``writes``: its WRITEs in flight."""
+
+    def __init__(self, send: Send, writes: PeerWrites):
+        self.engine: EngineBlocks | None = None  # set once the engine KV is registered with NIXL
+        self._send = send
+        self._writes = writes
+        self._readers: set[bytes] = set()  # identities given the engine KV regions
+        self._targets: dict[bytes, tuple[str, tuple[RegionSpan, ...], int]] = {}  # identity -> NIXL peer, its
+        # engine KV regions, its CUDA device: a push consumer whose blocks may be written into
+        self._batch: dict[bytes, list[BlockWrite]] = {}  # chunks to WRITE at the end of this turn, per peer
+        self.lent_total = 0  # chunks answered with engine blocks (pull) since start
+        self.lease_waits = 0  # looks at fetches that found their transfer's lease not begun yet
+
+    def hello(self, identity: bytes, hello: Hello, same_layout: bool, writer: str | None,
+              ) -> tuple[tuple[tuple[int, int, int], ...], int]:
+        """Note what a consumer's hello offers (``writer``: its NIXL peer name when it gave its
+        metadata); the regions and device to put in the reply (empty: no HBM to HBM)."""
+        engine = self.engine
+        if not (hello.hbm and engine is not None and same_layout):
+            self.forget(identity)
+            return (), 0
+        self._readers.add(identity)
+        theirs = tuple(RegionSpan(*r) for r in hello.regions)
+        if writer is not None and theirs and compatible(engine.regions, theirs):
+            self._targets[identity] = (writer, theirs, hello.device)
+        return tuple((r.base, r.stride, r.block_bytes) for r in engine.regions), engine.device
+
+    def forget(self, identity: bytes) -> None:
+        """The peer's connection ended (released, or gone quiet)."""
+        self._readers.discard(identity)
+        self._targets.pop(identity, None)
+
+    def waits_for_lease(self, identity: bytes, fetch: Fetch) -> bool:
+        """Whether a pull fetch should wait for its transfer's lease, about to begin."""
+        if fetch.hbm and not fetch.blocks and identity in self._readers and self.engine.leases.expected(fetch.transfer_id):
+            self.lease_waits += 1
+            return True
+        return False
+
+    def answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
+        """Answer a stored chunk from the engine's blocks (takes ``buffer`` then: the stored copy
+        told only the checksum, or is the fallback should the WRITE fail): write it into the
+        blocks a push fetch named, or lend it to a pull fetch. False to serve it otherwise."""
+        if not fetch.hbm or identity not in self._readers:
+            return False
+        engine = self.engine
+        try:
+            header = codec.read_header(buffer.data)
+        except codec.ChunkError:
+            return False  # sent as it is: the consumer's check refuses it
+        num_blocks = header.payload_bytes // engine.bytes_per_block
+        if header.checksum_kind != codec.KVSUM64 or num_blocks != fetch.num_blocks:
+            return False
+        target = self._targets.get(identity) if fetch.blocks else None
+        if fetch.blocks and (target is None or len(fetch.blocks) != num_blocks or emulated(target[0])):
+            return False
+        blocks = engine.leases.blocks(fetch.transfer_id, fetch.key, num_blocks, live=target is not None)
+        if blocks is None:
+            return False
+        if target is not None:
+            self._batch.setdefault(identity, []).append(BlockWrite(identity, fetch, buffer, blocks, header.checksum))
+            return True
+        self.lent_total += 1
+        self._send(identity, ChunkReply(VERSION, fetch.index, "ok", blocks=blocks, checksum=header.checksum))
+        buffer.release()
+        return True
+
+    def flush(self, agent: Agent) -> None:
+        """Post one WRITE per peer for the chunks gathered this turn."""
+        batch, self._batch = self._batch, {}
+        for identity, chunks in batch.items():
+            peer, theirs, device = self._targets.get(identity) or (None, (), 0)
+            if peer is None:  # the peer left meanwhile
+                for c in chunks:
+                    c.buffer.release()
+                continue
+            self._writes.start_blocks(agent, peer, self.engine, theirs, device, chunks)

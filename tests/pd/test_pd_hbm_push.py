@@ -1,0 +1,127 @@
+"""P/D push into the consumer's engine blocks (HBM to HBM on a GPU) through the real worker halves
+and real NIXL over UCX on loopback. The engine KV here is host memory, registered with NIXL as
+DRAM: it stands in for VRAM, and every step of the protocol and every check is the one a GPU
+pair runs.
+
+The consumer (D) asks first and names its engine blocks; the producer (P) WRITEs each chunk from
+its own blocks the moment the step that computed it is saved, while the request still runs.
+A block that changed before the WRITE, a WRITE that cannot be posted, and a consumer that gives
+up with WRITEs to come each end in a recompute or the CPU-tier copy, and nothing is held."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from pd_workers import Engine, prompt_keys, remote_job, tokens_of
+from kvtier.jobs import Lend, SaveJob
+from kvtier.pd import nixl
+
+PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
+P_BLOCKS = [10, 11, 12, 13, 20, 21, 22]
+D_BLOCKS = list(range(40, 47))
+FULL, TAIL = prompt_keys(PROMPT)
+
+pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
+
+
+@pytest.fixture
+def transport() -> str:
+    return "nixl"
+
+
+def step(p: Engine, first: int, last: int, final: bool = False) -> None:
+    """P's step that computed chunks ``first`` … ``last - 1`` of the prompt (the tail with ``final``)."""
+    keys = FULL[first:last] + ([TAIL] if final else [])
+    blocks = P_BLOCKS[2 * first: len(P_BLOCKS) if final else 2 * last]
+    p.side.save((SaveJob("p-req", tuple(keys), tuple(blocks), publish="t1", final=final, lease=True),))
+
+
+def finish(p: Engine) -> None:
+    """P's scheduler half when the request ends: keep its blocks under a lease."""
+    p.side.lend((Lend("p-req", "t1", tuple(P_BLOCKS), tuple(FULL + [TAIL]), 2000),))
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.005)
+
+
+def test_producer_writes_each_chunk_into_the_consumers_blocks_while_it_computes(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    server = p.side.chunk_server
+    step(p, 0, 2)
+    wait_for(lambda: server.blocks_written_total == 2)  # the request still runs: its own blocks
+    assert torch.equal(d.blocks(D_BLOCKS[:4]), p.blocks(P_BLOCKS[:4]))
+    step(p, 2, 3, final=True)
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert (server.blocks_written_total, server.hbm_total, server.lent_total) == (4, 0, 0)
+    assert d.side.transfers.stats.landed_bytes == len(D_BLOCKS) * d.side.transfers.layout.bytes_per_block
+    start = time.monotonic()
+    finish(p)  # D released the transfer before P's request ended: no lease needed
+    wait_for(lambda: "p-req" in p.side.finished_sends(set()))
+    assert time.monotonic() - start < 1.0 and p.side.engine_kv.held_bytes == 0
+
+
+def test_a_request_that_ends_before_the_consumer_releases_keeps_its_blocks_until_then(engines):
+    p, d = engines("p", 1), engines("d", 2)
+    step(p, 0, 3, final=True)
+    finish(p)  # the request ended first: the lease keeps its blocks
+    assert p.side.engine_kv.held_bytes == len(P_BLOCKS) * p.side.transfers.layout.bytes_per_block
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert p.side.chunk_server.blocks_written_total == 4
+    wait_for(lambda: "p-req" in p.side.finished_sends(set()))
+    assert p.side.engine_kv.held_bytes == 0 and p.side.engine_kv.leases.stats.released == 1
+
+
+def test_a_block_that_changed_before_the_write_fails_its_chunk_and_those_after(engines, caplog):
+    p, d = engines("p", 1), engines("d", 2)
+    step(p, 0, 3, final=True)
+    assert p.side.settle()  # the CPU-tier copies (and their KVSUM64s) are sealed first
+    p.kv[:, P_BLOCKS[3]] += 1.0  # chunk 1's second block: what a torn or misdirected WRITE looks like
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+        assert d.wait_loaded("d-req") == set(D_BLOCKS[2:])  # vLLM recomputes from chunk 1 on
+    assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))
+    assert "another KVSUM64" in caplog.text
+
+
+def test_a_write_that_cannot_be_posted_sends_the_cpu_tier_copy_at_once(engines, monkeypatch):
+    p, d = engines("p", 1), engines("d", 2, pd_timeout_ms=20000)
+    step(p, 0, 3, final=True)
+    assert p.side.settle()
+    expected = p.blocks(P_BLOCKS)
+    p.kv[:, P_BLOCKS] = 0.0  # had a WRITE run, D would hold zeros
+    agent = p.side.chunk_server.nixl
+    monkeypatch.setattr(agent, "write", lambda peer, *a, **k: nixl.Transfer.failed(agent, peer, RuntimeError("refused")))
+    start = time.monotonic()
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    assert d.wait_loaded("d-req", timeout_s=30) == set()
+    assert time.monotonic() - start < 10  # not D's 20 s timeout (vLLM #50754)
+    assert torch.equal(d.blocks(D_BLOCKS), expected)
+    assert p.side.chunk_server.blocks_written_total == 0
+
+
+def test_a_consumer_that_gives_up_is_never_written_into_afterwards(engines):
+    p, d = engines("p", 1, pd_timeout_ms=60000), engines("d", 2, pd_timeout_ms=60000)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    server = p.side.chunk_server
+    step(p, 0, 1)
+    wait_for(lambda: server.blocks_written_total == 1)
+    d.side.start_loads((), cancels=("d-req",))  # vLLM aborted it: D keeps chunk 0, recomputes the rest
+    assert d.wait_loaded("d-req", timeout_s=30) == set(D_BLOCKS[2:])
+    before = d.blocks(D_BLOCKS[2:])
+    step(p, 1, 3, final=True)  # P goes on computing
+    assert p.side.settle()
+    time.sleep(0.2)  # a turn of P's chunk server, had a fetch of D's been left waiting
+    assert server.blocks_written_total == 1
+    assert torch.equal(d.blocks(D_BLOCKS[2:]), before)
