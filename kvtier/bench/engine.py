@@ -62,7 +62,10 @@ def add_parser(commands) -> None:
     p.add_argument("--prompt-lens", default="8k,32k", help="comma-separated TTFT prompt lengths (default 8k,32k)")
     p.add_argument("--repeats", type=positive, default=3, help="prompts per length and mode (default 3; median shown)")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"which engines to run (default {','.join(ENGINES)})")
-    p.add_argument("--cpu-gib", type=positive, default=32, help="CPU tier of kvtier and of vLLM's connector, GiB (default 32)")
+    p.add_argument("--cpu-gib", type=positive, default=32,
+                   help="CPU tier of kvtier and of vLLM's connector per TP rank, GiB (default 32)")
+    p.add_argument("--tp", type=positive, default=1,
+                   help="tensor-parallel size of every engine (default 1; needs that many GPUs)")
     p.add_argument("--hbm-tokens", type=parse_tokens, default=64 << 10,
                    help="engine KV cache, tokens (default 64k; with sliding-window layers, the bytes of that many "
                         "tokens' KV in every layer)")
@@ -87,6 +90,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if not torch.cuda.is_available():
         parser.error("kvtier-bench engine needs a CUDA GPU and a CUDA build of vLLM.")
+    if args.tp > torch.cuda.device_count():
+        parser.error(f"argument --tp: {args.tp} ranks need {args.tp} GPUs; {torch.cuda.device_count()} visible.")
     progress = Progress("engine")
     try:
         result = run(args, lengths, engines, progress)
@@ -169,7 +174,8 @@ def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], 
     cache = ({"kv_cache_bytes": args.hbm_tokens * shape.token_bytes} if shape.sliding_layers
              else {"num_gpu_blocks": args.hbm_tokens // 16})
     return {"model": model, "connector": connector, "kvtier": kvtier or {"cpu_bytes": args.cpu_gib << 30},
-            "offload_gib": args.cpu_gib, **cache, "max_model_len": args.hbm_tokens,
+            "offload_gib": args.cpu_gib * args.tp,  # vLLM's setting is split over its ranks; kvtier's is per rank
+            **cache, "max_model_len": args.hbm_tokens, "tp": args.tp,
             "count_transfers": count_transfers, "rounds": rounds}
 
 
@@ -180,7 +186,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
               "reload_transfers": {}, "hybrid": {}}
     import torch
 
-    result["device"] = torch.cuda.get_device_name(0)
+    result["device"] = torch.cuda.get_device_name(0) + (f" × {args.tp} (TP={args.tp})" if args.tp > 1 else "")
     result["h2d_gbps"] = h2d_gbps()
     progress(f"{result['device']}: raw pinned H2D memcpy {result['h2d_gbps']:.1f} GB/s")
     with tempfile.TemporaryDirectory(prefix="kvtier-engine-") as tmp:
@@ -203,6 +209,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             _collect(result, name, rounds, out)
             if name == "kvtier":
                 result["kvtier_load_ms"] = load_times(log)
+                result["kvtier_start_lines"] = [m[0] for m in _STARTED.finditer(log)]  # what its start-up cost
             progress(f"engine {name}: started in {out['start_s']:.1f} s; " + _summary(result, name))
         if "disk" in engines:
             _run_disk(args, lengths, model, shape, tmp, result, progress)
@@ -229,6 +236,7 @@ def _run_disk(args, lengths, model, shape, tmp, result, progress) -> None:
     progress("engine disk: " + _summary(result, "disk"))
 
 
+_STARTED = re.compile(r"kvtier rank \d+(?:/\d+ on vLLM|: NIXL agent) .*")
 _LOADED = re.compile(r"loaded (\d+) of \d+ blocks \((\d+) tokens from cpu\) in ([\d.]+) ms")
 
 

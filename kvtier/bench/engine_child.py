@@ -49,6 +49,7 @@ def build_engine(spec: dict):
         extra["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
     return LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
                max_model_len=spec["max_model_len"], gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.85),
+               tensor_parallel_size=spec.get("tp", 1),
                disable_log_stats=not spec.get("count_transfers"), **extra)
 
 

@@ -33,11 +33,12 @@ ROWS = ("recompute", "local hit", "kvtier pull hbm", "kvtier pull after lease", 
         "kvtier pull zmq", "kvtier push zmq", "NixlConnector pull", "NixlPushConnector push")
 NIXL_HBM, NIXL_CPU, ZMQ = "NIXL HBM to HBM", "NIXL to CPU tier", "ZMQ"
 # Which of D's transport lines a kvtier row is read from when none was logged during the row: a
-# pull within P's lease READs P's engine blocks; after it, and a push (P WRITEs chunks into D's
-# CPU tier as it saves them), go through the CPU tiers.
+# pull within P's lease READs P's engine blocks; a pull after the lease goes through the CPU
+# tiers; a push has P WRITE into D's engine blocks as it computes them (or, where P keeps no
+# blocks, into D's CPU tier).
 EXPECTED = {"kvtier pull hbm": lambda t: "HBM" in t,
             "kvtier pull after lease": lambda t: t.startswith("NIXL") and "HBM" not in t,
-            "kvtier push nixl": lambda t: t.startswith("NIXL") and "HBM" not in t,
+            "kvtier push nixl": lambda t: t.startswith("NIXL"),
             "kvtier pull zmq": lambda t: t == ZMQ, "kvtier push zmq": lambda t: t == ZMQ}
 _UCX_CONTEXT = re.compile(r"\|\s*\S+\s+(self|intra-node|inter-node)\s+cfg#\d+")  # whose endpoint: self = loopback
 _UCX_OP = re.compile(r"\|\s*([^|]*\bby ucp_[^|]*?)\s*\|")  # "remote memory read by ucp_get* from cuda memory"

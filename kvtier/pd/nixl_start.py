@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from typing import Callable
 
 from kvtier.config import ConfigError
@@ -49,6 +50,7 @@ class NixlStart:
     def _run(self) -> None:
         engine_kv = self.engine_kv
         device = engine_kv.device if engine_kv is not None and engine_kv.kind == "VRAM" else None
+        begin = time.perf_counter()
         try:
             agent = nixl.make_agent(device)
             agent.bind_device()  # UCX finds cuda_ipc only from a thread with the device set
@@ -67,8 +69,9 @@ class NixlStart:
         if self.chunk_server is not None:
             self.chunk_server.engine = engine_kv.engine_blocks() if engine_kv is not None else None
             self.chunk_server.nixl = agent
-        logger.info("kvtier rank %d: NIXL agent %s up, %.1f GiB of CPU pool registered (UCX, no progress "
-                    "thread); %s.", self.rank, agent.name, self.pool[1] / (1 << 30), hbm)
+        logger.info("kvtier rank %d: NIXL agent %s up in %.1f s (in the background), %.1f GiB of CPU pool "
+                    "registered (UCX, no progress thread); %s.", self.rank, agent.name, time.perf_counter() - begin,
+                    self.pool[1] / (1 << 30), hbm)
 
     def ready(self, timeout_s: float = 30.0) -> bool:
         """Wait until NIXL is up (True), or is not to be used here (False)."""

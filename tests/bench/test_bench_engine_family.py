@@ -61,7 +61,7 @@ def test_kv_shape_reads_the_pattern_the_text_config_and_ignores_an_unused_window
 
 def _args(**over) -> argparse.Namespace:
     base = dict(hbm_tokens=64 << 10, cpu_gib=16, repeats=2, settle_s=1.0, ttft_only=False, prefill_len=1024,
-                prefill_batch=2, sessions=2, session_len=1024, chat_rounds=2)
+                prefill_batch=2, sessions=2, session_len=1024, chat_rounds=2, tp=1)
     return argparse.Namespace(**{**base, **over})
 
 
@@ -71,6 +71,14 @@ def test_a_windowed_model_gets_its_kv_cache_in_bytes_and_llama_in_blocks():
     assert gemma["count_transfers"] and gemma["offload_gib"] == 16 and gemma["max_model_len"] == 65536
     llama = engine._spec(_args(), "/m", kv_shape(LLAMA3_8B), "kvtier", [])
     assert llama["num_gpu_blocks"] == 4096 and "kv_cache_bytes" not in llama and not llama["count_transfers"]
+
+
+def test_at_tp2_every_rank_gets_the_cpu_tier_asked_for():
+    kvtier = engine._spec(_args(tp=2), "/m", kv_shape(LLAMA3_8B), "kvtier", [])
+    offload = engine._spec(_args(tp=2), "/m", kv_shape(LLAMA3_8B), "offload", [])
+    assert kvtier["tp"] == offload["tp"] == 2
+    assert kvtier["kvtier"]["cpu_bytes"] == 16 * GiB  # kvtier's cpu_bytes is each rank's
+    assert offload["offload_gib"] == 32  # vLLM splits kv_offloading_size over its ranks
 
 
 def test_ttft_only_leaves_out_prefill_and_chat():

@@ -182,7 +182,7 @@ def test_a_row_takes_the_line_logged_during_it_else_the_earlier_one_that_fits():
     rt = pd_engines_report.row_transport
     assert rt("kvtier pull after lease", [CPU_LINE], [HBM_LINE, CPU_LINE]) == "NIXL to CPU tier"
     assert rt("kvtier pull hbm", [], [HBM_LINE]) == "NIXL HBM to HBM"  # logged at the warm-up
-    assert rt("kvtier push nixl", [], [HBM_LINE, CPU_LINE]) == "NIXL to CPU tier"
+    assert rt("kvtier push nixl", [], [HBM_LINE]) == "NIXL HBM to HBM"
     assert rt("kvtier push nixl", [], [CPU_LINE, "kvtier P/D: fetching from tcp://h:1 over NIXL."]) == (
         "NIXL to CPU tier or NIXL")
     # One line offering both paths serves both rows.
@@ -304,7 +304,7 @@ def test_kvtier_pair_rows_lease_wait_and_transports(run, tmp_path):
     assert result["ttft_ms"]["kvtier pull hbm"]["600"] == pytest.approx([150.0, 150.0])
     assert result["d_leg_ms"]["kvtier push zmq"]["600"] == pytest.approx([50.0, 50.0])
     assert result["transport"] == {"kvtier pull hbm": "NIXL HBM to HBM", "kvtier pull after lease": "NIXL to CPU tier",
-                                   "kvtier push nixl": "NIXL to CPU tier", "kvtier pull zmq": "ZMQ",
+                                   "kvtier push nixl": "NIXL HBM to HBM or NIXL to CPU tier", "kvtier pull zmq": "ZMQ",
                                    "kvtier push zmq": "ZMQ"}
     assert result["devices"] == {"P": "0", "D": "1"} and result["hbm_lease_ms"] == 2000 and not result["failures"]
     assert len(run.result()["transport_lines"]) == 3  # D over NIXL: HBM and CPU tier; D over ZMQ: ZMQ

@@ -12,7 +12,8 @@ on the same KV bytes). Cases:
   landed HBM to HBM) and answers exactly as P;
 * pull after the lease ended (P's log says so; P keeps its blocks 300 ms here): D gets the same
   chunks from P's CPU tier, no recompute, the same answer;
-* push (both legs at once): the same answer;
+* push (both legs at once): P WRITEs each chunk from its blocks into those D named (D's log
+  counts them landed), the same answer;
 * a transfer P never published: D recomputes and still answers like P (negative control);
 * every lease of P ends: none is left holding blocks when the test ends.
 """
@@ -85,7 +86,7 @@ def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_p
         p = Engine("P", _spec(gpu_model, pd_hbm_lease_ms=LEASE_MS), str(tmp_path),
                    env={"CUDA_VISIBLE_DEVICES": p_dev, "KVTIER_LOG_LEVEL": "DEBUG"})
         engines.append(p)
-        d = Engine("D", _spec(gpu_model), str(tmp_path), env={"CUDA_VISIBLE_DEVICES": d_dev})
+        d = Engine("D", _spec(gpu_model), str(tmp_path), env={"CUDA_VISIBLE_DEVICES": d_dev, "KVTIER_LOG_LEVEL": "DEBUG"})
         engines.append(d)
 
         # Pull while the lease runs: D asks at once, well inside 300 ms of P's finish.
@@ -112,6 +113,7 @@ def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_p
         p.send(pushed, {"do_remote_decode": True, "transfer_id": transfer_id})
         got, _ = d.receive(), p.receive()
         assert got["cached"] >= LOADED, f"push: D loaded {got['cached']} tokens, expected {LOADED}"
+        _wait_for_line(d, rf"transfer {transfer_id} from \S+: 4 chunks landed")  # P wrote them into D's blocks
         g.assert_strict(_as_output(got), _as_output(_ask(p, pushed)), "push vs P's own KV")
 
         # Negative control: a transfer P never published. D recomputes; the answer is still P's.

@@ -24,6 +24,7 @@ import dataclasses
 import itertools
 import logging
 import sys
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -110,6 +111,7 @@ class WorkerSide:
         self._unkept: set[str] = set()  # lends this rank cannot keep: their blocks go at once
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        begin = time.perf_counter()
         layouts = group_layouts(kv_caches, self.groups, self.block_size, self.num_blocks, model=self.model,
                                 tp_rank=self.rank, tp_size=self.world_size)
         layout = layouts[0]
@@ -123,6 +125,7 @@ class WorkerSide:
             o_direct=config.disk_io == "direct", shared_url=config.shared_url,
             shared_timeout_ms=config.shared_timeout_ms,
         ))
+        tier_s = time.perf_counter() - begin  # LMCache's StorageManager: its CPU pool pinned
         if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
             shared = None if config.shared_url is None else self._shared_prefix
             self.server = LookupServer(self.endpoint, self.world_size, self._chunk_load_ms, shared)
@@ -179,11 +182,10 @@ class WorkerSide:
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
         logger.info("kvtier rank %d/%d on vLLM %s: %d regions in %d KV cache group(s), %d B per block, chunk of %d "
-                    "tokens, copies by %s, %d chunks kept on disk; lookup at %s; %s", self.rank, self.world_size,
-                    _vllm_version(), sum(len(x.regions) for x in layouts), len(layouts),
-                    sum(x.bytes_per_block for x in layouts), config.chunk_tokens,
-                    describe_backend(self.transfers.backend), len(kept),
-                    self.endpoint, pd)
+                    "tokens, copies by %s, %d chunks kept on disk; lookup at %s; %s; started in %.1f s (CPU tier "
+                    "%.1f s)", self.rank, self.world_size, _vllm_version(), sum(len(x.regions) for x in layouts),
+                    len(layouts), sum(x.bytes_per_block for x in layouts), config.chunk_tokens, describe_backend(
+                        self.transfers.backend), len(kept), self.endpoint, pd, time.perf_counter() - begin, tier_s)
 
     def _loads_running(self) -> int:
         return sum(t.loads.running() for t in self.group_transfers)
