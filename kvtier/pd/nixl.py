@@ -271,4 +271,7 @@ def make_agent(device: int | None = None) -> Agent:
     """A new agent with a unique name (host, pid, a random tag), moving memory of CUDA device
     ``device`` too (None: host memory only). Raises :class:`NixlError` without NIXL."""
     os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
+    # UCX keeps a peer's GPU memory mapped (cuda_ipc) until this process exits, so a peer engine that
+    # restarts on the same GPU would find its old KV cache still held (openucx/ucx#11753): map per transfer.
+    os.environ.setdefault("UCX_CUDA_IPC_CACHE", "n")
     return Agent(f"kvtier-{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:6]}", device)

@@ -53,7 +53,8 @@ MAX_WAITING = 4096  # fetches parked for chunks still being computed, over all p
 # outlast pd_timeout_ms by far, and the waiting consumer must not give up meanwhile. An aborted
 # producer request therefore keeps its consumer waiting this long, at most.
 ACTIVE_S = 60.0
-_SEND_HWM = 64  # replies queued per peer; D keeps a few fetches in flight, so this is never reached
+_SEND_HWM = 1024  # replies queued per peer: more than a consumer's fetches in flight (a push into engine
+# blocks keeps up to kvtier.pd.fetch.PUSH_WINDOW), so only a consumer that stopped reading fills it
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
 
@@ -116,6 +117,7 @@ class ChunkServer:
         self._heartbeat_s = timeout_ms / 4000
         self._active_s = max(ACTIVE_S, timeout_ms / 1000)
         self.rejected = 0
+        self.dropped = 0  # replies not sent: the peer's queue was full
         self._waiting: list[_Waiting] = []
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
@@ -376,8 +378,13 @@ class ChunkServer:
             frames.append(payload)
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+        except zmq.Again:  # the peer stopped reading: it times out and recomputes
+            self.dropped += 1
+            if self.dropped % _LOG_EVERY == 1:
+                logger.warning("kvtier P/D chunk server: a decode engine's queue of %d replies is full; a reply was "
+                               "dropped (%d so far).", _SEND_HWM, self.dropped)
         except zmq.ZMQError:
-            pass  # the peer is gone or not reading: it times out and recomputes
+            pass  # the peer is gone: it times out and recomputes
 
     def _reject(self, identity: bytes, why: str) -> None:
         self.rejected += 1

@@ -15,6 +15,7 @@ emulated path ends HBM pushes to it.
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -24,6 +25,7 @@ from kvtier.pd.nixl import Agent, Transfer
 from kvtier.pd.protocol import VERSION, ChunkReply, Fetch
 from kvtier.storage import ChunkBuffer
 
+logger = logging.getLogger(__name__)
 Send = Callable[..., None]  # (identity, reply, payload, out_of_band=...) -> None: the server's _send
 
 
@@ -101,7 +103,10 @@ class PeerWrites:
             if not w.transfer.released:  # the first of the chunks sharing this WRITE
                 w.transfer.release()
                 if w.checksum is not None and state == "DONE":
-                    read_speed(w.transfer.peer, "VRAM", w.transfer.nbytes, time.perf_counter() - w.started_s, "WRITE")
+                    seconds = time.perf_counter() - w.started_s
+                    read_speed(w.transfer.peer, "VRAM", w.transfer.nbytes, seconds, "WRITE")
+                    logger.debug("kvtier P/D: WRITE of %.0f MiB of engine blocks into %s done in %.1f ms",
+                                 w.transfer.nbytes / (1 << 20), w.transfer.peer, seconds * 1e3)
             try:
                 payload = memoryview(w.buffer.data.numpy())
                 if state != "DONE":

@@ -113,7 +113,7 @@ def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_p
         p.send(pushed, {"do_remote_decode": True, "transfer_id": transfer_id})
         got, _ = d.receive(), p.receive()
         assert got["cached"] >= LOADED, f"push: D loaded {got['cached']} tokens, expected {LOADED}"
-        _wait_for_line(d, rf"transfer {transfer_id} from \S+: 4 chunks landed")  # P wrote them into D's blocks
+        _wait_for_line(d, rf"transfer {transfer_id} from \S+: 5 chunks landed")  # 4 and the tail, written by P
         g.assert_strict(_as_output(got), _as_output(_ask(p, pushed)), "push vs P's own KV")
 
         # Negative control: a transfer P never published. D recomputes; the answer is still P's.

@@ -125,3 +125,10 @@ def test_a_consumer_that_gives_up_is_never_written_into_afterwards(engines):
     time.sleep(0.2)  # a turn of P's chunk server, had a fetch of D's been left waiting
     assert server.blocks_written_total == 1
     assert torch.equal(d.blocks(D_BLOCKS[2:]), before)
+
+
+def test_a_producer_queues_more_replies_than_a_push_consumer_has_fetches_in_flight():
+    """A reply dropped at the queue's limit would leave D waiting for its timeout."""
+    from kvtier.pd import fetch, server
+
+    assert server._SEND_HWM >= 2 * fetch.PUSH_WINDOW
