@@ -78,14 +78,14 @@ class PeerWrites:
         ``peer``'s engine KV ``theirs`` on its CUDA device ``device``."""
         mine_ids = [b for c in chunks for b in c.blocks]
         their_ids = [b for c in chunks for b in c.fetch.blocks]
+        begin = time.perf_counter()  # posting runs on this thread: it counts
         try:
             local, remote = read_descriptors(engine.regions, theirs, mine_ids, their_ids)
         except ValueError as exc:  # checked at the handshake; a failed WRITE's answer if it happens
             transfer = Transfer.failed(agent, peer, exc)
         else:
             transfer = agent.write(peer, local, remote, (engine.kind, engine.device, device))
-        now = time.perf_counter()
-        self._writes += [_Write(c.identity, c.fetch, c.buffer, transfer, c.checksum, now) for c in chunks]
+        self._writes += [_Write(c.identity, c.fetch, c.buffer, transfer, c.checksum, begin) for c in chunks]
         self.poll()
 
     def busy(self, transfer_id: str) -> bool:
@@ -105,7 +105,7 @@ class PeerWrites:
                 if w.checksum is not None and state == "DONE":
                     seconds = time.perf_counter() - w.started_s
                     read_speed(w.transfer.peer, "VRAM", w.transfer.nbytes, seconds, "WRITE")
-                    logger.debug("kvtier P/D: WRITE of %.0f MiB of engine blocks into %s done in %.1f ms",
+                    logger.debug("kvtier P/D: WRITE of %.0f MiB of engine blocks into %s done %.1f ms after its posting began",
                                  w.transfer.nbytes / (1 << 20), w.transfer.peer, seconds * 1e3)
             try:
                 payload = memoryview(w.buffer.data.numpy())

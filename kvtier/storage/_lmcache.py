@@ -24,6 +24,7 @@ from lmcache.v1.storage_backend.local_disk_backend import LocalDiskBackend  # no
 from lmcache.v1.storage_backend.remote_backend import RemoteBackend  # noqa: E402
 from lmcache.v1.storage_backend.storage_manager import StorageManager  # noqa: E402
 
+from . import pinning  # noqa: E402
 from .types import StoreConfig  # noqa: E402
 
 logger = logging.getLogger(__name__)
@@ -223,6 +224,7 @@ def build_storage_manager(config: StoreConfig) -> StorageManager:
         extra_config={"disk_io_threads": 2},
     )
     metadata = _metadata(config)
+    pinning.install()  # a CUDA host pins the pool in parallel slices, not in one cudaHostAlloc
     before = set(threading.enumerate())
     # LMCache's metrics set PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus in os.environ when
     # unset. Every process started afterwards would inherit it, and a vLLM server among them

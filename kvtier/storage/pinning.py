@@ -1,0 +1,175 @@
+"""The CPU tier's pool pinned the fast way on a CUDA host (LMCache's allocation, replaced).
+
+LMCache 0.5.6 allocates its pool as one pinned ``torch.empty``: ``cudaHostAlloc`` faults in and
+pins every page on one thread, then LMCache writes zeros over all of it. A 40 GiB tier took
+about 50 s of an engine's start that way. Here the pool is an anonymous mapping whose slices of
+:data:`SLICE_BYTES` are faulted in (``MADV_POPULATE_WRITE``, or zeroed where the kernel lacks it)
+and registered with CUDA (``cudaHostRegister``, portable and mapped, so the copy kernels reach it
+through the host address) by several threads at once, each on the caller's CUDA device. Pages are
+zero as mapped: nothing is written over them afterwards.
+
+:func:`install` puts :func:`allocate` and :func:`free` in place of LMCache's
+``memory_management._allocate_cpu_memory`` / ``_free_cpu_memory`` for the plain pinned pool
+(not its shared-memory or huge-page pools), once per process, on CUDA hosts only. A pool that
+cannot be made this way (registration refused) is unmapped and LMCache's own allocation runs,
+with one log line. The pool is not bound to a NUMA node (the GPU hosts here have one).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SLICE_BYTES = 1 << 30  # registered one slice at a time (a single registration of >= 512 GiB fails)
+MAX_THREADS = 16
+_MADV_POPULATE_WRITE = 23  # Linux >= 5.14
+_HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+
+Register = Callable[[int, int], None]  # (address, bytes): pin it for the GPU; raises on failure
+Unregister = Callable[[int], None]
+
+
+@dataclass
+class _Pool:
+    """Kept while LMCache holds the pool: the mapping (the tensor's storage) and what was registered."""
+
+    mapping: mmap.mmap
+    array: ctypes.Array
+    registered: list[int] = field(default_factory=list)
+    unregister: Unregister | None = None
+
+
+_pools: dict[int, _Pool] = {}  # address -> pool
+_lock = threading.Lock()
+_installed = False
+
+
+def allocate(size: int, register: Register | None = None, unregister: Unregister | None = None,
+             threads: int | None = None) -> torch.Tensor:
+    """A ``uint8`` tensor of ``size`` bytes over fresh zeroed pages, faulted in and, with
+    ``register``, registered slice by slice by ``threads`` threads (default: up to
+    :data:`MAX_THREADS`). Raises what ``register`` raises, after undoing what was done."""
+    mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    array = (ctypes.c_uint8 * size).from_buffer(mapping)
+    address = ctypes.addressof(array)
+    pool = _Pool(mapping, array, unregister=unregister)
+    slices = [(address + offset, min(SLICE_BYTES, size - offset)) for offset in range(0, size, SLICE_BYTES)]
+    done_lock = threading.Lock()
+
+    def pin(piece: tuple[int, int]) -> None:
+        _fault_in(*piece)
+        if register is not None:
+            register(*piece)
+            with done_lock:
+                pool.registered.append(piece[0])
+
+    workers = threads or min(MAX_THREADS, os.cpu_count() or 1, len(slices))
+    try:
+        with ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="kvtier-pin") as pool_threads:
+            list(pool_threads.map(pin, slices))
+    except BaseException:
+        _release(pool)
+        raise
+    tensor = torch.frombuffer(array, dtype=torch.uint8)
+    with _lock:
+        _pools[address] = pool
+    return tensor
+
+
+def free(tensor: torch.Tensor) -> bool:
+    """Unregister a pool :func:`allocate` made (its pages go once no tensor views it); False if
+    ``tensor`` is not one."""
+    with _lock:
+        pool = _pools.pop(tensor.data_ptr(), None)
+    if pool is None:
+        return False
+    _release(pool)
+    return True
+
+
+def _release(pool: _Pool) -> None:
+    for address in pool.registered if pool.unregister is not None else ():
+        try:
+            pool.unregister(address)
+        except Exception as exc:  # an engine shutting down: the process's exit unpins it anyway
+            logger.debug("kvtier CPU tier: unregistering %#x: %s", address, exc)
+    pool.registered.clear()
+
+
+def _fault_in(address: int, nbytes: int) -> None:
+    """Give ``[address, address + nbytes)`` its pages now (a ctypes call: other threads run meanwhile)."""
+    if _libc().madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE) != 0:
+        ctypes.memset(address, 0, nbytes)  # a kernel without MADV_POPULATE_WRITE
+
+
+_LIBC: ctypes.CDLL | None = None
+
+
+def _libc() -> ctypes.CDLL:
+    global _LIBC
+    if _LIBC is None:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.madvise.restype = ctypes.c_int
+        _LIBC = libc
+    return _LIBC
+
+
+def cuda_register(device: int) -> tuple[Register, Unregister]:
+    """``cudaHostRegister`` / ``cudaHostUnregister`` through torch's CUDA runtime, each thread on
+    CUDA device ``device`` (a thread left on device 0 would make a context there)."""
+    cudart = torch.cuda.cudart()
+
+    def register(address: int, nbytes: int) -> None:
+        torch.cuda.set_device(device)
+        error = cudart.cudaHostRegister(address, nbytes, _HOST_REGISTER_PORTABLE_MAPPED)
+        if int(error) != 0:
+            raise RuntimeError(f"cudaHostRegister of {nbytes} B failed: {error}")
+
+    def unregister(address: int) -> None:
+        cudart.cudaHostUnregister(address)
+
+    return register, unregister
+
+
+def install() -> None:
+    """Make LMCache's pinned CPU pools through :func:`allocate` in this process (CUDA hosts only)."""
+    global _installed
+    if _installed or not torch.cuda.is_available():
+        return
+    import lmcache.v1.memory_management as lm
+
+    original_alloc, original_free = lm._allocate_cpu_memory, lm._free_cpu_memory
+
+    def allocate_cpu_memory(size, numa_mapping=None, shm_name=None, use_hugepages=False):
+        if size == 0 or shm_name or use_hugepages:
+            return original_alloc(size, numa_mapping, shm_name, use_hugepages=use_hugepages)
+        begin = time.perf_counter()
+        register, unregister = cuda_register(torch.cuda.current_device())
+        try:
+            tensor = allocate(size, register, unregister)
+        except Exception as exc:
+            logger.warning("kvtier CPU tier: pinning %.1f GiB in slices failed (%s); LMCache pins it instead.",
+                           size / (1 << 30), exc)
+            return original_alloc(size, numa_mapping, shm_name, use_hugepages=use_hugepages)
+        logger.info("kvtier CPU tier: %.1f GiB pinned in %.1f s (%d slices).", size / (1 << 30),
+                    time.perf_counter() - begin, -(-size // SLICE_BYTES))
+        return tensor
+
+    def free_cpu_memory(buffer, size=None, numa_mapping=None, shm_name=None, use_hugepages=False):
+        if not free(buffer):
+            original_free(buffer, size, numa_mapping, shm_name, use_hugepages=use_hugepages)
+
+    lm._allocate_cpu_memory, lm._free_cpu_memory = allocate_cpu_memory, free_cpu_memory
+    _installed = True

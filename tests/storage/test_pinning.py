@@ -1,0 +1,82 @@
+"""The CPU tier's pool pinned in parallel slices (kvtier.storage.pinning).
+
+This machine has no GPU: ``cudaHostRegister`` is replaced by a recorder here (the test says
+where), and everything else is real: the anonymous mapping, the threads faulting the slices in,
+LMCache's StorageManager allocating its pool through kvtier's allocator, chunks stored in it."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from kvtier.storage import ChunkStore, StoreConfig, pinning
+
+MiB = 1 << 20
+
+
+class Registrations:
+    """Stands in for cudaHostRegister / cudaHostUnregister (no GPU here)."""
+
+    def __init__(self, fail_at: int | None = None):
+        self.fail_at = fail_at
+        self.registered: dict[int, int] = {}
+        self.threads: set[str] = set()
+        self.lock = threading.Lock()
+
+    def register(self, address: int, nbytes: int) -> None:
+        with self.lock:
+            if self.fail_at is not None and len(self.registered) == self.fail_at:
+                raise RuntimeError("cudaHostRegister failed: out of memory")
+            self.registered[address] = nbytes
+            self.threads.add(threading.current_thread().name)
+
+    def unregister(self, address: int) -> None:
+        with self.lock:
+            del self.registered[address]
+
+
+@pytest.fixture
+def small_slices(monkeypatch):
+    monkeypatch.setattr(pinning, "SLICE_BYTES", MiB)
+
+
+def test_the_pool_is_zeroed_and_registered_slice_by_slice_on_several_threads(small_slices):
+    cuda = Registrations()
+    pool = pinning.allocate(8 * MiB + 4096, cuda.register, cuda.unregister, threads=4)
+    assert pool.numel() == 8 * MiB + 4096 and not pool.any()
+    base = pool.data_ptr()
+    assert sorted(cuda.registered.items()) == [(base + i * MiB, MiB) for i in range(8)] + [(base + 8 * MiB, 4096)]
+    assert len(cuda.threads) > 1
+    pool[:] = 7  # usable memory
+    assert pinning.free(pool) and cuda.registered == {}
+    assert not pinning.free(pool)  # freed once
+
+
+def test_a_registration_that_fails_undoes_the_others_and_raises(small_slices):
+    cuda = Registrations(fail_at=3)
+    with pytest.raises(RuntimeError, match="cudaHostRegister"):
+        pinning.allocate(8 * MiB, cuda.register, cuda.unregister, threads=1)
+    assert cuda.registered == {}
+
+
+def test_lmcache_allocates_its_pool_through_kvtier_on_a_cuda_host(small_slices, monkeypatch):
+    import lmcache.v1.memory_management as lm
+
+    cuda = Registrations()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # no GPU here: the registration is
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the recorder above
+    monkeypatch.setattr(pinning, "cuda_register", lambda device: (cuda.register, cuda.unregister))
+    monkeypatch.setattr(pinning, "_installed", False)
+    monkeypatch.setattr(lm, "_allocate_cpu_memory", lm._allocate_cpu_memory)  # restored after the test
+    monkeypatch.setattr(lm, "_free_cpu_memory", lm._free_cpu_memory)
+    with ChunkStore(StoreConfig(cpu_bytes=16 * MiB)) as store:
+        assert sum(cuda.registered.values()) >= 16 * MiB  # the whole pool, in slices
+        buffer = store.allocate(MiB)
+        buffer.data[:] = 3
+        store.put([b"k" * 16], [buffer])
+        got = store.get(b"k" * 16)
+        assert got is not None and bool((got.data == 3).all())
+        got.release()
+    assert cuda.registered == {}  # closing the store unregistered the pool
