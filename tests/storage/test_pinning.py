@@ -22,7 +22,6 @@ class Registrations:
     def __init__(self, fail_at: int | None = None):
         self.fail_at = fail_at
         self.registered: dict[int, int] = {}
-        self.threads: set[str] = set()
         self.lock = threading.Lock()
 
     def register(self, address: int, nbytes: int) -> None:
@@ -30,7 +29,6 @@ class Registrations:
             if self.fail_at is not None and len(self.registered) == self.fail_at:
                 raise RuntimeError("cudaHostRegister failed: out of memory")
             self.registered[address] = nbytes
-            self.threads.add(threading.current_thread().name)
 
     def unregister(self, address: int) -> None:
         with self.lock:
@@ -42,20 +40,31 @@ def small_slices(monkeypatch):
     monkeypatch.setattr(pinning, "SLICE_BYTES", MiB)
 
 
-def test_the_pool_is_zeroed_and_registered_slice_by_slice_on_several_threads(small_slices):
+@pytest.fixture
+def small_registrations(monkeypatch):
+    monkeypatch.setattr(pinning, "REGISTER_BYTES", 4 * MiB)
+
+
+def test_the_pool_is_faulted_in_on_several_threads_and_registered_in_large_ranges(small_slices, small_registrations,
+                                                                                  monkeypatch):
+    faulting: set[str] = set()
+    fault_in = pinning._fault_in
+    monkeypatch.setattr(pinning, "_fault_in", lambda a, n: (faulting.add(threading.current_thread().name),
+                                                            fault_in(a, n)))
     cuda = Registrations()
     pool = pinning.allocate(8 * MiB + 4096, cuda.register, cuda.unregister, threads=4)
     assert pool.numel() == 8 * MiB + 4096 and not pool.any()
     base = pool.data_ptr()
-    assert sorted(cuda.registered.items()) == [(base + i * MiB, MiB) for i in range(8)] + [(base + 8 * MiB, 4096)]
-    assert len(cuda.threads) > 1
+    # one registration per 4 MiB here (64 GiB on a GPU host): an async copy never crosses two
+    assert sorted(cuda.registered.items()) == [(base, 4 * MiB), (base + 4 * MiB, 4 * MiB), (base + 8 * MiB, 4096)]
+    assert len(faulting) > 1
     pool[:] = 7  # usable memory
     assert pinning.free(pool) and cuda.registered == {}
     assert not pinning.free(pool)  # freed once
 
 
-def test_a_registration_that_fails_undoes_the_others_and_raises(small_slices):
-    cuda = Registrations(fail_at=3)
+def test_a_registration_that_fails_undoes_the_others_and_raises(small_slices, small_registrations):
+    cuda = Registrations(fail_at=1)
     with pytest.raises(RuntimeError, match="cudaHostRegister"):
         pinning.allocate(8 * MiB, cuda.register, cuda.unregister, threads=1)
     assert cuda.registered == {}
