@@ -46,6 +46,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvtier.engines.vllm.groups import NULL_BLOCK  # noqa: E402
 from kvtier.engines.vllm.scheduler import KvtierScheduler  # noqa: E402
+from kvtier.engines.vllm.compat import KVConnectorTransferResults  # noqa: E402
 from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierStats  # noqa: E402
 from kvtier.keys import chunk_keys, group_key, namespace, tail_key  # noqa: E402
 from kvtier.lookup.index import HoldIndex  # noqa: E402
@@ -509,10 +510,17 @@ class Harness:
                 sampled.append([])  # a prefill chunk that does not reach the end samples nothing
         return ModelRunnerOutput(
             req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)}, sampled_token_ids=sampled,
-            kv_connector_output=KVConnectorOutput(
-                finished_recving=finished or None, invalid_block_ids=invalid,
-                kv_connector_stats=KvtierStats(data={FAILED_REQUESTS: sorted(failed)}) if failed else None),
+            kv_connector_output=_connector_output(finished, invalid, failed),
         )
 
     def close(self) -> None:
         self.sched.shutdown()
+
+
+def _connector_output(finished: set[str], invalid: set[int], failed: set[str]) -> KVConnectorOutput:
+    """What the workers report, as the installed vLLM carries it: loads that failed as a whole in
+    ``failed_recving`` where it has it (the connector's get_transfer_results), else in the stats."""
+    if KVConnectorTransferResults is not None:
+        return KVConnectorOutput(finished_recving=finished or None, invalid_block_ids=invalid, failed_recving=set(failed))
+    return KVConnectorOutput(finished_recving=finished or None, invalid_block_ids=invalid,
+                             kv_connector_stats=KvtierStats(data={FAILED_REQUESTS: sorted(failed)}) if failed else None)

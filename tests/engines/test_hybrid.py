@@ -455,9 +455,11 @@ def test_a_release_without_what_a_park_needs_never_hands_off(monkeypatch, caplog
         engine.sched.shutdown()
 
 
-def test_a_hybrid_model_recomputes_a_failed_load_from_its_first_token():
-    """vLLM takes no block ids from a model of several groups: the workers name the request, and
-    the engine drops its tokens, frees its blocks and admits it afresh, without the failed chunk."""
+@pytest.mark.parametrize("report", ["failed_recving", "stats"], ids=["0.32-failed-recving", "0.26-stats"])
+def test_a_hybrid_model_recomputes_a_failed_load_from_its_first_token(report):
+    """vLLM takes no block ids from a model of several groups: the workers name the request (as a
+    failed receive where vLLM takes one, else in the stats, where kvtier recomputes it itself),
+    and the engine drops its tokens, frees its blocks and admits it afresh, without the failed chunk."""
     from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierStats
 
     engine = _Engine(hybrid_config(full(), sliding(2 * BS)))
@@ -471,8 +473,10 @@ def test_a_hybrid_model_recomputes_a_failed_load_from_its_first_token():
         request = engine.add(prompt)
         out = engine.sched.schedule()
         assert len(out.kv_connector_metadata.plan.loads) == 2 and request.num_computed_tokens == 2 * CHUNK
-        failed = KVConnectorOutput(finished_recving={request.request_id},
-                                   kv_connector_stats=KvtierStats(data={FAILED_REQUESTS: [request.request_id]}))
+        failed = (KVConnectorOutput(finished_recving={request.request_id}, failed_recving={request.request_id})
+                  if report == "failed_recving" else
+                  KVConnectorOutput(finished_recving={request.request_id},
+                                    kv_connector_stats=KvtierStats(data={FAILED_REQUESTS: [request.request_id]})))
         engine.sched.update_from_output(out, ModelRunnerOutput(req_ids=[], req_id_to_index={}, sampled_token_ids=[],
                                                                kv_connector_output=failed))
         assert request.num_computed_tokens == 0

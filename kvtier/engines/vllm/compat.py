@@ -1,4 +1,4 @@
-"""What differs between the vLLM releases kvtier runs on (0.26 on CUDA through 0.32 on CPU).
+"""What differs between the vLLM releases kvtier runs on (0.26 and 0.33 on CUDA, 0.32 on CPU).
 
 The connector API's core methods have the same signatures across these releases; what moves is
 around them: names that newer releases add (``CacheHitSource``, ``to_event_extra_keys``) and
@@ -33,6 +33,12 @@ except ImportError:
 # Extra bases of the connector class: where SupportsHMA exists, vLLM keeps its hybrid manager on
 # for kvtier and hands request_finished_all_groups every group's blocks.
 HMA_BASES: tuple[type, ...] = () if SupportsHMA is None else (SupportsHMA,)
+
+try:  # vLLM >= 0.32: finished and failed loads in one report (get_transfer_results); the scheduler
+    # recomputes a failed_recving request itself
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorTransferResults
+except ImportError:
+    KVConnectorTransferResults = None  # type: ignore[assignment,misc]
 
 try:  # vLLM >= 0.32: block-hash extra keys in the untagged form KV events publish
     from vllm.v1.core.kv_cache_utils import to_event_extra_keys
@@ -149,13 +155,14 @@ def forget_stale_reservation(request: Any) -> None:
 def recompute_failed_loads(req_ids: set[str]) -> None:
     """Make the engine recompute the whole prompt of each request in ``req_ids``, whose load failed.
 
-    Called from the connector's ``update_connector_output``, which vLLM's scheduler calls just
-    before it takes the step's finished loads. For a model of several KV cache groups vLLM takes
-    no invalid block ids (0.26 fails on them, 0.32 refuses them), and vLLM 0.26 has no per-request
-    failure report, so kvtier does here what vLLM does itself for a failed asynchronous load with
-    no valid prefix: the request's computed tokens go to 0 and it is marked failed, so that, when
-    its load reports finished, the scheduler frees its blocks and admits it afresh. vLLM hands its
-    connector no scheduler: the caller found on the stack is it.
+    Releases without ``KVConnectorTransferResults`` (0.26) only: later ones take the failed
+    requests from the connector's ``get_transfer_results`` (``failed_recving``) and do this
+    themselves. Called from the connector's ``update_connector_output``, which vLLM's scheduler
+    calls just before it takes the step's finished loads. For a model of several KV cache groups
+    vLLM takes no invalid block ids (0.26 fails on them), so kvtier does here what vLLM does itself
+    for a failed asynchronous load with no valid prefix: the request's computed tokens go to 0 and
+    it is marked failed, so that, when its load reports finished, the scheduler frees its blocks
+    and admits it afresh. vLLM hands its connector no scheduler: the caller found on the stack is it.
     """
     scheduler = calling_scheduler("failed_recving_kv_req_ids")
     if scheduler is None:

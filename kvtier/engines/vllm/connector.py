@@ -17,8 +17,14 @@ cached by block), each group's blocks under keys of its own, a windowed group on
 window, Mamba state at chunk ends; any other config runs
 with kvtier idle: no hits (the engine recomputes), no saves, one start-up line naming the groups
 it does not serve. vLLM takes no block-level load failures from a model of several groups, so
-there the workers report a failed load per request and the engine recomputes its whole prompt
-(:func:`~kvtier.engines.vllm.compat.recompute_failed_loads`).
+there the workers report a failed load per request and the engine recomputes its whole prompt:
+through ``get_transfer_results`` (``failed_recving``) where vLLM has it, else
+:func:`~kvtier.engines.vllm.compat.recompute_failed_loads`.
+
+Hook order: blocks given out in a step wait for saves still reading them before the step's
+kernels are launched (``bind_connector_metadata``, which every release calls before the forward;
+vLLM >= 0.32 calls ``start_load_kv`` after the forward's launch when no load of the step is
+synchronous, and kvtier's loads never are: their requests wait).
 """
 
 from __future__ import annotations
@@ -40,8 +46,8 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.compat import (
-    HMA_BASES, AgreedHits, CacheHitSource, agree_on_hybrid_hits, calling_scheduler, check_version,
-    forget_stale_reservation, recompute_failed_loads,
+    HMA_BASES, AgreedHits, CacheHitSource, KVConnectorTransferResults, agree_on_hybrid_hits, calling_scheduler,
+    check_version, forget_stale_reservation, recompute_failed_loads,
 )
 from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
@@ -155,12 +161,16 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._worker = WorkerSide(*self._worker_args, **self._worker_kwargs)
         self._worker.register(kv_caches)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        if self._worker is not None and isinstance(connector_metadata, KvtierMetadata):
+            self._worker.guard_reuse(connector_metadata.plan.allocated)  # before this step's kernels are launched
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
         if self._worker is None:
             return
-        self._worker.guard_reuse(meta.plan.allocated)  # before this step's kernels write any block
         if meta.plan.reset:
             self._worker.reset()
         self._worker.lend(meta.lends)
@@ -174,15 +184,25 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         return  # saves copy whole chunks after the forward, in wait_for_save
 
     def wait_for_save(self) -> None:
+        # vLLM >= 0.32 calls this on every step, empty ones included: nothing to do without saves
+        if self._worker is None or not self.has_connector_metadata():
+            return
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
-        if self._worker is not None:
+        if meta.plan.saves:
             self._worker.save(meta.plan.saves)
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
         return self._worker.finished_sends(finished_req_ids) or None, self._worker.finished_loads() or None
+
+    def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
+        """vLLM >= 0.32 (``KVConnectorTransferResults``): :meth:`get_finished`, and the loads that
+        failed as a whole (a hybrid model's), which the engine recomputes itself."""
+        sending, recving = self.get_finished(finished_req_ids)
+        failed = self._worker.take_failed_loads() if self._worker is not None else set()
+        return KVConnectorTransferResults(set(sending or ()), set(recving or ()) | failed, failed)
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._worker.failed_blocks() if self._worker is not None else set()
@@ -292,8 +312,9 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._events.settling = bool(events and getattr(events, "settling", False))
         stats = connector_output.kv_connector_stats
         failed = set(stats.data.pop(FAILED_REQUESTS, ()) if stats is not None else ())
-        if failed:  # a hybrid model's: the engine drops each one's tokens and looks it up afresh
-            recompute_failed_loads(failed)
+        if failed:  # a hybrid model's, on a vLLM without failed_recving: the engine drops each one's tokens
+            recompute_failed_loads(failed)  # and looks it up afresh
+        failed |= set(getattr(connector_output, "failed_recving", None) or ())  # vLLM did that itself
         self._scheduler.loads_reported(set(connector_output.finished_recving or ()),
                                        set(connector_output.invalid_block_ids or ()), failed)
         if connector_output.finished_sending:

@@ -324,6 +324,11 @@ class WorkerSide:
                         self._failed_requests.append(req_id)
         return done
 
+    def take_failed_loads(self) -> set[str]:
+        """Requests whose load failed as a whole (a hybrid model's), each once: vLLM's failed receives."""
+        failed, self._failed_requests = set(self._failed_requests), []
+        return failed
+
     def failed_blocks(self) -> set[int]:
         failed, self._failed = self._failed, set()
         return failed
@@ -346,8 +351,8 @@ class WorkerSide:
         for way in ("load", "save"):
             delta[f"{way}_batch_ms"] = [t.batch_ms[way].popleft() for t in self.group_transfers
                                         for _ in range(len(t.batch_ms[way]))]
-        if self._failed_requests:
-            delta[FAILED_REQUESTS], self._failed_requests = self._failed_requests, []
+        if failed := self.take_failed_loads():  # what get_transfer_results did not take (vLLM 0.26)
+            delta[FAILED_REQUESTS] = sorted(failed)
         held = {"held_bytes_cpu": self.store.cpu_bytes_used(), "held_bytes_disk": self.store.disk_bytes_used(),
                 "held_bytes_hbm": self.engine_kv.held_bytes if self.engine_kv is not None else 0}
         for name, nbytes in held.items():
@@ -372,20 +377,16 @@ class WorkerSide:
     def close(self) -> None:
         if self._nixl_start is not None:
             self._nixl_start.ready(30)
-        if self.chunk_server is not None:
-            self.chunk_server.close()
-        if self.holds is not None:
-            self.holds.close()
+        for part in (self.chunk_server, self.holds):
+            if part is not None:
+                part.close()
         for transfers in self.group_transfers:
             transfers.close()  # finishes pending saves, which still report
         if self.store is not None:
             self.store.watch(None)
-        if self.reporter is not None:
-            self.reporter.close()
-        if self.server is not None:
-            self.server.close()
-        if self.engine_kv is not None:
-            self.engine_kv.close()
+        for part in (self.reporter, self.server, self.engine_kv):
+            if part is not None:
+                part.close()
         if self.store is not None:
             if self._nixl_start is not None:
                 self._nixl_start.close()
@@ -396,5 +397,4 @@ class WorkerSide:
 
 def _vllm_version() -> str:
     """The running vLLM's release, without importing vLLM (this half also runs in tests and benches)."""
-    vllm = sys.modules.get("vllm")
-    return getattr(vllm, "__version__", "unknown") if vllm is not None else "(not loaded)"
+    return getattr(sys.modules["vllm"], "__version__", "unknown") if "vllm" in sys.modules else "(not loaded)"
