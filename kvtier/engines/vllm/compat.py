@@ -124,12 +124,15 @@ class AgreedHits:
             request.shared_prefix_boundary = last[1]
 
 
-def agree_on_hybrid_hits(scheduler: Any) -> AgreedHits | None:
-    """Install :class:`AgreedHits` on ``scheduler``'s coordinator where the release admits Mamba
-    hybrids at the attention group's hit (it does not ask the connector, and has the per-group
-    lookup); None elsewhere."""
+def agree_on_hybrid_hits() -> AgreedHits | None:
+    """Install :class:`AgreedHits` on the calling scheduler's coordinator where the release admits
+    Mamba hybrids at the attention group's hit (it does not ask the connector, and has the
+    per-group lookup); None elsewhere, where the scheduler is not looked for either."""
+    if ASKS_DIVERGENT_HITS:
+        return None
+    scheduler = calling_scheduler("kv_cache_manager")
     coordinator = getattr(getattr(scheduler, "kv_cache_manager", None), "coordinator", None)
-    if ASKS_DIVERGENT_HITS or not hasattr(coordinator, "find_longest_cache_hit_per_group"):
+    if not hasattr(coordinator, "find_longest_cache_hit_per_group"):
         return None
     return AgreedHits(coordinator)
 

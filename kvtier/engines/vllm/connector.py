@@ -46,8 +46,8 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.compat import (
-    HMA_BASES, AgreedHits, CacheHitSource, KVConnectorTransferResults, agree_on_hybrid_hits, calling_scheduler,
-    check_version, forget_stale_reservation, recompute_failed_loads,
+    HMA_BASES, AgreedHits, CacheHitSource, KVConnectorTransferResults, agree_on_hybrid_hits, check_version,
+    forget_stale_reservation, recompute_failed_loads,
 )
 from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
@@ -243,7 +243,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._agree_on_hits:
             self._agree_on_hits = False
-            self._agreed_hits = agree_on_hybrid_hits(calling_scheduler("kv_cache_manager"))
+            self._agreed_hits = agree_on_hybrid_hits()
             if self._agreed_hits is not None:
                 logger.info("kvtier: this vLLM admits a Mamba-hybrid request at its full-attention hit, where "
                             "the Mamba state may not be cached; kvtier, which restores only the states it "
