@@ -116,8 +116,9 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         if peer.hbm is not None:
             peer.hbm.log(transfer_id, peer.reply_s)
         try:
-            peer.send(Release(VERSION, transfer_id, answer=bool(peer.named)))
-            if peer.named:  # P might still WRITE into blocks this engine will now recompute: wait for its word
+            answer = bool(peer.named) and not peer.silent  # a producer silent for the timeout is gone
+            peer.send(Release(VERSION, transfer_id, answer=answer))
+            if answer:  # P might still WRITE into blocks this engine will now recompute: wait for its word
                 peer.settle_writes()
         except zmq.ZMQError:
             pass
@@ -144,6 +145,7 @@ class _Peer:
         self.early: dict[int, Arrived] = {}  # replies ahead of their turn
         self.hbm: Landings | None = None  # chunks READ into the engine's blocks (HBM to HBM)
         self.named: set[int] = set()  # chunks whose engine blocks were named to P (push), not answered yet
+        self.silent = False  # P sent nothing for the timeout (dead or hung: no WRITE of its is still coming)
         self.reply_s = 0.0  # seconds spent waiting for replies
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
@@ -184,6 +186,7 @@ class _Peer:
         while True:
             left = deadline - time.monotonic()
             if left <= 0 and not self.socket.poll(0, zmq.POLLIN):  # a thread woken late still takes what came
+                self.silent = True
                 raise PeerError(f"{self.endpoint} sent nothing for {self.timeout_ms} ms")
             if self.landing_enabled:  # P WRITEs into our buffers: NIXL needs this side's progress too
                 self.nixl.progress()

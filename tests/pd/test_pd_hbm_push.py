@@ -127,6 +127,18 @@ def test_a_consumer_that_gives_up_is_never_written_into_afterwards(engines):
     assert torch.equal(d.blocks(D_BLOCKS[2:]), before)
 
 
+def test_a_producer_killed_mid_transfer_costs_one_timeout_and_keeps_what_landed(engines):
+    p, d = engines("p", 1), engines("d", 2)  # pd_timeout_ms=1000
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    step(p, 0, 1)
+    wait_for(lambda: p.side.chunk_server.blocks_written_total == 1)
+    start = time.monotonic()
+    p.side.chunk_server.close()  # P dies before computing the rest: no heartbeat, no answer to a release
+    assert d.wait_loaded("d-req") == set(D_BLOCKS[2:])
+    assert time.monotonic() - start < 1.9  # one timeout, not a second one waiting for P's word
+    assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))
+
+
 def test_a_producer_queues_more_replies_than_a_push_consumer_has_fetches_in_flight():
     """A reply dropped at the queue's limit would leave D waiting for its timeout."""
     from kvtier.pd import fetch, server
