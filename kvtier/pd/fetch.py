@@ -91,8 +91,9 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
                                             hbm=landing is not None and not emulated(endpoint))
         reply = peer.hello(hello)
         if reply.transport == "nixl" and nixl is not None and wait:  # push: P may WRITE into our memory
-            hello = msgspec.structs.replace(hello, nixl=nixl.metadata(), regions=() if landing is None else tuple(
-                (r.base, r.stride, r.block_bytes) for r in landing.regions), device=getattr(landing, "device", 0))
+            regions = () if landing is None else tuple((r.base, r.stride, r.block_bytes) for r in landing.regions)
+            hello = msgspec.structs.replace(hello, nixl=nixl.metadata(), regions=regions,
+                                            device=landing.device if landing is not None else 0)
             reply = peer.hello(hello)  # P passed the handshake: only now does it learn how to reach us
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
@@ -251,7 +252,8 @@ class _Peer:
         return buffer
 
     def fetch(self, transfer_id: str, index: int, key: bytes, num_blocks: int, wait: bool) -> None:
-        """Ask for chunk ``index``; in a push transfer over NIXL, name a buffer P may WRITE it into."""
+        """Ask for chunk ``index``; in a push transfer over NIXL, name where P may WRITE it: the
+        chunk's engine blocks (HBM to HBM), else a buffer of this engine's CPU tier."""
         # an emulated path found by the first READs ends HBM fetches from then on, mid-transfer too
         hbm = self.hbm is not None and self.hbm.wants(index)
         blocks = self.hbm.mine.block_ids[index] if hbm and self.landing_enabled else ()

@@ -64,10 +64,11 @@ class HbmServing:
 
     def waits_for_lease(self, identity: bytes, fetch: Fetch) -> bool:
         """Whether a pull fetch should wait for its transfer's lease, about to begin."""
-        if fetch.hbm and not fetch.blocks and identity in self._readers and self.engine.leases.expected(fetch.transfer_id):
-            self.lease_waits += 1
-            return True
-        return False
+        if not (fetch.hbm and not fetch.blocks and identity in self._readers):
+            return False
+        waits = self.engine.leases.expected(fetch.transfer_id)
+        self.lease_waits += waits
+        return waits
 
     def answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
         """Answer a stored chunk from the engine's blocks (takes ``buffer`` then: the stored copy

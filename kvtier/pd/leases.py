@@ -3,13 +3,15 @@
 
 While a published request runs, its blocks are its own: each step's save tells which blocks
 hold which computed chunk (:meth:`BlockLeases.live`), so a decode engine that named its own
-blocks first (push) is written into straight from them. When a published request finishes, vLLM keeps its blocks (the connector's ``request_finished``
-asked it to delay the free) and the scheduler half hands them here: a *lease* of
-``lease_s``. While it runs, the chunk server answers D's fetches with P's block ids instead of
-a CPU-tier buffer, and D READs the blocks straight into its own. The lease ends, and vLLM frees
-the blocks (the worker reports the request in ``finished_sending``):
+blocks first (push) is written into straight from them. When a published request finishes,
+vLLM keeps its blocks (the connector's ``request_finished`` asked it to delay the free) and the
+scheduler half hands them here: a *lease* of ``lease_s``, unless the D being written into has
+released the transfer already (the blocks go at once then). While it runs, the chunk server
+answers D's fetches with P's block ids instead of a CPU-tier buffer, and D READs the blocks
+straight into its own (or P goes on writing into D's). The lease ends, and vLLM frees the
+blocks (the worker reports the request in ``finished_sending``):
 
-- when D releases the transfer (its READs are done);
+- when D releases the transfer (its READs are done, or P's WRITEs);
 - when ``lease_s`` pass and no D was given the blocks: D then gets the same chunks from P's CPU
   tier (the path every transfer takes without a lease);
 - when ``lease_s`` plus ``grace_s`` pass although a D was given them but never released: it died

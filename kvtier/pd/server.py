@@ -53,8 +53,7 @@ MAX_WAITING = 4096  # fetches parked for chunks still being computed, over all p
 # outlast pd_timeout_ms by far, and the waiting consumer must not give up meanwhile. An aborted
 # producer request therefore keeps its consumer waiting this long, at most.
 ACTIVE_S = 60.0
-_SEND_HWM = 1024  # replies queued per peer: more than a consumer's fetches in flight (a push into engine
-# blocks keeps up to kvtier.pd.fetch.PUSH_WINDOW), so only a consumer that stopped reading fills it
+_SEND_HWM = 1024  # replies queued per peer: above any consumer's fetches in flight (fetch.PUSH_WINDOW)
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
 
@@ -365,8 +364,11 @@ class ChunkServer:
 
     def _heartbeat(self) -> None:
         peers = {w.identity for w in self._waiting if self.holds.active(w.fetch.transfer_id, self._active_s)}
+        now = time.monotonic()
         for identity in peers:
             self._send(identity, ChunkReply(VERSION, -1, "pending"))
+            if identity in self._nixl_peers:  # waiting through a long prefill is not going quiet
+                self._nixl_peers[identity] = now
 
     def _send(self, identity: bytes, reply: msgspec.Struct, payload: memoryview | None = None,
               out_of_band: bool = False) -> None:
