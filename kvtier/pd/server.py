@@ -216,6 +216,7 @@ class ChunkServer:
         if not error and self.nixl is not None and "nixl" in hello.transports:
             transport, metadata = "nixl", self.nixl.metadata()
             self._nixl_peers[identity] = time.monotonic()
+            self.nixl.bind_device()  # this thread reaches peers and posts WRITEs: cuda_ipc needs the device
             if hello.nixl:  # the peer may be written to (push): reach its agent now
                 try:
                     self._writers[identity] = self.nixl.connect(hello.nixl)
@@ -309,13 +310,10 @@ class ChunkServer:
 
     def _answer_released(self) -> None:
         """Answer the releases whose transfer has no WRITE running any more."""
-        waiting = []
-        for identity, transfer_id in self._answer_releases:
-            if self._writes.busy(transfer_id):
-                waiting.append((identity, transfer_id))
-            else:
-                self._send(identity, ChunkReply(VERSION, -1, "released"))
-        self._answer_releases = waiting
+        done = [(i, t) for i, t in self._answer_releases if not self._writes.busy(t)]
+        self._answer_releases = [r for r in self._answer_releases if r not in done]
+        for identity, _ in done:
+            self._send(identity, ChunkReply(VERSION, -1, "released"))
 
     @property
     def engine(self) -> EngineBlocks | None:

@@ -8,6 +8,7 @@ Ownership, one :class:`~kvtier.transfer.TierWorker` each:
   copies out with ``gather`` / ``gather_async``, the load side in with ``scatter`` / ``scatter_async``.
 * :class:`LoadCost`: per-tier ms to load one chunk, written by the threads that run loads, read
   from any thread (the lookup server's, which offers it to the scheduler).
+* :func:`on_device`: what each of the worker's own threads runs first.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
+
+import torch
 
 from kvtier.jobs import Landed, LoadJob
 from kvtier.layout import Layout
@@ -100,3 +103,13 @@ class LoadCost:
 
 def now_ms() -> float:
     return time.perf_counter() * 1e3
+
+
+def on_device(device: torch.device) -> Callable[[], None]:
+    """A thread's first call: make ``device`` its CUDA device (no-op elsewhere). A thread starts on
+    device 0: any CUDA call there from the process of TP rank 1 or above would create a context,
+    and take memory, on another rank's GPU."""
+    def enter() -> None:
+        if device.type == "cuda":
+            torch.cuda.set_device(device)
+    return enter

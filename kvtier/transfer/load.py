@@ -42,7 +42,7 @@ from kvtier.keys import storage_key
 from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
-from kvtier.transfer.common import Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms
+from kvtier.transfer.common import Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms, on_device
 from kvtier.transfer.landed import LandedCheck
 
 logger = logging.getLogger(__name__)
@@ -80,8 +80,9 @@ class LoadSide:
         self._fetch_remote = fetch_remote
         self._reuse_after = reuse_after
         self._load_stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
-        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load")
-        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote")
+        self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load", initializer=on_device(layout.device))
+        self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote",
+                                               initializer=on_device(layout.device))
         self._remote_barrier = threading.Barrier(REMOTE_THREADS + 1)
         self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
         self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()

@@ -46,7 +46,7 @@ from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 from kvtier.ops.checksum import to_unsigned
 from kvtier.storage import ChunkBuffer, ChunkStore
-from kvtier.transfer.common import Copies, HeldChanged, TransferStats, now_ms
+from kvtier.transfer.common import Copies, HeldChanged, TransferStats, now_ms, on_device
 
 logger = logging.getLogger(__name__)
 
@@ -316,6 +316,7 @@ class SaveSide:
         return [ready] * len(spans)
 
     def _save_loop(self) -> None:
+        on_device(self.layout.device)()
         try:
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)  # this thread only
         except (AttributeError, OSError):
