@@ -13,15 +13,20 @@ asynchronous copy across two registrations fails (CUDA's "invalid argument"). A 
 ``memory_management._allocate_cpu_memory`` / ``_free_cpu_memory`` for the plain pinned pool
 (not its shared-memory or huge-page pools), once per process, on CUDA hosts only. A pool that
 cannot be made this way (registration refused) is unmapped and LMCache's own allocation runs,
-with one log line. The pool is not bound to a NUMA node (the GPU hosts here have one).
+with one log line; an LMCache without those two names pins its pool itself (one line says so).
+On a host of several NUMA nodes the pool's pages come preferably from the node the rank's GPU
+hangs off (``mbind`` ``MPOL_PREFERRED``, the node read from sysfs); every rank pins its own
+pool at the same time, in its own process.
 """
 
 from __future__ import annotations
 
 import ctypes
+import glob
 import logging
 import mmap
 import os
+import platform
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -38,6 +43,8 @@ REGISTER_BYTES = 64 << 30  # registered at once: an async copy must not cross tw
 MAX_THREADS = 16
 _MADV_POPULATE_WRITE = 23  # Linux >= 5.14
 _HOST_REGISTER_PORTABLE_MAPPED = 0x1 | 0x2  # cudaHostRegisterPortable | cudaHostRegisterMapped
+_MPOL_PREFERRED = 1
+_SYS_MBIND = {"x86_64": 237, "aarch64": 235}.get(platform.machine())
 
 Register = Callable[[int, int], None]  # (address, bytes): pin it for the GPU; raises on failure
 Unregister = Callable[[int], None]
@@ -59,13 +66,16 @@ _installed = False
 
 
 def allocate(size: int, register: Register | None = None, unregister: Unregister | None = None,
-             threads: int | None = None) -> torch.Tensor:
-    """A ``uint8`` tensor of ``size`` bytes over fresh zeroed pages, faulted in by ``threads``
-    threads (default: up to :data:`MAX_THREADS`), then, with ``register``, registered in ranges
-    of :data:`REGISTER_BYTES`. Raises what ``register`` raises, after undoing what was done."""
+             threads: int | None = None, node: int | None = None) -> torch.Tensor:
+    """A ``uint8`` tensor of ``size`` bytes over fresh zeroed pages (preferably of NUMA node
+    ``node``), faulted in by ``threads`` threads (default: up to :data:`MAX_THREADS`), then, with
+    ``register``, registered in ranges of :data:`REGISTER_BYTES`. Raises what ``register``
+    raises, after undoing what was done."""
     mapping = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     array = (ctypes.c_uint8 * size).from_buffer(mapping)
     address = ctypes.addressof(array)
+    if node is not None and not prefer_node(address, size, node):
+        logger.info("kvtier CPU tier: pages not bound to NUMA node %d (mbind refused); the kernel places them.", node)
     pool = _Pool(mapping, array, unregister=unregister)
     pieces = [(address + offset, min(SLICE_BYTES, size - offset)) for offset in range(0, size, SLICE_BYTES)]
     workers = threads or min(MAX_THREADS, os.cpu_count() or 1, len(pieces))
@@ -110,6 +120,33 @@ def _fault_in(address: int, nbytes: int) -> None:
         ctypes.memset(address, 0, nbytes)  # a kernel without MADV_POPULATE_WRITE
 
 
+def prefer_node(address: int, nbytes: int, node: int) -> bool:
+    """Ask the kernel for pages of NUMA node ``node`` in ``[address, address + nbytes)`` (before
+    they are faulted in); False where it refuses or this machine's ``mbind`` is unknown."""
+    if _SYS_MBIND is None or not 0 <= node < 64:
+        return False
+    mask = ctypes.c_ulong(1 << node)
+    return _libc().syscall(_SYS_MBIND, ctypes.c_void_p(address), ctypes.c_ulong(nbytes), _MPOL_PREFERRED,
+                           ctypes.byref(mask), ctypes.c_ulong(65), 0) == 0
+
+
+def gpu_numa_node(device: int, sysfs: str = "/sys") -> int | None:
+    """The NUMA node CUDA device ``device`` hangs off, on a host of several nodes (None: one node,
+    or not known)."""
+    if len(glob.glob(f"{sysfs}/devices/system/node/node[0-9]*")) < 2:
+        return None
+    props = torch.cuda.get_device_properties(device)
+    ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    if None in ids:
+        return None
+    try:
+        with open(f"{sysfs}/bus/pci/devices/{ids[0]:04x}:{ids[1]:02x}:{ids[2]:02x}.0/numa_node") as f:
+            node = int(f.read())
+    except (OSError, ValueError):
+        return None
+    return node if node >= 0 else None
+
+
 _LIBC: ctypes.CDLL | None = None
 
 
@@ -147,15 +184,21 @@ def install() -> None:
         return
     import lmcache.v1.memory_management as lm
 
-    original_alloc, original_free = lm._allocate_cpu_memory, lm._free_cpu_memory
+    original_alloc, original_free = getattr(lm, "_allocate_cpu_memory", None), getattr(lm, "_free_cpu_memory", None)
+    if original_alloc is None or original_free is None:  # another LMCache: it pins its pool its own way
+        logger.info("kvtier CPU tier: this LMCache has no _allocate_cpu_memory / _free_cpu_memory; it pins the "
+                    "pool itself (slower to start).")
+        _installed = True
+        return
 
     def allocate_cpu_memory(size, numa_mapping=None, shm_name=None, use_hugepages=False):
         if size == 0 or shm_name or use_hugepages:
             return original_alloc(size, numa_mapping, shm_name, use_hugepages=use_hugepages)
         begin = time.perf_counter()
-        register, unregister = cuda_register(torch.cuda.current_device())
+        device = torch.cuda.current_device()
+        register, unregister = cuda_register(device)
         try:
-            tensor = allocate(size, register, unregister)
+            tensor = allocate(size, register, unregister, node=gpu_numa_node(device))
         except Exception as exc:
             logger.warning("kvtier CPU tier: pinning %.1f GiB failed (%s); LMCache pins it instead.",
                            size / (1 << 30), exc)

@@ -89,3 +89,32 @@ def test_lmcache_allocates_its_pool_through_kvtier_on_a_cuda_host(small_slices, 
         assert got is not None and bool((got.data == 3).all())
         got.release()
     assert cuda.registered == {}  # closing the store unregistered the pool
+
+
+def test_the_pool_may_prefer_a_numa_node():
+    assert pinning.prefer_node(0, 0, 64) is False  # no such node bit
+    pool = pinning.allocate(4 * MiB, node=0)  # this host's one node: mbind takes it
+    assert not pool.any()
+    buf = pinning.allocate(MiB)
+    assert pinning.prefer_node(buf.data_ptr(), MiB, 0) in (True, False)  # never raises
+    for tensor in (pool, buf):
+        assert pinning.free(tensor)
+
+
+def test_the_gpus_numa_node_comes_from_sysfs_where_there_are_several(tmp_path, monkeypatch):
+    from types import SimpleNamespace
+
+    sysfs = tmp_path
+    (sysfs / "devices/system/node/node0").mkdir(parents=True)
+    device_dir = sysfs / "bus/pci/devices/0000:1b:00.0"
+    device_dir.mkdir(parents=True)
+    (device_dir / "numa_node").write_text("1\n")
+    props = SimpleNamespace(pci_domain_id=0, pci_bus_id=0x1B, pci_device_id=0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: props)  # no GPU here
+    assert pinning.gpu_numa_node(0, str(sysfs)) is None  # one node: nothing to choose
+    (sysfs / "devices/system/node/node1").mkdir()
+    assert pinning.gpu_numa_node(0, str(sysfs)) == 1
+    (device_dir / "numa_node").write_text("-1\n")  # the firmware does not say
+    assert pinning.gpu_numa_node(0, str(sysfs)) is None
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace())  # an older torch
+    assert pinning.gpu_numa_node(0, str(sysfs)) is None
