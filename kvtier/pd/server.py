@@ -152,7 +152,6 @@ class ChunkServer:
                         except zmq.Again:
                             break
                         self._handle(frames)
-                    self._hbm.flush(self.nixl)
                 if self._nixl_peers:
                     self.nixl.progress()
                 if self._writes:
@@ -161,7 +160,7 @@ class ChunkServer:
                     self._answer_released()
                 now = time.monotonic()
                 self._serve_waiting(now)
-                self._hbm.flush(self.nixl)
+                self._hbm.flush(self.nixl)  # one WRITE per peer for what this turn's fetches found stored
                 if now - last_beat >= self._heartbeat_s:
                     self._heartbeat()
                     last_beat = now

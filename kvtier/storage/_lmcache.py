@@ -224,7 +224,7 @@ def build_storage_manager(config: StoreConfig) -> StorageManager:
         extra_config={"disk_io_threads": 2},
     )
     metadata = _metadata(config)
-    pinning.install()  # a CUDA host pins the pool in parallel slices, not in one cudaHostAlloc
+    pinning.install()  # a CUDA host pins the pool itself (threads fault it in), not in one cudaHostAlloc
     before = set(threading.enumerate())
     # LMCache's metrics set PROMETHEUS_MULTIPROC_DIR=/tmp/lmcache_prometheus in os.environ when
     # unset. Every process started afterwards would inherit it, and a vLLM server among them
