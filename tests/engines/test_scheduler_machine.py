@@ -239,20 +239,59 @@ def test_a_request_whose_load_failed_does_not_reserve_blocks_against_itself_regr
     """Found by the machine (a hybrid example of the long profile): vLLM frees the blocks of a
     request whose asynchronous load failed with no valid prefix, but keeps it among its in-flight
     prefills. Looked up again and given another asynchronous load, it reserved what it still needs
-    against itself: in a pool that cannot hold that twice it never started. That leftover entry is
-    set up directly here; the rest is the real scheduler."""
+    against itself: in a pool that cannot hold that twice it never started. kvtier recomputes such
+    a request at its next admission, with no private scheduler name. Here the failed chunk stays
+    in the index and is not distrusted (the lookup offers the same load again, as it did in the
+    example the machine found); the rest is the real scheduler."""
     h = Harness(block_size=16, chunk_tokens=64, num_blocks=32, unaligned="partial", max_batched=96, window=24,
                 reserve_full=True, seed=1)
     try:
         rng = random.Random(1)
         prompt = [rng.randrange(3, VOCAB) for _ in range(296)]
-        h.add(prompt, 2)
+        first = h.add(prompt, 2)
         h.drain()  # computes and saves every chunk of both groups
         h.sched.reset_prefix_cache()
+        h.stale = True
+        h.fail_next.add(h._keys(first)[0])
+        side = h.side
+        side._distrusted.trusted = lambda keys, tiers: tiers  # noqa: SLF001 - the lookup offers the load again
         again = h.add(prompt, 4)
-        h.sched._inflight_prefills.add(h.sched.requests[again])  # as vLLM leaves it after such a failure
         h.drain()
         assert h.requests[again].is_finished()
-        assert h.stats.loads["load"] == 1 and h.stats.loads["window"] == 1, dict(h.stats.loads)  # loaded, async
+        assert h.stats.failed_loads == 1 and h.stats.loads["load"] == 1, dict(h.stats.loads)  # then recomputed
+        assert side.counts["loads_failed"] == 1
+    finally:
+        h.close()
+
+
+def test_no_stack_walk_where_vllm_has_the_public_hooks(monkeypatch):
+    """On a release that asks the connector about divergent hybrid hits and takes failed loads from
+    ``get_transfer_results`` (0.32+), kvtier never looks for the scheduler on the stack: a hybrid
+    model's lookups, loads and failed loads run here with the stack walk made to fail."""
+    from kvtier.engines.vllm import compat
+
+    if not (compat.ASKS_DIVERGENT_HITS and compat.KVConnectorTransferResults is not None):
+        pytest.skip("this vLLM lacks the public hooks (0.26): kvtier walks the stack there")
+
+    def walk(attribute):
+        raise AssertionError(f"stack walk for {attribute!r} on a release with the public hooks")
+
+    monkeypatch.setattr(compat, "calling_scheduler", walk)
+    h = Harness(block_size=16, chunk_tokens=64, num_blocks=48, unaligned="partial", max_batched=96, window=24, seed=2)
+    try:
+        rng = random.Random(2)
+        prompts = [[rng.randrange(3, VOCAB) for _ in range(200 + 40 * i)] for i in range(3)]
+        for p in prompts:
+            h.add(p, 2)
+        h.drain()
+        h.sched.reset_prefix_cache()
+        for p in prompts:
+            h.add(p, 2)
+        for _ in range(200):
+            if not h.live():
+                break
+            h.step(fail_prob=0.5)
+        h.drain()
+        assert h.stats.loads["load"] > 0 and h.stats.failed_loads > 0, (dict(h.stats.loads), h.stats.failed_loads)
     finally:
         h.close()

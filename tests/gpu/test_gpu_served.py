@@ -3,7 +3,8 @@ ids (the model has no tokenizer), ``/reset_prefix_cache`` (dev mode), and ``/met
 
 Runs only on a CUDA vLLM (skipped at collection elsewhere); ``python -m pytest -q -m gpu tests/gpu``.
 
-One server, in its own process group (killed at the end). The same 1801-token prompt (seven
+One server per TP size (1, and 2 where two GPUs are visible), in its own process group (killed
+at the end); at TP=2 rank 0's lookup answers for both ranks, and each rank loads its own shard. The same 1801-token prompt (seven
 chunks and 9 tokens) is sent three times: computed; again, a hit in vLLM's own prefix cache;
 after ``POST /reset_prefix_cache``, loaded from kvtier. The third answer must equal the second
 bit for bit (same cached length, same suffix: the same computation on the same KV bytes) and the
@@ -44,22 +45,27 @@ KVTIER_HITS = ("vllm:kvtier_hit_tokens_total", {})
 _NO_PROXY = urllib.request.build_opener(urllib.request.ProxyHandler({}))
 
 
-def server_args(model: str, port: int) -> list[str]:
+def server_args(model: str, port: int, tp: int = 1) -> list[str]:
     return [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model, "--host", "127.0.0.1",
             "--port", str(port), "--skip-tokenizer-init", "--enforce-eager", "--seed", "0",
             "--gpu-memory-utilization", str(g.GPU_MEMORY_UTILIZATION), "--block-size", str(g.BLOCK),
             "--max-model-len", str(g.MAX_MODEL_LEN), "--max-num-batched-tokens", str(g.MAX_BATCHED),
-            "--enable-prompt-tokens-details",
+            "--enable-prompt-tokens-details", "--tensor-parallel-size", str(tp),
             "--kv-transfer-config", json.dumps(g.transfer_config(g.kvtier_config()))]
 
 
-@pytest.fixture(scope="module")
-def served(gpu_model, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("gpu-served")
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def served(request, gpu_model, tmp_path_factory):
+    import torch
+
+    tp = request.param
+    if torch.cuda.device_count() < tp:
+        pytest.skip(f"TP={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+    tmp = tmp_path_factory.mktemp(f"gpu-served-tp{tp}")
     port, log_path = free_port(), tmp / "server.log"
     env = g.child_env(multiprocess=True, extra={"VLLM_SERVER_DEV_MODE": "1"})
     with open(log_path, "wb") as log:
-        proc = start_group(server_args(gpu_model, port), stdout=log, stderr=subprocess.STDOUT,
+        proc = start_group(server_args(gpu_model, port, tp), stdout=log, stderr=subprocess.STDOUT,
                            stdin=subprocess.DEVNULL, env=env, cwd=str(g.REPO))
     server = Server(proc, port, log_path)
     try:

@@ -137,24 +137,6 @@ def agree_on_hybrid_hits() -> AgreedHits | None:
     return AgreedHits(coordinator)
 
 
-def forget_stale_reservation(request: Any) -> None:
-    """Drop ``request`` from its scheduler's in-flight prefills when it is looked up holding no KV.
-
-    vLLM adds a request to ``_inflight_prefills`` when it starts an asynchronous load, and counts
-    what such requests still need as reserved against every later asynchronous load. A load that
-    failed with no valid prefix frees the request's blocks but leaves it in that set: looked up
-    again and given another asynchronous load, it then reserves its own blocks against itself.
-    Where the pool cannot hold them twice it never starts, and the requests queued behind it
-    (vLLM drains requests that held KV first) wait with it. Called from the lookup, where a
-    request with no computed tokens holds no blocks.
-    """
-    if request.num_computed_tokens:
-        return
-    scheduler = calling_scheduler("_inflight_prefills")
-    if scheduler is not None:
-        scheduler._inflight_prefills.discard(request)
-
-
 def recompute_failed_loads(req_ids: set[str]) -> None:
     """Make the engine recompute the whole prompt of each request in ``req_ids``, whose load failed.
 

@@ -47,7 +47,7 @@ from vllm.v1.request import RequestStatus
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.compat import (
     HMA_BASES, AgreedHits, CacheHitSource, KVConnectorTransferResults, agree_on_hybrid_hits, check_version,
-    forget_stale_reservation, recompute_failed_loads,
+    recompute_failed_loads,
 )
 from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
@@ -252,7 +252,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             self._agreed_hits.restore_junction(request)
         if not self.active:
             return 0, False  # a hit must hold for every group; some group kvtier cannot fill
-        forget_stale_reservation(request)
         plan = self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
             request.kv_transfer_params,

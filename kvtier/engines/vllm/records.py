@@ -33,6 +33,7 @@ class Tracked:
     transfer_id: str | None = None  # what a producer request publishes under
     published: bool = False  # a producer request's last chunk is planned
     remote_failed: bool = False  # a consumer's transfer failed once: the rest is recomputed, never retried
+    load_failed: bool = False  # a load failed with nothing valid: recomputed at its next admission
     state: ReqState = ReqState.LOOKUP
     block_ids: list[int] = field(default_factory=list)
     group_blocks: list[list[int]] = field(default_factory=list)  # each other served group's, by slot - 1

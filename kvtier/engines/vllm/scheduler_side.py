@@ -131,7 +131,9 @@ class SchedulerSide:
         # Until the workers have emptied the tiers, the index may still offer what a reset removes.
         tiers = () if self.reset_pending else self._distrusted.trusted(tracked.keys, reply.tiers if reply is not None else [])
         tiers = tiers[: self.groups.held_chunks(tracked.keys, len(prompt), len(tiers), self.client.lookup)]
-        remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed
+        if tracked.load_failed:
+            tiers = ()
+        remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed and not tracked.load_failed
         if remote:
             tiers += ("remote",) * (len(tracked.keys) + (tracked.tail is not None) - len(tiers))
         inp = PlanInput(len(prompt), local_tokens, tiers, remote)
@@ -156,7 +158,7 @@ class SchedulerSide:
         if tracked is None or tracked.plan is None:
             return  # a second call, or a request resuming after its load (no lookup)
         tracked.group_blocks = [list(ids) for ids in others]
-        plan, tracked.plan = tracked.plan, None
+        plan, tracked.plan, tracked.load_failed = tracked.plan, None, False
         if tracked.role is None:
             # What every rank's tiers hold needs no save (a local hit's or a load's chunks): the
             # workers would only find each stored again, a store look-up per chunk on the engine's
@@ -362,8 +364,10 @@ class SchedulerSide:
                 if (load.start + failed[0] * self.block_size == 0 or failed_request) \
                         and tracked.state is ReqState.WAITING_FOR_KV:
                     # vLLM keeps the valid prefix; with none it frees the blocks and admits the
-                    # request again from a fresh lookup, which must plan anew.
-                    event = Event.RETRY
+                    # request again from a fresh lookup, which plans no load: vLLM keeps such a
+                    # request among its in-flight prefills, and another asynchronous load would
+                    # reserve its own blocks against itself (in a full pool it would never start).
+                    event, tracked.load_failed = Event.RETRY, True
             elif load.issued_s is not None and len(set(load.tiers)) == 1:
                 self.meter.record_load(load.tiers[0], len(load.job.keys) * self.chunk_tokens, now - load.issued_s)
             self._advance(req_id, tracked, event)
