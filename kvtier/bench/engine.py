@@ -170,9 +170,11 @@ def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], 
           count_transfers: bool = False) -> dict:
     """An engine child's spec. The KV cache holds ``--hbm-tokens`` tokens of every layer's KV: as
     blocks of 16 tokens where every layer is full attention, as bytes where some are windowed
-    (vLLM's hybrid manager then packs fewer layers in a block, and may still turn itself off)."""
-    cache = ({"kv_cache_bytes": args.hbm_tokens * shape.token_bytes} if shape.sliding_layers
-             else {"num_gpu_blocks": args.hbm_tokens // 16})
+    (vLLM's hybrid manager then packs fewer layers in a block, and may still turn itself off).
+    One block more than that: vLLM 0.33 keeps its null block out of the pool it checks a
+    ``max_model_len`` prompt against."""
+    cache = ({"kv_cache_bytes": (args.hbm_tokens + 16) * shape.token_bytes} if shape.sliding_layers
+             else {"num_gpu_blocks": args.hbm_tokens // 16 + 1})
     return {"model": model, "connector": connector, "kvtier": kvtier or {"cpu_bytes": args.cpu_gib << 30},
             "offload_gib": args.cpu_gib * args.tp,  # vLLM's setting is split over its ranks; kvtier's is per rank
             **cache, "max_model_len": args.hbm_tokens, "tp": args.tp,

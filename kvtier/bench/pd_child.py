@@ -76,12 +76,19 @@ def request_named(llm, request_id: str | None):
         llm.request_counter = counter
 
 
+def _own_hits(params: dict) -> dict:
+    """``params`` without ``remote_prefill_cached_tokens``: vLLM 0.33's P adds it to what it
+    publishes, and its D then reports P's own prefix hit as the request's cached tokens; without it
+    D reports its own (local hit + what its connector loaded), which is what this harness checks."""
+    return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
+
+
 def answer(llm, request: dict) -> dict:
     """Run one request line; the ``OUT`` record."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    extra = {"kv_transfer_params": request["params"]} if request.get("params") else None
+    extra = {"kv_transfer_params": _own_hits(request["params"])} if request.get("params") else None
     params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 1), ignore_eos=True,
                             detokenize=False, logprobs=request.get("logprobs"), extra_args=extra)
     with request_named(llm, request.get("request_id")):

@@ -83,8 +83,10 @@ def main(argv: list[str] | None = None) -> int:
                 module, _, k = f.partition(":")
                 name = _name(f)
                 log = open(args.out / f"{name}.log", "wb")
+                basetemp = Path("/tmp/gpu-shards") / args.out.name / name
+                basetemp.parent.mkdir(parents=True, exist_ok=True)
                 cmd = [sys.executable, "-m", "pytest", "-q", "-m", "gpu", "-p", "no:cacheprovider", str(HERE / module),
-                       "--junitxml", str(args.out / f"{name}.xml"), "--basetemp", f"/tmp/gpu-shards/{args.out.name}/{name}"]
+                       "--junitxml", str(args.out / f"{name}.xml"), "--basetemp", str(basetemp)]
                 cmd += ["-k", k] if k else []
                 proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=REPO,
                                         start_new_session=True)

@@ -42,7 +42,11 @@ def test_hybrid_handoff_is_identical_to_recompute(run, i, recompute):
 def test_hybrid_handoff_parked_and_loaded(run):
     if not handoffs_supported():
         pytest.skip("this vLLM's scheduler cannot cap a prefill at the boundary: partial chunks (checked above)")
-    assert g.only(run, 2)["cached"] == FLOOR and g.only(run, 5)["cached"] == Q_FLOOR
+    for i, floor in ((2, FLOOR), (5, Q_FLOOR)):
+        # vLLM's own hit, where the handoff starts: the prompt's floor (0.32), or on 0.33 up to a
+        # block less for this sliding-window hybrid (80 for a floor of 96); never past the floor.
+        cached = g.only(run, i)["cached"]
+        assert floor - g.BLOCK <= cached <= floor and cached % g.BLOCK == 0, (i, cached, floor)
     assert "handoff_park_failed" not in run["counts"] and run["counts"].get("handoff") == 2, run["counts"]
     assert "loads_failed" not in run["counts"], run["counts"]
     with open(run["log"], errors="replace") as f:

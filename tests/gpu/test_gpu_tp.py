@@ -21,6 +21,8 @@ than a chunk (nothing saved, nothing loaded).
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 import gpu_engines as g
@@ -74,17 +76,25 @@ def _loaded(out: dict, name: str) -> None:
 
 
 def test_reload_at_tp_is_token_identical_to_an_engine_without_kvtier(tp):
-    ref, first = tp["ref"], tp["first"]
+    """Bit for bit within one engine: the reload against vLLM's own prefix hit on the KV that
+    engine computed. Between the two engines (kvtier's, the connector-less one), close: at TP=4
+    their computations of the same batch, before any reload, differed on vLLM 0.26 (a token
+    flipped at position 11) and 0.33 (a logprob by 0.016) on four H200s; TP=2 was bit for bit."""
+    ref, first, size = tp["ref"], tp["first"], tp["size"]
+    same = {}
     for i, name in enumerate(NAMES):
-        g.assert_strict(g.outputs(first, BATCH)[i], g.outputs(ref, BATCH)[i], f"TP={tp['size']} {name}: computed")
+        g.assert_close(g.outputs(first, BATCH)[i], g.outputs(ref, BATCH)[i], f"TP={size} {name}: computed")
+        same[name] = g.strict_difference(g.outputs(first, BATCH)[i], g.outputs(ref, BATCH)[i]) is None
+    print(json.dumps({"tp": size, "computed_bit_for_bit_across_engines": same}))
     for i, name in enumerate(NAMES):
         out = g.only(first, RELOAD + i)
         _loaded(out, name)  # rank 0 answered for every rank, and every rank loaded its shard
         if name in EXACT:
-            g.assert_strict(out, g.only(ref, LOCAL + i), f"TP={tp['size']} {name}: reload vs vLLM's own hit")
+            g.assert_strict(out, g.only(first, LOCAL + i), f"TP={size} {name}: reload vs vLLM's own hit")
         else:
-            g.assert_close(out, g.only(ref, LOCAL + i), f"TP={tp['size']} {name}: reload vs vLLM's own hit")
-        g.assert_close(out, g.outputs(ref, BATCH)[i], f"TP={tp['size']} {name}: reload vs recompute")
+            g.assert_close(out, g.only(first, LOCAL + i), f"TP={size} {name}: reload vs vLLM's own hit")
+        g.assert_close(out, g.only(ref, LOCAL + i), f"TP={size} {name}: reload vs the connector-less engine's hit")
+        g.assert_close(out, g.outputs(ref, BATCH)[i], f"TP={size} {name}: reload vs recompute")
 
 
 def test_disk_tier_at_tp_survives_a_fresh_engine(tp):
