@@ -9,6 +9,7 @@ module starts as soon as enough GPUs are free. With fewer GPUs than a module nam
 them all (its tests skip what does not fit, and say why). Each module's output goes to
 ``DIR/<module>.log`` and its results to ``DIR/<module>.xml`` (JUnit); a progress line per start and
 end, then a table, and ``DIR/summary.json``. Exit status 1 when a module failed or timed out.
+Give it the machine alone: two engines starting on one GPU at once fail vLLM's memory check.
 """
 
 from __future__ import annotations
