@@ -14,8 +14,9 @@ however it ends.
 HBM to HBM (a :class:`Landing` given: this engine's KV is registered with NIXL): where the
 producer still holds the request's engine blocks under a lease, its reply names them and D
 READs them region by region straight into the engine blocks the caller named, one descriptor
-per run of consecutive blocks (:mod:`kvtier.pd.hbm`); the caller gets a :class:`Landed` with the
-KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`). In a push transfer D gives P its
+per run of consecutive blocks (:mod:`kvtier.pd.hbm`); once P lends, the rest is asked for at
+once and the replies read by one READ. The caller gets a :class:`Landed` with the KVSUM64 to
+check the blocks against (:mod:`kvtier.pd.landing`). In a push transfer D gives P its
 NIXL metadata and engine KV regions in a second hello, once P's reply checked out, and names the
 engine blocks of each chunk in its fetch: P WRITEs the chunk there the moment it has it, and the
 reply carries the KVSUM64. A push transfer that ends with such fetches unanswered waits (up to
@@ -47,7 +48,8 @@ from kvtier.storage import ChunkBuffer
 logger = logging.getLogger(__name__)
 
 WINDOW = 4  # fetches in flight per transfer (each holds a CPU-tier buffer)
-HBM_WINDOW = 16  # ... when chunks land in the engine's blocks: no buffer held, more READs in flight
+HBM_WINDOW = 16  # ... when chunks may land in the engine's blocks: no buffer held, more READs in flight
+LENT_WINDOW = 256  # ... once P answers with its engine blocks (lent): the rest asked at once, few READs
 PUSH_WINDOW = 256  # ... when P writes them into the engine's blocks as it computes them (a 64k prompt)
 _CANCEL_CHECK_S = 0.05  # how often a waiting transfer checks whether its request was aborted
 _PROGRESS_S = 0.001  # how often a push transfer over NIXL lets NIXL progress while it waits
@@ -106,8 +108,9 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         if (endpoint, how) not in _told:
             _told.add((endpoint, how))
             logger.info("kvtier P/D: fetching from %s over %s.", endpoint, how)
-        sent, window = 0, (PUSH_WINDOW if wait else HBM_WINDOW) if peer.hbm else WINDOW
+        sent = 0
         for index, (key, num_blocks) in enumerate(items):
+            window = (PUSH_WINDOW if wait else LENT_WINDOW if peer.lent else HBM_WINDOW) if peer.hbm else WINDOW
             while sent < len(items) and sent < index + window:
                 peer.fetch(transfer_id, sent, items[sent][0], items[sent][1], wait)
                 sent += 1
@@ -145,6 +148,8 @@ class _Peer:
         self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
         self.early: dict[int, Arrived] = {}  # replies ahead of their turn
         self.hbm: Landings | None = None  # chunks READ into the engine's blocks (HBM to HBM)
+        self.lent = False  # P's latest reply named its engine blocks (lent under its lease)
+        self.asked: set[int] = set()  # chunks fetched, not answered yet
         self.named: set[int] = set()  # chunks whose engine blocks were named to P (push), not answered yet
         self.silent = False  # P sent nothing for the timeout (dead or hung: no WRITE of its is still coming)
         self.reply_s = 0.0  # seconds spent waiting for replies
@@ -226,11 +231,14 @@ class _Peer:
         begin = time.perf_counter()
         while index not in self.early:
             self._take(self.receive())
+        if self.hbm is not None and self.lent and not self.landing_enabled and self.hbm.unposted(index):
+            while self.asked:  # P answers lent chunks at once: one READ for all of them, posted once
+                self._take(self.receive())
         self.reply_s += time.perf_counter() - begin
         while (got := self.receive(block=False)) is not None:  # replies already here: their READs
             self._take(got)  # start now, while the caller scatters this chunk
         if self.hbm is not None:
-            self.hbm.post()
+            self.hbm.post(index)
         arrived = self.early.pop(index)
         nbytes = self.sizes[index]
         if arrived.reply.status != "ok":
@@ -265,6 +273,7 @@ class _Peer:
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
         self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
                         num_blocks * self.block_size, hbm, blocks))
+        self.asked.add(index)
 
     def _take(self, got: HelloReply | Arrived) -> None:
         if isinstance(got, HelloReply):
@@ -273,11 +282,13 @@ class _Peer:
             raise PeerError(f"{self.endpoint} answered for chunk {got.reply.index}, which was not asked")
         self.early[got.reply.index] = got
         self.named.discard(got.reply.index)  # P answered: it will not write there later
+        self.asked.discard(got.reply.index)
         landing = self.landing.pop(got.reply.index, None)
         if got.reply.status != "ok":
             if landing is not None:
                 landing.release()
             return
+        self.lent = bool(got.reply.blocks)  # P lends its blocks: this engine holds no buffer per fetch
         if got.reply.blocks:
             if landing is not None:
                 landing.release()

@@ -2,9 +2,11 @@
 
 The producer's reply names the chunk's engine blocks; the READs of every reply at hand go out
 as one NIXL transfer, so runs of consecutive blocks coalesce across chunks (a window of chunks
-costs about the descriptors of one, and the posting cost with them). The chunks sharing a READ
-each wait for it; the first to see it done gives NIXL's handle back and times it
-(:func:`kvtier.pd.hbm.read_speed`).
+costs about the descriptors of one, and the posting cost with them). Replies wait to be posted
+until the caller needs one of them or :data:`POST_AT` have gathered: a READ per reply would pay
+the posting cost per chunk (over ``cuda_ipc`` without UCX's mapping cache, a mapping of every
+region of the producer's KV each time). The chunks sharing a READ each wait for it; the first to
+see it done gives NIXL's handle back and times it (:func:`kvtier.pd.hbm.read_speed`).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from kvtier.storage import ChunkBuffer
 
 logger = logging.getLogger(__name__)
 _told: set[str] = set()  # producers whose chunks were said to land HBM to HBM
+POST_AT = 16  # replies gathered before they are posted as one READ, unless one is needed sooner
 
 
 @dataclass(slots=True)
@@ -52,6 +55,7 @@ class Landings:
         self.block_bytes = sum(r.block_bytes for r in mine.regions)
         self._unposted: list[Arrived] = []
         self._posting_s = agent.post_s  # the agent's posting time when this transfer began
+        self.reads = 0  # READs posted
         self.chunks, self.read_s = 0, 0.0
 
     def wants(self, index: int) -> bool:
@@ -62,9 +66,16 @@ class Landings:
         """A reply naming engine blocks: READ by the next :meth:`post`."""
         self._unposted.append(arrived)
 
-    def post(self) -> None:
-        """One READ for every reply added since the last post (a chunk whose READ could not be
-        posted fails when its turn comes)."""
+    def unposted(self, index: int) -> bool:
+        """Whether chunk ``index``'s reply is added and its READ not posted yet."""
+        return any(a.reply.index == index for a in self._unposted)
+
+    def post(self, needed: int) -> None:
+        """One READ for every reply added since the last post, if chunk ``needed`` is among them
+        or :data:`POST_AT` have gathered (a chunk whose READ could not be posted fails when its
+        turn comes)."""
+        if len(self._unposted) < POST_AT and not self.unposted(needed):
+            return
         batch, self._unposted = sorted(self._unposted, key=lambda a: a.reply.index), []
         mine, theirs, posted = [], [], []
         for arrived in batch:
@@ -80,6 +91,7 @@ class Landings:
             transfer = self.agent.read(self.peer, local, remote, (self.mine.kind, self.mine.device, self.device))
         except (NixlError, ValueError):
             return
+        self.reads += 1
         now = time.perf_counter()
         for arrived in posted:
             arrived.transfer, arrived.started_s = transfer, now
@@ -114,6 +126,6 @@ class Landings:
     def log(self, transfer_id: str, reply_s: float) -> None:
         """One debug line on where the transfer's time went (posting: this engine's, all transfers meanwhile)."""
         if self.chunks:
-            logger.debug("kvtier P/D: transfer %s from %s: %d chunks landed; ms waiting for replies %.1f, posting "
-                         "READs %.1f, waiting for READs %.1f", transfer_id, self.endpoint, self.chunks, reply_s * 1e3,
-                         (self.agent.post_s - self._posting_s) * 1e3, self.read_s * 1e3)
+            logger.debug("kvtier P/D: transfer %s from %s: %d chunks landed by %d READs; ms waiting for replies "
+                         "%.1f, posting READs %.1f, waiting for READs %.1f", transfer_id, self.endpoint, self.chunks,
+                         self.reads, reply_s * 1e3, (self.agent.post_s - self._posting_s) * 1e3, self.read_s * 1e3)

@@ -16,7 +16,7 @@ import time
 import pytest
 import torch
 
-from pd_workers import BLOCK, Engine, prompt_keys, publish, remote_job, tokens_of
+from pd_workers import BLOCK, CHUNK, Engine, prompt_keys, publish, remote_job, tokens_of
 from kvtier.jobs import Lend
 from kvtier.pd import nixl
 
@@ -64,6 +64,24 @@ def test_consumer_reads_the_producers_blocks_into_its_own_while_the_lease_runs(e
     assert d.side.transfers.stats.landed_bytes == len(D_BLOCKS) * d.side.transfers.layout.bytes_per_block
     wait_ended(p)  # D released the transfer: the blocks go at once, not when the lease runs out
     assert p.side.engine_kv.held_bytes == 0 and p.side.engine_kv.leases.stats.released == 1
+
+
+def test_a_long_transfer_lands_by_a_few_reads_not_one_per_chunk(engines, monkeypatch):
+    """28 chunks under the lease: once P answers with its blocks, D asks for the rest at once and
+    posts the replies at hand together (each READ's posting cost is paid once, as one READ per
+    chunk paid it 28 times)."""
+    tokens = tokens_of(28 * CHUNK + 4, seed=3)
+    ids = list(range(-(-len(tokens) // BLOCK)))  # 57 blocks, the tail's included
+    p, d = engines("p", 1), engines("d", 2)
+    publish(p, tokens, ids, "t-long")
+    keys, tail = prompt_keys(tokens)
+    p.side.lend((Lend("p-req", "t-long", tuple(ids), tuple(keys + [tail]), 2000),))
+    reads, read = [], d.side.nixl.read
+    monkeypatch.setattr(d.side.nixl, "read", lambda *a, **k: reads.append(len(a[1])) or read(*a, **k))
+    d.side.start_loads((remote_job("d-req", tokens, ids, "t-long", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(ids), p.blocks(ids))
+    assert p.side.chunk_server.hbm_total == 29 and len(reads) <= 2, reads  # one READ per chunk at hand made 5 to 8
 
 
 def test_after_the_lease_the_consumer_gets_the_cpu_tier_copy_and_no_block_is_held(engines):
