@@ -129,10 +129,10 @@ class SchedulerSide:
         if reply is not None and reply.endpoints:
             self.peer_endpoints = reply.endpoints
         # Until the workers have emptied the tiers, the index may still offer what a reset removes.
-        tiers = () if self.reset_pending else self._distrusted.trusted(tracked.keys, reply.tiers if reply is not None else [])
+        # A request whose load failed with nothing valid is recomputed (see loads_reported).
+        tiers = () if self.reset_pending or tracked.load_failed else \
+            self._distrusted.trusted(tracked.keys, reply.tiers if reply is not None else [])
         tiers = tiers[: self.groups.held_chunks(tracked.keys, len(prompt), len(tiers), self.client.lookup)]
-        if tracked.load_failed:
-            tiers = ()
         remote = isinstance(tracked.role, pd.Consume) and not tracked.remote_failed and not tracked.load_failed
         if remote:
             tiers += ("remote",) * (len(tracked.keys) + (tracked.tail is not None) - len(tiers))
