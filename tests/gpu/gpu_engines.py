@@ -73,6 +73,15 @@ _skip_reason: object = _UNSET
 
 
 # ---- when to skip -----------------------------------------------------------------------------
+def skip_without_gpus(count: int, what: str) -> None:
+    """Skip the calling test or fixture (``what``) unless ``count`` GPUs are visible."""
+    import pytest
+    import torch
+
+    if torch.cuda.device_count() < count:
+        pytest.skip(f"{what} needs {count} GPUs; {torch.cuda.device_count()} visible")
+
+
 def skip_reason() -> str | None:
     """Why these tests cannot run here, or None. Cheapest check first: without an NVIDIA device
     node there is no CUDA, decided without importing torch (unless it is imported already)."""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -29,6 +30,7 @@ REPO = HERE.parent.parent
 NEEDS = {"test_gpu_tp.py:tp2": 2, "test_gpu_tp.py:tp4": 4, "test_gpu_served.py": 2, "test_gpu_pd.py": 2,
          "test_gpu_pd_hbm.py": 2, "test_gpu_pd_hybrid.py": 2, "test_gpu_pd_mamba.py": 2}
 SPLIT = {"test_gpu_tp.py": ("tp2", "tp4")}  # one job per TP size
+INTERRUPT_GRACE_S = 60.0  # a timed-out module's teardown, before its process group is killed
 
 
 def visible_gpus() -> list[str]:
@@ -100,8 +102,13 @@ def main(argv: list[str] | None = None) -> int:
             if proc.poll() is None and not late:
                 continue
             if late and proc.poll() is None:
-                os.killpg(proc.pid, 9)
-                proc.wait()
+                # SIGINT first: pytest's teardown ends the engines it started, each in its own group
+                proc.send_signal(signal.SIGINT)
+                try:
+                    proc.wait(INTERRUPT_GRACE_S)
+                except subprocess.TimeoutExpired:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                    proc.wait()
             log.close()
             counts = junit_counts(args.out / f"{_name(f)}.xml")
             results[f] = dict(counts, gpus=len(mine), seconds=round(time.monotonic() - started),

@@ -56,11 +56,8 @@ def server_args(model: str, port: int, tp: int = 1) -> list[str]:
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def served(request, gpu_model, tmp_path_factory):
-    import torch
-
     tp = request.param
-    if torch.cuda.device_count() < tp:
-        pytest.skip(f"TP={tp} needs {tp} GPUs; {torch.cuda.device_count()} visible")
+    g.skip_without_gpus(tp, f"TP={tp}")
     tmp = tmp_path_factory.mktemp(f"gpu-served-tp{tp}")
     port, log_path = free_port(), tmp / "server.log"
     env = g.child_env(multiprocess=True, extra={"VLLM_SERVER_DEV_MODE": "1"})

@@ -46,17 +46,10 @@ RANKS_FILES = {name: len(p) // C_ for name, p in PROMPTS.items()}  # chunk files
 BATCH, LOCAL, RELOAD = 0, 1, 1 + len(NAMES)
 
 
-def _gpus() -> int:
-    import torch
-
-    return torch.cuda.device_count()
-
-
 @pytest.fixture(scope="module", params=[2, 4], ids=["tp2", "tp4"])
 def tp(request, gpu_model, tmp_path_factory):
     size = request.param
-    if _gpus() < size:
-        pytest.skip(f"TP={size} needs {size} GPUs; {_gpus()} visible")
+    g.skip_without_gpus(size, f"TP={size}")
     tmp = tmp_path_factory.mktemp(f"gpu-tp{size}")
     disk = tmp / "disk"
     kvtier = g.kvtier_config(disk_path=str(disk), disk_bytes=1 << 30)
