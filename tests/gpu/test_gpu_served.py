@@ -4,8 +4,8 @@ ids (the model has no tokenizer), ``/reset_prefix_cache`` (dev mode), and ``/met
 Runs only on a CUDA vLLM (skipped at collection elsewhere); ``python -m pytest -q -m gpu tests/gpu``.
 
 One server per TP size (1, and 2 where two GPUs are visible), in its own process group (killed
-at the end); at TP=2 rank 0's lookup answers for both ranks, and each rank loads its own shard. The same 1801-token prompt (seven
-chunks and 9 tokens) is sent three times: computed; again, a hit in vLLM's own prefix cache;
+at the end); at TP=2 rank 0's lookup answers for both ranks, and each rank loads its own shard.
+The same 1801-token prompt (seven chunks and 9 tokens) is sent three times: computed; again, a hit in vLLM's own prefix cache;
 after ``POST /reset_prefix_cache``, loaded from kvtier. The third answer must equal the second
 bit for bit (same cached length, same suffix: the same computation on the same KV bytes) and the
 first closely (see gpu_engines). What was loaded shows in the response's

@@ -6,7 +6,7 @@ tests/gpu/test_gpu_tp.py``. This directory's random-weight model (8 attention he
 one per rank at TP=2, replicated at TP=4) answers from its context, so a reload that brought
 the wrong shard, or none, changes the answer.
 
-Three engines per TP size, each a process of its own (vLLM's multiprocess executor):
+Four engines per TP size, each a process of its own (vLLM's multiprocess executor):
 
 - ``ref``, no connector: computes the prompts together, then each alone (vLLM's own prefix hit);
 - ``first``, kvtier with a CPU and a disk tier: the same, then for each prompt
