@@ -149,6 +149,8 @@ class Agent:
         self._registered: dict[tuple[int, int], object] = {}  # (address, bytes) -> NIXL's descriptor list
         self._kinds: dict[tuple[int, int], tuple[str, int]] = {}  # (address, bytes) -> (memory kind, device)
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent name
+        self._users: dict[str, set[object]] = {}  # peer name -> who holds it (:meth:`connect`'s ``user``)
+        self._let_go: dict[str, float] = {}  # peer name -> when its last user let go (monotonic s)
         self.device = device
         # posts transfers, in order
         self._poster = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
@@ -195,8 +197,10 @@ class Agent:
         """What a peer needs to reach this agent and its registered memory."""
         return self._nixl.get_agent_metadata()
 
-    def connect(self, metadata: bytes) -> str:
-        """Add a peer from its metadata (once); its agent name."""
+    def connect(self, metadata: bytes, user: object = None) -> str:
+        """Add a peer from its metadata (once); its agent name. Once every ``user`` (any hashable;
+        None: kept until :meth:`forget`) let go of it (:meth:`disconnect`), :meth:`forget_idle`
+        may drop it."""
         with self._lock:
             name = self._peers.get(metadata)
             if name is None:
@@ -204,17 +208,53 @@ class Agent:
                 name = self._nixl.add_remote_agent(metadata)
                 name = name.decode() if isinstance(name, bytes) else name
                 self._peers[metadata] = name
+            self._users.setdefault(name, set()).add(user)
+            self._let_go.pop(name, None)
             return name
+
+    @property
+    def peer_names(self) -> set[str]:
+        """The agent names of the peers this agent knows."""
+        with self._lock:
+            return set(self._peers.values())
+
+    def disconnect(self, name: str | None, user: object) -> None:
+        """``user`` no longer needs peer ``name`` (a name None: nothing to do)."""
+        with self._lock:
+            users = self._users.get(name)
+            if user is not None and users is not None and user in users:
+                users.discard(user)
+                if not users:
+                    self._let_go[name] = time.monotonic()
+
+    def forget_idle(self, idle_s: float) -> None:
+        """Drop the peers whose users all let go of them at least ``idle_s`` ago. NIXL keeps what
+        it imported of a known peer's registered memory: a decode engine a producer had written
+        into (on vLLM 0.33, whose engine KV is one allocation) stayed wholly held on its GPU after
+        it stopped, and the next engine there found too little free memory."""
+        now = time.monotonic()
+        with self._lock:  # a connect on another thread waits: it adds the peer anew
+            for metadata, name in [(m, n) for m, n in self._peers.items() if now - self._let_go.get(n, now) >= idle_s]:
+                del self._peers[metadata]
+                self._users.pop(name, None)
+                self._let_go.pop(name, None)
+                self._remove(name)
+                logger.debug("kvtier NIXL: %s forgotten (unused for %.0f s)", name, idle_s)
 
     def forget(self, metadata: bytes) -> None:
         """Drop a peer that failed: a restarted peer comes back under a new name."""
         with self._lock:
             name = self._peers.pop(metadata, None)
+            self._users.pop(name, None)
+            self._let_go.pop(name, None)
         if name is not None:
-            try:
-                self._nixl.remove_remote_agent(name)
-            except Exception as exc:  # a peer already gone on NIXL's side
-                logger.debug("kvtier NIXL: removing %s: %s", name, exc)
+            self._remove(name)
+
+    def _remove(self, name: str) -> None:
+        try:
+            self._nixl.remove_remote_agent(name)
+        except Exception as exc:  # a peer already gone on NIXL's side
+            logger.debug("kvtier NIXL: removing %s: %s", name, exc)
 
     def read(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
              memory: Memory = ("DRAM", 0, 0)) -> Transfer:

@@ -44,6 +44,7 @@ no late WRITE lands in blocks D recomputes.
 from __future__ import annotations
 
 import hmac
+from dataclasses import dataclass
 from typing import Annotated, Literal, Union
 
 import blake3
@@ -66,6 +67,19 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Checksum = int  # unsigned 64 bits; msgspec bounds stop at int64, so D compares it as it came
 Device = Annotated[int, msgspec.Meta(ge=0, le=1 << 10)]
 RegionAddress = tuple[Address, Size, Size]  # (base address, stride between blocks, bytes per block)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedLayout:
+    """This rank's side of the handshake. ``fingerprint``: 16 bytes; ``description``: in words.
+    ``token_bytes``: bytes per token of each region when the layout is token-contiguous (a chunk
+    may then be re-cut to the token count a consumer with another block size asks for), else empty."""
+
+    fingerprint: bytes
+    description: str
+    chunk_tokens: int
+    tp_size: int
+    token_bytes: tuple[int, ...] = ()
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):

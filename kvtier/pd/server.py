@@ -41,8 +41,8 @@ from kvtier.pd.nixl import Agent
 from kvtier.pd.recut import recut
 from kvtier.pd.writes import PeerWrites
 from kvtier.pd.protocol import (
-    MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_request,
-    encode, mac,
+    MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, ServedLayout, check_mac,
+    decode_request, encode, mac,
 )
 from kvtier.storage import ChunkBuffer, ChunkStore
 
@@ -56,19 +56,7 @@ ACTIVE_S = 60.0
 _SEND_HWM = 1024  # replies queued per peer: above any consumer's fetches in flight (fetch.PUSH_WINDOW)
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
-
-
-@dataclass(frozen=True, slots=True)
-class ServedLayout:
-    """This rank's side of the handshake. ``fingerprint``: 16 bytes; ``description``: in words.
-    ``token_bytes``: bytes per token of each region when the layout is token-contiguous (a chunk
-    may then be re-cut to the token count a consumer with another block size asks for), else empty."""
-
-    fingerprint: bytes
-    description: str
-    chunk_tokens: int
-    tp_size: int
-    token_bytes: tuple[int, ...] = ()
+PEER_IDLE_S = 5.0  # a decode engine's NIXL agent is dropped once no connection used it for this long
 
 
 @dataclass(slots=True)
@@ -195,7 +183,7 @@ class ChunkServer:
             self._fetch(identity, message, time.monotonic())
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
-            self._writers.pop(identity, None)
+            self._forget_writer(identity)
             self._hbm.forget(identity)  # its WRITEs not posted yet never are
             if self.engine is not None:
                 self.engine.leases.release(message.transfer_id)
@@ -218,7 +206,7 @@ class ChunkServer:
             self.nixl.bind_device()  # this thread reaches peers and posts WRITEs: cuda_ipc needs the device
             if hello.nixl:  # the peer may be written to (push): reach its agent now
                 try:
-                    self._writers[identity] = self.nixl.connect(hello.nixl)
+                    self._writers[identity] = self.nixl.connect(hello.nixl, identity)
                 except Exception as exc:  # bad metadata, UCX cannot reach it: the peer READs instead
                     logger.warning("kvtier P/D chunk server: cannot reach a decode engine's NIXL agent (%s); "
                                    "it reads the chunks itself.", exc)
@@ -292,6 +280,10 @@ class ChunkServer:
         self._send(identity, reply, memoryview(buffer.data.numpy()), out_of_band=True)  # if the peer is gone,
         # the buffer goes back when the loan expires
 
+    def _forget_writer(self, identity: bytes) -> None:
+        if (name := self._writers.pop(identity, None)) is not None:
+            self.nixl.disconnect(name, identity)
+
     def _return(self, transfer_id: str) -> None:
         lent = self._lent.pop(transfer_id, None)
         for buffer in lent.buffers if lent else ():
@@ -301,6 +293,9 @@ class ChunkServer:
         for identity in [i for i, last_s in self._nixl_peers.items() if now - last_s > self._lend_s]:
             del self._nixl_peers[identity]
             self._hbm.forget(identity)
+            self._forget_writer(identity)
+        if self.nixl is not None:
+            self.nixl.forget_idle(PEER_IDLE_S)
         for transfer_id in [t for t, lent in self._lent.items() if now - lent.last_s > self._lend_s]:
             logger.info("kvtier P/D chunk server: transfer %s was not released within %.0f s; its %d lent "
                         "chunks go back to the CPU tier.", transfer_id, self._lend_s,

@@ -18,7 +18,7 @@ import torch
 
 from pd_workers import Engine, prompt_keys, remote_job, tokens_of
 from kvtier.jobs import Lend, SaveJob
-from kvtier.pd import nixl
+from kvtier.pd import nixl, server as chunk_server
 
 PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
 P_BLOCKS = [10, 11, 12, 13, 20, 21, 22]
@@ -137,6 +137,24 @@ def test_a_producer_killed_mid_transfer_costs_one_timeout_and_keeps_what_landed(
     assert d.wait_loaded("d-req") == set(D_BLOCKS[2:])
     assert time.monotonic() - start < 1.9  # one timeout, not a second one waiting for P's word
     assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))
+
+
+def test_a_consumer_written_into_is_forgotten_once_idle_and_reached_again_for_the_next_transfer(engines, monkeypatch):
+    """NIXL keeps what it imported of a known peer's memory (on vLLM 0.33 a stopped D's whole KV
+    cache stayed held on its GPU while P knew D): P drops D's agent once no transfer used it."""
+    monkeypatch.setattr(chunk_server, "PEER_IDLE_S", 0.2)
+    p, d = engines("p", 1), engines("d", 2)
+    agent, theirs = p.side.chunk_server.nixl, d.side.chunk_server.nixl.name
+    for transfer in ("t1", "t2"):
+        d.side.start_loads((remote_job(f"d-{transfer}", PROMPT, D_BLOCKS, transfer, p.endpoint, wait=True),))
+        p.side.save((SaveJob(f"p-{transfer}", tuple(FULL + [TAIL]), tuple(P_BLOCKS), publish=transfer, final=True,
+                             lease=True),))
+        assert d.wait_loaded(f"d-{transfer}") == set()
+        assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS)) and theirs in agent.peer_names
+        p.side.lend((Lend(f"p-{transfer}", transfer, tuple(P_BLOCKS), tuple(FULL + [TAIL]), 2000),))
+        wait_for(lambda: theirs not in agent.peer_names)  # released, then unused for PEER_IDLE_S
+        d.kv[:, D_BLOCKS] = 0.0
+    assert p.side.chunk_server.blocks_written_total == 8  # both transfers HBM to HBM
 
 
 def test_a_producer_queues_more_replies_than_a_push_consumer_has_fetches_in_flight():
