@@ -57,6 +57,15 @@ def test_mamba_saves_a_chunk_state_only_where_the_step_ends_at_it():
     assert jobs.saves("r", KEYS, None, 4 * CHUNK, [ids], 0, 2, 0, 2 * CHUNK + 5) == []
 
 
+def test_mamba_saves_the_states_vllm_names_at_chunk_ends_from_the_blocks_it_names():
+    """A prefill checkpoint writes the state at 128 inside a step that ends at 133 (vLLM >= 0.32)."""
+    jobs = GroupJobs((ANCHOR, STATE), GEOMETRY)
+    named = [(1, 999, 2 * CHUNK), (1, 998, 2 * CHUNK - BS), (0, 997, CHUNK), (1, 996, 5 * CHUNK)]
+    (save,) = jobs.saves("r", KEYS, None, 4 * CHUNK, [list(range(200, 216))], 0, 2, 0, 2 * CHUNK + 5, states=named)
+    # the others: not a chunk end, another group's, past the prompt's keys
+    assert (save.keys, save.block_ids) == ((group_key(KEYS[1], 1),), (999,))
+
+
 def test_window_saves_only_chunks_still_in_the_window():
     jobs = GroupJobs((ANCHOR, WINDOW), GEOMETRY)
     ids = list(range(100, 116))

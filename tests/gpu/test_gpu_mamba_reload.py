@@ -2,12 +2,14 @@
 
 Runs only on a CUDA vLLM (skipped at collection elsewhere); ``python -m pytest -q -s -m gpu
 tests/gpu/test_gpu_mamba_reload.py``. The Granite-4-like hybrid of ``test_gpu_hybrid.py`` runs
-with prefix caching on (vLLM turns it off by default for Mamba hybrids) in each Mamba cache mode
-kvtier serves:
+with prefix caching on (vLLM 0.26 turns it off by default for Mamba hybrids) in each Mamba cache
+mode kvtier serves:
 
-- ``align``: Mamba states exist only where a step ended; kvtier keeps the state at each chunk end
-  where one did, and loads the hit's last one;
-- ``all``: vLLM keeps every block's state; kvtier keeps and loads them all, like attention KV.
+- ``align``: Mamba states exist only where a step ended, or (vLLM 0.32+) where the layers' prefill
+  checkpoint wrote one inside a step, at the prompt's last block boundary; kvtier keeps the state
+  at each chunk end where one exists, and loads the hit's last one;
+- ``all`` (vLLM 0.26; later releases have no such mode, and the case skips): vLLM keeps every
+  block's state; kvtier keeps and loads them all, like attention KV.
 
 Rounds ``[P]``, ``[P]`` (vLLM's own prefix-cache hit), ``[reset, P]`` (kvtier's reload), in a
 connector-less engine (``ref``) and with kvtier. The reload must serve what vLLM's own prefix
@@ -18,6 +20,7 @@ bit as ``ref``'s prefix-cache round does: the same tokens cached, the same suffi
 from __future__ import annotations
 
 import json
+import typing
 
 import pytest
 
@@ -41,6 +44,12 @@ CASES = [("granite_hybrid", "align"), ("granite_hybrid", "all"), ("nemotron_h", 
 @pytest.fixture(scope="module", params=CASES, ids=[f"{f}-{m}" for f, m in CASES])
 def runs(request, tmp_path_factory):
     family, mode = request.param
+    import vllm
+    from vllm.config import cache
+
+    modes = typing.get_args(getattr(cache, "MambaCacheMode", None))
+    if mode not in modes:
+        pytest.skip(f"vLLM {vllm.__version__} has no mamba_cache_mode {mode!r} (only {', '.join(modes)})")
     tmp = tmp_path_factory.mktemp(f"{family}-{mode}")
     model = build(family, tmp / "model")
     engine_args = {"mamba_cache_mode": mode, "enable_prefix_caching": True}

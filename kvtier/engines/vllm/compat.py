@@ -77,6 +77,16 @@ def has_hook(name: str) -> bool:
 ASKS_DIVERGENT_HITS = hasattr(KVConnectorBase_V1, "supports_divergent_local_hybrid_hits")
 
 
+def boundary_states(scheduler_output: Any) -> dict[str, list[tuple[int, int, int]]]:
+    """The Mamba states this step's forward writes where vLLM keeps them for prefix caching, per
+    request: ``(KV cache group id, block id, tokens)`` (vLLM >= 0.32's
+    ``kv_connector_block_state.boundary_state_offloads``; empty on older releases). A model whose
+    Mamba layers store a prefill checkpoint (Granite-4, Nemotron-H) writes the state at the
+    prompt's last block boundary inside a step that runs on past it, so no step ends there."""
+    state = getattr(scheduler_output, "kv_connector_block_state", None)
+    return dict(getattr(state, "boundary_state_offloads", None) or {})
+
+
 def calling_scheduler(attribute: str) -> Any | None:
     """The vLLM scheduler on the call stack (the nearest ``self`` having ``attribute``), or None.
     vLLM hands its connector no scheduler; the one calling the connector's hook is it."""

@@ -46,8 +46,8 @@ from vllm.v1.request import RequestStatus
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.compat import (
-    HMA_BASES, AgreedHits, CacheHitSource, KVConnectorTransferResults, agree_on_hybrid_hits, check_version,
-    recompute_failed_loads,
+    HMA_BASES, AgreedHits, CacheHitSource, KVConnectorTransferResults, agree_on_hybrid_hits, boundary_states,
+    check_version, recompute_failed_loads,
 )
 from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
@@ -280,11 +280,13 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if not self.active:
             return KvtierMetadata(StepPlan((), ()))
         scheduler, saves, allocated, g, others = self._scheduler, [], [], self.group, self.other_groups
+        states = boundary_states(scheduler_output)
         for new in scheduler_output.scheduled_new_reqs:
             before = new.num_computed_tokens
             computed = before + scheduler_output.num_scheduled_tokens[new.req_id]
             saves.append(scheduler.scheduled(new.req_id, new.block_ids[g], True, computed,
-                                             tuple(new.block_ids[o] for o in others), before))
+                                             tuple(new.block_ids[o] for o in others), before,
+                                             states.get(new.req_id, ())))
             allocated += [b for ids in new.block_ids for b in ids]  # every group's: blocks are one pool
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -296,7 +298,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             saves.append(
                 scheduler.scheduled(
                     req_id, new_blocks[g] if new_blocks else None, req_id in cached.resumed_req_ids, computed,
-                    tuple(new_blocks[o] for o in others) if new_blocks else (), before,
+                    tuple(new_blocks[o] for o in others) if new_blocks else (), before, states.get(req_id, ()),
                 )
             )
         lends, self._lends = tuple(self._lends), []

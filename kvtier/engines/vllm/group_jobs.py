@@ -18,7 +18,7 @@ anchor's 0, the others' from 1), as in :attr:`kvtier.jobs.LoadJob.group`.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING, Callable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvtier.engines.vllm.groups import MAMBA, MAMBA_KINDS, NULL_BLOCK, ServedGroup
 from kvtier.jobs import LoadJob, RemoteSource, SaveJob
@@ -133,7 +133,8 @@ class GroupJobs:
 
     def saves(self, req_id: str, keys: list[bytes], tail: bytes | None, prompt_tokens: int,
               group_blocks: list[list[int]], start: int, end: int, computed_before: int, computed_after: int,
-              transfer: str | None = None, final: bool = False) -> list[SaveJob]:
+              transfer: str | None = None, final: bool = False,
+              states: Iterable[tuple[int, int, int]] = ()) -> list[SaveJob]:
         """The other groups' jobs saving chunks ``[start, end)`` of a request of ``prompt_tokens``
         tokens, whose full chunks have chain ``keys`` (``tail``: its trailing partial chunk's) and
         whose blocks in each other group are ``group_blocks`` (by slot - 1), in a step that takes
@@ -142,8 +143,9 @@ class GroupJobs:
         A windowed group saves a chunk only while all its blocks hold KV: not the null block
         (outside the window when the request was admitted) and not below what vLLM freed before
         this step (its blocks may be another request's by now). Mamba state in align mode: the
-        last chunk's state, when this step ends at its end (the state of any other position was
-        never materialized). A P/D producer's (``transfer``: the anchor's transfer id) are
+        last chunk's state, when this step ends at its end, and each of ``states`` (vLLM's
+        ``(group id, block id, tokens)`` of the states this step writes) at a chunk's end; the
+        state of any other position was never materialized. A P/D producer's (``transfer``: the anchor's transfer id) are
         published beside the anchor's, each group's under :func:`group_transfer`, the prompt's
         tail too when ``final``; each group then sends a job even with nothing new in it."""
         cb, jobs = self.chunk_blocks, []
@@ -151,9 +153,11 @@ class GroupJobs:
         for slot, group in enumerate(self.others, 1):
             ids = group_blocks[slot - 1] if slot <= len(group_blocks) else []
             if group.kind == MAMBA:
-                state = ids[end * cb - 1] if len(ids) >= end * cb else NULL_BLOCK
-                saved = computed_after == end * self.chunk_tokens and state != NULL_BLOCK
-                saved_keys, blocks = ([group_key(keys[end - 1], slot)], [state]) if saved else ([], [])
+                c, state = self.chunk_tokens, ids[end * cb - 1] if len(ids) >= end * cb else NULL_BLOCK
+                at = {end - 1: state} if computed_after == end * c and state != NULL_BLOCK else {}
+                at.update({t // c - 1: block for g, block, t in states
+                           if g == group.index and t % c == 0 and 0 < t // c <= len(keys)})
+                saved_keys, blocks = [group_key(keys[i], slot) for i in at], list(at.values())
             else:
                 live = group.first_needed_token(computed_before) // self.block_size
                 chunks = [i for i in range(start, end) if i * cb >= live and len(ids) >= (i + 1) * cb

@@ -245,11 +245,12 @@ class SchedulerSide:
 
     # ---- steps --------------------------------------------------------------------------------
     def scheduled(self, req_id: str, block_ids: list[int] | None, replace: bool, computed_after: int,
-                  others: tuple[list[int], ...] = (), computed_before: int = 0) -> SaveJob | None:
+                  others: tuple[list[int], ...] = (), computed_before: int = 0, states=()) -> SaveJob | None:
         """A request runs this step and will have ``computed_after`` tokens computed (``computed_before``
         before it); new full prompt chunks are saved. ``block_ids``: blocks added this step (all of
-        them if ``replace``); ``others``: the same for each other served group (hybrid models),
-        whose save jobs join the step's plan (:meth:`take_plan`) beside the anchor's returned here."""
+        them if ``replace``); ``others``: the same for each other served group (hybrid models), whose
+        save jobs join the step's plan (:meth:`take_plan`) beside the anchor's returned here;
+        ``states``: the Mamba states this step writes (``compat.boundary_states``)."""
         tracked = self._requests.get(req_id)
         if tracked is None:
             return None
@@ -278,7 +279,7 @@ class SchedulerSide:
         final = publish and computed_after >= tracked.prompt_tokens
         self._group_save_jobs += self.groups.saves(
             req_id, tracked.keys, tracked.tail, tracked.prompt_tokens, tracked.group_blocks, start, full,
-            computed_before, computed_after, tracked.transfer_id if publish else None, final)
+            computed_before, computed_after, tracked.transfer_id if publish else None, final, states)
         if not publish:
             return SaveJob(req_id, tuple(keys), tuple(blocks), names=names)
         if final and tracked.tail is not None:
