@@ -23,6 +23,8 @@ CHILD = "kvtier.bench.pd_child"
 READY_TIMEOUT_S = 600.0  # one engine's start on a busy host, s
 REQUEST_TIMEOUT_S = 180.0  # one request (a 32k-token P/D answer takes seconds on a GPU), s
 TRANSPORT_MARK = "kvtier P/D: fetching from"  # the line a kvtier D logs per producer and transport
+RELEASE_TIMEOUT_S = 30.0  # how long a stopped engine's GPU memory may take to come back, s
+RELEASE_SLACK_MIB = 1024.0  # in use above the level before the engine started that still counts as back
 
 
 class Engine:
@@ -108,3 +110,27 @@ class Engine:
     def stop(self) -> None:
         """End the engine's whole process group (EngineCore and workers too)."""
         stop_group(self.proc, grace_s=15)
+
+
+def gpu_used_mib(device: str) -> float | None:
+    """Memory in use on GPU ``device`` (``nvidia-smi``'s index), MiB; None where it cannot be read."""
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", device],
+                             capture_output=True, text=True, timeout=10, check=True).stdout
+        return float(out.split()[0])
+    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return None
+
+
+def wait_released(device: str, before_mib: float, timeout_s: float = RELEASE_TIMEOUT_S) -> dict:
+    """Once an engine on GPU ``device`` stopped: wait until the memory in use there is back to
+    ``before_mib`` (what it was before the engine started), at most ``timeout_s``. Returns
+    ``{"s": seconds waited, "held_mib": what was still held above that level at the end}``: a
+    peer still mapping the engine's KV cache keeps it held, and the next engine there cannot start."""
+    start = time.monotonic()
+    while True:
+        used = gpu_used_mib(device)
+        held = 0.0 if used is None else max(0.0, used - before_mib)
+        if held <= RELEASE_SLACK_MIB or time.monotonic() - start >= timeout_s:
+            return {"s": round(time.monotonic() - start, 1), "held_mib": round(held)}
+        time.sleep(0.5)

@@ -169,6 +169,8 @@ def format_table(result: dict) -> str:
             cells.append(f"{gbps:>5.1f}" if gbps is not None else f"{'-':>5}")
         lines.append(f"{row:<24} " + "".join(cells) + f"  {transports.get(row, '-')}")
     lines.append("engine start (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["start_s"].items()))
+    lines += [f"GPU memory of {name} after it stopped: {r['held_mib']} MiB still held {r['s']} s later"
+              for name, r in result.get("d_gpu_released", {}).items()]
     lines += [f"transport: {line}" for line in result["transport_lines"]]
     for pair, protocols in result.get("ucx", {}).items():
         lines += [f"UCX ({pair}): {op}: {', '.join(tls) or '?'}" for op, tls in protocols.items() if _between_engines(op)]

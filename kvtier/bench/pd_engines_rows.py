@@ -17,7 +17,7 @@ import time
 import uuid
 
 from kvtier.bench.common import BenchError, Progress, vllm_version
-from kvtier.bench.pd_engine_proc import Engine
+from kvtier.bench.pd_engine_proc import Engine, gpu_used_mib, wait_released
 from kvtier.bench.pd_engines_report import ROWS, merge_protocols, row_transport, ucx_protocols, ucx_transport
 
 # NIXL side-channel ports of the vLLM connector pairs (each pair runs alone; ports differ anyway).
@@ -81,6 +81,7 @@ class Run:
         self.transport: dict[str, str] = {}
         self.ucx: dict[str, dict[str, list[str]]] = {}
         self.skipped: dict[str, str] = {}
+        self.released: dict[str, dict] = {}  # a stopped D -> how long its GPU memory took to come back
         self.lease_missing = hbm_lease_missing()
         self._seed = 0
 
@@ -166,7 +167,9 @@ class Run:
             engines.append(p)
             logs.append(p)
             self.start_s["kvtier P"] = p.start_s
+            d_gpu = self.args.devices[1] if self.args.devices else None
             for transport in ("nixl", "zmq"):
+                before = gpu_used_mib(d_gpu) if d_gpu is not None else None
                 self.progress(f"starting D (kvtier over {transport}) ...")
                 d = self.engine(f"kvtier-D-{transport}", "D", self.spec("kvtier", transport), workdir)
                 engines.append(d)
@@ -191,6 +194,10 @@ class Run:
                         self.checkpoint()
                 d.stop()
                 engines.remove(d)
+                if before is not None:  # P may still hold what it wrote into: the next D would not start
+                    self.released[d.name] = wait_released(d_gpu, before)
+                    self.progress(f"GPU {d_gpu} after {d.name} stopped: {self.released[d.name]['held_mib']} MiB "
+                                  f"still held after {self.released[d.name]['s']} s")
                 self.transport_lines += [f"{d.name}: {line}" for line in d.transport_lines()] or [
                     f"{d.name}: no transport line in its log"]
             self.ucx["kvtier"] = merge_protocols(*(ucx_protocols(e.log_text()) for e in logs))
@@ -283,7 +290,7 @@ class Run:
         return {"lengths": self.lengths, "repeats": self.args.repeats, "kv_bytes_per_token": self.kv_bytes_per_token,
                 "chunk_tokens": self.args.chunk_tokens, "ttft_ms": self.ms, "d_leg_ms": self.d_leg_ms,
                 "start_s": self.start_s, "transport": self.transport, "transport_lines": self.transport_lines,
-                "ucx": self.ucx, "skipped": self.skipped, "failures": self.failures,
+                "ucx": self.ucx, "skipped": self.skipped, "failures": self.failures, "d_gpu_released": self.released,
                 "devices": {"P": devices[0], "D": devices[1]} if devices else None,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
                 "device": _device_name(), "vllm": vllm_version()}

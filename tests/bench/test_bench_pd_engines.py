@@ -350,3 +350,27 @@ def test_nixl_pull_pair_reads_ucx_and_a_vllm_without_push_skips_its_row(run, tmp
     monkeypatch.setattr(pd_engines_rows, "push_connector_missing", lambda: "vLLM 0.24.0 registers no NixlPushConnector")
     run.nixl_pair(str(tmp_path), "nixl-push")
     assert FakeEngine.started == [] and run.skipped["NixlPushConnector push"].endswith("no NixlPushConnector")
+
+
+def test_a_stopped_engines_gpu_memory_is_waited_for_and_what_stays_held_is_reported(monkeypatch):
+    """A peer still mapping a stopped D's KV cache keeps it held, and the next D there fails to start."""
+    from kvtier.bench import pd_engine_proc
+
+    monkeypatch.setattr(pd_engine_proc.time, "sleep", lambda s: None)
+    used = iter([97_000.0, 97_000.0, 10.0])
+    monkeypatch.setattr(pd_engine_proc, "gpu_used_mib", lambda device: next(used))
+    assert pd_engine_proc.wait_released("1", 4.0)["held_mib"] == 6  # back, within the slack
+    monkeypatch.setattr(pd_engine_proc, "gpu_used_mib", lambda device: 97_000.0)
+    assert pd_engine_proc.wait_released("1", 4.0, timeout_s=0.0) == {"s": 0.0, "held_mib": 96_996}
+
+
+def test_kvtier_pair_records_how_long_each_ds_gpu_memory_took_to_come_back(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(pd_engines_rows, "gpu_used_mib", lambda device: 4.0)
+    asked = []
+    monkeypatch.setattr(pd_engines_rows, "wait_released",
+                        lambda device, before: asked.append((device, before)) or {"s": 5.5, "held_mib": 0})
+    run.kvtier_pair(str(tmp_path))
+    assert asked == [("1", 4.0), ("1", 4.0)]
+    result = run.result()
+    assert set(result["d_gpu_released"]) == {"kvtier-D-nixl", "kvtier-D-zmq"}
+    assert "GPU memory of kvtier-D-nixl after it stopped: 0 MiB still held 5.5 s later" in pd_engines_report.format_table(result)
