@@ -145,9 +145,10 @@ class GroupJobs:
         this step (its blocks may be another request's by now). Mamba state in align mode: the
         last chunk's state, when this step ends at its end, and each of ``states`` (vLLM's
         ``(group id, block id, tokens)`` of the states this step writes) at a chunk's end; the
-        state of any other position was never materialized. A P/D producer's (``transfer``: the anchor's transfer id) are
-        published beside the anchor's, each group's under :func:`group_transfer`, the prompt's
-        tail too when ``final``; each group then sends a job even with nothing new in it."""
+        state of any other position was never materialized. A P/D producer's (``transfer``: the
+        anchor's transfer id) are published beside the anchor's, each group's under
+        :func:`group_transfer`, the prompt's tail too when ``final``; each group then sends a job
+        even with nothing new in it."""
         cb, jobs = self.chunk_blocks, []
         tail_end = -(-prompt_tokens // self.block_size)  # blocks through the prompt's last token
         for slot, group in enumerate(self.others, 1):
