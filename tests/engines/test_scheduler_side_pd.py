@@ -279,3 +279,23 @@ def test_mamba_hybrid_pd_moves_the_state_at_the_consumers_last_chunk_end():
         d.close()
     finally:
         side.close()
+
+
+def test_mamba_hybrid_producer_publishes_the_state_vllm_names_inside_its_last_step():
+    """vLLM >= 0.32's Mamba-2 layers write the state at the prompt's last chunk end (what D loads
+    through) inside a step that runs on to the prompt's end: P publishes it from the block vLLM
+    names, in its final job."""
+    from kvtier.engines.vllm.groups import MAMBA, ServedGroup
+    from kvtier.keys import group_key
+
+    side = hybrid_side(other=ServedGroup(1, MAMBA))
+    try:
+        blocks, states = list(range(100, 119)), list(range(200, 219))
+        plan = side.matched_tokens("p", HYBRID_PROMPT, None, 0, {"do_remote_decode": True})
+        side.allocated("p", blocks, plan.external_tokens, (states,))
+        keys = side._requests["p"].keys
+        one_step = side.scheduled("p", blocks, True, len(HYBRID_PROMPT), (states,), 0, [(1, 777, 4 * CHUNK)])
+        (job,) = [j for j in side.take_plan([one_step]).saves if j.group == 1]
+        assert (job.publish, job.final, job.keys, job.block_ids) == ("p/1", True, (group_key(keys[3], 1),), (777,))
+    finally:
+        side.close()
