@@ -228,9 +228,10 @@ class Agent:
                     self._let_go[name] = time.monotonic()
 
     def forget_idle(self, idle_s: float) -> None:
-        """Drop the peers whose users all let go of them at least ``idle_s`` ago. NIXL keeps what
-        it imported of a known peer's registered memory: a decode engine a producer had written
-        into (on vLLM 0.33, whose engine KV is one allocation) stayed wholly held on its GPU after
+        """Drop the peers whose users all let go of them at least ``idle_s`` ago. UCX opens a
+        peer's GPU memory handle when it unpacks the peer's remote key and closes it only when the
+        key goes (openucx/ucx#11288), and a known peer's keys live until its agent is removed: a
+        decode engine a producer had written into (vLLM 0.33) stayed wholly held on its GPU after
         it stopped, and the next engine there found too little free memory."""
         now = time.monotonic()
         with self._lock:  # a connect on another thread waits: it adds the peer anew

@@ -56,7 +56,7 @@ ACTIVE_S = 60.0
 _SEND_HWM = 1024  # replies queued per peer: above any consumer's fetches in flight (fetch.PUSH_WINDOW)
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
-PEER_IDLE_S = 5.0  # a decode engine's NIXL agent is dropped once no connection used it for this long
+PEER_IDLE_S = 5.0  # a peer's NIXL agent (a consumer written into, a producer read from) unused this long is dropped
 
 
 @dataclass(slots=True)

@@ -118,7 +118,8 @@ def test_a_consumer_that_gives_up_is_never_written_into_afterwards(engines):
     step(p, 0, 1)
     wait_for(lambda: server.blocks_written_total == 1)
     d.side.start_loads((), cancels=("d-req",))  # vLLM aborted it: D keeps chunk 0, recomputes the rest
-    assert d.wait_loaded("d-req", timeout_s=30) == set(D_BLOCKS[2:])
+    failed = d.wait_loaded("d-req", timeout_s=30)  # chunk 0 too if P's word on it came after the abort (a busy box)
+    assert failed in (set(D_BLOCKS[2:]), set(D_BLOCKS)), failed
     before = d.blocks(D_BLOCKS[2:])
     step(p, 1, 3, final=True)  # P goes on computing
     assert p.side.settle()
@@ -141,10 +142,12 @@ def test_a_producer_killed_mid_transfer_costs_one_timeout_and_keeps_what_landed(
 
 def test_a_consumer_written_into_is_forgotten_once_idle_and_reached_again_for_the_next_transfer(engines, monkeypatch):
     """NIXL keeps what it imported of a known peer's memory (on vLLM 0.33 a stopped D's whole KV
-    cache stayed held on its GPU while P knew D): P drops D's agent once no transfer used it."""
+    cache stayed held on its GPU while P knew D): P drops D's agent once no transfer used it, and
+    D drops P's."""
     monkeypatch.setattr(chunk_server, "PEER_IDLE_S", 0.2)
     p, d = engines("p", 1), engines("d", 2)
     agent, theirs = p.side.chunk_server.nixl, d.side.chunk_server.nixl.name
+    d_agent = d.side.chunk_server.nixl
     for transfer in ("t1", "t2"):
         d.side.start_loads((remote_job(f"d-{transfer}", PROMPT, D_BLOCKS, transfer, p.endpoint, wait=True),))
         p.side.save((SaveJob(f"p-{transfer}", tuple(FULL + [TAIL]), tuple(P_BLOCKS), publish=transfer, final=True,
@@ -153,6 +156,7 @@ def test_a_consumer_written_into_is_forgotten_once_idle_and_reached_again_for_th
         assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS)) and theirs in agent.peer_names
         p.side.lend((Lend(f"p-{transfer}", transfer, tuple(P_BLOCKS), tuple(FULL + [TAIL]), 2000),))
         wait_for(lambda: theirs not in agent.peer_names)  # released, then unused for PEER_IDLE_S
+        wait_for(lambda: agent.name not in d_agent.peer_names)
         d.kv[:, D_BLOCKS] = 0.0
     assert p.side.chunk_server.blocks_written_total == 8  # both transfers HBM to HBM
 
