@@ -245,6 +245,18 @@ def test_hybrid_consumer_stops_a_block_short_and_loads_the_window_from_the_produ
         side.close()
 
 
+def _mamba_producer():
+    """P's scheduler half of a Mamba hybrid (align mode) with ``HYBRID_PROMPT`` admitted as a P/D
+    producer: (the side, its blocks, its Mamba group's blocks, the prompt's chunk keys)."""
+    from kvtier.engines.vllm.groups import MAMBA, ServedGroup
+
+    side = hybrid_side(other=ServedGroup(1, MAMBA))
+    blocks, states = list(range(100, 119)), list(range(200, 219))
+    plan = side.matched_tokens("p", HYBRID_PROMPT, None, 0, {"do_remote_decode": True})
+    side.allocated("p", blocks, plan.external_tokens, (states,))
+    return side, blocks, states, side._requests["p"].keys
+
+
 def test_mamba_hybrid_pd_moves_the_state_at_the_consumers_last_chunk_end():
     """Mamba state in align mode: P publishes a state where a step ended at a chunk's end, and
     every step's job says its group transfer is alive, the last one that it is done; D loads
@@ -252,12 +264,8 @@ def test_mamba_hybrid_pd_moves_the_state_at_the_consumers_last_chunk_end():
     from kvtier.engines.vllm.groups import MAMBA, NULL_BLOCK, ServedGroup
     from kvtier.keys import group_key
 
-    side = hybrid_side(other=ServedGroup(1, MAMBA))
+    side, blocks, states, keys = _mamba_producer()
     try:
-        blocks, states = list(range(100, 119)), list(range(200, 219))
-        plan = side.matched_tokens("p", HYBRID_PROMPT, None, 0, {"do_remote_decode": True})
-        side.allocated("p", blocks, plan.external_tokens, (states,))
-        keys = side._requests["p"].keys
         first = side.scheduled("p", blocks, True, 2 * CHUNK, (states,), 0)  # a step ends at chunk 1's end
         saves = side.take_plan([first]).saves
         assert [(job.group, job.publish, job.final, job.keys) for job in saves[:1]] == [
@@ -285,15 +293,10 @@ def test_mamba_hybrid_producer_publishes_the_state_vllm_names_inside_its_last_st
     """vLLM >= 0.32's Mamba-2 layers write the state at the prompt's last chunk end (what D loads
     through) inside a step that runs on to the prompt's end: P publishes it from the block vLLM
     names, in its final job."""
-    from kvtier.engines.vllm.groups import MAMBA, ServedGroup
     from kvtier.keys import group_key
 
-    side = hybrid_side(other=ServedGroup(1, MAMBA))
+    side, blocks, states, keys = _mamba_producer()
     try:
-        blocks, states = list(range(100, 119)), list(range(200, 219))
-        plan = side.matched_tokens("p", HYBRID_PROMPT, None, 0, {"do_remote_decode": True})
-        side.allocated("p", blocks, plan.external_tokens, (states,))
-        keys = side._requests["p"].keys
         one_step = side.scheduled("p", blocks, True, len(HYBRID_PROMPT), (states,), 0, [(1, 777, 4 * CHUNK)])
         (job,) = [j for j in side.take_plan([one_step]).saves if j.group == 1]
         assert (job.publish, job.final, job.keys, job.block_ids) == ("p/1", True, (group_key(keys[3], 1),), (777,))
