@@ -17,7 +17,7 @@ import time
 import uuid
 
 from kvtier.bench.common import BenchError, Progress, vllm_version
-from kvtier.bench.pd_engine_proc import Engine, gpu_used_mib, wait_released
+from kvtier.bench.pd_engine_proc import RELEASE_SLACK_MIB, Engine, gpu_used_mib, wait_released
 from kvtier.bench.pd_engines_report import ROWS, merge_protocols, row_transport, ucx_protocols, ucx_transport
 
 # NIXL side-channel ports of the vLLM connector pairs (each pair runs alone; ports differ anyway).
@@ -195,9 +195,17 @@ class Run:
                 d.stop()
                 engines.remove(d)
                 if before is not None:  # P may still hold what it wrote into: the next D would not start
-                    self.released[d.name] = wait_released(d_gpu, before)
-                    self.progress(f"GPU {d_gpu} after {d.name} stopped: {self.released[d.name]['held_mib']} MiB "
-                                  f"still held after {self.released[d.name]['s']} s")
+                    released = self.released[d.name] = wait_released(d_gpu, before)
+                    self.progress(f"GPU {d_gpu} after {d.name} stopped: {released['held_mib']} MiB "
+                                  f"still held after {released['s']} s")
+                    if released["held_mib"] > RELEASE_SLACK_MIB and transport != "zmq":  # P's exit frees it
+                        self.progress("restarting P (kvtier) so that the next D can start ...")
+                        p.stop()
+                        engines.remove(p)
+                        p = self.engine("kvtier-P", "P", self.spec("kvtier", role="P"), workdir)
+                        engines.append(p)
+                        logs.append(p)
+                        self.start_s["kvtier P, restarted"] = p.start_s
                 self.transport_lines += [f"{d.name}: {line}" for line in d.transport_lines()] or [
                     f"{d.name}: no transport line in its log"]
             self.ucx["kvtier"] = merge_protocols(*(ucx_protocols(e.log_text()) for e in logs))

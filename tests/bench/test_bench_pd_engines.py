@@ -375,3 +375,11 @@ def test_kvtier_pair_records_how_long_each_ds_gpu_memory_took_to_come_back(run, 
     assert set(result["d_gpu_released"]) == {"kvtier-D-nixl", "kvtier-D-zmq"}
     line = "GPU memory of kvtier-D-nixl after it stopped: 0 MiB still held 5.5 s later"
     assert line in pd_engines_report.format_table(result)
+
+
+def test_a_d_whose_gpu_memory_stays_held_makes_the_pair_restart_p_before_the_next_d(run, tmp_path, monkeypatch):
+    monkeypatch.setattr(pd_engines_rows, "gpu_used_mib", lambda device: 4.0)
+    monkeypatch.setattr(pd_engines_rows, "wait_released", lambda device, before: {"s": 30.0, "held_mib": 96_000})
+    run.kvtier_pair(str(tmp_path))
+    assert [e.name for e in FakeEngine.started] == ["kvtier-P", "kvtier-D-nixl", "kvtier-P", "kvtier-D-zmq"]
+    assert "kvtier P, restarted" in run.result()["start_s"] and not run.result()["failures"]
