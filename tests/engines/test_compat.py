@@ -73,3 +73,11 @@ def test_the_plugin_registers_once_in_a_vllm_that_hides_its_registry(monkeypatch
     plugin.register()
     plugin.register()  # every vLLM process runs the plugin, some twice
     assert names == {"kvtier"}
+
+
+def test_mamba_states_a_step_writes_are_read_where_vllm_names_them_and_none_elsewhere():
+    """vLLM 0.26's scheduler output has no block state; 0.32+ sets it to None for a step with none."""
+    named = types.SimpleNamespace(boundary_state_offloads={"r": [(1, 16, 192)]})
+    assert compat.boundary_states(types.SimpleNamespace(kv_connector_block_state=named)) == {"r": [(1, 16, 192)]}
+    assert compat.boundary_states(types.SimpleNamespace(kv_connector_block_state=None)) == {}
+    assert compat.boundary_states(types.SimpleNamespace()) == {}
