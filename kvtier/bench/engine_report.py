@@ -95,11 +95,27 @@ def format_table(result: dict) -> str:
             f"{k} {_med(v):.0f}" + (f" ({_med(v) / _med(base):.3f} x none)" if base and k != "none" else "")
             for k, v in result["prefill_tok_s"].items()))
     lines.append("engine start (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["start_s"].items()))
+    firsts = [(engine, *first) for engine in ("kvtier", "offload") if (first := first_reload(result, engine))]
+    if firsts:
+        lines.append("first reload after start (ms, then the later ones' median at that length): " + ", ".join(
+            f"{engine} {first:.0f} at {n} tokens (later {later:.0f}, {first / later:.2f} x)"
+            for engine, n, first, later in firsts))
     checked = "16-token checks, every chat reply" if result["chat_s"] else "16-token checks"
     lines.append(f"greedy outputs identical across engines ({checked}): " + ("yes" if result["identical"] else "NO"))
     lines.append("targets: kvtier cpu <= vLLM offload; kvtier cpu <= target = local + 1.1 x (window bound bytes / raw "
                  "pinned H2D); chat rounds 2+ <= vLLM's; prefill >= 0.98 x none; start <= vLLM's + 5 s")
     return "\n".join(lines)
+
+
+def first_reload(result: dict, engine: str) -> tuple[str, float, float] | None:
+    """(length, the first reload's TTFT, the later ones' median) of ``engine`` at the first length
+    measured with at least two reloads, ms: an engine's first reload after start pays what later
+    ones do not (a CUDA context, a kernel's first launch)."""
+    for n in map(str, result["lengths"]):
+        values = result["ttft_ms"].get(engine, {}).get(n, {}).get("reload") or []
+        if len(values) >= 2:
+            return n, values[0], _med(values[1:])
+    return None
 
 
 def _bytes_lines(result: dict, shape: KvShape) -> list[str]:

@@ -46,3 +46,11 @@ def test_load_times_come_from_the_workers_debug_lines():
            "DEBUG kvtier: request 4 loaded 96 of 100 blocks (1536 tokens from cpu) in 5.0 ms\n"
            "DEBUG kvtier: request 5 loaded 64 of 64 blocks (1024 tokens from disk) in 9.0 ms\n")
     assert engine.load_times(log) == {"8192": [21.5], "1536": [5.0]}
+
+
+def test_the_first_reload_after_start_is_set_beside_the_later_ones():
+    result = made_up()
+    result["identical"] = True
+    result["ttft_ms"]["kvtier"]["8192"]["reload"] = [1605.0, 74.0, 70.0]  # a first reload paying for a start-up cost
+    line = next(ln for ln in engine.format_table(result).splitlines() if ln.startswith("first reload"))
+    assert "kvtier 1605 at 8192 tokens (later 72, 22.29 x)" in line and "offload" not in line  # one reload: no line
