@@ -2,7 +2,8 @@
 
 Each engine runs in its own process, as a user's would: ``python engine_run.py SPEC_JSON``.
 SPEC: {"model": dir, "kvtier": extra_config or null,
-       "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional), "reset": bool,
+       "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional),
+                   "reset": bool (after kvtier's saves so far are stored),
                    "kill_group": process group to SIGKILL before the round (optional),
                    "max_tokens": int (optional, else the spec's)}],
        "max_tokens": int, "block_size": int, "dtype": str, "tp": int, "log_stats": bool}
@@ -19,6 +20,17 @@ import time
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+
+
+def settle_saves() -> None:
+    """Wait until kvtier's saves so far are stored and its lookup knows them, so that a round after
+    a reset finds every chunk the rounds before it saved (on a busy machine the last chunks may
+    still be on their way). The worker half runs in this process unless TP > 1: then no wait."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+
+    worker = getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
+    if worker is not None and not worker.settle():
+        raise RuntimeError("kvtier's saves did not settle within 30 s")
 
 
 def main() -> None:
@@ -53,6 +65,8 @@ def main() -> None:
     rounds = []
     for rnd in spec["rounds"]:
         if rnd.get("reset"):
+            if kv is not None:
+                settle_saves()
             llm.reset_prefix_cache()
         if rnd.get("kill_group"):
             os.killpg(rnd["kill_group"], signal.SIGKILL)
