@@ -26,10 +26,11 @@ def settle_saves() -> None:
     """Wait until kvtier's saves so far are stored and its lookup knows them, so that a round after
     a reset finds every chunk the rounds before it saved (on a busy machine the last chunks may
     still be on their way). The worker half runs in this process unless TP > 1: then no wait."""
-    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    from vllm.distributed.kv_transfer import has_kv_transfer_group
 
-    worker = getattr(get_kv_transfer_group(), "_worker", None) if has_kv_transfer_group() else None
-    if worker is not None and not worker.settle():
+    from fault_run import worker_side  # this file's directory is on sys.path when run as a script
+
+    if has_kv_transfer_group() and not worker_side().settle():
         raise RuntimeError("kvtier's saves did not settle within 30 s")
 
 

@@ -84,7 +84,7 @@ def boundary_states(scheduler_output: Any) -> dict[str, list[tuple[int, int, int
     Mamba layers store a prefill checkpoint (Granite-4, Nemotron-H) writes the state at the
     prompt's last block boundary inside a step that runs on past it, so no step ends there."""
     state = getattr(scheduler_output, "kv_connector_block_state", None)
-    return dict(getattr(state, "boundary_state_offloads", None) or {})
+    return getattr(state, "boundary_state_offloads", None) or {}
 
 
 def calling_scheduler(attribute: str) -> Any | None:
