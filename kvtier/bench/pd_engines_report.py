@@ -171,6 +171,10 @@ def format_table(result: dict) -> str:
     lines.append("engine start (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["start_s"].items()))
     lines += [f"GPU memory of {name} after it stopped: {r['held_mib']} MiB still held {r['s']} s later"
               for name, r in result.get("d_gpu_released", {}).items()]
+    for row, by_length in result.get("d_stages_ms", {}).items():
+        for n, stages in by_length.items():
+            lines.append(f"where {row}'s D leg went at {n} tokens (median ms, kvtier timeline): "
+                         + ", ".join(f"{stage} {_med(ms):.1f}" for stage, ms in stages.items()))
     lines += [f"transport: {line}" for line in result["transport_lines"]]
     for pair, protocols in result.get("ucx", {}).items():
         lines += [f"UCX ({pair}): {op}: {', '.join(tls) or '?'}" for op, tls in protocols.items() if _between_engines(op)]

@@ -16,6 +16,7 @@ import sys
 import time
 import uuid
 
+from kvtier import timeline
 from kvtier.bench.common import BenchError, Progress, vllm_version
 from kvtier.bench.pd_engine_proc import RELEASE_SLACK_MIB, Engine, gpu_used_mib, wait_released
 from kvtier.bench.pd_engines_report import ROWS, merge_protocols, row_transport, ucx_protocols, ucx_transport
@@ -82,6 +83,7 @@ class Run:
         self.ucx: dict[str, dict[str, list[str]]] = {}
         self.skipped: dict[str, str] = {}
         self.released: dict[str, dict] = {}  # a stopped D -> how long its GPU memory took to come back
+        self.stages: dict[str, dict[str, dict[str, list[float]]]] = {}  # kvtier row -> tokens -> stage -> ms
         self.lease_missing = hbm_lease_missing()
         self._seed = 0
 
@@ -124,9 +126,16 @@ class Run:
         if row not in self.transport:
             self.transport[row] = row_transport(row, d.transport_lines(start), d.transport_lines())
 
+    def timeline(self, row: str, n: int, p: Engine, p_start: int, d: Engine, d_start: int) -> None:
+        """Where D's leg went, from the kvtier timeline marks P and D logged since those offsets
+        (engines logging at DEBUG: ``KVTIER_LOG_LEVEL=DEBUG``)."""
+        lines = (p.log_text(p_start) + d.log_text(d_start)).splitlines()
+        for stage, ms, _ in timeline.stages(*timeline.read(lines)):
+            self.stages.setdefault(row, {}).setdefault(str(n), {}).setdefault(stage, []).append(ms)
+
     def pull(self, row: str, p: Engine, d: Engine, n: int, wait_s: float = 0.0) -> None:
         """P prefills, then (``wait_s`` later, not counted) D answers with P's kv_transfer_params."""
-        prompt = self.prompt(n)
+        prompt, p_start = self.prompt(n), p.log_size()
         p_out = p.ask(prompt, {"do_remote_decode": True, "do_remote_prefill": False})
         if not p_out["params"]:
             raise BenchError(f"{row}: P returned no kv_transfer_params; log {p.log_path}:\n{p.log_tail()}")
@@ -136,16 +145,18 @@ class Run:
         d_out = d.ask(prompt, p_out["params"])
         if row.startswith("kvtier"):
             self.watch(row, d, start)
+            self.timeline(row, n, p, p_start, d, start)
         self.check(row, n, p_out, d_out)
         self.record(row, n, p_out["seconds"] + d_out["seconds"], d_out["seconds"])
 
     def push(self, row: str, p: Engine, d: Engine, n: int, endpoints: list[str]) -> None:
-        prompt, transfer_id, start = self.prompt(n), uuid.uuid4().hex, d.log_size()
+        prompt, transfer_id, start, p_start = self.prompt(n), uuid.uuid4().hex, d.log_size(), p.log_size()
         d.send(prompt, {"do_remote_prefill": True, "transfer_id": transfer_id, "kvtier_endpoints": endpoints,
                         "tp_size": 1})
         p.send(prompt, {"do_remote_decode": True, "transfer_id": transfer_id})
         d_out, p_out = d.receive(), p.receive()
         self.watch(row, d, start)
+        self.timeline(row, n, p, p_start, d, start)
         self.check(row, n, p_out, d_out)
         self.record(row, n, d_out["seconds"], d_out["seconds"])
 
@@ -299,6 +310,7 @@ class Run:
                 "chunk_tokens": self.args.chunk_tokens, "ttft_ms": self.ms, "d_leg_ms": self.d_leg_ms,
                 "start_s": self.start_s, "transport": self.transport, "transport_lines": self.transport_lines,
                 "ucx": self.ucx, "skipped": self.skipped, "failures": self.failures, "d_gpu_released": self.released,
+                "d_stages_ms": self.stages,
                 "devices": {"P": devices[0], "D": devices[1]} if devices else None,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
                 "device": _device_name(), "vllm": vllm_version()}

@@ -38,6 +38,7 @@ import torch
 
 from kvtier import codec
 from kvtier.jobs import Landed, LoadJob
+from kvtier.timeline import mark
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
@@ -117,6 +118,7 @@ class LoadSide:
 
     @torch.inference_mode()
     def _load_and_report(self, job: LoadJob) -> None:
+        mark(job.req_id, "load began")
         local = job.remote is None  # a transfer may wait on its producer: saves need not yield to it
         if local:  # only local loads touch it: a remote thread's `+= 0` could write back a stale count
             self._loads_running += 1
@@ -137,6 +139,7 @@ class LoadSide:
             if local:
                 self._loads_running -= 1
             self._cancelled.discard(job.req_id)
+        mark(job.req_id, "load ended")
         self._finished.put((job.req_id, failed))
 
     def load(self, job: LoadJob) -> set[int]:
@@ -357,6 +360,7 @@ class LoadSide:
                 req_id, bad = self._finished.get_nowait()
             except queue.Empty:
                 return req_ids, failed
+            mark(req_id, "load reported")
             req_ids.add(req_id)
             failed |= bad
 

@@ -383,3 +383,22 @@ def test_a_d_whose_gpu_memory_stays_held_makes_the_pair_restart_p_before_the_nex
     run.kvtier_pair(str(tmp_path))
     assert [e.name for e in FakeEngine.started] == ["kvtier-P", "kvtier-D-nixl", "kvtier-P", "kvtier-D-zmq"]
     assert "kvtier P, restarted" in run.result()["start_s"] and not run.result()["failures"]
+
+
+def test_kvtier_rows_say_where_ds_leg_went_from_the_engines_timeline_marks(run, tmp_path, monkeypatch):
+    """The marks of kvtier.timeline (engines at DEBUG), P's and D's joined by transfer id."""
+    marks = {"P": "DEBUG kvtier timeline: p-1 finished 10.000 transfer t\n",
+             "D": "".join(f"DEBUG kvtier timeline: d-1 {event} {at:.3f}{' transfer t' if event == 'arrived' else ''}\n"
+                          for event, at in (("arrived", 10.010), ("planned", 10.011), ("load began", 10.012),
+                                            ("load ended", 10.040), ("load reported", 10.041), ("load seen", 10.043)))}
+    plain = FakeEngine.log_text
+    monkeypatch.setattr(FakeEngine, "log_text", lambda self, start=0: plain(self, start) + (
+        marks[self.role] if self.spec["connector"] == "kvtier" else ""))
+    run.kvtier_pair(str(tmp_path))
+    result = run.result()
+    stages = result["d_stages_ms"]["kvtier pull hbm"]["600"]
+    assert stages["load began -> load ended"] == pytest.approx([28.0, 28.0])
+    assert stages["producer finished -> consumer arrived"] == pytest.approx([10.0, 10.0])
+    assert "NixlConnector pull" not in result["d_stages_ms"]
+    assert ("where kvtier pull hbm's D leg went at 600 tokens (median ms, kvtier timeline): "
+            "producer finished -> consumer arrived 10.0, arrived -> planned 1.0") in pd_engines_report.format_table(result)

@@ -52,6 +52,7 @@ from kvtier.engines.vllm.compat import (
 from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
 from kvtier.jobs import Lend, StepPlan
+from kvtier.timeline import mark
 from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
 from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierPromMetrics, build_stats
 
@@ -82,6 +83,13 @@ def _import_quietly(name: str) -> None:
         importlib.import_module(name)
     except Exception:  # noqa: BLE001
         pass
+
+
+def _arrived(request: Request) -> None:
+    """Mark the request's arrival (a P/D consumer's names the producer's transfer)."""
+    params = request.kv_transfer_params or {}
+    transfer = params.get("remote_request_id") or params.get("transfer_id") if params.get("do_remote_prefill") else None
+    mark(request.request_id, "arrived", transfer if isinstance(transfer, str) else None)
 
 
 @dataclass
@@ -237,6 +245,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return
         if self._scheduler.name_chunk is not None:
             self._live[request.request_id] = request
+        _arrived(request)
         self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt,
                               request.kv_transfer_params)
 
@@ -252,6 +261,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             self._agreed_hits.restore_junction(request)
         if not self.active:
             return 0, False  # a hit must hold for every group; some group kvtier cannot fill
+        if self._scheduler.state(request.request_id) is None:  # vLLM < 0.32 has no on_new_request
+            _arrived(request)
         plan = self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
             request.kv_transfer_params,
@@ -261,6 +272,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.active:
+            if num_external_tokens:
+                mark(request.request_id, "planned")
             ids = blocks.get_block_ids()
             self._scheduler.allocated(request.request_id, ids[self.group], num_external_tokens,
                                       tuple(ids[g] for g in self.other_groups))
@@ -316,6 +329,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if failed:  # a hybrid model's, on a vLLM without failed_recving: the engine drops each one's tokens
             recompute_failed_loads(failed)  # and looks it up afresh
         failed |= set(getattr(connector_output, "failed_recving", None) or ())  # vLLM did that itself
+        for req_id in connector_output.finished_recving or ():
+            mark(req_id, "load seen")
         self._scheduler.loads_reported(set(connector_output.finished_recving or ()),
                                        set(connector_output.invalid_block_ids or ()), failed)
         if connector_output.finished_sending:
@@ -331,7 +346,9 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return False, None
         completed = request.status in _COMPLETED
         lent = completed and self._lend(request.request_id, block_ids)
-        return lent, self._scheduler.finished(request.request_id, completed)
+        params = self._scheduler.finished(request.request_id, completed)
+        mark(request.request_id, "finished", params["remote_request_id"] if params else None)
+        return lent, params
 
     def _lend(self, req_id: str, block_ids: list[int]) -> bool:
         """Keep a completed producer request's blocks for decode engines to READ (``pd_hbm_lease_ms``).

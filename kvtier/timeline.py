@@ -1,0 +1,111 @@
+"""Where a load's time goes: wall-clock marks of a request's way through kvtier, one DEBUG line
+each, joined afterwards across processes (the scheduler, each worker, a P/D producer).
+
+A mark is ``kvtier timeline: <request> <event> <epoch s> [transfer <id>]``. The events, in order:
+
+* ``arrived``: the scheduler first saw the request (a P/D consumer's names its transfer);
+* ``planned``: blocks were allocated for a load of ``<n>`` tokens (the load job goes out with the
+  next step);
+* ``load began`` / ``load ended``: a worker's load thread ran the job (each TP rank marks its own);
+* ``load reported``: the worker handed the finished load to vLLM;
+* ``load seen``: the scheduler took it; the request runs in the next step;
+* ``finished``: vLLM finished the request (a P/D producer's names its transfer: its prefill ended).
+
+``python -m kvtier.timeline LOG ...`` reads the marks back from engine logs (``KVTIER_LOG_LEVEL=DEBUG``)
+and prints, per stage, the median ms over the requests that passed through it, and for P/D the
+hop from the producer's ``finished`` to the consumer's ``arrived`` (joined by transfer id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import re
+import statistics
+import sys
+import time
+from collections import defaultdict
+
+logger = logging.getLogger(__name__)
+
+EVENTS = ("arrived", "planned", "load began", "load ended", "load reported", "load seen")
+_MARK = re.compile(r"kvtier timeline: (\S+) (arrived|planned|load began|load ended|load reported|load seen|finished) "
+                   r"([0-9.]+)(?: transfer (\S+))?")
+
+
+def mark(request_id: str, event: str, transfer_id: str | None = None) -> None:
+    """Log ``event`` of ``request_id`` now (only at DEBUG: nothing is formatted otherwise)."""
+    if logger.isEnabledFor(logging.DEBUG):
+        if transfer_id:
+            logger.debug("kvtier timeline: %s %s %.6f transfer %s", request_id, event, time.time(), transfer_id)
+        else:
+            logger.debug("kvtier timeline: %s %s %.6f", request_id, event, time.time())
+
+
+def read(lines) -> tuple[dict[str, dict], dict[str, dict[str, float]]]:
+    """From log ``lines``: request -> event -> epoch s (a worker event: the last rank's; a
+    consumer's ``transfer``: the id it fetches), and transfer id -> {"finished": the producer's,
+    "arrived": the consumer's} epoch s."""
+    marks: dict[str, dict] = defaultdict(dict)
+    transfers: dict[str, dict[str, float]] = defaultdict(dict)
+    for line in lines:
+        m = _MARK.search(line)
+        if m is None:
+            continue
+        request, event, at, transfer = m.group(1), m.group(2), float(m.group(3)), m.group(4)
+        mine = marks[request]
+        mine[event] = max(mine.get(event, at), at) if event.startswith("load") else mine.get(event, at)
+        if transfer and event in ("finished", "arrived"):
+            transfers[transfer].setdefault(event, at)
+            if event == "arrived":
+                mine["transfer"] = transfer
+    return dict(marks), dict(transfers)
+
+
+def stages(marks: dict[str, dict], transfers: dict[str, dict[str, float]]) -> list[tuple[str, float, int]]:
+    """``(stage, median ms, requests)`` for each pair of consecutive events, in order, and the P/D hop."""
+    out = []
+    hops = [t["arrived"] - t["finished"] for t in transfers.values() if {"arrived", "finished"} <= t.keys()]
+    if hops:
+        out.append(("producer finished -> consumer arrived", statistics.median(hops) * 1e3, len(hops)))
+    for first, then in zip(EVENTS, EVENTS[1:]):
+        gaps = [m[then] - m[first] for m in marks.values() if first in m and then in m]
+        if gaps:
+            out.append((f"{first} -> {then}", statistics.median(gaps) * 1e3, len(gaps)))
+    whole = [m["load seen"] - m["arrived"] for m in marks.values() if {"arrived", "load seen"} <= m.keys()]
+    if whole:
+        out.append(("arrived -> load seen", statistics.median(whole) * 1e3, len(whole)))
+    after = [m["load seen"] - transfers[t]["finished"] for t, m in _consumers(marks, transfers)]
+    if after:  # push: the consumer arrived first, so this is its wait beyond the prefill
+        out.append(("producer finished -> load seen", statistics.median(after) * 1e3, len(after)))
+    return out
+
+
+def _consumers(marks, transfers):
+    """``(transfer id, the consumer's marks)`` where the producer's finish is known too."""
+    for request, m in marks.items():
+        t = m.get("transfer")
+        if t is not None and "finished" in transfers.get(t, {}) and "load seen" in m:
+            yield t, m
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="Where kvtier's loads spent their time, from engine logs at DEBUG.")
+    ap.add_argument("logs", nargs="+", help="engine log files (every process of a P/D pair or a TP engine)")
+    args = ap.parse_args(argv)
+    lines = []
+    for path in args.logs:
+        with open(path, errors="replace") as f:
+            lines += f.readlines()
+    rows = stages(*read(lines))
+    if not rows:
+        print("no kvtier timeline marks: run the engines with KVTIER_LOG_LEVEL=DEBUG")
+        return 1
+    print(f"{'stage':42} {'median ms':>9} {'requests':>8}")
+    for stage, ms, n in rows:
+        print(f"{stage:42} {ms:9.1f} {n:8d}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

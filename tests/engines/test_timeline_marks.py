@@ -1,0 +1,37 @@
+"""The scheduler half's timeline marks (kvtier.timeline) inside the real vLLM scheduler: a reload
+marks its arrival, its plan and the moment the scheduler saw it loaded, in that order; a request
+loading nothing is marked only as arrived and finished (see sched_harness)."""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+
+pytest.importorskip("vllm")
+
+from kvtier import timeline  # noqa: E402
+
+from sched_harness import VOCAB, Harness  # noqa: E402
+
+BS, CHUNK = 16, 64
+P = [random.Random(1).randrange(3, VOCAB) for _ in range(4 * CHUNK + 8)]
+
+
+def test_a_reload_is_marked_from_arrival_to_loaded(caplog):
+    h = Harness(block_size=BS, chunk_tokens=CHUNK, num_blocks=64)
+    try:
+        first = h.add(P, 1)
+        h.drain()
+        h.sched.reset_prefix_cache()
+        caplog.set_level(logging.DEBUG, logger="kvtier")
+        second = h.add(P, 1)
+        h.drain()
+    finally:
+        h.close()
+    marks, _ = timeline.read(r.getMessage() for r in caplog.records if r.name == "kvtier.timeline")
+    assert first not in marks
+    assert list(marks[second]) == ["arrived", "planned", "load seen", "finished"]
+    times = list(marks[second].values())
+    assert times == sorted(times)
