@@ -35,3 +35,18 @@ def test_a_reload_is_marked_from_arrival_to_loaded(caplog):
     assert list(marks[second]) == ["arrived", "planned", "load seen", "finished"]
     times = list(marks[second].values())
     assert times == sorted(times)
+
+
+def test_malformed_transfer_params_still_mark_the_arrival(caplog):
+    """kv_transfer_params come from the client: a list there must not break admission."""
+    h = Harness(block_size=BS, chunk_tokens=CHUNK, num_blocks=64)
+    caplog.set_level(logging.DEBUG, logger="kvtier")
+    try:
+        req = h.add(P, 1)
+        h.requests[req].kv_transfer_params = ["not", "a", "dict"]
+        h.sched.connector.on_new_request(h.requests[req])
+        h.drain()
+    finally:
+        h.close()
+    marks, transfers = timeline.read(r.getMessage() for r in caplog.records if r.name == "kvtier.timeline")
+    assert "arrived" in marks[req] and not transfers

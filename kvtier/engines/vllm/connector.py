@@ -87,7 +87,7 @@ def _import_quietly(name: str) -> None:
 
 def _arrived(request: Request) -> None:
     """Mark the request's arrival (a P/D consumer's names the producer's transfer)."""
-    params = request.kv_transfer_params or {}
+    params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
     transfer = params.get("remote_request_id") or params.get("transfer_id") if params.get("do_remote_prefill") else None
     mark(request.request_id, "arrived", transfer if isinstance(transfer, str) else None)
 
