@@ -9,7 +9,9 @@ A mark is ``kvtier timeline: <request> <event> <epoch s> [transfer <id>]``. The 
 * ``load began`` / ``load ended``: a worker's load thread ran the job (each TP rank marks its own);
 * ``load reported``: the worker handed the finished load to vLLM;
 * ``load seen``: the scheduler took it; the request runs in the next step;
-* ``finished``: vLLM finished the request (a P/D producer's names its transfer: its prefill ended).
+* ``finished``: vLLM finished the request (a P/D producer's names its transfer: its prefill ended);
+* ``written``: a P/D producer's chunk server saw a WRITE into the consumer end (push; marked
+  under the transfer id, not a request: the last one counts).
 
 ``python -m kvtier.timeline LOG ...`` reads the marks back from engine logs (``KVTIER_LOG_LEVEL=DEBUG``)
 and prints, per stage, the median ms over the requests that passed through it, and for P/D the
@@ -29,7 +31,7 @@ from collections import defaultdict
 logger = logging.getLogger(__name__)
 
 EVENTS = ("arrived", "planned", "load began", "load ended", "load reported", "load seen")
-_MARK = re.compile(r"kvtier timeline: (\S+) (arrived|planned|load began|load ended|load reported|load seen|finished) "
+_MARK = re.compile(r"kvtier timeline: (\S+) (arrived|planned|load began|load ended|load reported|load seen|finished|written) "
                    r"([0-9.]+)(?: transfer (\S+))?")
 
 
@@ -54,7 +56,8 @@ def read(lines) -> tuple[dict[str, dict], dict[str, dict[str, float]]]:
             continue
         request, event, at, transfer = m.group(1), m.group(2), float(m.group(3)), m.group(4)
         mine = marks[request]
-        mine[event] = max(mine.get(event, at), at) if event.startswith("load") else mine.get(event, at)
+        last = event.startswith("load") or event == "written"
+        mine[event] = max(mine.get(event, at), at) if last else mine.get(event, at)
         if transfer and event in ("finished", "arrived"):
             transfers[transfer].setdefault(event, at)
             if event == "arrived":
@@ -78,6 +81,13 @@ def stages(marks: dict[str, dict], transfers: dict[str, dict[str, float]]) -> li
     after = [m["load seen"] - transfers[t]["finished"] for t, m in _consumers(marks, transfers)]
     if after:  # push: the consumer arrived first, so this is its wait beyond the prefill
         out.append(("producer finished -> load seen", statistics.median(after) * 1e3, len(after)))
+    written = [(transfers[t]["finished"], marks[t]["written"], m["load ended"]) for t, m in _consumers(marks, transfers)
+               if "written" in marks.get(t, {}) and "load ended" in m]
+    if written:
+        out.append(("producer finished -> last WRITE done", statistics.median(w - f for f, w, _ in written) * 1e3,
+                    len(written)))
+        out.append(("last WRITE done -> load ended", statistics.median(e - w for _, w, e in written) * 1e3,
+                    len(written)))
     return out
 
 

@@ -36,6 +36,8 @@ def test_stages_join_ranks_and_the_producer_by_transfer():
         "DEBUG kvtier timeline: d-1 load began 100.016",  # rank 1: the later one counts
         "DEBUG kvtier timeline: d-1 load ended 100.050",
         "DEBUG kvtier timeline: d-1 load ended 100.060",
+        "DEBUG kvtier timeline: t-1 written 100.030",  # P's WRITEs (push), under the transfer id
+        "DEBUG kvtier timeline: t-1 written 100.040",  # the last counts
         "DEBUG kvtier timeline: d-1 load reported 100.070",
         "DEBUG kvtier timeline: d-1 load seen 100.071",
         "INFO something else entirely",
@@ -46,7 +48,8 @@ def test_stages_join_ranks_and_the_producer_by_transfer():
     assert got == {"producer finished -> consumer arrived": 10.0, "arrived -> planned": 2.0,
                    "planned -> load began": 4.0, "load began -> load ended": 44.0,
                    "load ended -> load reported": 10.0, "load reported -> load seen": 1.0,
-                   "arrived -> load seen": 61.0, "producer finished -> load seen": 71.0}
+                   "arrived -> load seen": 61.0, "producer finished -> load seen": 71.0,
+                   "producer finished -> last WRITE done": 40.0, "last WRITE done -> load ended": 20.0}
 
 
 def test_the_command_prints_a_table_or_says_what_is_missing(tmp_path, capsys):

@@ -24,6 +24,7 @@ from kvtier.pd.hbm import EngineBlocks, RegionSpan, read_descriptors, read_speed
 from kvtier.pd.nixl import Agent, Transfer
 from kvtier.pd.protocol import VERSION, ChunkReply, Fetch
 from kvtier.storage import ChunkBuffer
+from kvtier.timeline import mark
 
 logger = logging.getLogger(__name__)
 Send = Callable[..., None]  # (identity, reply, payload, out_of_band=...) -> None: the server's _send
@@ -102,6 +103,8 @@ class PeerWrites:
                 continue
             if not w.transfer.released:  # the first of the chunks sharing this WRITE
                 w.transfer.release()
+                if state == "DONE":
+                    mark(w.fetch.transfer_id, "written")
                 if w.checksum is not None and state == "DONE":
                     seconds = time.perf_counter() - w.started_s
                     read_speed(w.transfer.peer, "VRAM", w.transfer.nbytes, seconds, "WRITE")

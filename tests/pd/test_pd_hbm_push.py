@@ -18,6 +18,7 @@ import torch
 
 from pd_workers import Engine, prompt_keys, remote_job, tokens_of
 from kvtier.jobs import Lend, SaveJob
+from kvtier import timeline
 from kvtier.pd import nixl, server as chunk_server
 
 PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
@@ -52,7 +53,8 @@ def wait_for(predicate, timeout_s: float = 10.0) -> None:
         time.sleep(0.005)
 
 
-def test_producer_writes_each_chunk_into_the_consumers_blocks_while_it_computes(engines):
+def test_producer_writes_each_chunk_into_the_consumers_blocks_while_it_computes(engines, caplog):
+    caplog.set_level(logging.DEBUG, logger="kvtier")  # and marks each WRITE's end (kvtier.timeline)
     p, d = engines("p", 1), engines("d", 2)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     server = p.side.chunk_server
@@ -64,6 +66,8 @@ def test_producer_writes_each_chunk_into_the_consumers_blocks_while_it_computes(
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
     assert (server.blocks_written_total, server.hbm_total, server.lent_total) == (4, 0, 0)
     assert d.side.transfers.stats.landed_bytes == len(D_BLOCKS) * d.side.transfers.layout.bytes_per_block
+    marks, _ = timeline.read(r.getMessage() for r in caplog.records if r.name == "kvtier.timeline")
+    assert "written" in marks["t1"] and marks["t1"]["written"] <= marks["d-req"]["load ended"]
     start = time.monotonic()
     finish(p)  # D released the transfer before P's request ended: no lease needed
     wait_for(lambda: "p-req" in p.side.finished_sends(set()))
