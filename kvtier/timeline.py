@@ -4,8 +4,7 @@ each, joined afterwards across processes (the scheduler, each worker, a P/D prod
 A mark is ``kvtier timeline: <request> <event> <epoch s> [transfer <id>]``. The events, in order:
 
 * ``arrived``: the scheduler first saw the request (a P/D consumer's names its transfer);
-* ``planned``: blocks were allocated for a load of ``<n>`` tokens (the load job goes out with the
-  next step);
+* ``planned``: blocks were allocated for a load (the load job goes out with the next step);
 * ``load began`` / ``load ended``: a worker's load thread ran the job (each TP rank marks its own);
 * ``load reported``: the worker handed the finished load to vLLM;
 * ``load seen``: the scheduler took it; the request runs in the next step;

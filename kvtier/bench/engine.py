@@ -35,6 +35,7 @@ import tempfile
 import time
 from dataclasses import asdict
 
+from kvtier import timeline
 from kvtier.bench.common import Progress, names_from, parse_tokens, positive, token_lengths, vllm_version
 from kvtier.bench.engine_model import FAMILIES, KvShape, read_kv_shape, write_model_dir
 from kvtier.bench.engine_report import MiB, format_table, reload_bytes, write_plot
@@ -211,6 +212,8 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             _collect(result, name, rounds, out)
             if name == "kvtier":
                 result["kvtier_load_ms"] = load_times(log)
+                result["kvtier_stages_ms"] = {stage: round(ms, 2) for stage, ms, _ in
+                                              timeline.stages(*timeline.read(log.splitlines()))}
                 result["kvtier_start_lines"] = [m[0] for m in _STARTED.finditer(log)]  # what its start-up cost
             progress(f"engine {name}: started in {out['start_s']:.1f} s; " + _summary(result, name))
         if "disk" in engines:

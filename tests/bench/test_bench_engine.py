@@ -54,3 +54,13 @@ def test_the_first_reload_after_start_is_set_beside_the_later_ones():
     result["ttft_ms"]["kvtier"]["8192"]["reload"] = [1605.0, 74.0, 70.0]  # a first reload paying for a start-up cost
     line = next(ln for ln in engine.format_table(result).splitlines() if ln.startswith("first reload"))
     assert "kvtier 1605 at 8192 tokens (later 72, 22.29 x)" in line and "offload" not in line  # one reload: no line
+
+
+def test_a_kvtier_reloads_stages_from_its_timeline_marks_are_printed():
+    result = made_up()
+    result["identical"] = True
+    result["kvtier_stages_ms"] = {"arrived -> planned": 0.4, "load began -> load ended": 22.0}
+    assert ("a kvtier reload's stages (median ms over every reload, kvtier timeline): arrived -> planned 0.4, "
+            "load began -> load ended 22.0") in engine.format_table(result)
+    del result["kvtier_stages_ms"]
+    assert "stages" not in engine.format_table(result)
