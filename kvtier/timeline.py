@@ -4,6 +4,8 @@ each, joined afterwards across processes (the scheduler, each worker, a P/D prod
 A mark is ``kvtier timeline: <request> <event> <epoch s> [transfer <id>]``. The events, in order:
 
 * ``arrived``: the scheduler first saw the request (a P/D consumer's names its transfer);
+* ``looked up``: the scheduler's look-up of the prompt's chunks answered (every request, local
+  hits included; a request waiting for blocks is looked up again, the first counts);
 * ``planned``: blocks were allocated for a load (the load job goes out with the next step);
 * ``load began`` / ``load ended``: a worker's load thread ran the job (each TP rank marks its own);
 * ``load reported``: the worker handed the finished load to vLLM;
@@ -29,8 +31,8 @@ from collections import defaultdict
 
 logger = logging.getLogger(__name__)
 
-EVENTS = ("arrived", "planned", "load began", "load ended", "load reported", "load seen")
-_MARK = re.compile(r"kvtier timeline: (\S+) (arrived|planned|load began|load ended|load reported|load seen|finished|written) "
+EVENTS = ("arrived", "looked up", "planned", "load began", "load ended", "load reported", "load seen")
+_MARK = re.compile(r"kvtier timeline: (\S+) (arrived|looked up|planned|load began|load ended|load reported|load seen|finished|written) "
                    r"([0-9.]+)(?: transfer (\S+))?")
 
 
@@ -65,15 +67,19 @@ def read(lines) -> tuple[dict[str, dict], dict[str, dict[str, float]]]:
 
 
 def stages(marks: dict[str, dict], transfers: dict[str, dict[str, float]]) -> list[tuple[str, float, int]]:
-    """``(stage, median ms, requests)`` for each pair of consecutive events, in order, and the P/D hop."""
+    """``(stage, median ms, requests)`` between each request's consecutive marks (a request marks
+    what it passed through: a local hit no load), in order, and the P/D hops."""
     out = []
     hops = [t["arrived"] - t["finished"] for t in transfers.values() if {"arrived", "finished"} <= t.keys()]
     if hops:
         out.append(("producer finished -> consumer arrived", statistics.median(hops) * 1e3, len(hops)))
-    for first, then in zip(EVENTS, EVENTS[1:]):
-        gaps = [m[then] - m[first] for m in marks.values() if first in m and then in m]
-        if gaps:
-            out.append((f"{first} -> {then}", statistics.median(gaps) * 1e3, len(gaps)))
+    gaps: dict[tuple[int, int], list[float]] = defaultdict(list)  # between each request's consecutive marks
+    for m in marks.values():
+        present = [i for i, event in enumerate(EVENTS) if event in m]
+        for i, j in zip(present, present[1:]):
+            gaps[i, j].append(m[EVENTS[j]] - m[EVENTS[i]])
+    for (i, j), values in sorted(gaps.items()):
+        out.append((f"{EVENTS[i]} -> {EVENTS[j]}", statistics.median(values) * 1e3, len(values)))
     whole = [m["load seen"] - m["arrived"] for m in marks.values() if {"arrived", "load seen"} <= m.keys()]
     if whole:
         out.append(("arrived -> load seen", statistics.median(whole) * 1e3, len(whole)))

@@ -31,6 +31,8 @@ def test_stages_join_ranks_and_the_producer_by_transfer():
     lines = [
         "DEBUG 11-27 00:00:00 kvtier timeline: p-1 finished 100.000 transfer t-1",  # P's log
         "DEBUG kvtier timeline: d-1 arrived 100.010 transfer t-1",  # D's scheduler
+        "DEBUG kvtier timeline: d-1 looked up 100.011",
+        "DEBUG kvtier timeline: d-1 looked up 100.0115",  # looked up again (waiting for blocks): the first counts
         "DEBUG kvtier timeline: d-1 planned 100.012",
         "DEBUG kvtier timeline: d-1 load began 100.015",  # rank 0
         "DEBUG kvtier timeline: d-1 load began 100.016",  # rank 1: the later one counts
@@ -40,12 +42,15 @@ def test_stages_join_ranks_and_the_producer_by_transfer():
         "DEBUG kvtier timeline: t-1 written 100.040",  # the last counts
         "DEBUG kvtier timeline: d-1 load reported 100.070",
         "DEBUG kvtier timeline: d-1 load seen 100.071",
+        "DEBUG kvtier timeline: h-1 arrived 200.000",  # a local hit: looked up, nothing loaded
+        "DEBUG kvtier timeline: h-1 looked up 200.003",
         "INFO something else entirely",
     ]
     marks, transfers = timeline.read(lines)
     assert transfers == {"t-1": {"finished": 100.0, "arrived": 100.01}} and marks["d-1"]["transfer"] == "t-1"
     got = {stage: round(ms, 1) for stage, ms, _ in timeline.stages(marks, transfers)}
-    assert got == {"producer finished -> consumer arrived": 10.0, "arrived -> planned": 2.0,
+    assert got == {"producer finished -> consumer arrived": 10.0, "arrived -> looked up": 2.0,
+                   "looked up -> planned": 1.0,
                    "planned -> load began": 4.0, "load began -> load ended": 44.0,
                    "load ended -> load reported": 10.0, "load reported -> load seen": 1.0,
                    "arrived -> load seen": 61.0, "producer finished -> load seen": 71.0,

@@ -1,6 +1,6 @@
 """The scheduler half's timeline marks (kvtier.timeline) inside the real vLLM scheduler: a reload
 marks its arrival, its plan and the moment the scheduler saw it loaded, in that order; a request
-loading nothing is marked only as arrived and finished (see sched_harness)."""
+loading nothing is marked only as arrived, looked up and finished (see sched_harness)."""
 
 from __future__ import annotations
 
@@ -32,7 +32,7 @@ def test_a_reload_is_marked_from_arrival_to_loaded(caplog):
         h.close()
     marks, _ = timeline.read(r.getMessage() for r in caplog.records if r.name == "kvtier.timeline")
     assert first not in marks
-    assert list(marks[second]) == ["arrived", "planned", "load seen", "finished"]
+    assert list(marks[second]) == ["arrived", "looked up", "planned", "load seen", "finished"]
     times = list(marks[second].values())
     assert times == sorted(times)
 

@@ -267,6 +267,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
             request.kv_transfer_params,
         )
+        mark(request.request_id, "looked up")
         n = plan.external_tokens  # 0 for a handoff: admitted as a prefill, parked at its boundary
         return n, n > 0
 
