@@ -15,8 +15,9 @@ A mark is ``kvtier timeline: <request> <event> <epoch s> [transfer <id>]``. The 
   under the transfer id, not a request: the last one counts).
 
 ``python -m kvtier.timeline LOG ...`` reads the marks back from engine logs (``KVTIER_LOG_LEVEL=DEBUG``)
-and prints, per stage, the median ms over the requests that passed through it, and for P/D the
-hop from the producer's ``finished`` to the consumer's ``arrived`` (joined by transfer id).
+and prints, per stage, the median ms over the requests that passed through it; for P/D also the
+hops from the producer's ``finished`` (joined by transfer id) to the consumer's ``arrived`` and
+``load seen``, and to the producer's last ``written``.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from collections import defaultdict
 logger = logging.getLogger(__name__)
 
 EVENTS = ("arrived", "looked up", "planned", "load began", "load ended", "load reported", "load seen")
-_MARK = re.compile(r"kvtier timeline: (\S+) (arrived|looked up|planned|load began|load ended|load reported|load seen|finished|written) "
-                   r"([0-9.]+)(?: transfer (\S+))?")
+_NAMES = "|".join((*EVENTS, "finished", "written"))
+_MARK = re.compile(rf"kvtier timeline: (\S+) ({_NAMES}) ([0-9.]+)(?: transfer (\S+))?")
 
 
 def mark(request_id: str, event: str, transfer_id: str | None = None) -> None:
@@ -96,9 +97,9 @@ def stages(marks: dict[str, dict], transfers: dict[str, dict[str, float]]) -> li
     return out
 
 
-def _consumers(marks, transfers):
+def _consumers(marks: dict[str, dict], transfers: dict[str, dict[str, float]]):
     """``(transfer id, the consumer's marks)`` where the producer's finish is known too."""
-    for request, m in marks.items():
+    for m in marks.values():
         t = m.get("transfer")
         if t is not None and "finished" in transfers.get(t, {}) and "load seen" in m:
             yield t, m

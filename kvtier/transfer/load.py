@@ -38,11 +38,11 @@ import torch
 
 from kvtier import codec
 from kvtier.jobs import Landed, LoadJob
-from kvtier.timeline import mark
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
+from kvtier.timeline import mark
 from kvtier.transfer.common import Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms, on_device
 from kvtier.transfer.landed import LandedCheck
 
