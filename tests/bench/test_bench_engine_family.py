@@ -189,3 +189,13 @@ def test_no_connector_no_transfers():
     llm = SimpleNamespace(llm_engine=SimpleNamespace(vllm_config=config, engine_core=_Core([])))
     assert engine_child.tap_transfers(llm)() is None
     assert engine_child.hybrid_manager_on(llm) is None
+
+
+def test_each_length_is_computed_and_hit_once_unmeasured_before_the_measured_rounds():
+    """An engine's first short step over a long cached prefix was 100-150 ms at 8k: not a sample."""
+    rounds = engine.engine_rounds(_args(ttft_only=True), [8192, 32768], "kvtier")
+    first = next(i for i, r in enumerate(rounds) if r["tag"][0] != "warmup")
+    warm = [len(r["prompts"][0]) for r in rounds[1:first]]
+    assert warm == [8192, 8192, 32768, 32768] and rounds[1]["prompts"] == rounds[2]["prompts"]
+    measured = {tuple(r["prompts"][0]) for r in rounds[first:] if r["tag"][0] != "warmup"}
+    assert not measured & {tuple(r["prompts"][0]) for r in rounds[:first]}
