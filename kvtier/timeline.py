@@ -10,7 +10,8 @@ A mark is ``kvtier timeline: <request> <event> <epoch s> [transfer <id>]``. The 
 * ``load began`` / ``load ended``: a worker's load thread ran the job (each TP rank marks its own);
 * ``load reported``: the worker handed the finished load to vLLM;
 * ``load seen``: the scheduler took it; the request runs in the next step;
-* ``finished``: vLLM finished the request (a P/D producer's names its transfer: its prefill ended);
+* ``finished``: vLLM finished the request (a P/D producer's names its transfer: its prefill ended;
+  with ``max_tokens=1``, as the benches ask, the step that follows the load gives the first token);
 * ``written``: a P/D producer's chunk server saw a WRITE into the consumer end (push; marked
   under the transfer id, not a request: the last one counts).
 
@@ -32,8 +33,8 @@ from collections import defaultdict
 
 logger = logging.getLogger(__name__)
 
-EVENTS = ("arrived", "looked up", "planned", "load began", "load ended", "load reported", "load seen")
-_NAMES = "|".join((*EVENTS, "finished", "written"))
+EVENTS = ("arrived", "looked up", "planned", "load began", "load ended", "load reported", "load seen", "finished")
+_NAMES = "|".join((*EVENTS, "written"))
 _MARK = re.compile(rf"kvtier timeline: (\S+) ({_NAMES}) ([0-9.]+)(?: transfer (\S+))?")
 
 

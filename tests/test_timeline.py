@@ -42,6 +42,7 @@ def test_stages_join_ranks_and_the_producer_by_transfer():
         "DEBUG kvtier timeline: t-1 written 100.040",  # the last counts
         "DEBUG kvtier timeline: d-1 load reported 100.070",
         "DEBUG kvtier timeline: d-1 load seen 100.071",
+        "DEBUG kvtier timeline: d-1 finished 100.090",  # D's step after the load
         "DEBUG kvtier timeline: h-1 arrived 200.000",  # a local hit: looked up, nothing loaded
         "DEBUG kvtier timeline: h-1 looked up 200.003",
         "INFO something else entirely",
@@ -53,6 +54,7 @@ def test_stages_join_ranks_and_the_producer_by_transfer():
                    "looked up -> planned": 1.0,
                    "planned -> load began": 4.0, "load began -> load ended": 44.0,
                    "load ended -> load reported": 10.0, "load reported -> load seen": 1.0,
+                   "load seen -> finished": 19.0,
                    "arrived -> load seen": 61.0, "producer finished -> load seen": 71.0,
                    "producer finished -> last WRITE done": 40.0, "last WRITE done -> load ended": 20.0}
 
