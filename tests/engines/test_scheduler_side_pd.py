@@ -85,6 +85,28 @@ def test_producer_returns_what_the_consumer_needs_when_it_completes(make_side):
     assert params["kvtier_endpoints"] == ENDPOINTS
 
 
+class LateClient(StubClient):
+    """Rank 0's lookup before every rank announced its chunk server: no endpoints yet."""
+
+    announced = False
+
+    def lookup(self, keys, always=False):
+        reply = super().lookup(keys, always)
+        return reply if reply is None or self.announced else LookupReply(VERSION, reply.tiers, endpoints=[])
+
+
+def test_a_producer_admitted_before_every_rank_announced_its_server_still_publishes(make_side):
+    """Regression: at TP=2 the first request after start could finish with no params (D recomputed)."""
+    side = make_side()
+    side.client = LateClient([])
+    produce(side)
+    side.scheduled("p", BLOCKS, True, len(PROMPT))
+    assert side.peer_endpoints == [] and side.published("p") is None  # still unannounced: nothing to lend
+    side.client.announced = True
+    assert side.published("p")[0] == "p"
+    assert side.finished("p", completed=True)["kvtier_endpoints"] == ENDPOINTS
+
+
 def test_aborted_producer_returns_nothing(make_side):
     side = make_side()
     produce(side)

@@ -53,20 +53,14 @@ class SchedulerSide:
                  clock: Callable[[], float] = time.perf_counter, engine_id: str = "", tp_size: int = 1,
                  name_chunk: Callable[[str, int], ChunkBlocks | None] | None = None,
                  groups: tuple[ServedGroup, ...] = ()):
-        self.config = config
-        self.model = model
-        self.block_size = block_size
+        self.config, self.model, self.block_size = config, model, block_size
         self.geometry = Geometry(block_size, config.chunk_tokens)
         self.groups = GroupJobs(groups, self.geometry)
-        self.chunk_tokens = config.chunk_tokens
-        self.chunk_blocks = self.geometry.chunk_blocks
+        self.chunk_tokens, self.chunk_blocks = config.chunk_tokens, self.geometry.chunk_blocks
         self.policy = Policy(config.min_load_tokens or config.chunk_tokens, config.unaligned, handoff_supported=False)
         self.meter = CostMeter(config.prefill_tokens_per_s)
-        self.clock = clock
-        self.client = LookupClient(endpoint, config.lookup_timeout_ms)
-        self.engine_id = engine_id
-        self.tp_size = tp_size
-        self.name_chunk = name_chunk
+        self.clock, self.client = clock, LookupClient(endpoint, config.lookup_timeout_ms)
+        self.engine_id, self.tp_size, self.name_chunk = engine_id, tp_size, name_chunk
         self.reset_pending = False  # reset_cache() was asked; the workers have not emptied the tiers yet
         self._reset_step: int | None = None  # the step whose plan carries the reset
         self.peer_endpoints: list[str] = []  # this engine's P/D chunk servers, as rank 0 last told
@@ -389,7 +383,7 @@ class SchedulerSide:
         if isinstance(tracked.role, pd.Produce) and not completed and not tracked.published:
             self._withdrawn += self.groups.transfers(tracked.transfer_id)  # a consumer waiting stops
         if isinstance(tracked.role, pd.Produce) and completed:
-            if self.peer_endpoints:
+            if self.endpoints():
                 params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size)
             else:
                 logger.warning("kvtier P/D: request %s finished before this engine's chunk servers were known; "
@@ -409,9 +403,15 @@ class SchedulerSide:
         """A P/D producer request's transfer id and the chain keys of the chunks it published (the
         partial tail's last), if a decode engine will be told where they are; else None."""
         tracked = self._requests.get(req_id)
-        if tracked is None or not isinstance(tracked.role, pd.Produce) or not self.peer_endpoints:
+        if tracked is None or not isinstance(tracked.role, pd.Produce) or not self.endpoints():
             return None
         return tracked.transfer_id, tuple(tracked.keys + ([tracked.tail] if tracked.tail is not None else []))
+
+    def endpoints(self) -> list[str]:
+        """This engine's P/D chunk servers, asked again while unknown (a rank may announce its own late)."""
+        if not self.peer_endpoints and (reply := self.client.lookup([], always=True)) is not None:
+            self.peer_endpoints = reply.endpoints
+        return self.peer_endpoints
 
     def state(self, req_id: str) -> ReqState | None:
         tracked = self._requests.get(req_id)
