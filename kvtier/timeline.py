@@ -85,10 +85,11 @@ def stages(marks: dict[str, dict], transfers: dict[str, dict[str, float]]) -> li
     whole = [m["load seen"] - m["arrived"] for m in marks.values() if {"arrived", "load seen"} <= m.keys()]
     if whole:
         out.append(("arrived -> load seen", statistics.median(whole) * 1e3, len(whole)))
-    after = [m["load seen"] - transfers[t]["finished"] for t, m in _consumers(marks, transfers)]
+    consumers = list(_consumers(marks, transfers))
+    after = [m["load seen"] - transfers[t]["finished"] for t, m in consumers]
     if after:  # push: the consumer arrived first, so this is its wait beyond the prefill
         out.append(("producer finished -> load seen", statistics.median(after) * 1e3, len(after)))
-    written = [(transfers[t]["finished"], marks[t]["written"], m["load ended"]) for t, m in _consumers(marks, transfers)
+    written = [(transfers[t]["finished"], marks[t]["written"], m["load ended"]) for t, m in consumers
                if "written" in marks.get(t, {}) and "load ended" in m]
     if written:
         out.append(("producer finished -> last WRITE done", statistics.median(w - f for f, w, _ in written) * 1e3,

@@ -105,12 +105,11 @@ class PeerWrites:
                 w.transfer.release()
                 if state == "DONE":
                     mark(w.fetch.transfer_id, "written")
-                if w.checksum is not None and state == "DONE":
-                    seconds = time.perf_counter() - w.started_s
-                    read_speed(w.transfer.peer, "VRAM", w.transfer.nbytes, seconds, "WRITE")
-                    logger.debug("kvtier P/D: WRITE of %.0f MiB of engine blocks into %s done %.1f ms after "
-                                 "its posting began",
-                                 w.transfer.nbytes / (1 << 20), w.transfer.peer, seconds * 1e3)
+                    if w.checksum is not None:
+                        seconds = time.perf_counter() - w.started_s
+                        read_speed(w.transfer.peer, "VRAM", w.transfer.nbytes, seconds, "WRITE")
+                        logger.debug("kvtier P/D: WRITE of %.0f MiB of engine blocks into %s done %.1f ms after its "
+                                     "posting began", w.transfer.nbytes / (1 << 20), w.transfer.peer, seconds * 1e3)
             try:
                 payload = memoryview(w.buffer.data.numpy())
                 if state != "DONE":

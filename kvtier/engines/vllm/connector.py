@@ -330,10 +330,10 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if failed:  # a hybrid model's, on a vLLM without failed_recving: the engine drops each one's tokens
             recompute_failed_loads(failed)  # and looks it up afresh
         failed |= set(getattr(connector_output, "failed_recving", None) or ())  # vLLM did that itself
-        for req_id in connector_output.finished_recving or ():
+        loaded = set(connector_output.finished_recving or ())
+        for req_id in loaded:
             mark(req_id, "load seen")
-        self._scheduler.loads_reported(set(connector_output.finished_recving or ()),
-                                       set(connector_output.invalid_block_ids or ()), failed)
+        self._scheduler.loads_reported(loaded, set(connector_output.invalid_block_ids or ()), failed)
         if connector_output.finished_sending:
             self._lent.difference_update(connector_output.finished_sending)
 
