@@ -215,8 +215,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             _collect(result, name, rounds, out)
             if name == "kvtier":
                 result["kvtier_load_ms"] = load_times(log)
-                result["kvtier_stages_ms"] = {stage: round(ms, 2) for stage, ms, _ in
-                                              timeline.stages(*timeline.read(log.splitlines()))}
+                result["kvtier_stages_ms"], result["kvtier_first_load_stages_ms"] = load_stages(log)
                 result["kvtier_start_lines"] = [m[0] for m in _STARTED.finditer(log)]  # what its start-up cost
             progress(f"engine {name}: started in {out['start_s']:.1f} s; " + _summary(result, name))
         if "disk" in engines:
@@ -279,6 +278,17 @@ def _collect(result: dict, name: str, rounds: list[dict], out: dict) -> None:
         elif tag[0] == "prefill":
             tokens = sum(len(p) for p in rnd["prompts"])
             result["prefill_tok_s"].setdefault(name, []).append(tokens / one["seconds"])
+
+
+def load_stages(log: str) -> tuple[dict[str, float], dict[str, float]]:
+    """From an engine log's timeline marks: the median ms of each stage over the requests that
+    loaded something, and the same for the first of them (the first load after start)."""
+    loaded = [{r: m} for r, m in timeline.read(log.splitlines())[0].items() if "load seen" in m]
+
+    def ms(marks: dict[str, dict]) -> dict[str, float]:
+        return {stage: round(v, 2) for stage, v, _ in timeline.stages(marks, {})}
+
+    return ms({r: m for one in loaded for r, m in one.items()}), ms(loaded[0] if loaded else {})
 
 
 def _identical(result: dict) -> bool:

@@ -86,9 +86,10 @@ def format_table(result: dict) -> str:
         lines.append("where a kvtier reload's time goes (median ms): " + "; ".join(
             f"{n} tokens: load in the worker {_med(loads[n]):.0f} (raw H2D of its bytes {copy_ms(result, int(n)):.0f})"
             for n in map(str, result["lengths"]) if n in loads))
-    if result.get("kvtier_stages_ms"):
-        lines.append("a kvtier reload's stages (median ms over every reload, kvtier timeline): " + ", ".join(
-            f"{stage} {ms:.1f}" for stage, ms in result["kvtier_stages_ms"].items()))
+    for key, what in (("kvtier_stages_ms", "a kvtier reload's stages (median ms over every reload"),
+                      ("kvtier_first_load_stages_ms", "the first load after start (ms")):
+        if result.get(key):
+            lines.append(f"{what}, kvtier timeline): " + ", ".join(f"{s} {ms:.1f}" for s, ms in result[key].items()))
     if result["chat_s"]:
         lines.append("multi-turn chat, rounds 2+ (s): " + ", ".join(
             f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))

@@ -64,3 +64,20 @@ def test_a_kvtier_reloads_stages_from_its_timeline_marks_are_printed():
             "load began -> load ended 22.0") in engine.format_table(result)
     del result["kvtier_stages_ms"]
     assert "stages" not in engine.format_table(result)
+
+
+def test_load_stages_take_the_requests_that_loaded_and_the_first_of_them_apart():
+    def marks(req, *events):
+        return [f"DEBUG kvtier timeline: {req} {event} {at:.6f}" for event, at in events]
+
+    log = "\n".join([
+        *marks("hit", ("arrived", 1.0), ("looked up", 1.001), ("finished", 1.030)),  # a local hit: no load
+        *marks("first", ("arrived", 2.0), ("looked up", 2.002), ("planned", 2.003), ("load began", 2.004),
+               ("load ended", 2.020), ("load reported", 2.021), ("load seen", 2.150), ("finished", 2.180)),
+        *marks("later", ("arrived", 3.0), ("looked up", 3.002), ("planned", 3.003), ("load began", 3.004),
+               ("load ended", 3.020), ("load reported", 3.021), ("load seen", 3.023), ("finished", 3.053)),
+    ])
+    every, first = engine.load_stages(log)
+    assert first["load reported -> load seen"] == 129.0 and every["load reported -> load seen"] == 65.5
+    assert "looked up -> finished" not in every  # the local hit is not a reload
+    assert engine.load_stages("no marks") == ({}, {})

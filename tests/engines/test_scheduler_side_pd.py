@@ -164,6 +164,27 @@ def test_failed_transfer_is_never_retried(make_side):
     assert side.matched_tokens("d", PROMPT, None, 0, consumer_params()).kind is PlanKind.NONE  # recompute
 
 
+def test_consumer_saves_its_loaded_prompt_after_the_first_token(make_side):
+    side = make_side()
+    plan = side.matched_tokens("d", PROMPT, None, 0, consumer_params())
+    side.allocated("d", BLOCKS, plan.external_tokens)
+    side.take_plan([])
+    side.loads_reported({"d"}, set())
+    assert side.scheduled("d", BLOCKS, True, len(PROMPT)) is None  # the first token's step copies nothing out
+    job = side.scheduled("d", [], False, len(PROMPT) + 1)
+    assert job.keys == tuple(side._requests["d"].keys) and job.block_ids == tuple(BLOCKS[: 4 * CHUNK // BS])
+
+
+def test_a_consumer_whose_transfer_failed_saves_what_it_recomputes_at_once(make_side):
+    side = make_side()
+    plan = side.matched_tokens("d", PROMPT, None, 0, consumer_params())
+    side.allocated("d", BLOCKS, plan.external_tokens)
+    side.take_plan([])
+    side.loads_reported({"d"}, set(BLOCKS[CHUNK // BS :]))  # the first chunk landed, the rest failed
+    job = side.scheduled("d", BLOCKS, True, len(PROMPT))
+    assert len(job.keys) == 4
+
+
 @pytest.mark.parametrize("params", [
     {"do_remote_prefill": True},  # names no producer
     {"do_remote_prefill": True, "remote_request_id": "t", "kvtier_endpoints": ["http://x"]},

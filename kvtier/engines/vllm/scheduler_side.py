@@ -255,6 +255,9 @@ class SchedulerSide:
             tracked.block_ids.extend(block_ids)
             for mine, new in zip(tracked.group_blocks, others):
                 mine.extend(new)
+        if tracked.first_token_first:  # a consumer's step after its load: its first token goes out
+            tracked.first_token_first = False  # before the landed prompt's copy-out (4 GiB at 32k tokens)
+            return None
         full = min(computed_after, tracked.prompt_tokens) // self.chunk_tokens
         full = min(full, len(tracked.keys), len(tracked.block_ids) // self.chunk_blocks)
         publish = isinstance(tracked.role, pd.Produce) and not tracked.published \
@@ -303,8 +306,7 @@ class SchedulerSide:
         return StepPlan(loads, tuple(saves), cancels, withdrawn, reset, allocated)
 
     def reset(self) -> None:
-        """Empty this engine's tiers (vLLM's ``reset_cache``): the next step's plan tells the
-        workers, and lookups offer nothing until that step has run."""
+        """Empty the tiers (vLLM's ``reset_cache``) with the next step; lookups offer nothing until it ran."""
         self.reset_pending, self._reset_step = True, None
         self._distrusted.clear()
 
@@ -365,6 +367,7 @@ class SchedulerSide:
                     event, tracked.load_failed = Event.RETRY, True
             elif load.issued_s is not None and len(set(load.tiers)) == 1:
                 self.meter.record_load(load.tiers[0], len(load.job.keys) * self.chunk_tokens, now - load.issued_s)
+            tracked.first_token_first = not failed and load.job.remote is not None and not self.groups.others
             self._advance(req_id, tracked, event)
 
     def preempted(self, req_id: str) -> None:
@@ -395,8 +398,7 @@ class SchedulerSide:
 
     @property
     def lends_blocks(self) -> bool:
-        """Whether a completed producer request's engine blocks stay for decode engines to READ
-        (``pd_hbm_lease_ms``; never for a hybrid model's groups, which take the CPU-tier path)."""
+        """Whether finished producer requests' blocks stay for decoders to READ (hybrids: the CPU-tier path)."""
         return self.config.pd_hbm_lease_ms > 0 and not self.groups.others
 
     def published(self, req_id: str) -> tuple[str, tuple[bytes, ...]] | None:
@@ -414,8 +416,7 @@ class SchedulerSide:
         return self.peer_endpoints
 
     def state(self, req_id: str) -> ReqState | None:
-        tracked = self._requests.get(req_id)
-        return tracked.state if tracked else None
+        return tracked.state if (tracked := self._requests.get(req_id)) else None
 
     def close(self) -> None:
         self.client.close()
@@ -427,8 +428,7 @@ class SchedulerSide:
             del self._requests[req_id]
 
     def _plan_job(self, req_id: str, tracked: Tracked, start: int, end: int, block_ids: list[int]) -> None:
-        """Load tokens ``[start, end)``: whole blocks, the prompt's last partial block when ``end``
-        is the prompt's end (only a P/D consumer loads that far)."""
+        """Load tokens ``[start, end)``: whole blocks (a P/D consumer's to the prompt's last partial one)."""
         c, b = self.chunk_tokens, self.block_size
         first, last = start // c, -(-end // c)
         all_keys = tracked.keys + ([tracked.tail] if tracked.tail is not None else [])
