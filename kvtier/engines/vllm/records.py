@@ -43,4 +43,4 @@ class Tracked:
     handoff: LoadPlan | None = None  # committed handoff, until parked at its boundary
     load: PlannedLoad | None = None  # in flight
     last_save_step: int = -1
-    first_token_first: bool = False  # a consumer's loaded prompt is saved only after its first token
+    save_after_first_token: bool = False  # a consumer's loaded prompt is saved only after its first token

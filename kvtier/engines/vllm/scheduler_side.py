@@ -255,8 +255,8 @@ class SchedulerSide:
             tracked.block_ids.extend(block_ids)
             for mine, new in zip(tracked.group_blocks, others):
                 mine.extend(new)
-        if tracked.first_token_first:  # a consumer's step after its load: its first token goes out
-            tracked.first_token_first = False  # before the landed prompt's copy-out (4 GiB at 32k tokens)
+        if tracked.save_after_first_token:  # a consumer's step after its load: its first token goes out
+            tracked.save_after_first_token = False  # before the landed prompt's copy-out (4 GiB at 32k tokens)
             return None
         full = min(computed_after, tracked.prompt_tokens) // self.chunk_tokens
         full = min(full, len(tracked.keys), len(tracked.block_ids) // self.chunk_blocks)
@@ -367,7 +367,7 @@ class SchedulerSide:
                     event, tracked.load_failed = Event.RETRY, True
             elif load.issued_s is not None and len(set(load.tiers)) == 1:
                 self.meter.record_load(load.tiers[0], len(load.job.keys) * self.chunk_tokens, now - load.issued_s)
-            tracked.first_token_first = not failed and load.job.remote is not None and not self.groups.others
+            tracked.save_after_first_token = not failed and load.job.remote is not None and not self.groups.others
             self._advance(req_id, tracked, event)
 
     def preempted(self, req_id: str) -> None:
