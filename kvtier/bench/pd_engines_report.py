@@ -169,6 +169,9 @@ def format_table(result: dict) -> str:
             cells.append(f"{gbps:>5.1f}" if gbps is not None else f"{'-':>5}")
         lines.append(f"{row:<24} " + "".join(cells) + f"  {transports.get(row, '-')}")
     lines.append("engine start (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["start_s"].items()))
+    if result.get("ucx_cuda_ipc_cache"):
+        lines.append(f"UCX_CUDA_IPC_CACHE in the engines: {result['ucx_cuda_ipc_cache']} (n: a peer's GPU memory "
+                     "mapped per transfer; y: kept mapped, a stopped peer's KV cache stays held)")
     lines += [f"GPU memory of {name} after it stopped: {r['held_mib']} MiB still held {r['s']} s later"
               for name, r in result.get("d_gpu_released", {}).items()]
     for row, by_length in result.get("d_stages_ms", {}).items():

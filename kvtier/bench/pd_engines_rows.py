@@ -313,7 +313,8 @@ class Run:
                 "d_stages_ms": self.stages,
                 "devices": {"P": devices[0], "D": devices[1]} if devices else None,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
-                "device": _device_name(), "vllm": vllm_version()}
+                "device": _device_name(), "vllm": vllm_version(),
+                "ucx_cuda_ipc_cache": os.environ.get("UCX_CUDA_IPC_CACHE", "n (kvtier's default)")}
 
 
 def _device_name() -> str:

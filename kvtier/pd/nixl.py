@@ -309,6 +309,13 @@ class Agent:
         self._nixl.get_new_notifs()
 
 
+def gpu_mapping() -> str:
+    """How this process's UCX maps a peer's GPU memory (``UCX_CUDA_IPC_CACHE``), for start lines."""
+    if os.environ.get("UCX_CUDA_IPC_CACHE", "n").lower() in ("n", "no", "0", "off", "false"):
+        return "a peer's GPU memory mapped per transfer (UCX_CUDA_IPC_CACHE=n)"
+    return "a peer's GPU memory kept mapped (UCX_CUDA_IPC_CACHE=y: a stopped peer's KV cache stays held here)"
+
+
 def make_agent(device: int | None = None) -> Agent:
     """A new agent with a unique name (host, pid, a random tag), moving memory of CUDA device
     ``device`` too (None: host memory only). Raises :class:`NixlError` without NIXL."""

@@ -70,8 +70,8 @@ class NixlStart:
             self.chunk_server.engine = engine_kv.engine_blocks() if engine_kv is not None else None
             self.chunk_server.nixl = agent
         logger.info("kvtier rank %d: NIXL agent %s up in %.1f s (in the background), %.1f GiB of CPU pool "
-                    "registered (UCX, no progress thread); %s.", self.rank, agent.name, time.perf_counter() - begin,
-                    self.pool[1] / (1 << 30), hbm)
+                    "registered (UCX, no progress thread); %s; %s.", self.rank, agent.name, time.perf_counter() - begin,
+                    self.pool[1] / (1 << 30), hbm, nixl.gpu_mapping())
 
     def ready(self, timeout_s: float = 30.0) -> bool:
         """Wait until NIXL is up (True), or is not to be used here (False)."""

@@ -402,3 +402,9 @@ def test_kvtier_rows_say_where_ds_leg_went_from_the_engines_timeline_marks(run, 
     assert "NixlConnector pull" not in result["d_stages_ms"]
     assert ("where kvtier pull hbm's D leg went at 600 tokens (median ms, kvtier timeline): "
             "producer finished -> consumer arrived 10.0, arrived -> planned 1.0") in pd_engines_report.format_table(result)
+
+
+def test_the_table_says_how_the_engines_mapped_a_peers_gpu_memory():
+    table = pd_engines.format_table({**_result(), "ucx_cuda_ipc_cache": "y"})
+    assert "UCX_CUDA_IPC_CACHE in the engines: y (n: a peer's GPU memory mapped per transfer; y: kept mapped" in table
+    assert "UCX_CUDA_IPC_CACHE" not in pd_engines.format_table(_result())  # older results name none

@@ -75,3 +75,10 @@ def test_a_peer_is_dropped_only_when_idle_and_every_user_let_go(ops):
                 for gone in [p for p, since in let_go.items() if clock[0] - since >= 5.0]:
                     del users[gone], let_go[gone]
             assert agent.peer_names == set(users) == agent._nixl.remote, (op, peer, user)
+
+
+def test_the_start_line_says_whether_a_peers_gpu_memory_stays_mapped(monkeypatch):
+    monkeypatch.delenv("UCX_CUDA_IPC_CACHE", raising=False)
+    assert "mapped per transfer (UCX_CUDA_IPC_CACHE=n)" in nixl.gpu_mapping()  # kvtier's default
+    monkeypatch.setenv("UCX_CUDA_IPC_CACHE", "y")
+    assert "stays held" in nixl.gpu_mapping()
