@@ -113,12 +113,13 @@ class Engine:
 
 
 def gpu_used_mib(device: str) -> float | None:
-    """Memory in use on GPU ``device`` (``nvidia-smi``'s index), MiB; None where it cannot be read."""
+    """Memory in use on GPU ``device`` (``nvidia-smi``'s index; several, comma-separated: their
+    sum), MiB; None where it cannot be read."""
     try:
         out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits", "-i", device],
                              capture_output=True, text=True, timeout=10, check=True).stdout
-        return float(out.split()[0])
-    except (OSError, subprocess.SubprocessError, ValueError, IndexError):
+        return sum(float(line) for line in out.split()) if out.split() else None
+    except (OSError, subprocess.SubprocessError, ValueError):
         return None
 
 

@@ -65,8 +65,10 @@ def add_parser(commands) -> None:
     p.add_argument("--prompt-lens", default="8k,32k", help="comma-separated prompt lengths (default 8k,32k)")
     p.add_argument("--repeats", type=positive, default=3, help="prompts per length and row (default 3; median shown)")
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"which engine pairs to run (default {','.join(PAIRS)})")
-    p.add_argument("--devices", metavar="P,D", help="P's and D's CUDA_VISIBLE_DEVICES, e.g. 0,1 (default: both "
-                   "engines on the visible device)")
+    p.add_argument("--devices", metavar="P,D", help="P's and D's CUDA_VISIBLE_DEVICES, e.g. 0,1; with --tp N, "
+                   "2N devices, P's first: 0,1,2,3 at --tp 2 (default: both engines on the visible device)")
+    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel size of P and of D, each rank of D "
+                   "reading from the P rank of its index (default 1; needs --devices)")
     p.add_argument("--gpu-memory-utilization", type=float, help="each engine's share of its GPU (default 0.8 when "
                    "--devices gives P and D a GPU each, else 0.35)")
     p.add_argument("--hbm-lease-ms", type=int, default=2000, help="P's pd_hbm_lease_ms: how long P keeps a P/D "
@@ -79,16 +81,18 @@ def add_parser(commands) -> None:
     p.set_defaults(run=_main, parser=p)
 
 
-def parse_devices(text: str | None) -> tuple[str, str] | None:
-    """``--devices``: ``"0,1"`` -> ``("0", "1")`` (P's device, D's; each a ``CUDA_VISIBLE_DEVICES``
-    value: an index or a GPU's UUID); None stays None (both on the visible device). Anything but
-    two non-empty items raises ``ValueError``."""
+def parse_devices(text: str | None, tp: int = 1) -> tuple[str, str] | None:
+    """``--devices``: ``"0,1"`` -> ``("0", "1")`` (P's devices, D's; each a ``CUDA_VISIBLE_DEVICES``
+    value of indexes or GPU UUIDs); at ``tp`` 2, ``"0,1,2,3"`` -> ``("0,1", "2,3")``. None stays
+    None (both on the visible device). Anything but ``2 * tp`` distinct non-empty items raises
+    ``ValueError``."""
     if text is None:
         return None
-    items = tuple(x.strip() for x in text.split(","))
-    if len(items) != 2 or not all(items) or any(" " in x for x in items):
-        raise ValueError(f"expected two devices, P's and D's, like 0,1; got {text!r}")
-    return items
+    items = [x.strip() for x in text.split(",")]
+    if len(items) != 2 * tp or not all(items) or any(" " in x for x in items) or (tp > 1 and len(set(items)) < 2 * tp):
+        raise ValueError(f"expected {2 * tp} devices, P's {tp} then D's {tp}, like {','.join(map(str, range(2 * tp)))};"
+                         f" got {text!r}")
+    return ",".join(items[:tp]), ",".join(items[tp:])
 
 
 def memory_share(devices: tuple[str, str] | None, given: float | None) -> float:
@@ -103,9 +107,11 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     lengths = token_lengths(parser, args.prompt_lens)
     pairs = names_from(parser, args.pairs, PAIRS, flag="--pairs")
     try:
-        args.devices = parse_devices(args.devices)
+        args.devices = parse_devices(args.devices, args.tp)
     except ValueError as exc:
         parser.error(f"argument --devices: {exc}")
+    if args.tp > 1 and args.devices is None:
+        parser.error("argument --tp: needs --devices, P's GPUs then D's")
     if args.hbm_lease_ms < 0:
         parser.error("argument --hbm-lease-ms: expected 0 or more milliseconds")
     args.gpu_memory_utilization = memory_share(args.devices, args.gpu_memory_utilization)

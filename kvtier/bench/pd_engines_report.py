@@ -140,6 +140,8 @@ def placement(result: dict) -> str:
     devices = result.get("devices")
     if not devices:
         return "P and D on one device"
+    if result.get("tp", 1) > 1:
+        return f"TP={result['tp']} each: P on devices {devices['P']}, D on devices {devices['D']}, rank to rank"
     return f"P on device {devices['P']}, D on device {devices['D']}"
 
 

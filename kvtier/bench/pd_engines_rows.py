@@ -68,6 +68,7 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, model: str, lengths: list[int], progress: Progress):
         self.args, self.model, self.lengths, self.progress = args, model, lengths, progress
+        self.tp = getattr(args, "tp", 1)  # P's and D's tensor-parallel size (--tp)
         with open(os.path.join(model, "config.json")) as f:
             cfg = json.load(f)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
@@ -101,7 +102,8 @@ class Run:
         if role == "P" and not self.lease_missing:
             kvtier["pd_hbm_lease_ms"] = self.args.hbm_lease_ms
         return {"model": self.model, "connector": connector, "kvtier": kvtier, "load_format": self.args.load_format,
-                "gpu_memory_utilization": self.args.gpu_memory_utilization, "max_model_len": max(self.lengths) + 64}
+                "gpu_memory_utilization": self.args.gpu_memory_utilization, "max_model_len": max(self.lengths) + 64,
+                "engine_args": {"tensor_parallel_size": self.tp} if self.tp > 1 else {}}
 
     def engine(self, name: str, role: str, spec: dict, workdir: str, extra_env: dict | None = None) -> Engine:
         """Start one engine on its device (``--devices``), UCX printing the protocols it selects."""
@@ -152,7 +154,7 @@ class Run:
     def push(self, row: str, p: Engine, d: Engine, n: int, endpoints: list[str]) -> None:
         prompt, transfer_id, start, p_start = self.prompt(n), uuid.uuid4().hex, d.log_size(), p.log_size()
         d.send(prompt, {"do_remote_prefill": True, "transfer_id": transfer_id, "kvtier_endpoints": endpoints,
-                        "tp_size": 1})
+                        "tp_size": self.tp})
         p.send(prompt, {"do_remote_decode": True, "transfer_id": transfer_id})
         d_out, p_out = d.receive(), p.receive()
         self.watch(row, d, start)
@@ -262,7 +264,7 @@ class Run:
 
     # ---- NixlPushConnector, driven as vLLM's push proxies drive it ------------------------------
     @staticmethod
-    def push_legs(request_id: str, transfer_id: str, p_port: int) -> tuple[dict, dict]:
+    def push_legs(request_id: str, transfer_id: str, p_port: int, tp_size: int = 1) -> tuple[dict, dict]:
         """P's and D's ``kv_transfer_params`` for one push, both legs sent at once (vLLM's
         examples/disaggregated/disaggregated_serving/disagg_proxy_pushconnector_demo.py): D names
         P's engine and side channel up front, registers its blocks with P, and P WRITEs the KV
@@ -271,7 +273,7 @@ class Run:
                     "remote_block_ids": None, "remote_host": None, "remote_port": None, "transfer_id": transfer_id}
         d_params = {"do_remote_decode": False, "do_remote_prefill": True, "remote_engine_id": PUSH_P_ENGINE_ID,
                     "remote_request_id": request_id, "remote_host": "localhost", "remote_port": p_port,
-                    "tp_size": 1, "pp_size": 1, "transfer_id": transfer_id}
+                    "tp_size": tp_size, "pp_size": 1, "transfer_id": transfer_id}
         return p_params, d_params
 
     def push_warm_up(self, p: Engine, d: Engine, prompt: list[int]) -> None:
@@ -290,7 +292,7 @@ class Run:
     def nixl_push(self, row: str, p: Engine, d: Engine, n: int) -> None:
         """D's leg first, then P's, at once under one request id: TTFT = D's leg."""
         prompt, request_id = self.prompt(n), str(random.randrange(10**15, 10**16))
-        p_params, d_params = self.push_legs(request_id, uuid.uuid4().hex, NIXL_PORTS["nixl-push"][0])
+        p_params, d_params = self.push_legs(request_id, uuid.uuid4().hex, NIXL_PORTS["nixl-push"][0], self.tp)
         d.send(prompt, d_params, request_id=request_id)
         p.send(prompt, p_params, request_id=request_id)
         d_out, p_out = d.receive(), p.receive()
@@ -311,7 +313,7 @@ class Run:
                 "start_s": self.start_s, "transport": self.transport, "transport_lines": self.transport_lines,
                 "ucx": self.ucx, "skipped": self.skipped, "failures": self.failures, "d_gpu_released": self.released,
                 "d_stages_ms": self.stages,
-                "devices": {"P": devices[0], "D": devices[1]} if devices else None,
+                "devices": {"P": devices[0], "D": devices[1]} if devices else None, "tp": self.tp,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
                 "device": _device_name(), "vllm": vllm_version(),
                 "ucx_cuda_ipc_cache": os.environ.get("UCX_CUDA_IPC_CACHE", "n (kvtier's default)")}

@@ -408,3 +408,27 @@ def test_the_table_says_how_the_engines_mapped_a_peers_gpu_memory():
     table = pd_engines.format_table({**_result(), "ucx_cuda_ipc_cache": "y"})
     assert "UCX_CUDA_IPC_CACHE in the engines: y (n: a peer's GPU memory mapped per transfer; y: kept mapped" in table
     assert "UCX_CUDA_IPC_CACHE" not in pd_engines.format_table(_result())  # older results name none
+
+
+def test_at_tp_2_the_devices_are_p_s_two_then_d_s_two_and_each_engine_runs_at_tp_2(tmp_path):
+    assert pd_engines.parse_devices("0,1,2,3", tp=2) == ("0,1", "2,3")
+    for bad in ("0,1", "0,1,2", "0,1,1,2", "0,,2,3"):
+        with pytest.raises(ValueError, match="expected 4 devices"):
+            pd_engines.parse_devices(bad, tp=2)
+    assert pd_engines.engine_env("D", ("0,1", "2,3")) == {"CUDA_VISIBLE_DEVICES": "2,3"}
+    assert pd_engines.memory_share(("0,1", "2,3"), None) == 0.8
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
+    args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=1,
+                              gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2)
+    run = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
+    assert run.spec("kvtier")["engine_args"] == {"tensor_parallel_size": 2}
+    assert run.push_legs("1", "t", 5600, run.tp)[1]["tp_size"] == 2
+    assert "TP=2 each: P on devices 0,1, D on devices 2,3" in pd_engines.format_table({**_result(), **{
+        "devices": {"P": "0,1", "D": "2,3"}, "tp": 2}})
+
+
+def test_tp_without_devices_is_refused_naming_the_flag():
+    run = subprocess.run([sys.executable, "-m", "kvtier.bench.cli", "pd-engines", "--tp", "2"],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2 and "argument --tp: needs --devices" in run.stderr, run.stderr
