@@ -283,12 +283,12 @@ def _collect(result: dict, name: str, rounds: list[dict], out: dict) -> None:
 def load_stages(log: str) -> tuple[dict[str, float], dict[str, float]]:
     """From an engine log's timeline marks: the median ms of each stage over the requests that
     loaded something, and the same for the first of them (the first load after start)."""
-    loaded = [{r: m} for r, m in timeline.read(log.splitlines())[0].items() if "load seen" in m]
+    loaded = {r: m for r, m in timeline.read(log.splitlines())[0].items() if "load seen" in m}  # in log order
 
     def ms(marks: dict[str, dict]) -> dict[str, float]:
         return {stage: round(v, 2) for stage, v, _ in timeline.stages(marks, {})}
 
-    return ms({r: m for one in loaded for r, m in one.items()}), ms(loaded[0] if loaded else {})
+    return ms(loaded), ms(dict(list(loaded.items())[:1]))
 
 
 def _identical(result: dict) -> bool:

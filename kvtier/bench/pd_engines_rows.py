@@ -68,7 +68,7 @@ class Run:
 
     def __init__(self, args: argparse.Namespace, model: str, lengths: list[int], progress: Progress):
         self.args, self.model, self.lengths, self.progress = args, model, lengths, progress
-        self.tp = getattr(args, "tp", 1)  # P's and D's tensor-parallel size (--tp)
+        self.tp = args.tp  # P's and D's tensor-parallel size (--tp)
         with open(os.path.join(model, "config.json")) as f:
             cfg = json.load(f)
         head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]

@@ -286,7 +286,7 @@ def run(tmp_path, monkeypatch):
     monkeypatch.setattr(pd_engines_rows.time, "sleep", lambda s: (waits.append(s), setattr(FakeEngine, "waited", True)))
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
-    args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2,
+    args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2, tp=1,
                               gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"))
     r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     r.waits = waits

@@ -31,6 +31,8 @@ import gpu_engines as g
 if (_reason := g.skip_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
 
+from test_gpu_pd import _as_output, _ask  # noqa: E402
+
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
 LENGTH = 4 * g.CHUNK + 1
@@ -51,28 +53,21 @@ def _spec(model: str, **kvtier) -> dict:
             "kvtier": g.kvtier_config(pd_transport="nixl", **kvtier)}
 
 
-def _as_output(out: dict) -> dict:
-    return {"tokens": out["tokens"], "top": [list(step.items()) for step in out["logprobs"] or []]}
-
-
-def _ask(engine, prompt: list[int], params: dict | None = None) -> dict:
-    engine.send(prompt, params, max_tokens=16, logprobs=g.TOP_LOGPROBS)
-    return engine.receive()
-
-
 def _log(engine) -> str:
     with open(engine.log_path, errors="replace") as f:
         return f.read()
 
 
-def _wait_for_line(engine, pattern: str, timeout_s: float = 30.0) -> None:
-    """Wait until the engine's log has a line matching ``pattern`` (what the engine reports)."""
+def _wait_for_line(engine, pattern: str, timeout_s: float = 30.0, count: int = 1) -> list:
+    """Wait until the engine's log has ``count`` lines matching ``pattern`` (what the engine reports;
+    each TP rank logs its own); returns the matches (``re.findall``'s)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if re.search(pattern, _log(engine)):
-            return
+        found = re.findall(pattern, _log(engine))
+        if len(found) >= count:
+            return found
         time.sleep(0.05)
-    raise AssertionError(f"{engine.name} never logged {pattern!r}; its log ends:\n{engine.log_tail()}")
+    raise AssertionError(f"{engine.name} never logged {pattern!r} {count} time(s); its log ends:\n{engine.log_tail()}")
 
 
 def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_path, monkeypatch):

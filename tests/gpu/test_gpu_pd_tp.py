@@ -19,8 +19,6 @@ on the same KV bytes). Cases:
 
 from __future__ import annotations
 
-import re
-import time
 import uuid
 
 import pytest
@@ -29,6 +27,9 @@ import gpu_engines as g
 
 if (_reason := g.skip_reason()) is not None:
     pytest.skip(_reason, allow_module_level=True)
+
+from test_gpu_pd import _as_output, _ask  # noqa: E402
+from test_gpu_pd_hbm import _wait_for_line  # noqa: E402
 
 pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
 
@@ -41,26 +42,6 @@ def _spec(model: str) -> dict:
     return {"model": model, "connector": "kvtier", "load_format": "auto", "block_size": g.BLOCK,
             "max_model_len": g.MAX_MODEL_LEN, "gpu_memory_utilization": g.GPU_MEMORY_UTILIZATION,
             "engine_args": {"tensor_parallel_size": TP}, "kvtier": g.kvtier_config(pd_transport="nixl")}
-
-
-def _output(got: dict) -> dict:
-    return {"cached": got["cached"], "tokens": got["tokens"], "top": [list(s.items()) for s in got["logprobs"] or []]}
-
-
-def _ask(engine, prompt: list[int], params: dict | None = None) -> dict:
-    engine.send(prompt, params, max_tokens=16, logprobs=g.TOP_LOGPROBS)
-    return _output(engine.receive())
-
-
-def _lines(engine, pattern: str, count: int, timeout_s: float = 30.0) -> list[str]:
-    """The matches of ``pattern`` in the engine's log once there are ``count`` (each rank logs its own)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        with open(engine.log_path, errors="replace") as f:
-            found = re.findall(pattern, f.read())
-        if len(found) >= count or time.monotonic() > deadline:
-            return found
-        time.sleep(0.05)
 
 
 def test_pd_tp2_to_tp2_pull_and_push_rank_to_rank(gpu_model, tmp_path, monkeypatch):
@@ -82,26 +63,25 @@ def test_pd_tp2_to_tp2_pull_and_push_rank_to_rank(gpu_model, tmp_path, monkeypat
         assert params["tp_size"] == TP
         got = _ask(d, pulled, params)
         assert got["cached"] >= LOADED, f"HBM pull: D loaded {got['cached']} tokens, expected {LOADED}"
-        landed = set(_lines(d, r"chunks from (\S+) land HBM to HBM", TP))
+        landed = set(_wait_for_line(d, r"chunks from (\S+) land HBM to HBM", count=TP))
         assert landed == set(params["kvtier_endpoints"]), \
             f"D's ranks did not each READ from their P rank's engine blocks: {landed}; D's log ends:\n{d.log_tail()}"
-        g.assert_strict(got, _ask(p, pulled), "TP=2 HBM pull vs P's own KV")
+        g.assert_strict(_as_output(got), _as_output(_ask(p, pulled)), "TP=2 HBM pull vs P's own KV")
 
         pushed, transfer_id = g.prompt(501, LENGTH), uuid.uuid4().hex
         d.send(pushed, {"do_remote_prefill": True, "transfer_id": transfer_id, "tp_size": TP,
                         "kvtier_endpoints": params["kvtier_endpoints"]}, max_tokens=16, logprobs=g.TOP_LOGPROBS)
         p.send(pushed, {"do_remote_decode": True, "transfer_id": transfer_id})
         got, _ = d.receive(), p.receive()
-        got = _output(got)
         assert got["cached"] >= LOADED, f"push: D loaded {got['cached']} tokens, expected {LOADED}"
-        landed = _lines(d, rf"transfer {transfer_id} from \S+: 5 chunks landed", TP)
+        landed = _wait_for_line(d, rf"transfer {transfer_id} from \S+: 5 chunks landed", count=TP)
         assert len(landed) == TP, f"push: {len(landed)} of D's {TP} ranks said their 5 chunks landed"
-        g.assert_strict(got, _ask(p, pushed), "TP=2 push vs P's own KV")
+        g.assert_strict(_as_output(got), _as_output(_ask(p, pushed)), "TP=2 push vs P's own KV")
 
         unknown = g.prompt(502, LENGTH)
         got = _ask(d, unknown, {**params, "remote_request_id": "never-published"})
         assert got["cached"] < g.CHUNK, f"D loaded {got['cached']} tokens of a transfer never published"
-        g.assert_close(got, _ask(p, unknown), "recompute vs P")
+        g.assert_close(_as_output(got), _as_output(_ask(p, unknown)), "recompute vs P")
     finally:
         for e in engines:
             e.stop()
