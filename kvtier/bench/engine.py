@@ -37,6 +37,7 @@ import time
 from dataclasses import asdict
 
 from kvtier import timeline
+from kvtier.bench import engine_profile
 from kvtier.bench.common import Progress, names_from, parse_tokens, positive, token_lengths, vllm_version
 from kvtier.bench.engine_model import FAMILIES, KvShape, read_kv_shape, write_model_dir
 from kvtier.bench.engine_report import MiB, format_table, reload_bytes, write_plot
@@ -78,6 +79,10 @@ def add_parser(commands) -> None:
     p.add_argument("--prefill-batch", type=positive, default=8, help="prompts per prefill batch (default 8)")
     p.add_argument("--ttft-only", action="store_true", help="TTFT and bytes per reload only: no prefill, no chat")
     p.add_argument("--settle-s", type=float, default=1.0, help="pause before each local hit and reload (default 1)")
+    p.add_argument("--profile", metavar="DIR",
+                   help="run chosen rounds under vLLM's torch profiler (the first and the last reload and the last "
+                        "local hit at the first length, the second prefill batch), traces into DIR/<engine>/<round>, "
+                        "and report what grew between them (their own TTFTs then include the profiler)")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)
@@ -134,6 +139,11 @@ def h2d_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
+def _profiled(args, round_: dict, tag: str | None) -> dict:
+    """``round_``, run under the profiler as ``tag`` where ``--profile`` asks and ``tag`` is set."""
+    return {**round_, "profile": tag} if args.profile and tag else round_
+
+
 def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict]:
     rounds = [{"prompts": [prompt(1, 1024)], "tag": ["warmup"]}]
     for n in lengths:  # unmeasured: an engine's first short step over a long cached prefix took 100-150 ms at 8k
@@ -141,10 +151,13 @@ def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict
     for n in lengths:
         for r in range(args.repeats):
             p = prompt(salt + 1000 * r + n, n)
+            last = n == lengths[0] and r == args.repeats - 1
             rounds += [{"prompts": [p], "tag": ["recompute", n]},
-                       {"prompts": [p], "pause_s": args.settle_s, "tag": ["local", n]}]
+                       _profiled(args, {"prompts": [p], "pause_s": args.settle_s, "tag": ["local", n]}, last and "local")]
             if reload:
-                rounds.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["reload", n]})
+                which = "reload-first" if n == lengths[0] and r == 0 else "reload-later" if last and r else None
+                rounds.append(_profiled(args, {"prompts": [p], "reset": True, "pause_s": args.settle_s,
+                                               "tag": ["reload", n]}, which))
     for n in lengths:
         p = prompt(7 + n, n)
         rounds.append({"prompts": [p], "max_tokens": CHECK_TOKENS, "tag": ["check", n]})
@@ -155,8 +168,8 @@ def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict
 
 
 def _workload_rounds(args) -> list[dict]:
-    rounds = [{"prompts": [prompt(900_000 + 100 * b + i, args.prefill_len) for i in range(args.prefill_batch)],
-               "reset": b == 0, "tag": ["prefill"]} for b in range(3)]
+    rounds = [_profiled(args, {"prompts": [prompt(900_000 + 100 * b + i, args.prefill_len) for i in range(args.prefill_batch)],
+                               "reset": b == 0, "tag": ["prefill"]}, "prefill" if b == 1 else None) for b in range(3)]
     sessions = [prompt(500_000 + s, args.session_len) for s in range(args.sessions)]
     turns = [[prompt(600_000 + 1000 * t + s, 128) for s in range(args.sessions)] for t in range(args.chat_rounds)]
     rounds.append({"sessions": sessions, "turns": turns, "max_tokens": 32, "reset": True, "tag": ["chat"]})
@@ -190,6 +203,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
               "args": {k: v for k, v in vars(args).items() if k not in ("run", "parser")},
               "ttft_ms": {}, "start_s": {}, "prefill_tok_s": {}, "chat_s": {}, "checks": {}, "chat_tokens": {},
               "reload_transfers": {}, "hybrid": {}}
+    profiles: dict[str, dict[str, list[dict]]] = {}  # engine -> profiled round -> per-rank summaries
     import torch
 
     result["device"] = torch.cuda.get_device_name(0) + (f" × {args.tp} (TP={args.tp})" if args.tp > 1 else "")
@@ -211,8 +225,11 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             progress(f"engine {name}: TTFT at {', '.join(map(str, lengths))} tokens{what}")
             env = {"KVTIER_LOG_LEVEL": "DEBUG"} if name == "kvtier" else None  # one line per reload
             spec = _spec(args, model, shape, name, rounds, count_transfers=name != "none")
+            if args.profile:
+                spec["profile_dir"] = os.path.join(os.path.abspath(args.profile), name)
             out, log = spawn(spec, tmp, name, timeout_s=1200, multiprocess=True, module=CHILD, env=env)
             _collect(result, name, rounds, out)
+            profiles[name] = {tag: engine_profile.summarize(paths) for tag, paths in out.get("profiles", {}).items()}
             if name == "kvtier":
                 result["kvtier_load_ms"] = load_times(log)
                 result["kvtier_stages_ms"], result["kvtier_first_load_stages_ms"] = load_stages(log)
@@ -221,6 +238,10 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
         if "disk" in engines:
             _run_disk(args, lengths, model, shape, tmp, result, progress)
     result["identical"] = _identical(result)
+    if args.profile:
+        result["profile"] = {name: {tag: engine_profile.public(s) for tag, s in tags.items()}
+                             for name, tags in profiles.items()}
+        result["profile_compared"] = engine_profile.comparisons(profiles)
     return result
 
 

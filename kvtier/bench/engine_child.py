@@ -5,16 +5,17 @@
 
 SPEC: ``{"model": dir, "connector": "none" | "kvtier" | "offload", "kvtier": extra config,
 "offload_gib": GiB, "num_gpu_blocks": blocks or "kv_cache_bytes": bytes (the engine's KV cache),
-"max_model_len": tokens, "gpu_memory_utilization": fraction, "count_transfers": bool, "rounds":
-[round, ...]}``. A round is ``{"prompts": [[token ids]], "max_tokens": int,
-"reset": bool, "pause_s": s}`` (one ``generate`` call; ``reset`` empties vLLM's prefix cache
-first), or ``{"sessions": [[ids]], "turns": [[[ids] per session] per round], "max_tokens": int}``
+"max_model_len": tokens, "gpu_memory_utilization": fraction, "count_transfers": bool, "profile_dir":
+absolute path or absent, "rounds": [round, ...]}``. A round is ``{"prompts": [[token ids]], "max_tokens": int,
+"reset": bool, "pause_s": s, "profile": tag}`` (one ``generate`` call; ``reset`` empties vLLM's prefix
+cache first; ``profile``: the call runs under vLLM's torch profiler, its traces go to
+``profile_dir/tag``, see :mod:`kvtier.bench.engine_profile`), or ``{"sessions": [[ids]], "turns": [[[ids] per session] per round], "max_tokens": int}``
 (a multi-turn chat: every round sends all sessions at once; a session's next prompt is its last
 prompt, the tokens it got back and the new user turn).
 
 RESULT: ``{"start_s": seconds to build the engine, "hybrid": whether vLLM kept its hybrid KV cache
 manager on (None: this vLLM does not say), "rounds": [{"seconds", "outputs": [{"tokens", "cached"}],
-"transfers"}]}``; a multi-turn round gives one entry per chat round.
+"transfers"}], "profiles": {tag: [trace paths]}}``; a multi-turn round gives one entry per chat round.
 
 ``count_transfers``: the engine keeps stats (``disable_log_stats=False``) and each round's
 ``transfers`` is what the connector reported during the round, reduced as vLLM logs it ("KV
@@ -29,6 +30,8 @@ import os
 import sys
 import time
 from typing import Callable
+
+from kvtier.bench.engine_profile import collect, profiler_kwargs
 
 
 def build_engine(spec: dict):
@@ -47,6 +50,8 @@ def build_engine(spec: dict):
         extra["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     if spec.get("kv_cache_bytes"):  # bytes, not blocks: a hybrid model's block holds fewer layers
         extra["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
+    if spec.get("profile_dir"):
+        extra.update(profiler_kwargs(spec["profile_dir"]))
     return LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
                max_model_len=spec["max_model_len"], gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.85),
                tensor_parallel_size=spec.get("tp", 1),
@@ -106,7 +111,7 @@ def run_child(spec: dict) -> dict:
 
     begin = time.perf_counter()
     llm = build_engine(spec)
-    result = {"start_s": time.perf_counter() - begin, "hybrid": hybrid_manager_on(llm), "rounds": []}
+    result = {"start_s": time.perf_counter() - begin, "hybrid": hybrid_manager_on(llm), "rounds": [], "profiles": {}}
     transfers = tap_transfers(llm) if spec.get("count_transfers") else (lambda: None)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list, dict | None]:
@@ -131,7 +136,12 @@ def run_child(spec: dict) -> dict:
                 result["rounds"].append({"seconds": seconds, "transfers": moved, "outputs": [
                     {"tokens": r, "cached": o.num_cached_tokens or 0} for r, o in zip(replies, outs)]})
             continue
+        if rnd.get("profile"):
+            llm.start_profile()
         seconds, outs, moved = generate(rnd["prompts"], rnd.get("max_tokens", 1))
+        if rnd.get("profile"):
+            llm.stop_profile()  # the workers write their traces before it returns
+            result["profiles"][rnd["profile"]] = collect(spec["profile_dir"], rnd["profile"])
         result["rounds"].append({"seconds": seconds, "transfers": moved, "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs]})
     return result
