@@ -17,6 +17,7 @@ from kvtier.layout import Layout
 from kvtier.pd.hbm import EngineBlocks, Landing, region_spans, registration
 from kvtier.pd.leases import BlockLeases
 from kvtier.pd.nixl import Agent
+from kvtier.pd.sums import EarlySums
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,7 @@ class EngineKv:
         self.device = (layout.device.index or 0) if layout.device.type == "cuda" else 0
         self.lease_s = lease_ms / 1000
         self.leases = BlockLeases(chunk_blocks, layout.bytes_per_block, grace_s) if lease_ms > 0 else None
+        self.sums = EarlySums(layout, chunk_blocks) if lease_ms > 0 else None
         self.agent: Agent | None = None  # set once the engine KV is registered
         self._ranges: list[tuple[int, int]] = []
         self._unkept: set[str] = set()  # requests whose blocks were to be lent, but cannot be
@@ -52,7 +54,7 @@ class EngineKv:
         """What the chunk server lends (None: no leases here, or not registered)."""
         if self.agent is None or self.leases is None:
             return None
-        return EngineBlocks(self.spans, self.device, self.leases, self.layout.bytes_per_block, self.kind)
+        return EngineBlocks(self.spans, self.device, self.leases, self.layout.bytes_per_block, self.kind, self.sums)
 
     def landing(self, targets: list[tuple[int, ...] | None]) -> Landing | None:
         """Where a fetch's chunks may land in the engine (None: not registered, or no chunk may)."""
@@ -63,12 +65,14 @@ class EngineKv:
     def saving(self, jobs: tuple[SaveJob, ...]) -> None:
         """Published requests whose blocks will be lent when they finish (the scheduler half says
         so: ``SaveJob.lease``): the blocks of the chunks computed now may be written into a decode
-        engine at once, and once the last chunk is computed a lease is expected."""
+        engine at once (their checksums are taken from them now, :mod:`kvtier.pd.sums`), and once
+        the last chunk is computed a lease is expected."""
         if self.leases is None or self.agent is None:
             return
         for job in jobs:
             if job.publish is not None and job.lease and job.group == 0:
                 self.leases.live(job.publish, job.req_id, job.block_ids, job.keys)
+                self.sums.take(job.keys, job.block_ids)
                 if job.final:
                     self.leases.expect(job.publish, job.req_id)
 

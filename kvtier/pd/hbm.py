@@ -20,9 +20,13 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvtier.layout import Layout
 from kvtier.pd.leases import BlockLeases
+
+if TYPE_CHECKING:
+    from kvtier.pd.sums import EarlySums
 
 logger = logging.getLogger(__name__)
 
@@ -47,13 +51,15 @@ class RegionSpan:
 class EngineBlocks:
     """What a producer rank lends HBM to HBM: its engine KV ``regions`` on CUDA device ``device``
     (this process's index), registered as ``kind`` ("VRAM" or "DRAM"), the ``leases`` of its
-    requests' blocks, ``bytes_per_block`` over all regions."""
+    requests' blocks, ``bytes_per_block`` over all regions, and the ``sums`` of its published
+    chunks taken as each step ends (None: only a stored chunk's checksum is known)."""
 
     regions: tuple[RegionSpan, ...]
     device: int
     leases: BlockLeases
     bytes_per_block: int
     kind: str = "VRAM"
+    sums: EarlySums | None = None
 
 
 @dataclass(frozen=True, slots=True)

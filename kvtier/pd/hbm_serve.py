@@ -2,12 +2,14 @@
 
 A consumer whose hello offered it (``Hello.hbm``, same layout fingerprint) gets this rank's
 engine KV regions in the handshake reply. Its pull fetches for a transfer under a lease
-(:mod:`kvtier.pd.leases`) are answered with the chunk's engine block ids and the KVSUM64 of its
-stored copy, which the consumer READs and checks itself. A push consumer that also gave its own
+(:mod:`kvtier.pd.leases`) are answered with the chunk's engine block ids and its KVSUM64, which
+the consumer READs and checks itself. A push consumer that also gave its own
 engine KV (its second hello, after this server's reply checked out) and names its blocks in each
 fetch (``Fetch.blocks``) is written into instead: from the running request's blocks, or from the
-lease that follows it, as soon as the chunk is stored; the chunks ready in one turn of the
-server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`).
+lease that follows it, as soon as the chunk's checksum is known: taken from its blocks as its
+step ended (:mod:`kvtier.pd.sums`), else its stored copy's; the chunks ready in one turn of the
+server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`). A pull fetch is answered with
+the blocks as soon, too.
 
 Used by the chunk server's thread only.
 """
@@ -81,19 +83,42 @@ class HbmServing:
         num_blocks = header.payload_bytes // engine.bytes_per_block
         if header.checksum_kind != codec.KVSUM64 or num_blocks != fetch.num_blocks:
             return False
-        target = self._targets.get(identity) if fetch.blocks else None
-        if fetch.blocks and (target is None or len(fetch.blocks) != num_blocks or emulated(target[0])):
+        return self._from_blocks(identity, fetch, header.checksum, buffer)
+
+    def answer_early(self, identity: bytes, fetch: Fetch) -> bool:
+        """Answer a chunk not stored yet from the engine's blocks, as :meth:`answer` does, if its
+        checksum was taken as its step ended (:mod:`kvtier.pd.sums`). A WRITE of it that fails
+        is answered from the stored copy once there (:class:`~kvtier.pd.writes.PeerWrites`)."""
+        engine = self.engine
+        if not fetch.hbm or identity not in self._readers or engine is None or engine.sums is None:
             return False
-        blocks = engine.leases.blocks(fetch.transfer_id, fetch.key, num_blocks, live=target is not None)
+        checksum = engine.sums.get(fetch.key, fetch.num_blocks)
+        return checksum is not None and self._from_blocks(identity, fetch, checksum, None)
+
+    def _from_blocks(self, identity: bytes, fetch: Fetch, checksum: int, buffer: ChunkBuffer | None) -> bool:
+        target = self._targets.get(identity) if fetch.blocks else None
+        if fetch.blocks and (target is None or len(fetch.blocks) != fetch.num_blocks or emulated(target[0])):
+            return False
+        blocks = self.engine.leases.blocks(fetch.transfer_id, fetch.key, fetch.num_blocks, live=target is not None)
         if blocks is None:
             return False
         if target is not None:
-            self._batch.setdefault(identity, []).append(BlockWrite(identity, fetch, buffer, blocks, header.checksum))
+            self._batch.setdefault(identity, []).append(BlockWrite(identity, fetch, buffer, blocks, checksum))
             return True
         self.lent_total += 1
-        self._send(identity, ChunkReply(VERSION, fetch.index, "ok", blocks=blocks, checksum=header.checksum))
-        buffer.release()
+        self._send(identity, ChunkReply(VERSION, fetch.index, "ok", blocks=blocks, checksum=checksum))
+        if buffer is not None:
+            buffer.release()
         return True
+
+    def sums_came(self) -> bool:
+        """Checksums of chunks just computed came in (waiting fetches may be answered now)."""
+        return self.engine is not None and self.engine.sums is not None and self.engine.sums.poll()
+
+    @property
+    def sums_pending(self) -> bool:
+        """Checksums are being taken: the server should look again soon."""
+        return self.engine is not None and self.engine.sums is not None and self.engine.sums.pending
 
     def flush(self, agent: Agent) -> None:
         """Post one WRITE per peer for the chunks gathered this turn."""
@@ -102,6 +127,7 @@ class HbmServing:
             peer, theirs, device = self._targets.get(identity) or (None, (), 0)
             if peer is None:  # the peer left meanwhile
                 for c in chunks:
-                    c.buffer.release()
+                    if c.buffer is not None:
+                        c.buffer.release()
                 continue
             self._writes.start_blocks(agent, peer, self.engine, theirs, device, chunks)

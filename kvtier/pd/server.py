@@ -91,7 +91,7 @@ class ChunkServer:
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
-        self._writes = PeerWrites(self._send)  # WRITEs not done yet (RDMA; on one host they finish when posted)
+        self._writes = PeerWrites(self._send, self._retry)  # WRITEs not done yet (RDMA; on one host they finish when posted)
         self._hbm = HbmServing(self._send, self._writes)
         self._answer_releases: list[tuple[bytes, str]] = []  # (identity, transfer id): answer once no WRITE runs
         self.lent_total = 0  # chunks lent over NIXL since start
@@ -128,7 +128,8 @@ class ChunkServer:
         poller.register(self._socket, zmq.POLLIN)
         last_beat = last_expire = time.monotonic()
         while not self._stop.is_set():
-            events = dict(poller.poll(1 if self._writes else 10 if self._waiting or self._nixl_peers else 100))
+            busy = self._writes or self._hbm.sums_pending
+            events = dict(poller.poll(1 if busy else 10 if self._waiting or self._nixl_peers else 100))
             if self._lease_wait:  # a fetch waits for a lease, which no announcement wakes: look again
                 self._lease_wait = False
                 self.holds.changed.set()
@@ -144,6 +145,8 @@ class ChunkServer:
                     self.nixl.progress()
                 if self._writes:
                     self._writes.poll()
+                if self._hbm.sums_came():  # chunks just computed: a waiting fetch may be answered now
+                    self.holds.changed.set()
                 if self._answer_releases:
                     self._answer_released()
                 now = time.monotonic()
@@ -231,10 +234,19 @@ class ChunkServer:
         if state == "pinned" and (buffer := self.store.get(skey)) is not None:  # stored since the look-up above
             return self._answer(identity, fetch, buffer)
         coming = self._saving(skey) or state == "coming" or (state == "unknown" and fetch.wait)
+        if coming and self._hbm.answer_early(identity, fetch):  # its checksum was taken from its blocks
+            self.served_total += 1
+            self._nixl_peers[identity] = time.monotonic()
+            return True
         if not coming:
             self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
             return True
         return self._park(identity, fetch, now)
+
+    def _retry(self, identity: bytes, fetch: Fetch) -> None:
+        """A chunk WRITTEN before it was stored, whose WRITE failed: answer it from the stored copy."""
+        self._park(identity, fetch, time.monotonic())
+        self.holds.changed.set()
 
     def _park(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Keep ``fetch`` to answer later (False), or refuse it when too many wait (True)."""
@@ -337,6 +349,11 @@ class ChunkServer:
     def blocks_written_total(self) -> int:
         """Chunks written from engine blocks into push consumers' engine blocks since start."""
         return self._writes.blocks_total
+
+    @property
+    def writes_failed_total(self) -> int:
+        """Chunks whose WRITE into a NIXL peer failed since start (each sent from its stored copy)."""
+        return self._writes.failed_total
 
     @property
     def lent_chunks(self) -> int:

@@ -9,7 +9,7 @@ Into a consumer's engine blocks (HBM push): the chunks that became ready in one 
 server go out as one WRITE from this engine's blocks, one descriptor per run of consecutive
 blocks and region (:func:`kvtier.pd.hbm.read_descriptors`). Each ``written`` reply carries the
 chunk's KVSUM64, which the consumer checks on its GPU; a failed WRITE sends the stored copy
-instead. The first WRITEs to each consumer are timed (:func:`kvtier.pd.hbm.read_speed`): an
+instead (once stored, for a chunk written before it was). The first WRITEs to each consumer are timed (:func:`kvtier.pd.hbm.read_speed`): an
 emulated path ends HBM pushes to it.
 """
 
@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
+import msgspec
+
 from kvtier.pd.hbm import EngineBlocks, RegionSpan, read_descriptors, read_speed
 from kvtier.pd.nixl import Agent, Transfer
 from kvtier.pd.protocol import VERSION, ChunkReply, Fetch
@@ -28,6 +30,7 @@ from kvtier.timeline import mark
 
 logger = logging.getLogger(__name__)
 Send = Callable[..., None]  # (identity, reply, payload, out_of_band=...) -> None: the server's _send
+Retry = Callable[[bytes, Fetch], None]  # (identity, fetch): answer it from the stored copy once there
 
 
 @dataclass(slots=True)
@@ -37,7 +40,7 @@ class _Write:
 
     identity: bytes
     fetch: Fetch
-    buffer: ChunkBuffer
+    buffer: ChunkBuffer | None  # the stored copy (None: written before it was stored)
     transfer: Transfer
     checksum: int | None = None
     started_s: float = 0.0  # perf_counter s
@@ -45,24 +48,27 @@ class _Write:
 
 @dataclass(frozen=True, slots=True)
 class BlockWrite:
-    """A stored chunk to write from this engine's ``blocks`` into those ``fetch`` names (its
-    ``buffer``, the stored copy, and ``checksum``, its KVSUM64)."""
+    """A chunk to write from this engine's ``blocks`` into those ``fetch`` names (its ``buffer``,
+    the stored copy, None when not stored yet, and ``checksum``, its KVSUM64)."""
 
     identity: bytes
     fetch: Fetch
-    buffer: ChunkBuffer
+    buffer: ChunkBuffer | None
     blocks: tuple[int, ...]
     checksum: int
 
 
 class PeerWrites:
-    """WRITEs in flight. ``send``: how the server replies."""
+    """WRITEs in flight. ``send``: how the server replies; ``retry``: how it answers a chunk
+    whose WRITE failed before its stored copy was there."""
 
-    def __init__(self, send: Send):
+    def __init__(self, send: Send, retry: Retry):
         self._send = send
+        self._retry = retry
         self._writes: list[_Write] = []
         self.written_total = 0  # chunks written into NIXL peers' memory since start
         self.blocks_total = 0  # ... of them, from engine blocks into engine blocks
+        self.failed_total = 0  # chunks whose WRITE failed (each then sent from its stored copy)
 
     def __bool__(self) -> bool:
         return bool(self._writes)
@@ -111,21 +117,30 @@ class PeerWrites:
                         logger.debug("kvtier P/D: WRITE of %.0f MiB of engine blocks into %s done %.1f ms after its "
                                      "posting began", w.transfer.nbytes / (1 << 20), w.transfer.peer, seconds * 1e3)
             try:
-                payload = memoryview(w.buffer.data.numpy())
                 if state != "DONE":
-                    self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok"), payload)
+                    self.failed_total += 1
+                    self._fall_back(w)
                     continue
                 self.written_total += 1
                 if w.checksum is None:
                     reply = ChunkReply(VERSION, w.fetch.index, "ok", nbytes=w.buffer.data.numel(), written=True)
-                    self._send(w.identity, reply, payload, out_of_band=True)
+                    self._send(w.identity, reply, memoryview(w.buffer.data.numpy()), out_of_band=True)
                 else:
                     self.blocks_total += 1
                     self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok", written=True,
                                                       blocks=w.fetch.blocks, checksum=w.checksum))
             finally:
-                w.buffer.release()
+                if w.buffer is not None:
+                    w.buffer.release()
         self._writes = running
+
+    def _fall_back(self, w: _Write) -> None:
+        """A WRITE that failed: the chunk goes as a payload frame, from its stored copy, or once
+        that is stored (a fetch without engine blocks, served like any other)."""
+        if w.buffer is None:
+            self._retry(w.identity, msgspec.structs.replace(w.fetch, hbm=False, blocks=()))
+        else:
+            self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok"), memoryview(w.buffer.data.numpy()))
 
     def settle(self, timeout_s: float) -> None:
         """At close: a buffer goes back only once no WRITE reads it."""
@@ -133,5 +148,6 @@ class PeerWrites:
             if w.transfer.released or w.transfer.settle(timeout_s):
                 if not w.transfer.released:
                     w.transfer.release()
-                w.buffer.release()
+                if w.buffer is not None:
+                    w.buffer.release()
         self._writes = []

@@ -49,6 +49,7 @@ from kvtier.transfer.landed import LandedCheck
 logger = logging.getLogger(__name__)
 
 REMOTE_THREADS = 4  # P/D transfers in flight at once
+CHECK_AT = 16  # push: chunks landed in the engine's blocks checked as they come, this many at a time
 
 
 class LoadSide:
@@ -256,6 +257,13 @@ class LoadSide:
                     count = self._span(job, i, done)[1]
                     landed.append((i, done, count, buffer))
                     done, count_chunks = done + count, count_chunks + 1
+                    if remote.wait and len(landed) >= CHECK_AT:  # push: checked while P computes the rest,
+                        checked = self._landed.loaded(job, landed, done, count_chunks, self._ids)  # not all at the end
+                        self.stats.landed_bytes += checked[2]
+                        landed = []
+                        if checked[0] < done:  # a bad chunk: recomputed from there
+                            done, count_chunks = checked[0], checked[1]
+                            break
                     continue
                 try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)
                     fused = self._kernel_sums and codec.read_header(buffer.data).checksum_kind == codec.KVSUM64

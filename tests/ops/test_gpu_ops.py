@@ -275,3 +275,30 @@ def test_staged_calls_in_flight_from_two_threads_keep_their_bytes():
         torch.cuda.synchronize()
         for a, b in zip(spans, back):
             assert torch.equal(a.buffer, b.buffer)
+
+
+@SETTINGS
+@given(data=st.data())
+def test_block_sums_read_whole_chunks_like_a_save_and_write_nothing(data):
+    """The P/D checksum pass (:class:`kvtier.transfer.landed.BlockSums`): a read-only plan on the
+    current stream, whose sums equal those of the chunk a save would write."""
+    from kvtier.transfer.landed import BlockSums
+
+    layout, backings = data.draw(layouts())
+    sizes = data.draw(st.lists(st.integers(1, 4), min_size=1, max_size=4))
+    ids = data.draw(st.permutations(range(layout.num_blocks)))
+    chunks, at = [], 0
+    for n in sizes:
+        if at + n > layout.num_blocks:
+            break
+        chunks.append(torch.tensor(ids[at:at + n], dtype=torch.int64, device="cuda"))
+        at += n
+    before = [b.clone() for b in backings]
+    got = BlockSums(layout, chunk_blocks=4).launch([(c, c.numel()) for c in chunks])
+    assert isinstance(got, torch.Tensor) and got.device.type == "cuda"
+    saved = [ChunkSpan(torch.zeros(codec.chunk_bytes(layout, c.numel()), dtype=torch.uint8).pin_memory(), c.numel(), 0, c)
+             for c in chunks]
+    reference.gather(layout, saved)
+    torch.cuda.synchronize()
+    assert [to_unsigned(v) for v in got.tolist()] == [chunk_checksum(layout, s) for s in saved]
+    assert all(torch.equal(a, b) for a, b in zip(before, backings))

@@ -1,0 +1,136 @@
+"""P/D HBM to HBM before the producer's CPU-tier copy is stored: the producer (P) takes each
+published chunk's KVSUM64 from its engine blocks as the step that computed it ends
+(:mod:`kvtier.pd.sums`), and WRITEs (push) or lends (pull) the chunk at once, without waiting
+for its save to land. Real worker halves, real NIXL over UCX on loopback; the engine KV is host
+memory registered as DRAM, standing in for VRAM. P's save thread is held at its store (the
+stand-in for a CPU-tier copy still crossing PCIe) so that nothing is stored while D loads."""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from pd_workers import Engine, remote_job
+from test_pd_hbm_push import D_BLOCKS, FULL, P_BLOCKS, PROMPT, TAIL, finish, step, wait_for
+from kvtier import codec
+from kvtier.pd import nixl
+from kvtier.transfer import load
+
+pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
+
+
+@pytest.fixture
+def transport() -> str:
+    return "nixl"
+
+
+@pytest.fixture
+def held_store(monkeypatch):
+    """``hold(engine)``: that engine's save thread waits at its store until the returned event is set."""
+    gates = []
+
+    def hold(engine: Engine) -> threading.Event:
+        gate = threading.Event()
+        gates.append(gate)
+        put = engine.side.store.put
+        monkeypatch.setattr(engine.side.store, "put", lambda *a, **k: (gate.wait(30), put(*a, **k))[1])
+        return gate
+
+    yield hold
+    for gate in gates:
+        gate.set()  # a save thread still held must not outlive the test's engines
+
+
+def stored(engine: Engine) -> int:
+    return len(engine.side.store.keys())
+
+
+def test_push_writes_each_chunk_before_its_cpu_tier_copy_is_stored(engines, held_store):
+    p, d = engines("p", 1), engines("d", 2)
+    gate = held_store(p)
+    server = p.side.chunk_server
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    step(p, 0, 2)
+    wait_for(lambda: server.blocks_written_total == 2)
+    step(p, 2, 3, final=True)
+    assert d.wait_loaded("d-req") == set()
+    assert stored(p) == 0  # every chunk went out before any was stored
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS)) and server.blocks_written_total == 4
+    gate.set()
+    assert p.side.settle()
+    sums = p.side.engine_kv.sums
+    for key, n in [(k, 2) for k in FULL] + [(TAIL, 1)]:  # the same KVSUM64 as the save's copy
+        copy = p.side.store.get(p.side.transfers.skey(key))
+        assert codec.read_header(copy.data).checksum == sums.get(key, n)
+        copy.release()
+    finish(p)
+
+
+def test_pull_lends_the_blocks_of_a_finished_request_before_its_copy_is_stored(engines, held_store):
+    p, d = engines("p", 1), engines("d", 2)
+    held_store(p)
+    step(p, 0, 3, final=True)
+    finish(p)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    assert stored(p) == 0
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS)) and p.side.chunk_server.hbm_total == 4
+
+
+def test_a_block_that_changed_after_its_step_fails_its_chunk_and_those_after(engines, held_store, caplog):
+    """The checksum is of the blocks as the step left them: a block changed before D reads it
+    (reused, torn) is caught on D, before the request runs."""
+    p, d = engines("p", 1), engines("d", 2)
+    held_store(p)
+    step(p, 0, 3, final=True)
+    p.kv[:, P_BLOCKS[3]] += 1.0  # chunk 1's second block
+    finish(p)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set(D_BLOCKS[2:])  # vLLM recomputes from chunk 1 on
+    assert "another KVSUM64" in caplog.text
+
+
+def test_a_failed_write_before_the_copy_is_stored_sends_that_copy_once_stored(engines, held_store, monkeypatch):
+    p, d = engines("p", 1), engines("d", 2, pd_timeout_ms=20000)
+    gate = held_store(p)
+    server = p.side.chunk_server
+    monkeypatch.setattr(server.nixl, "write",
+                        lambda peer, *a, **k: nixl.Transfer.failed(server.nixl, peer, RuntimeError("refused")))
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    step(p, 0, 3, final=True)
+    wait_for(lambda: server.writes_failed_total == 4)  # each chunk waits for its copy now
+    assert "d-req" not in d.side.finished_loads()
+    expected = p.blocks(P_BLOCKS)
+    gate.set()
+    assert d.wait_loaded("d-req", timeout_s=30) == set()  # not a recompute: the CPU-tier copies
+    assert torch.equal(d.blocks(D_BLOCKS), expected) and server.blocks_written_total == 0
+    finish(p)
+
+
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "chunk-1-changed"])
+def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, monkeypatch, caplog, corrupt):
+    """Batches of ``CHECK_AT`` chunks are checked while P still computes, so only the last batch's
+    check is left once the last WRITE lands; a bad chunk in an early batch ends the transfer there."""
+    monkeypatch.setattr(load, "CHECK_AT", 2)
+    caplog.set_level(logging.DEBUG, logger="kvtier")
+    p, d = engines("p", 1), engines("d", 2)
+    held_store(p)
+    if corrupt:  # chunk 1's blocks are not what P summed (a block reused or torn between its step and its WRITE)
+        sums = p.side.engine_kv.sums
+        get = sums.get
+        monkeypatch.setattr(sums, "get", lambda key, n: get(key, n) if key != FULL[1] or get(key, n) is None
+                            else get(key, n) ^ 1)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    step(p, 0, 2)
+    step(p, 2, 3, final=True)
+    failed = d.wait_loaded("d-req")
+    checks = [r.getMessage() for r in caplog.records if "chunks landed, checked in" in r.getMessage()]
+    if corrupt:
+        assert failed == set(D_BLOCKS[2:]) and len(checks) == 1  # the first batch ended it
+    else:
+        assert failed == set() and [c.split()[2] for c in checks] == ["2", "2"]
+        assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    finish(p)
