@@ -141,7 +141,7 @@ def h2d_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
 
 def _profiled(args, round_: dict, tag: str | None) -> dict:
     """``round_``, run under the profiler as ``tag`` where ``--profile`` asks and ``tag`` is set."""
-    return {**round_, "profile": tag} if args.profile and tag else round_
+    return {**round_, "profile": tag} if getattr(args, "profile", None) and tag else round_
 
 
 def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict]:

@@ -15,6 +15,7 @@ local hit against no connector's, a prefill batch while saving against one witho
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import inspect
 import json
@@ -38,8 +39,12 @@ def profiler_kwargs(directory: str) -> dict:
         os.environ["VLLM_TORCH_PROFILER_DIR"] = directory
         os.environ["VLLM_TORCH_PROFILER_WITH_STACK"] = "1"
         return {}
-    return {"profiler_config": {"profiler": "torch", "torch_profiler_dir": directory,
-                                "torch_profiler_with_stack": True, "torch_profiler_use_gzip": True}}
+    from vllm.config import ProfilerConfig
+
+    wanted = {"profiler": "torch", "torch_profiler_dir": directory, "torch_profiler_with_stack": True,
+              "torch_profiler_use_gzip": True}
+    known = {f.name for f in dataclasses.fields(ProfilerConfig)}  # the fields this release has
+    return {"profiler_config": {k: v for k, v in wanted.items() if k in known}}
 
 
 def collect(directory: str, tag: str) -> list[str]:

@@ -8,9 +8,8 @@ wrong-version message is refused and logged; the server keeps serving.
 
 Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
 the reply carries its address in the registered CPU pool, and the server keeps the chunk's
-buffer (a reference to the pool memory, so LMCache neither evicts nor reuses it) until the peer
-releases the transfer, or, should the peer vanish, until it has asked nothing for twice
-``timeout_ms`` (it has given up by then). A push peer names a buffer of its own in each fetch:
+buffer until the peer releases the transfer, or has asked nothing for twice ``timeout_ms``
+(:mod:`kvtier.pd.lending`). A push peer names a buffer of its own in each fetch:
 the chunk is written there (a NIXL WRITE posted on this thread) and the reply says so. While
 NIXL peers are known the thread wakes every 10 ms (every 1 ms while a WRITE runs) to let NIXL
 make progress (no progress thread, see :mod:`kvtier.pd.nixl`).
@@ -37,6 +36,7 @@ from kvtier.keys import storage_key
 from kvtier.pd.hbm import EngineBlocks
 from kvtier.pd.hbm_serve import HbmServing
 from kvtier.pd.holds import PublishHolds
+from kvtier.pd.lending import LentBuffers
 from kvtier.pd.nixl import Agent
 from kvtier.pd.recut import recut
 from kvtier.pd.writes import PeerWrites
@@ -57,14 +57,6 @@ _SEND_HWM = 1024  # replies queued per peer: above any consumer's fetches in fli
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
 PEER_IDLE_S = 5.0  # a peer's NIXL agent (a consumer written into, a producer read from) unused this long is dropped
-
-
-@dataclass(slots=True)
-class _Lent:
-    """Buffers lent to a NIXL peer for one transfer; ``last_s``: its last fetch (monotonic s)."""
-
-    buffers: list[ChunkBuffer]
-    last_s: float
 
 
 @dataclass(slots=True)
@@ -89,14 +81,13 @@ class ChunkServer:
         self.nixl = nixl
         self._lease_wait = False  # a fetch waits for a lease: look again at the next turn of the loop
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
-        self._lent: dict[str, _Lent] = {}  # transfer id -> buffers lent to its peer
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
         self._writes = PeerWrites(self._send, self._retry)  # WRITEs not done yet (RDMA; on one host they finish when posted)
         self._hbm = HbmServing(self._send, self._writes)
         self._answer_releases: list[tuple[bytes, str]] = []  # (identity, transfer id): answer once no WRITE runs
-        self.lent_total = 0  # chunks lent over NIXL since start
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
         self._lend_s = 2 * timeout_ms / 1000
+        self._lent = LentBuffers(self._send, self._lend_s)  # CPU-tier buffers lent to NIXL peers
         self.holds = holds
         self.layout = layout
         self._saving = saving
@@ -163,8 +154,7 @@ class ChunkServer:
                     last_expire = now
             except Exception:  # the server must outlive any one message
                 logger.exception("kvtier P/D chunk server: unexpected error; still serving")
-        for transfer_id in list(self._lent):
-            self._return(transfer_id)
+        self._lent.close()
         self._writes.settle(self._lend_s)
         self._socket.close()
 
@@ -190,7 +180,7 @@ class ChunkServer:
             self._hbm.forget(identity)  # its WRITEs not posted yet never are
             if self.engine is not None:
                 self.engine.leases.release(message.transfer_id)
-            self._return(message.transfer_id)
+            self._lent.give_back(message.transfer_id)
             self.holds.release(message.transfer_id)
             self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
             if message.answer:
@@ -273,7 +263,8 @@ class ChunkServer:
             self._nixl_peers[identity] = time.monotonic()
             return True
         if identity in self._nixl_peers and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
-            self._lend(identity, fetch, buffer)
+            self._lent.lend(identity, fetch, buffer)
+            self._nixl_peers[identity] = time.monotonic()
             return True
         try:
             payload = memoryview(buffer.data.numpy())
@@ -282,24 +273,9 @@ class ChunkServer:
             buffer.release()
         return True
 
-    def _lend(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> None:
-        """Reply with where the chunk lies; keep its buffer until the transfer is released."""
-        lent = self._lent.setdefault(fetch.transfer_id, _Lent([], time.monotonic()))
-        lent.buffers.append(buffer)
-        self.lent_total += 1
-        lent.last_s = self._nixl_peers[identity] = time.monotonic()
-        reply = ChunkReply(VERSION, fetch.index, "ok", address=buffer.data.data_ptr(), nbytes=buffer.data.numel())
-        self._send(identity, reply, memoryview(buffer.data.numpy()), out_of_band=True)  # if the peer is gone,
-        # the buffer goes back when the loan expires
-
     def _forget_writer(self, identity: bytes) -> None:
         if (name := self._writers.pop(identity, None)) is not None:
             self.nixl.disconnect(name, identity)
-
-    def _return(self, transfer_id: str) -> None:
-        lent = self._lent.pop(transfer_id, None)
-        for buffer in lent.buffers if lent else ():
-            buffer.release()
 
     def _expire_lent(self, now: float) -> None:
         for identity in [i for i, last_s in self._nixl_peers.items() if now - last_s > self._lend_s]:
@@ -308,11 +284,7 @@ class ChunkServer:
             self._forget_writer(identity)
         if self.nixl is not None:
             self.nixl.forget_idle(PEER_IDLE_S)
-        for transfer_id in [t for t, lent in self._lent.items() if now - lent.last_s > self._lend_s]:
-            logger.info("kvtier P/D chunk server: transfer %s was not released within %.0f s; its %d lent "
-                        "chunks go back to the CPU tier.", transfer_id, self._lend_s,
-                        len(self._lent[transfer_id].buffers))
-            self._return(transfer_id)
+        self._lent.expire(now)
 
     def _answer_released(self) -> None:
         """Answer the releases whose transfer has no WRITE running any more."""
@@ -356,9 +328,14 @@ class ChunkServer:
         return self._writes.failed_total
 
     @property
+    def lent_total(self) -> int:
+        """Chunks of the CPU tier lent over NIXL since start (tests, stats)."""
+        return self._lent.total
+
+    @property
     def lent_chunks(self) -> int:
         """Chunks lent to NIXL peers right now (tests, stats)."""
-        return sum(len(lent.buffers) for lent in list(self._lent.values()))
+        return self._lent.count
 
     def _serve_waiting(self, now: float) -> None:
         if not self._waiting or not self.holds.changed.is_set():

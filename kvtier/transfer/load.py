@@ -2,9 +2,8 @@
 
 Threads:
 
-* One load thread (``kvtier-load``) runs loads from the local tiers, one job at a time, and
-  reports each request finished. With ``load_inline`` they run on the caller's thread inside
-  :meth:`LoadSide.submit` instead.
+* One load thread (``kvtier-load``) runs loads from the local tiers, one job at a time, and reports
+  each request finished (with ``load_inline``: on the caller's thread, in :meth:`LoadSide.submit`).
 * :data:`REMOTE_THREADS` threads (``kvtier-remote``) run loads with chunks a P/D producer serves
   (``LoadJob.remote``): a transfer may wait for the producer's prefill; a reload must not wait
   behind it. Their producer chunks are scattered one by one as they arrive while the next ones are
@@ -257,12 +256,11 @@ class LoadSide:
                     count = self._span(job, i, done)[1]
                     landed.append((i, done, count, buffer))
                     done, count_chunks = done + count, count_chunks + 1
-                    if remote.wait and len(landed) >= CHECK_AT:  # push: checked while P computes the rest,
-                        checked = self._landed.loaded(job, landed, done, count_chunks, self._ids)  # not all at the end
+                    if remote.wait and len(landed) >= CHECK_AT:  # push: checked while P computes the rest
+                        checked, landed = self._landed.loaded(job, landed, done, count_chunks, self._ids), []
                         self.stats.landed_bytes += checked[2]
-                        landed = []
                         if checked[0] < done:  # a bad chunk: recomputed from there
-                            done, count_chunks = checked[0], checked[1]
+                            done, count_chunks = checked[:2]
                             break
                     continue
                 try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)

@@ -72,13 +72,15 @@ def test_profile_tags_the_first_and_last_reload_the_last_local_hit_and_the_secon
 
 
 def test_kvtiers_hooks_are_named_in_a_profile():
-    from kvtier.engines.vllm.connector import _named
+    from kvtier.engines.vllm.connector import KvtierConnector
+    from kvtier.engines.vllm.profiled import named
 
     def start_load_kv():
         return 7
 
-    hook = _named(start_load_kv)
+    hook = named(start_load_kv)
     assert hook() == 7  # no profiler running: called as it is
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
         assert hook() == 7
     assert "kvtier.start_load_kv" in {e.key for e in prof.key_averages()}
+    assert KvtierConnector.start_load_kv.__wrapped__.__qualname__ == "KvtierConnector.start_load_kv"

@@ -30,7 +30,6 @@ synchronous, and kvtier's loads never are: their requests wait).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import importlib
 import logging
 import threading
@@ -51,6 +50,7 @@ from kvtier.engines.vllm.compat import (
     check_version, recompute_failed_loads,
 )
 from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
+from kvtier.engines.vllm.profiled import name_hooks
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
 from kvtier.jobs import Lend, StepPlan
 from kvtier.timeline import mark
@@ -76,21 +76,6 @@ _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPP
 
 _WORKER_MODULE = "kvtier.engines.vllm.worker_side"
 logger = logging.getLogger(__name__)
-
-
-def _named(hook):
-    """Name ``hook`` in a vLLM profile (``--profiler-config``) as ``kvtier.<name>``; 0.1 us when
-    no profiler runs (a ``record_function`` itself costs ~8 us, too much for every step)."""
-    label = f"kvtier.{hook.__name__}"
-
-    @functools.wraps(hook)
-    def named(*args, **kwargs):
-        if not torch.autograd._profiler_enabled():
-            return hook(*args, **kwargs)
-        with torch.profiler.record_function(label):
-            return hook(*args, **kwargs)
-
-    return named
 
 
 def _import_quietly(name: str) -> None:
@@ -185,13 +170,11 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._worker = WorkerSide(*self._worker_args, **self._worker_kwargs)
         self._worker.register(kv_caches)
 
-    @_named
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, KvtierMetadata):
             self._worker.guard_reuse(connector_metadata.plan.allocated)  # before this step's kernels are launched
 
-    @_named
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
         assert isinstance(meta, KvtierMetadata)
@@ -209,7 +192,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any, **kwargs: Any) -> None:
         return  # saves copy whole chunks after the forward, in wait_for_save
 
-    @_named
     def wait_for_save(self) -> None:
         # vLLM >= 0.32 calls this on every step, empty ones included: nothing to do without saves
         if self._worker is None or not self.has_connector_metadata():
@@ -219,7 +201,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if meta.plan.saves:
             self._worker.save(meta.plan.saves)
 
-    @_named
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
@@ -269,7 +250,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt,
                               request.kv_transfer_params)
 
-    @_named
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         if self._agree_on_hits:
             self._agree_on_hits = False
@@ -311,7 +291,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return super().get_external_cache_hit_sources(request, num_external_tokens)
         return {_SOURCES[tier]: n for tier, n in counts.items()}
 
-    @_named
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         if not self.active:
             return KvtierMetadata(StepPlan((), ()))
@@ -340,7 +319,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         lends, self._lends = tuple(self._lends), []
         return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)), lends)
 
-    @_named
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if not self.active:
             return
@@ -360,7 +338,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if connector_output.finished_sending:
             self._lent.difference_update(connector_output.finished_sending)
 
-    @_named
     def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         # Blocks may be freed now: saves are copied out inside the step that planned them, and
         # vLLM itself holds a waiting request's blocks until its load reports. A completed P/D
@@ -416,3 +393,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         """The scheduler half (None in worker processes and where kvtier is idle); kvtier's scheduler
         drives its handoffs."""
         return self._scheduler
+
+
+name_hooks(KvtierConnector, ("bind_connector_metadata", "start_load_kv", "wait_for_save", "get_finished",
+                             "get_num_new_matched_tokens", "build_connector_meta", "update_connector_output",
+                             "request_finished"))
