@@ -80,9 +80,9 @@ def add_parser(commands) -> None:
     p.add_argument("--ttft-only", action="store_true", help="TTFT and bytes per reload only: no prefill, no chat")
     p.add_argument("--settle-s", type=float, default=1.0, help="pause before each local hit and reload (default 1)")
     p.add_argument("--profile", metavar="DIR",
-                   help="run chosen rounds under vLLM's torch profiler (the first and the last reload and the last "
-                        "local hit at the first length, the second prefill batch), traces into DIR/<engine>/<round>, "
-                        "and report what grew between them (their own TTFTs then include the profiler)")
+                   help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: the "
+                        "first reload after start, a later one, a local hit; a prefill batch), traces into "
+                        "DIR/<engine>/<round>, and report what grew between them")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)
@@ -139,25 +139,34 @@ def h2d_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def _profiled(args, round_: dict, tag: str | None) -> dict:
-    """``round_``, run under the profiler as ``tag`` where ``--profile`` asks and ``tag`` is set."""
-    return {**round_, "profile": tag} if getattr(args, "profile", None) and tag else round_
+def _profiled(args, round_: dict, tag: str) -> dict:
+    """An extra round, not measured, run under the profiler as ``tag``."""
+    return {**round_, "tag": ["profiled"], "profile": tag}
 
 
 def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict]:
-    rounds = [{"prompts": [prompt(1, 1024)], "tag": ["warmup"]}]
+    # Unmeasured: a few decode steps (vLLM 0.26 at TP > 1 compiles its first one-token step, ~170 ms,
+    # which serving pays on its first decode, and a bench of one-token answers on its first reload)
+    rounds = [{"prompts": [prompt(1, 1024)], "max_tokens": 4, "tag": ["warmup"]}]
     for n in lengths:  # unmeasured: an engine's first short step over a long cached prefix took 100-150 ms at 8k
         rounds += [{"prompts": [prompt(400_000 + n, n)], "tag": ["warmup"]}] * 2  # computed, then a local hit
+    profiled = prompt(salt + 777_777, lengths[0])  # --profile: extra rounds of their own, at the first length
+    if getattr(args, "profile", None):
+        rounds.append({"prompts": [profiled], "tag": ["warmup"]})
+        if reload:
+            rounds.append(_profiled(args, {"prompts": [profiled], "reset": True, "pause_s": args.settle_s}, "reload-first"))
     for n in lengths:
         for r in range(args.repeats):
             p = prompt(salt + 1000 * r + n, n)
-            last = n == lengths[0] and r == args.repeats - 1
             rounds += [{"prompts": [p], "tag": ["recompute", n]},
-                       _profiled(args, {"prompts": [p], "pause_s": args.settle_s, "tag": ["local", n]}, last and "local")]
+                       {"prompts": [p], "pause_s": args.settle_s, "tag": ["local", n]}]
             if reload:
-                which = "reload-first" if n == lengths[0] and r == 0 else "reload-later" if last and r else None
-                rounds.append(_profiled(args, {"prompts": [p], "reset": True, "pause_s": args.settle_s,
-                                               "tag": ["reload", n]}, which))
+                rounds.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["reload", n]})
+        if getattr(args, "profile", None) and n == lengths[0]:
+            rounds.append(_profiled(args, {"prompts": [profiled], "pause_s": args.settle_s}, "local"))
+            if reload:
+                rounds.append(_profiled(args, {"prompts": [profiled], "reset": True, "pause_s": args.settle_s},
+                                        "reload-later"))
     for n in lengths:
         p = prompt(7 + n, n)
         rounds.append({"prompts": [p], "max_tokens": CHECK_TOKENS, "tag": ["check", n]})
@@ -168,8 +177,10 @@ def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict
 
 
 def _workload_rounds(args) -> list[dict]:
-    rounds = [_profiled(args, {"prompts": [prompt(900_000 + 100 * b + i, args.prefill_len) for i in range(args.prefill_batch)],
-                               "reset": b == 0, "tag": ["prefill"]}, "prefill" if b == 1 else None) for b in range(3)]
+    batch = lambda b: [prompt(900_000 + 100 * b + i, args.prefill_len) for i in range(args.prefill_batch)]  # noqa: E731
+    rounds = [{"prompts": batch(b), "reset": b == 0, "tag": ["prefill"]} for b in range(3)]
+    if getattr(args, "profile", None):
+        rounds.append(_profiled(args, {"prompts": batch(3)}, "prefill"))
     sessions = [prompt(500_000 + s, args.session_len) for s in range(args.sessions)]
     turns = [[prompt(600_000 + 1000 * t + s, 128) for s in range(args.sessions)] for t in range(args.chat_rounds)]
     rounds.append({"sessions": sessions, "turns": turns, "max_tokens": 32, "reset": True, "tag": ["chat"]})
@@ -254,7 +265,7 @@ def _run_disk(args, lengths, model, shape, tmp, result, progress) -> None:
     progress("engine disk-write: computes the disk prompts (written through to the disk tier)")
     spawn(_spec(args, model, shape, "kvtier", write, config), tmp, "disk-write", timeout_s=900, multiprocess=True, module=CHILD)
     progress(f"dropped {drop_page_cache(disk)} chunk files from the page cache; engine disk (fresh, same directory)")
-    read = [{"prompts": [prompt(1, 1024)], "tag": ["warmup"]}]
+    read = [{"prompts": [prompt(1, 1024)], "max_tokens": 4, "tag": ["warmup"]}]
     read += [{"prompts": [prompt(400_000 + n, n)], "tag": ["warmup"]} for n in lengths]  # long-context first steps
     read += [{"prompts": [prompt(300_000 + 1000 * r + n, n)], "tag": ["disk", n]}
              for n in lengths for r in range(args.repeats)]

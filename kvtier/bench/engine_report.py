@@ -117,6 +117,8 @@ def first_reload(result: dict, engine: str) -> tuple[str, float, float] | None:
     """(length, the first reload's TTFT, the later ones' median) of ``engine`` at the first length
     measured with at least two reloads, ms: an engine's first reload after start pays what later
     ones do not (a CUDA context, a kernel's first launch)."""
+    if result.get("args", {}).get("profile"):
+        return None  # the first reload after start was a profiled one
     for n in map(str, result["lengths"]):
         values = result["ttft_ms"].get(engine, {}).get(n, {}).get("reload") or []
         if len(values) >= 2:

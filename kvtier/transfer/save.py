@@ -172,7 +172,14 @@ class SaveSide:
         return storage_key(key, self.layout.fingerprint)
 
     def _ids(self, block_ids) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.int64, device=self.layout.device)
+        """``block_ids`` on the engine's device, copied from pinned memory on the engine's stream and
+        not waited for: a copy from pageable memory would hold the engine thread until the step's
+        forward is done (measured: 0.7 s of a 1.35 s prefill batch at TP=2), and the step's sampling
+        could not be queued meanwhile."""
+        host = torch.tensor(block_ids, dtype=torch.int64)
+        if self.layout.device.type != "cuda":
+            return host
+        return host.pin_memory().to(self.layout.device, non_blocking=True)
 
     def save(self, jobs: list[SaveJob]) -> int:
         """Copy the jobs' new chunks out and queue them for storing; returns how many were queued.

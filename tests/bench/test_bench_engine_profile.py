@@ -60,15 +60,21 @@ def test_what_grew_from_a_later_round_to_the_first_is_listed_largest_first(tmp_p
     assert "_all" not in json.dumps(engine_profile.public(first))
 
 
-def test_profile_tags_the_first_and_last_reload_the_last_local_hit_and_the_second_prefill_batch():
+def test_profile_adds_rounds_of_its_own_and_leaves_the_measured_ones_as_they_were():
     args = argparse.Namespace(repeats=3, settle_s=0.0, profile="/tmp/p", ttft_only=False, prefill_batch=1,
                               prefill_len=16, sessions=1, session_len=16, chat_rounds=1)
-    tags = [r.get("profile") for r in engine.engine_rounds(args, [64, 128], "kvtier")]
-    assert [t for t in tags if t] == ["reload-first", "local", "reload-later", "prefill"]
     rounds = engine.engine_rounds(args, [64, 128], "kvtier")
-    assert rounds[tags.index("reload-first")]["tag"] == ["reload", 64] and rounds[tags.index("local")]["tag"] == ["local", 64]
+    tags = [r.get("profile") for r in rounds]
+    assert [t for t in tags if t] == ["reload-first", "local", "reload-later", "prefill"]
+    assert all(r["tag"] == ["profiled"] for r in rounds if r.get("profile"))  # _collect counts none of them
+    first = tags.index("reload-first")
+    assert not any(r["tag"][0] in ("reload", "local") for r in rounds[:first])  # the first reload after start
+    assert rounds[first]["prompts"][0] == rounds[first - 1]["prompts"][0] and len(rounds[first]["prompts"][0]) == 64
     args.profile = None
-    assert not any(r.get("profile") for r in engine.engine_rounds(args, [64, 128], "kvtier"))
+    measured = engine.engine_rounds(args, [64, 128], "kvtier")
+    assert [r for r in rounds if r["tag"] != ["profiled"] and r.get("prompts") != rounds[first]["prompts"]] == measured
+    assert [r.get("profile") for r in engine.engine_rounds(args, [64, 128], "none")].count(None) == len(
+        engine.engine_rounds(args, [64, 128], "none"))
 
 
 def test_kvtiers_hooks_are_named_in_a_profile():
