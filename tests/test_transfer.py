@@ -317,34 +317,6 @@ def test_cuda_save_then_load_on_their_own_streams(stores, backend):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backend", ["auto", "dma"])
-def test_cuda_save_returns_while_the_engines_stream_still_runs(stores, backend):
-    """The engine thread calls save() right after queueing the step's forward: with copies that run
-    in the background (``dma``, the default) it must queue them behind it and return, not wait for
-    the forward (a blocking copy of the block ids from pageable memory did, and the step's
-    sampling could not be queued meanwhile). The zero-copy kernels run synchronously by design."""
-    if backend not in ("auto", *backend_names()):
-        pytest.skip(f"ops backend {backend} is not available on this machine")
-    alloc, layout = cuda_kv()
-    worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, backend)
-    ks = keys(8)
-    try:
-        expected = alloc[:, :, :16].clone()
-        torch.cuda.synchronize()
-        torch.cuda._sleep(2_000_000_000)  # a long "forward" on the engine's stream (~1 s)
-        forward_done = torch.cuda.Event()
-        forward_done.record()
-        assert worker.save([save_job(ks)]) == 8
-        assert not forward_done.query(), "save() waited for the engine's stream"
-        worker.drain()
-        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(32, 48)))) == set()
-        assert torch.equal(alloc[:, :, 32:48], expected)
-    finally:
-        worker.close()
-
-
-@pytest.mark.gpu
-@needs_cuda
 def test_cuda_pipelined_save_and_load_at_once_keep_their_bytes(stores, monkeypatch):
     """dma copies in the background, a batch at a time: with one-chunk batches, a save of 8 chunks
     and a load of 8 others run at once on one worker, each with copies still in flight while it

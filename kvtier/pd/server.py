@@ -223,11 +223,11 @@ class ChunkServer:
         state = self.holds.state(fetch.transfer_id, skey)
         if state == "pinned" and (buffer := self.store.get(skey)) is not None:  # stored since the look-up above
             return self._answer(identity, fetch, buffer)
-        coming = self._saving(skey) or state == "coming" or (state == "unknown" and fetch.wait)
-        if coming and self._hbm.answer_early(identity, fetch):  # its checksum was taken from its blocks
-            self.served_total += 1
+        if self._hbm.answer_early(identity, fetch):  # from its blocks, checksum taken as its step ended
+            self.served_total += 1  # (its CPU-tier copy may be coming, or its save lost: no matter)
             self._nixl_peers[identity] = time.monotonic()
             return True
+        coming = self._saving(skey) or state == "coming" or (state == "unknown" and fetch.wait)
         if not coming:
             self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
             return True

@@ -44,7 +44,9 @@ class EarlySums:
         self.chunk_blocks = chunk_blocks
         self._sums = BlockSums(layout, chunk_blocks)
         self._cuda = layout.device.type == "cuda"
-        self._stream = torch.cuda.Stream(layout.device) if self._cuda else None
+        # At the highest priority (clamped), as the save's pack kernels: the pass runs as soon as the
+        # forward that wrote the blocks ends, before the next step's kernels take the SMs.
+        self._stream = torch.cuda.Stream(layout.device, priority=-100) if self._cuda else None
         self._lock = threading.Lock()
         self._pending: deque[_Pending] = deque()
         self._ready: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # chain key -> (unsigned KVSUM64, blocks)

@@ -80,6 +80,19 @@ def test_pull_lends_the_blocks_of_a_finished_request_before_its_copy_is_stored(e
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS)) and p.side.chunk_server.hbm_total == 4
 
 
+def test_a_chunk_whose_save_was_lost_still_goes_from_its_blocks(engines, monkeypatch):
+    """P's CPU tier had no room for the request's chunks (every save given up): under the lease
+    its blocks and their checksums still serve the decode engine, which recomputes nothing."""
+    p, d = engines("p", 1), engines("d", 2)
+    monkeypatch.setattr(p.side.store, "allocate", lambda *a, **k: None)
+    step(p, 0, 3, final=True)
+    finish(p)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    assert stored(p) == 0 and p.side.chunk_server.hbm_total == 4
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+
+
 def test_a_block_that_changed_after_its_step_fails_its_chunk_and_those_after(engines, held_store, caplog):
     """The checksum is of the blocks as the step left them: a block changed before D reads it
     (reused, torn) is caught on D, before the request runs."""
