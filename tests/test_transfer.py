@@ -145,7 +145,7 @@ def test_a_load_never_waits_for_a_stuck_save(stores):
         worker.close()
 
 
-def test_a_full_save_backlog_drops_the_oldest_pending_chunks_and_counts_them(stores):
+def test_a_full_save_backlog_drops_the_oldest_pending_chunks_and_counts_them(stores, caplog):
     _, layout = engine_kv()
     store = GatedStore(stores())
     chunk = codec.chunk_bytes(layout, CHUNK_BLOCKS)
@@ -160,6 +160,9 @@ def test_a_full_save_backlog_drops_the_oldest_pending_chunks_and_counts_them(sto
         assert worker.pending_save_bytes() == 3 * chunk
         assert worker.save([save_job([ks[5]], first_block=10)]) == 1  # drops 3
         assert worker.stats.dropped_saves == 3
+        said = [r.getMessage() for r in caplog.records if "given up" in r.getMessage()]
+        assert said == [f"kvtier: 2 chunk saves given up (more than save_backlog_bytes={3 * chunk} waiting); those "
+                        "chunks are recomputed when needed. 2 given up since start."]  # once a minute at most
         store.gate.set()
         worker.drain()
         stored = [store.contains(storage_key(k, layout.fingerprint)) is not None for k in ks]
@@ -168,6 +171,21 @@ def test_a_full_save_backlog_drops_the_oldest_pending_chunks_and_counts_them(sto
         assert store.cpu_bytes_used() == 3 * (-(-chunk // 4096) * 4096)  # dropped buffers went back
     finally:
         store.gate.set()
+        worker.close()
+
+
+def test_a_save_with_no_room_in_the_pool_is_given_up_and_said(stores, monkeypatch, caplog):
+    _, layout = engine_kv()
+    store = stores()
+    lost = Recorder()
+    worker = TierWorker(layout, store, CHUNK_BLOCKS, on_lost=lost)
+    monkeypatch.setattr(store, "allocate", lambda *a, **k: None)  # every chunk held by readers
+    ks = keys(2)
+    try:
+        assert worker.save([save_job(ks)]) == 0
+        assert lost.keys == [storage_key(k, layout.fingerprint) for k in ks] and worker.stats.dropped_saves == 2
+        assert "2 chunk saves given up (no room in the CPU tier" in caplog.text
+    finally:
         worker.close()
 
 

@@ -11,20 +11,18 @@ Threads:
   priority, and only while no load is running (``loads_running``, from the load side): saves
   yield to loads, never the reverse.
 
-The backlog is bounded in bytes: overflow drops the oldest pending chunks, counted, instead of
-blocking the engine.
+The backlog is bounded in bytes: overflow drops the oldest pending chunks, counted and said (once a
+minute), instead of blocking the engine; so does a save that finds no room in the pool.
 
 Buffers: :meth:`SaveSide.save` allocates each chunk's buffer from the store (never waiting for
 room). The save thread hands it to ``store.put``, which takes it, or releases it if storing fails;
-a chunk dropped from the backlog is released once its copy has landed. With a backend that
-computes KVSUM64 while copying, each batch's checksums land in a host tensor (pinned on CUDA)
-allocated here and read by the save thread. A save's block-id device tensor lives in the
-:class:`ReuseGuard` until its blocks are read when reads are deferred.
+a dropped chunk's buffer is released once its copy has landed. A backend that computes KVSUM64
+while copying puts each batch's checksums in a host tensor (pinned on CUDA) the save thread
+reads. A save's block-id device tensor lives in the :class:`ReuseGuard` until its blocks are read
+when reads are deferred.
 
-Locks: the only lock is the save side's own condition (backlog, its bytes, keys being saved,
-save counters), never held during a copy or a store. The store's own locks guard its index
-updates only.
-"""
+Locks: only the save side's own condition (backlog, its bytes, keys being saved, counters), never
+held during a copy or a store; the store's own locks guard its index updates only."""
 
 from __future__ import annotations
 
@@ -52,6 +50,7 @@ logger = logging.getLogger(__name__)
 
 SAVE_NICE = 10  # the save thread's extra niceness: under CPU contention the load thread runs first
 _YIELD_S = 0.0005  # how often a save waiting for loads to finish looks again
+_SAY_EVERY_S = 60.0  # saves given up for one reason: one log line at most this often
 
 
 @dataclass(slots=True)
@@ -156,6 +155,7 @@ class SaveSide:
         self._host_checksum = codec.DEFAULT_HOST_CHECKSUM if checksum is None else checksums.kind_of(checksum)
         self._on_held = on_held
         self._on_lost = on_lost
+        self._said: dict[str, float] = {}  # reason -> when saves given up for it were last logged
         self._loads_running = loads_running
         self._pipeline_bytes = pipeline_bytes
         self._save_stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
@@ -172,11 +172,8 @@ class SaveSide:
         return storage_key(key, self.layout.fingerprint)
 
     def _ids(self, block_ids) -> torch.Tensor:
-        # A copy from pageable memory: the engine thread waits here until the step's forward is
-        # done (0.7 s of a 1.35 s prefill batch at TP=2 on H200; prefill while saving 0.947 x no
-        # connector). Copied from pinned memory and not waited for, the same bench gave 0.990,
-        # but a P/D producer with an 8 GiB CPU tier then lost the save of chunk 1 of every 32k
-        # prompt (cause not found): kept as it is until that is understood.
+        # From pageable memory: the engine thread waits here for the step's forward (0.7 s of a 1.35 s
+        # prefill batch at TP=2). Why it stays so for now: docs/performance.md, "Prefill while saving".
         return torch.tensor(block_ids, dtype=torch.int64, device=self.layout.device)
 
     def save(self, jobs: list[SaveJob]) -> int:
@@ -247,7 +244,7 @@ class SaveSide:
             self.stats.save_ms += now_ms() - start
             self._cond.notify_all()
         if lost:
-            self._on_lost(lost)
+            self._given_up(lost, "no room in the CPU tier: its chunks are held by readers")
         return len(started)
 
     def _start_gather(self, group: list[tuple[_PendingSave, ChunkSpan]]) -> list[_PendingSave]:
@@ -297,8 +294,16 @@ class SaveSide:
                 item.ready.synchronize()  # its copy may still be landing in the buffer
             item.buffer.release()
         if dropped or refused:
-            self._on_lost([item.key for item in dropped] + refused)
+            self._given_up([item.key for item in dropped] + refused, f"more than save_backlog_bytes={limit} waiting")
         return wanted
+
+    def _given_up(self, keys: list[bytes], why: str) -> None:
+        """Saves of ``keys`` will not be stored (``why``): said at most once a minute per reason."""
+        if time.monotonic() - self._said.get(why, -_SAY_EVERY_S) >= _SAY_EVERY_S:
+            self._said[why] = time.monotonic()
+            logger.warning("kvtier: %d chunk saves given up (%s); those chunks are recomputed when needed. "
+                           "%d given up since start.", len(keys), why, self.stats.dropped_saves)
+        self._on_lost(keys)
 
     def _gather_for_save(self, spans: list[ChunkSpan], sums: torch.Tensor | None) -> list[torch.cuda.Event | None]:
         """Copy ``spans`` out of the engine blocks (their KVSUM64s into ``sums``, if given); per
