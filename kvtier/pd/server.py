@@ -216,6 +216,10 @@ class ChunkServer:
         if now + EXPECT_S > time.monotonic() and self._hbm.waits_for_lease(identity, fetch):
             self._lease_wait = True
             return self._park(identity, fetch, now)
+        if self._hbm.answer_early(identity, fetch):  # from its blocks, checksum taken as its step ended:
+            self.served_total += 1  # no look-up in the store (its copy there may be coming, stored, or lost)
+            self._nixl_peers[identity] = time.monotonic()
+            return True
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)
         if buffer is not None:
@@ -223,10 +227,6 @@ class ChunkServer:
         state = self.holds.state(fetch.transfer_id, skey)
         if state == "pinned" and (buffer := self.store.get(skey)) is not None:  # stored since the look-up above
             return self._answer(identity, fetch, buffer)
-        if self._hbm.answer_early(identity, fetch):  # from its blocks, checksum taken as its step ended
-            self.served_total += 1  # (its CPU-tier copy may be coming, or its save lost: no matter)
-            self._nixl_peers[identity] = time.monotonic()
-            return True
         coming = self._saving(skey) or state == "coming" or (state == "unknown" and fetch.wait)
         if not coming:
             self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
