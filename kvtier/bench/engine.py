@@ -139,7 +139,7 @@ def h2d_gbps(nbytes: int = 1 << 30, repeats: int = 5) -> float:
     return nbytes / best / 1e9
 
 
-def _profiled(args, round_: dict, tag: str) -> dict:
+def _profiled(round_: dict, tag: str) -> dict:
     """An extra round, not measured, run under the profiler as ``tag``."""
     return {**round_, "tag": ["profiled"], "profile": tag}
 
@@ -150,11 +150,12 @@ def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict
     rounds = [{"prompts": [prompt(1, 1024)], "max_tokens": 4, "tag": ["warmup"]}]
     for n in lengths:  # unmeasured: an engine's first short step over a long cached prefix took 100-150 ms at 8k
         rounds += [{"prompts": [prompt(400_000 + n, n)], "tag": ["warmup"]}] * 2  # computed, then a local hit
-    profiled = prompt(salt + 777_777, lengths[0])  # --profile: extra rounds of their own, at the first length
-    if getattr(args, "profile", None):
+    profile = getattr(args, "profile", None)  # --profile: extra rounds of their own, at the first length
+    profiled = prompt(salt + 777_777, lengths[0]) if profile else []
+    if profile:
         rounds.append({"prompts": [profiled], "tag": ["warmup"]})
         if reload:
-            rounds.append(_profiled(args, {"prompts": [profiled], "reset": True, "pause_s": args.settle_s}, "reload-first"))
+            rounds.append(_profiled({"prompts": [profiled], "reset": True, "pause_s": args.settle_s}, "reload-first"))
     for n in lengths:
         for r in range(args.repeats):
             p = prompt(salt + 1000 * r + n, n)
@@ -162,10 +163,10 @@ def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict
                        {"prompts": [p], "pause_s": args.settle_s, "tag": ["local", n]}]
             if reload:
                 rounds.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["reload", n]})
-        if getattr(args, "profile", None) and n == lengths[0]:
-            rounds.append(_profiled(args, {"prompts": [profiled], "pause_s": args.settle_s}, "local"))
+        if profile and n == lengths[0]:
+            rounds.append(_profiled({"prompts": [profiled], "pause_s": args.settle_s}, "local"))
             if reload:
-                rounds.append(_profiled(args, {"prompts": [profiled], "reset": True, "pause_s": args.settle_s},
+                rounds.append(_profiled({"prompts": [profiled], "reset": True, "pause_s": args.settle_s},
                                         "reload-later"))
     for n in lengths:
         p = prompt(7 + n, n)
@@ -180,7 +181,7 @@ def _workload_rounds(args) -> list[dict]:
     batch = lambda b: [prompt(900_000 + 100 * b + i, args.prefill_len) for i in range(args.prefill_batch)]  # noqa: E731
     rounds = [{"prompts": batch(b), "reset": b == 0, "tag": ["prefill"]} for b in range(3)]
     if getattr(args, "profile", None):
-        rounds.append(_profiled(args, {"prompts": batch(3)}, "prefill"))
+        rounds.append(_profiled({"prompts": batch(3)}, "prefill"))
     sessions = [prompt(500_000 + s, args.session_len) for s in range(args.sessions)]
     turns = [[prompt(600_000 + 1000 * t + s, 128) for s in range(args.sessions)] for t in range(args.chat_rounds)]
     rounds.append({"sessions": sessions, "turns": turns, "max_tokens": 32, "reset": True, "tag": ["chat"]})

@@ -5,12 +5,13 @@
 
 SPEC: ``{"model": dir, "connector": "none" | "kvtier" | "offload", "kvtier": extra config,
 "offload_gib": GiB, "num_gpu_blocks": blocks or "kv_cache_bytes": bytes (the engine's KV cache),
-"max_model_len": tokens, "gpu_memory_utilization": fraction, "count_transfers": bool, "profile_dir":
-absolute path or absent, "rounds": [round, ...]}``. A round is ``{"prompts": [[token ids]], "max_tokens": int,
-"reset": bool, "pause_s": s, "profile": tag}`` (one ``generate`` call; ``reset`` empties vLLM's prefix
-cache first; ``profile``: the call runs under vLLM's torch profiler, its traces go to
-``profile_dir/tag``, see :mod:`kvtier.bench.engine_profile`), or ``{"sessions": [[ids]], "turns": [[[ids] per session] per round], "max_tokens": int}``
-(a multi-turn chat: every round sends all sessions at once; a session's next prompt is its last
+"max_model_len": tokens, "gpu_memory_utilization": fraction, "count_transfers": bool,
+"profile_dir": absolute path or absent, "rounds": [round, ...]}``. A round is ``{"prompts":
+[[token ids]], "max_tokens": int, "reset": bool, "pause_s": s, "profile": tag}`` (one ``generate``
+call; ``reset`` empties vLLM's prefix cache first; ``profile``: the call runs under vLLM's torch
+profiler, its traces go to ``profile_dir/tag``, see :mod:`kvtier.bench.engine_profile`), or
+``{"sessions": [[ids]], "turns": [[[ids] per session] per round], "max_tokens": int}`` (a
+multi-turn chat: every round sends all sessions at once; a session's next prompt is its last
 prompt, the tokens it got back and the new user turn).
 
 RESULT: ``{"start_s": seconds to build the engine, "hybrid": whether vLLM kept its hybrid KV cache

@@ -86,9 +86,10 @@ class HbmServing:
         return self._from_blocks(identity, fetch, header.checksum, buffer)
 
     def answer_early(self, identity: bytes, fetch: Fetch) -> bool:
-        """Answer a chunk not stored yet from the engine's blocks, as :meth:`answer` does, if its
-        checksum was taken as its step ended (:mod:`kvtier.pd.sums`). A WRITE of it that fails
-        is answered from the stored copy once there (:class:`~kvtier.pd.writes.PeerWrites`)."""
+        """Answer a chunk from the engine's blocks, as :meth:`answer` does, if its checksum was
+        taken as its step ended (:mod:`kvtier.pd.sums`), whether or not its copy is stored (no
+        look-up in the store). A WRITE of it that fails is answered from the stored copy once
+        there (:class:`~kvtier.pd.writes.PeerWrites`)."""
         engine = self.engine
         if not fetch.hbm or identity not in self._readers or engine is None or engine.sums is None:
             return False

@@ -9,8 +9,8 @@ Into a consumer's engine blocks (HBM push): the chunks that became ready in one 
 server go out as one WRITE from this engine's blocks, one descriptor per run of consecutive
 blocks and region (:func:`kvtier.pd.hbm.read_descriptors`). Each ``written`` reply carries the
 chunk's KVSUM64, which the consumer checks on its GPU; a failed WRITE sends the stored copy
-instead (once stored, for a chunk written before it was). The first WRITEs to each consumer are timed (:func:`kvtier.pd.hbm.read_speed`): an
-emulated path ends HBM pushes to it.
+instead (once stored, for a chunk written before it was). The first WRITEs to each consumer are
+timed (:func:`kvtier.pd.hbm.read_speed`): an emulated path ends HBM pushes to it.
 """
 
 from __future__ import annotations

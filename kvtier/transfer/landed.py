@@ -2,10 +2,10 @@
 
 The producer sends the KVSUM64 of the chunk's payload (the blocks read region-major), taken from
 its own blocks by :class:`BlockSums` at the end of the step that computed them (or by its save's
-copy). Here the same blocks are gathered into a scratch chunk on the engine's device by a copy
-kernel that computes KVSUM64 while it copies: once the transfer's READs are done, one launch
-over all its chunks (on a GPU at HBM speed: 4 GiB in a few ms), no host round trip of the bytes. A mismatch means the blocks
-are not what the producer computed (a torn or late READ, a reused block, a bit flip).
+copy). Here the same pass sums the blocks that landed: on a GPU the copy kernel reads them and
+writes nothing, one launch over a batch of chunks (at HBM speed: 4 GiB in a few ms), no host
+round trip of the bytes. A mismatch means the blocks are not what the producer computed (a torn
+or late READ, a reused block, a bit flip).
 """
 
 from __future__ import annotations
