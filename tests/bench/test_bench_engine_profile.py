@@ -79,7 +79,7 @@ def test_profile_adds_rounds_of_its_own_and_leaves_the_measured_ones_as_they_wer
 
 def test_kvtiers_hooks_are_named_in_a_profile():
     from kvtier.engines.vllm.connector import KvtierConnector
-    from kvtier.engines.vllm.profiled import named
+    from kvtier.profiled import named
 
     def start_load_kv():
         return 7

@@ -50,7 +50,7 @@ from kvtier.engines.vllm.compat import (
     check_version, recompute_failed_loads,
 )
 from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
-from kvtier.engines.vllm.profiled import name_hooks
+from kvtier.profiled import name_hooks
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
 from kvtier.jobs import Lend, StepPlan
 from kvtier.timeline import mark
