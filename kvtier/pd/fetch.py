@@ -1,27 +1,24 @@
 """A decode engine's side of a transfer: fetch chunks from one producer rank's chunk server.
 
-One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next),
-a handshake that compares layouts, then a window of fetches in flight: while the caller
-verifies and scatters chunk ``i``, chunks ``i+1 …`` are on the wire (ZMQ's I/O thread receives
-them). Any failure raises :class:`PeerError` after the chunks that did arrive were yielded.
+One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next), a
+handshake that compares layouts, then a window of fetches in flight: while the caller verifies
+and scatters chunk ``i``, chunks ``i+1 …`` are on the wire. Any failure raises
+:class:`PeerError` after the chunks that did arrive were yielded.
 
 Over NIXL the replies carry addresses instead of payloads: as each arrives, a buffer of this
-engine's CPU tier (registered with NIXL) is allocated and a READ posted into it, so the READs of
-the window are in flight together; a chunk is yielded once its READ is done and its MAC checked.
-Buffers and READs not handed to the caller are settled and released when the transfer ends,
-however it ends.
+engine's CPU tier (registered with NIXL) is allocated and a READ posted into it; a chunk is
+yielded once its READ is done and its MAC checked. Buffers and READs not handed to the caller are
+settled and released when the transfer ends, however it ends.
 
-HBM to HBM (a :class:`Landing` given: this engine's KV is registered with NIXL): where the
-producer still holds the request's engine blocks under a lease, its reply names them and D
-READs them region by region straight into the engine blocks the caller named, one descriptor
-per run of consecutive blocks (:mod:`kvtier.pd.hbm`); once P lends, the rest is asked for at
-once and the replies read by one READ. The caller gets a :class:`Landed` with the KVSUM64 to
-check the blocks against (:mod:`kvtier.pd.landing`). In a push transfer D gives P its
-NIXL metadata and engine KV regions in a second hello, once P's reply checked out, and names the
-engine blocks of each chunk in its fetch: P WRITEs the chunk there the moment it has it, and the
-reply carries the KVSUM64. A push transfer that ends with such fetches unanswered waits (up to
-the timeout) for P to say that none of its WRITEs still runs, so no late WRITE lands in blocks
-this engine recomputes.
+HBM to HBM (a :class:`Landing` given): where P still holds the request's engine blocks, its reply
+names them and D READs them straight into the engine blocks the caller named, one descriptor per
+run of consecutive blocks (:mod:`kvtier.pd.hbm`); once P lends, the rest is asked for at once and
+all replies read by one READ. The caller gets a :class:`Landed` with the KVSUM64 to check the
+blocks against (:mod:`kvtier.pd.landing`). In a push transfer D gives P its NIXL metadata and
+engine KV regions in a second hello, once P's reply checked out, and names each chunk's engine
+blocks in its fetch: P WRITEs the chunk there the moment it has it. A push transfer that ends
+with such fetches unanswered waits (up to the timeout) for P to say that none of its WRITEs still
+runs, so no late WRITE lands in blocks this engine recomputes.
 """
 
 from __future__ import annotations
@@ -65,9 +62,8 @@ class PeerError(RuntimeError):
 
 def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tuple[bytes, int]], *,
                  wait: bool, timeout_ms: int, secret: bytes | None, allocate: Allocate,
-                 chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool,
-                 nixl: Agent | None = None, block_size: int = 0,
-                 landing: Landing | None = None) -> Iterator[ChunkBuffer | Landed]:
+                 chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool, nixl: Agent | None = None,
+                 block_size: int = 0, landing: Landing | None = None) -> Iterator[ChunkBuffer | Landed]:
     """Yield the chunks ``items`` (chain key, block count) of ``transfer_id`` from ``endpoint``, in
     order, each in a fresh buffer from ``allocate`` that the caller owns.
 
@@ -77,16 +73,16 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
     which picks NIXL or ZMQ (None: ZMQ only). ``block_size``: this engine's, in tokens: each
     chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
-    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only).
-    Tells the producer it is done (releases its pins and lent buffers) when the generator ends,
-    however it ends.
+    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). Tells the
+    producer it is done (releases its pins and lent buffers) when the generator ends, however it ends.
     """
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)
     socket.setsockopt(zmq.MAXMSGSIZE, max(chunk_bytes(n) for _, n in items) + (64 << 10))
     socket.connect(endpoint)
     sizes = [chunk_bytes(n) for _, n in items]
-    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size)
+    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size,
+                 (transfer_id, items, wait))
     try:
         if nixl is not None:
             hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"),
@@ -108,12 +104,9 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         if (endpoint, how) not in _told:
             _told.add((endpoint, how))
             logger.info("kvtier P/D: fetching from %s over %s.", endpoint, how)
-        sent = 0
-        for index, (key, num_blocks) in enumerate(items):
+        for index in range(len(items)):
             window = (PUSH_WINDOW if wait else LENT_WINDOW if peer.lent else HBM_WINDOW) if peer.hbm else WINDOW
-            while sent < len(items) and sent < index + window:
-                peer.fetch(transfer_id, sent, items[sent][0], items[sent][1], wait)
-                sent += 1
+            peer.fetch_until(index + window)
             yield peer.chunk(index)
     finally:
         peer.close()
@@ -131,18 +124,13 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
 
 class _Peer:
     def __init__(self, socket: zmq.Socket, endpoint: str, secret: bytes | None, timeout_ms: int,
-                 cancelled: Callable[[], bool], sizes: list[int], allocate: Allocate, block_size: int):
-        self.socket = socket
-        self.block_size = block_size
-        self.cancelled = cancelled
-        self.endpoint = endpoint
-        self.secret = secret
-        self.timeout_ms = timeout_ms
+                 cancelled: Callable[[], bool], sizes: list[int], allocate: Allocate, block_size: int,
+                 plan: tuple[str, list[tuple[bytes, int]], bool]):
+        self.socket, self.endpoint, self.secret, self.timeout_ms = socket, endpoint, secret, timeout_ms
+        self.cancelled, self.allocate, self.block_size = cancelled, allocate, block_size
         self.sizes = sizes  # bytes of chunk i
-        self.allocate = allocate
         self.nixl: Agent | None = None
-        self.nixl_peer = ""
-        self.nixl_metadata = b""
+        self.nixl_peer, self.nixl_metadata = "", b""
         self.failed = False  # a NIXL transfer with this peer failed
         self.landing_enabled = False  # push over NIXL: each fetch names a buffer P writes into
         self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
@@ -152,6 +140,8 @@ class _Peer:
         self.asked: set[int] = set()  # chunks fetched, not answered yet
         self.named: set[int] = set()  # chunks whose engine blocks were named to P (push), not answered yet
         self.silent = False  # P sent nothing for the timeout (dead or hung: no WRITE of its is still coming)
+        self.plan = plan  # (transfer id, the chunks to fetch, wait), fetched in order
+        self.sent = 0  # fetches sent
         self.reply_s = 0.0  # seconds spent waiting for replies
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
@@ -232,7 +222,8 @@ class _Peer:
         while index not in self.early:
             self._take(self.receive())
         if self.hbm is not None and self.lent and not self.landing_enabled and self.hbm.unposted(index):
-            while self.asked:  # P answers lent chunks at once: one READ for all of them, posted once
+            self.fetch_until(index + LENT_WINDOW)  # P lends its blocks: ask for the rest, READ them at once
+            while self.asked:  # (each READ's posting maps P's regions: one READ, not two)
                 self._take(self.receive())
         self.reply_s += time.perf_counter() - begin
         while (got := self.receive(block=False)) is not None:  # replies already here: their READs
@@ -258,6 +249,13 @@ class _Peer:
             raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
         np.copyto(buffer.data.numpy(), np.frombuffer(payload.buffer, dtype=np.uint8))
         return buffer
+
+    def fetch_until(self, end: int) -> None:
+        """Ask for the transfer's chunks not asked yet, up to (not including) chunk ``end``."""
+        transfer_id, items, wait = self.plan
+        for index in range(self.sent, min(end, len(items))):
+            self.fetch(transfer_id, index, *items[index], wait)
+            self.sent = index + 1
 
     def fetch(self, transfer_id: str, index: int, key: bytes, num_blocks: int, wait: bool) -> None:
         """Ask for chunk ``index``; in a push transfer over NIXL, name where P may WRITE it: the
