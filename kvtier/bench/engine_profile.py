@@ -4,7 +4,7 @@ The engine child builds its engine with vLLM's torch profiler on (:func:`profile
 ops, Python functions, CUDA kernels), wraps each round tagged ``profile`` in ``start_profile`` /
 ``stop_profile`` and moves what the engine wrote meanwhile (a trace per worker rank, vLLM's
 tables) into ``DIR/<engine>/<tag>/`` (:func:`collect`). kvtier names its own hooks in those traces
-(``kvtier.*`` annotations, :mod:`kvtier.engines.vllm.connector`).
+(``kvtier.*`` annotations, :mod:`kvtier.profiled`).
 
 :func:`summarize` reads one round's traces: per rank its span, the time in each kvtier hook, and
 the costliest CPU ops, Python functions (their own time, without their callees', on the engine

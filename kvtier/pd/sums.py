@@ -50,7 +50,6 @@ class EarlySums:
         self._lock = threading.Lock()
         self._pending: deque[_Pending] = deque()
         self._ready: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # chain key -> (unsigned KVSUM64, blocks)
-        self.taken = 0  # chunks summed since start
         self._fresh = False  # sums came in since the last poll
 
     def take(self, keys: tuple[bytes, ...], block_ids: tuple[int, ...]) -> None:
@@ -96,7 +95,6 @@ class EarlySums:
             while len(self._ready) > KEEP:
                 self._ready.popitem(last=False)
             self._fresh = True
-            self.taken += len(chunks)
 
     def poll(self) -> bool:
         """Take in the sums whose pass is done; True if any came since the last poll (chunk

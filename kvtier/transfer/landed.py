@@ -85,7 +85,6 @@ class LandedCheck:
     (:class:`BlockSums`; ``chunk_blocks``: blocks of a whole chunk)."""
 
     def __init__(self, layout: Layout, chunk_blocks: int):
-        self.layout = layout
         self._sums = BlockSums(layout, chunk_blocks)
         self.check_s = 0.0  # seconds spent checking, since start
 
