@@ -335,6 +335,37 @@ def test_cuda_save_then_load_on_their_own_streams(stores, backend):
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("backlog_chunks", [None, 9])
+def test_cuda_save_waits_for_the_engines_stream_only_past_half_its_backlog(stores, backlog_chunks):
+    """The engine thread calls save() right after queueing the step's forward. With the backlog at
+    most half full it queues the copies behind the forward and returns (waiting would keep the
+    step's sampling from being queued); past half full (8 chunks of a 9-chunk backlog) it waits
+    for the forward, so the save thread catches up instead of chunks being dropped."""
+    alloc, layout = cuda_kv()
+    chunk = codec.chunk_bytes(layout, CHUNK_BLOCKS)
+    backlog = None if backlog_chunks is None else backlog_chunks * chunk
+    worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, "auto", save_backlog_bytes=backlog)
+    ks = keys(8)
+    try:
+        expected = alloc[:, :, :16].clone()
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # a long "forward" on the engine's stream (~1 s)
+        forward_done = torch.cuda.Event()
+        forward_done.record()
+        assert worker.save([save_job(ks)]) == 8
+        assert forward_done.query() == (backlog is not None), "save() waited for the engine's stream" if backlog is None \
+            else "save() did not wait with its backlog past half full"
+        worker.drain()
+        assert worker.stats.dropped_saves == 0
+        worker.submit_load(LoadJob("r", tuple(ks), 0, tuple(range(32, 48)))).result(timeout=30)
+        assert worker.take_finished() == ({"r"}, set())
+        assert torch.equal(alloc[:, :, 32:48], expected)
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
 def test_cuda_pipelined_save_and_load_at_once_keep_their_bytes(stores, monkeypatch):
     """dma copies in the background, a batch at a time: with one-chunk batches, a save of 8 chunks
     and a load of 8 others run at once on one worker, each with copies still in flight while it

@@ -7,7 +7,7 @@ Engine-agnostic: the vLLM adapter turns its metadata into :class:`~kvtier.jobs.L
   threads, its CUDA stream; fetch, verify, scatter, pipelined with ``dma``.
 * :mod:`kvtier.transfer.save`: the save side (background): the copy-out on the engine's thread,
   the bounded backlog, the save thread that seals and stores, its CUDA stream; and
-  :class:`~kvtier.transfer.save.ReuseGuard`, when the engine may reuse blocks a save reads.
+  :class:`~kvtier.transfer.reuse.ReuseGuard`, when the engine may reuse blocks a save reads.
 * :mod:`kvtier.transfer.common`: what both use: :class:`TransferStats`, the copy functions, the
   per-tier load cost.
 
@@ -38,7 +38,8 @@ from kvtier.ops import resolve_backend
 from kvtier.storage import ChunkStore
 from kvtier.transfer.common import Copies, FetchRemote, HeldChanged, TransferStats
 from kvtier.transfer.load import REMOTE_THREADS, LoadSide
-from kvtier.transfer.save import SAVE_NICE, ReuseGuard, SaveSide
+from kvtier.transfer.reuse import ReuseGuard
+from kvtier.transfer.save import SAVE_NICE, SaveSide
 
 __all__ = ["PIPELINE_BYTES", "REMOTE_THREADS", "SAVE_NICE", "FetchRemote", "HeldChanged", "LoadSide", "ReuseGuard",
            "SaveSide", "TierWorker", "TransferStats"]

@@ -11,7 +11,8 @@ Threads:
   priority, and only while no load is running (``loads_running``, from the load side): saves
   yield to loads, never the reverse.
 
-The backlog is bounded in bytes: overflow drops the oldest pending chunks, counted and said (once a
+The backlog is bounded in bytes: past half full, a save waits for its step's forward (see
+:meth:`SaveSide._ids`); overflow drops the oldest pending chunks, counted and said (once a
 minute), instead of blocking the engine; so does a save that finds no room in the pool.
 
 Buffers: :meth:`SaveSide.save` allocates each chunk's buffer from the store (never waiting for
@@ -32,7 +33,7 @@ import threading
 import time
 from collections import deque
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable
 
 import torch
 
@@ -45,6 +46,7 @@ from kvtier.ops import ChunkSpan
 from kvtier.ops.checksum import to_unsigned
 from kvtier.storage import ChunkBuffer, ChunkStore
 from kvtier.transfer.common import Copies, HeldChanged, TransferStats, now_ms, on_device
+from kvtier.transfer.reuse import ReuseGuard
 
 logger = logging.getLogger(__name__)
 
@@ -72,56 +74,6 @@ class _PendingSave:
     sums: torch.Tensor | None = None  # int64 [chunks of its batch], host memory: KVSUM64s the copy computed, if it does
     index: int = 0  # this chunk's entry in ``sums``
     batch: _SaveBatch | None = None
-
-
-class ReuseGuard:
-    """When the engine may reuse blocks a save reads (CUDA). Without ``defer``, the engine's stream
-    waits for every save's reads. With ``defer``, it waits only in :meth:`guard`, for a step given
-    a block a save may still be reading. Engine thread only, but for :attr:`reuse_after`, which
-    the load threads read."""
-
-    def __init__(self, device: torch.device, defer: bool):
-        self.device = device
-        self.defer = defer
-        # Saves whose engine blocks may still be unread: (event after which they are read, block
-        # ids, the device tensor of those ids), oldest first.
-        self._unread: deque[tuple[torch.cuda.Event, frozenset[int], torch.Tensor]] = deque()
-        self._last_read: torch.cuda.Event | None = None
-        self.reuse_after: torch.cuda.Event | None = None  # loads wait for it: their blocks may be being read
-
-    def blocks_read(self, engine: torch.cuda.Stream, event: torch.cuda.Event) -> None:
-        """A later step may reuse the blocks a save reads only once ``event`` has passed: the
-        engine's stream waits for it now, or (``defer``) :meth:`guard` makes it wait only for a
-        step that was given one of those blocks."""
-        if self.defer:
-            self._last_read = event
-        else:
-            engine.wait_event(event)
-
-    def saved(self, blocks: Iterable[int], ids: torch.Tensor) -> None:
-        """A save has started its copies from engine blocks ``blocks`` (device tensor ``ids``)."""
-        if self.defer and self._last_read is not None:
-            # ``ids`` too stays alive until the blocks are read: the copies read it on their own
-            # stream, and freed now its memory could go to the engine's next kernels first.
-            self._unread.append((self._last_read, frozenset(blocks), ids))
-            self._last_read = None  # this save's: a later save that starts no copy records nothing
-
-    def guard(self, allocated) -> None:
-        """Before a step's kernels (engine thread): if any of ``allocated`` (engine block ids the
-        step was given) is a block an earlier save may still be reading, the engine's stream and
-        later loads wait until it has been read. Cheap when nothing overlaps, which is the rule:
-        blocks of running requests are never reallocated, only those of finished or preempted ones."""
-        unread = self._unread
-        while unread and unread[0][0].query():
-            unread.popleft()
-        if not unread or not allocated:
-            return
-        wanted = set(allocated)
-        for event, blocks, _ in reversed(unread):  # the newest overlapping save; events are in stream order
-            if not blocks.isdisjoint(wanted):
-                torch.cuda.current_stream(self.device).wait_event(event)
-                self.reuse_after = event
-                return
 
 
 class SaveSide:
@@ -172,9 +124,23 @@ class SaveSide:
         return storage_key(key, self.layout.fingerprint)
 
     def _ids(self, block_ids) -> torch.Tensor:
-        # From pageable memory: the engine thread waits here for the step's forward (0.7 s of a 1.35 s
-        # prefill batch at TP=2). Why it stays so for now: docs/performance.md, "Prefill while saving".
-        return torch.tensor(block_ids, dtype=torch.int64, device=self.layout.device)
+        """``block_ids`` on the engine's device, copied on the engine's stream from pinned memory.
+
+        Not waited for while the backlog is at most half full: waiting for the copy holds the engine
+        thread until the step's forward is done (0.7 s of a 1.35 s prefill batch at TP=2), and the
+        step's sampling cannot be queued meanwhile. Past half full, the save thread is falling
+        behind (it stores chunk by chunk and needs the CPU and the GIL the engine thread keeps busy
+        when it never waits), so the engine thread waits for its forward as before: the save
+        thread catches up and no chunk is dropped for want of room."""
+        host = torch.tensor(block_ids, dtype=torch.int64)
+        if self.layout.device.type != "cuda":
+            return host
+        ids = host.pin_memory().to(self.layout.device, non_blocking=True)
+        if self.backlog_bytes is not None and self.pending_bytes() * 2 > self.backlog_bytes:
+            logger.debug("kvtier: save backlog %d of %d B: this save waits for its step's forward",
+                         self.pending_bytes(), self.backlog_bytes)
+            torch.cuda.current_stream(self.layout.device).synchronize()
+        return ids
 
     def save(self, jobs: list[SaveJob]) -> int:
         """Copy the jobs' new chunks out and queue them for storing; returns how many were queued.
