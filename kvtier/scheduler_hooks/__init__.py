@@ -6,10 +6,10 @@ every KV source goes through. The vLLM adapter (``kvtier.engines.vllm``) drives 
 """
 
 from kvtier.scheduler_hooks.cost import CostMeter, CostModel, LinearCost
-from kvtier.scheduler_hooks.plan import Geometry, LoadPlan, PlanInput, PlanKind, Policy, Skip, plan_load, tier_tokens
+from kvtier.scheduler_hooks.plan import Geometry, LoadPlan, PlanInput, PlanKind, Policy, Skip, may_load, plan_load, tier_tokens
 from kvtier.scheduler_hooks.states import Event, IllegalTransition, ReqState, advance
 
 __all__ = [
     "CostMeter", "CostModel", "Event", "Geometry", "IllegalTransition", "LinearCost", "LoadPlan",
-    "PlanInput", "PlanKind", "Policy", "ReqState", "Skip", "advance", "plan_load", "tier_tokens",
+    "PlanInput", "PlanKind", "Policy", "ReqState", "Skip", "advance", "may_load", "plan_load", "tier_tokens",
 ]

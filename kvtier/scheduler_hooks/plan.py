@@ -151,6 +151,14 @@ def none(local: int, skip: Skip) -> LoadPlan:
     return LoadPlan(PlanKind.NONE, local, local, local, skip)
 
 
+def may_load(prompt_tokens: int, local_tokens: int, geometry: Geometry, policy: Policy) -> bool:
+    """Whether a stored hit could still give a prompt of ``prompt_tokens`` a load beyond the engine's
+    own ``local_tokens`` (whole chunks, at least ``min_load_tokens``). False: :func:`plan_load`
+    would plan none whatever the tiers hold, so there is nothing to look up."""
+    whole_chunks = prompt_tokens - prompt_tokens % geometry.chunk_tokens
+    return whole_chunks - local_tokens >= policy.min_load_tokens
+
+
 def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostModel | None = None) -> LoadPlan:
     """Decide how ``inp``'s stored prefix reaches the engine. Pure; see the module docstring."""
     local, c, b = inp.local_tokens, geometry.chunk_tokens, geometry.block_size

@@ -21,8 +21,10 @@ PROMPT = list(range(3, 3 + 4 * CHUNK + 10))
 class StubClient:
     def __init__(self, tiers):
         self.tiers = tiers
+        self.asked = 0  # lookups that named keys
 
     def lookup(self, keys, always=False):
+        self.asked += bool(keys)
         return LookupReply(VERSION, self.tiers[: len(keys)])
 
     def close(self):
@@ -133,3 +135,13 @@ def test_a_request_preempted_by_vllms_own_scheduler_is_admitted_again_with_a_loa
     assert plan.kind is PlanKind.LOAD and side.state("a") is ReqState.WAITING_FOR_KV
     (job,) = side.take_plan([]).loads
     assert job.req_id == "a" and len(job.keys) == 4
+
+
+def test_a_local_hit_that_leaves_no_load_asks_no_lookup(side):
+    """With the engine's own cache holding every whole chunk but less than min_load_tokens (one
+    chunk), no stored hit could load: rank 0 is not asked (at TP > 1 a trip to a busy worker)."""
+    assert admit(side, "local", local=4 * CHUNK).kind is PlanKind.NONE
+    assert admit(side, "almost", local=3 * CHUNK + BS).kind is PlanKind.NONE
+    assert side.client.asked == 0
+    assert admit(side, "one chunk short", local=3 * CHUNK).kind is PlanKind.LOAD
+    assert side.client.asked == 1

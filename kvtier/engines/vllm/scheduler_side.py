@@ -30,7 +30,7 @@ from kvtier.keys import chunk_keys, namespace, tail_key
 from kvtier.lookup import LookupClient
 from kvtier.pd import params as pd
 from kvtier.scheduler_hooks import (
-    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, Skip, advance, plan_load, tier_tokens,
+    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, Skip, advance, may_load, plan_load, tier_tokens,
 )
 from kvtier.scheduler_hooks.distrust import Distrusted
 
@@ -116,14 +116,14 @@ class SchedulerSide:
         A P/D consumer's plan covers the whole prompt: its own tiers' chunks, then the producer's.
         """
         tracked = self.track(req_id, prompt, cache_salt, transfer_params)
-        # A producer must learn where its chunk servers are, whatever the prompt's length.
-        reply = self.client.lookup(tracked.keys, always=isinstance(tracked.role, pd.Produce) and not self.peer_endpoints)
+        producer = isinstance(tracked.role, pd.Produce) and not self.peer_endpoints  # must learn its chunk servers
+        keys = tracked.keys if tracked.role or may_load(len(prompt), local_tokens, self.geometry, self.policy) else []
+        reply = self.client.lookup(keys, always=producer)  # no load possible: no trip to rank 0
         if reply is not None and reply.chunk_load_ms:
             self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
         if reply is not None and reply.endpoints:
             self.peer_endpoints = reply.endpoints
-        # Until the workers have emptied the tiers, the index may still offer what a reset removes.
-        # A request whose load failed with nothing valid is recomputed (see loads_reported).
+        # Not until the workers emptied the tiers after a reset, nor after a failed load (see loads_reported).
         tiers = () if self.reset_pending or tracked.load_failed else \
             self._distrusted.trusted(tracked.keys, reply.tiers if reply is not None else [])
         tiers = tiers[: self.groups.held_chunks(tracked.keys, len(prompt), len(tiers), self.client.lookup)]
