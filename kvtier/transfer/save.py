@@ -13,7 +13,7 @@ Threads:
 
 The backlog is bounded in bytes: past half full, a save waits for its step's forward (see
 :meth:`SaveSide._ids`); overflow drops the oldest pending chunks, counted and said (once a
-minute), instead of blocking the engine; so does a save that finds no room in the pool.
+minute), instead of waiting for the store; so does a save that finds no room in the pool.
 
 Buffers: :meth:`SaveSide.save` allocates each chunk's buffer from the store (never waiting for
 room). The save thread hands it to ``store.put``, which takes it, or releases it if storing fails;
