@@ -10,6 +10,7 @@ or late READ, a reused block, a bit flip).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from typing import Callable
@@ -109,7 +110,9 @@ class LandedCheck:
         bad one on nothing counts (one line says so). Returns the (blocks, chunks, bytes landed)
         that count. ``ids``: block ids as a device tensor."""
         begin = self.check_s
-        bad = self.first_bad([(ids(job.block_ids[b : b + n]), n, x.checksum) for _, b, n, x in landed])
+        flat = ids(tuple(i for _, b, n, _ in landed for i in job.block_ids[b : b + n]))  # one copy to the device
+        at = [0, *itertools.accumulate(n for _, _, n, _ in landed)]
+        bad = self.first_bad([(flat[at[k] : at[k + 1]], n, x.checksum) for k, (_, _, n, x) in enumerate(landed)])
         logger.debug("kvtier P/D: %d chunks landed, checked in %.1f ms", len(landed), (self.check_s - begin) * 1e3)
         if bad is not None:
             i, done, _, _ = landed[bad]
