@@ -112,9 +112,10 @@ class HbmServing:
             buffer.release()
         return True
 
-    def sums_came(self) -> bool:
-        """Checksums of chunks just computed came in (waiting fetches may be answered now)."""
-        return self.engine is not None and self.engine.sums is not None and self.engine.sums.poll()
+    def sums_came(self) -> set[bytes]:
+        """Chain keys of chunks just computed whose checksums came in (their waiting fetches may be
+        answered now)."""
+        return set() if self.engine is None or self.engine.sums is None else self.engine.sums.poll()
 
     @property
     def sums_pending(self) -> bool:

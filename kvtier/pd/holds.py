@@ -61,10 +61,13 @@ class PublishHolds:
         self._by_key: dict[bytes, set[str]] = {}  # expected storage key -> transfers
         self._bytes = 0
         self.stats = HoldStats()
-        # Set whenever a chunk may have become servable (stored, announced, withdrawn): the chunk
-        # server looks at its waiting fetches only then, not on every poll (the engine's forward
-        # needs the GIL more than an idle server does).
+        # The chunk server looks at its waiting fetches only when a chunk may have become
+        # servable, not on every poll (the engine's forward needs the GIL more than an idle
+        # server does): at all of them once ``changed`` is set (a transfer's last chunk announced,
+        # a withdrawal, a lease), else only at those for ``_stored`` keys (stored or given up
+        # since it last looked).
         self.changed = threading.Event()
+        self._stored: set[bytes] = set()
 
     def announce(self, transfer_id: str, keys: list[bytes], final: bool) -> None:
         """The engine computes ``transfer_id``; ``keys`` (storage keys) will be saved for it."""
@@ -79,11 +82,13 @@ class PublishHolds:
             for key in keys:
                 t.expected.add(key)
                 self._by_key.setdefault(key, set()).add(transfer_id)
-        self.changed.set()
+        if final:  # what the transfer lacks now never comes: its waiting fetches are answered missing
+            self.changed.set()
 
     def stored(self, keys: list[bytes]) -> None:
         """``keys`` are now stored (saved, or found already stored): pin those announced."""
-        self.changed.set()
+        with self._lock:
+            self._stored.update(keys)
         for key in keys:
             with self._lock:
                 wanted = [tid for tid in self._by_key.get(key, ()) if key not in self._transfers[tid].pinned]
@@ -125,12 +130,19 @@ class PublishHolds:
         failed): no transfer waits for them any more, so a consumer asking is answered ``missing``
         (and recomputes) instead of waiting out its timeout."""
         with self._lock:
+            self._stored.update(keys)
             for key in keys:
                 for transfer_id in self._by_key.pop(key, ()):
                     t = self._transfers.get(transfer_id)
                     if t is not None:
                         t.expected.discard(key)
-        self.changed.set()
+
+    def take_stored(self) -> set[bytes]:
+        """Storage keys stored or given up since the last call (the chunk server's waiting fetches
+        for them may be answered now)."""
+        with self._lock:
+            keys, self._stored = self._stored, set()
+        return keys
 
     def withdraw(self, transfer_id: str) -> None:
         """The request was aborted: nothing more will be published under ``transfer_id``."""

@@ -64,6 +64,7 @@ class _Waiting:
     identity: bytes
     fetch: Fetch
     since_s: float
+    skey: bytes  # the chunk's storage key
 
 
 class ChunkServer:
@@ -136,12 +137,11 @@ class ChunkServer:
                     self.nixl.progress()
                 if self._writes:
                     self._writes.poll()
-                if self._hbm.sums_came():  # chunks just computed: a waiting fetch may be answered now
-                    self.holds.changed.set()
+                came = self._hbm.sums_came()  # chunks just computed: their waiting fetches may be answered now
                 if self._answer_releases:
                     self._answer_released()
                 now = time.monotonic()
-                self._serve_waiting(now)
+                self._serve_waiting(now, came)
                 self._hbm.flush(self.nixl)  # one WRITE per peer for what this turn's fetches found stored
                 if now - last_beat >= self._heartbeat_s:
                     self._heartbeat()
@@ -244,7 +244,7 @@ class ChunkServer:
             if len(self._waiting) >= MAX_WAITING:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "refused", "too many waiting fetches"))
                 return True
-            self._waiting.append(_Waiting(identity, fetch, now))
+            self._waiting.append(_Waiting(identity, fetch, now, storage_key(fetch.key, self.layout.fingerprint)))
         return False
 
     def _answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
@@ -337,12 +337,19 @@ class ChunkServer:
         """Chunks lent to NIXL peers right now (tests, stats)."""
         return self._lent.count
 
-    def _serve_waiting(self, now: float) -> None:
-        if not self._waiting or not self.holds.changed.is_set():
+    def _serve_waiting(self, now: float, came: set[bytes]) -> None:
+        """Answer waiting fetches that may be answerable now: all once anything else changed (an
+        announcement, a lease, once a second), else only those whose chunk was stored or given
+        up, or whose checksum ``came`` (chain keys): a prompt's chunks come one by one, and
+        looking at every waiting fetch for each is quadratic Python on the engine's GIL."""
+        stored, everything = self.holds.take_stored(), self.holds.changed.is_set()
+        if not self._waiting or not (everything or stored or came):
             return
         self.holds.changed.clear()
-        waiting, self._waiting = self._waiting, []
+        waiting, self._waiting, again = self._waiting, [], []
         for w in waiting:
+            (again if everything or w.skey in stored or w.fetch.key in came else self._waiting).append(w)
+        for w in again:
             self._fetch(w.identity, w.fetch, w.since_s)  # parks it again if still not there
         # Peers that stopped asking (timed out, died) must not pin waiting entries forever.
         horizon = 10 * self._active_s

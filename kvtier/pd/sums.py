@@ -50,7 +50,7 @@ class EarlySums:
         self._lock = threading.Lock()
         self._pending: deque[_Pending] = deque()
         self._ready: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # chain key -> (unsigned KVSUM64, blocks)
-        self._fresh = False  # sums came in since the last poll
+        self._fresh: set[bytes] = set()  # chain keys whose sums came in since the last poll
 
     def take(self, keys: tuple[bytes, ...], block_ids: tuple[int, ...]) -> None:
         """Sum the chunks ``keys`` (chain keys) a step computed into ``block_ids`` (in order,
@@ -94,11 +94,11 @@ class EarlySums:
                 self._ready.move_to_end(key)
             while len(self._ready) > KEEP:
                 self._ready.popitem(last=False)
-            self._fresh = True
+            self._fresh.update(key for key, _ in chunks)
 
-    def poll(self) -> bool:
-        """Take in the sums whose pass is done; True if any came since the last poll (chunk
-        server thread)."""
+    def poll(self) -> set[bytes]:
+        """Take in the sums whose pass is done; the chain keys of those that came since the last
+        poll (chunk server thread)."""
         came = []
         with self._lock:
             while self._pending and self._pending[0].done.query():
@@ -106,7 +106,7 @@ class EarlySums:
         for p in came:
             self._add(p.keys, p.sums)
         with self._lock:
-            fresh, self._fresh = self._fresh, False
+            fresh, self._fresh = self._fresh, set()
         return fresh
 
     @property

@@ -284,3 +284,40 @@ def test_chunks_a_full_save_backlog_gives_up_are_answered_missing_at_once(engine
     assert p.side.transfers.stats.dropped_saves > 0 and failed, "the backlog held the whole prompt: nothing tested"
     loaded = [i for i, b in enumerate(D_BLOCKS) if b not in failed]
     assert torch.equal(d.blocks([D_BLOCKS[i] for i in loaded]), p.blocks([P_BLOCKS[i] for i in loaded]))
+
+
+def test_a_chunk_computed_looks_again_only_at_the_fetches_waiting_for_it(engines, transport):
+    """A push consumer asks for every chunk before P computed any; P then computes, sums and
+    stores them one by one. Each must look again only at the fetch waiting for that chunk:
+    looking at every waiting fetch each time is quadratic Python on P's server thread, which
+    takes the GIL from P's engine thread during the prefill (30 chunks: 465 looks, not 30)."""
+    tokens = tokens_of(30 * CHUNK, seed=3)
+    p_blocks, d_blocks = list(range(2, 62)), list(range(1, 61))
+    p, d = engines("p", 1), engines("d", 2)
+    server = p.side.chunk_server
+    looks, fetch = [0], server._fetch
+
+    def counted(*args):
+        looks[0] += 1
+        return fetch(*args)
+
+    server._fetch = counted
+    keys, _ = prompt_keys(tokens)
+    d.side.start_loads((remote_job("d-req", tokens, d_blocks, "t1", p.endpoint, wait=True),))
+    p.side.save((SaveJob("p", (), (), publish="t1", lease=True),))  # P's first step: computing, nothing sealed yet
+    deadline = time.monotonic() + 10
+    waiting = 4 if transport == "zmq" else len(keys)  # a window of fetches over ZMQ, all of them HBM to HBM
+    while len(server._waiting) < waiting and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert len(server._waiting) == waiting, "D's fetches did not wait"
+    looks[0] = 0
+    for i, key in enumerate(keys):  # one chunk a step, each served before the next step
+        p.side.save((SaveJob("p", (key,), tuple(p_blocks[2 * i : 2 * i + 2]), publish="t1",
+                             final=i == len(keys) - 1, lease=True),))
+        while server.served_total <= i and time.monotonic() < deadline:
+            time.sleep(0.002)
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(d_blocks), p.blocks(p_blocks))
+    # each chunk's own look and a new fetch's first (ZMQ), plus one look at all of those waiting
+    # for the last announcement and once a second: not one at every waiting fetch for each chunk
+    assert looks[0] <= 3 * len(keys), f"{looks[0]} looks for {len(keys)} chunks"
