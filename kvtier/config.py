@@ -48,7 +48,8 @@ class KvtierConfig:
     ``auto`` (cheaper by the measured cost model). prefill_tokens_per_s: the engine's prefill rate
     for the cost model (default: measured from step times). save_backlog_bytes: most bytes of
     copied-out chunks waiting to be stored; past half of it a save waits for its step's forward,
-    beyond it the oldest are dropped and counted (default: a quarter of cpu_bytes). disk_io: ``buffered`` or ``direct`` (O_DIRECT reads of disk chunks).
+    beyond it the oldest are dropped and counted (default: a quarter of cpu_bytes). disk_io:
+    ``buffered`` or ``direct`` (O_DIRECT reads of disk chunks).
 
     P/D (:mod:`kvtier.pd`): pd_bind: address the chunk server binds (loopback by default; any
     other address needs pd_secret). pd_host: address advertised to decode engines (default: the
