@@ -345,7 +345,8 @@ class ChunkServer:
         stored, everything = self.holds.take_stored(), self.holds.changed.is_set()
         if not self._waiting or not (everything or stored or came):
             return
-        self.holds.changed.clear()
+        if everything:  # cleared only when seen: a change after is_set() is looked at next turn
+            self.holds.changed.clear()
         waiting, self._waiting, again = self._waiting, [], []
         for w in waiting:
             (again if everything or w.skey in stored or w.fetch.key in came else self._waiting).append(w)
