@@ -136,9 +136,10 @@ class SaveSide:
         if self.layout.device.type != "cuda":
             return host
         ids = host.pin_memory().to(self.layout.device, non_blocking=True)
-        if self.backlog_bytes is not None and self.pending_bytes() * 2 > self.backlog_bytes:
+        pending = self.pending_bytes()
+        if self.backlog_bytes is not None and pending * 2 > self.backlog_bytes:
             logger.debug("kvtier: save backlog %d of %d B: this save waits for its step's forward",
-                         self.pending_bytes(), self.backlog_bytes)
+                         pending, self.backlog_bytes)
             torch.cuda.current_stream(self.layout.device).synchronize()
         return ids
 
