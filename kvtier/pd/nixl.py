@@ -1,9 +1,11 @@
 """NIXL, the data plane of P/D transfers when both engines have it: the only module that imports it.
 
 One agent per engine rank (:func:`make_agent`), shared by its chunk server (P, the passive side
-of a READ) and its fetch threads (D, the initiator), with NIXL's strict thread sync (calls from
-several threads are serialized inside NIXL). Backend UCX; on one host it moves host memory with ``cma``
-(``process_vm_readv``), across hosts with RDMA NICs where UCX finds them.
+of a READ) and its fetch threads (D, the initiator), with NIXL's reader-writer thread sync
+(transfers from several threads run at once; registering memory and adding peers exclude them).
+Backend UCX with one worker per posting thread; on one host it moves host memory with ``cma``
+(``process_vm_readv``, a copy inside the posting call: :data:`POSTERS` threads copy a transfer's
+chunks on as many cores), across hosts with RDMA NICs where UCX finds them.
 
 **Progress thread off.** NIXL's progress thread spins a core (and on a 2-core box halves the
 throughput: 2.0 GB/s instead of 4.3–4.5). Without it the passive side must call
@@ -36,6 +38,9 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _POLL_S = 20e-6  # how often a waiting transfer looks at its state
+# Threads posting READs, each with a UCX worker of its own: on one host UCX copies host memory (cma)
+# inside the posting call, one core per READ, so several cores copy a transfer's chunks at once.
+POSTERS = max(1, min(4, os.cpu_count() or 1))
 Memory = tuple[str, int, int]  # (NIXL memory kind "DRAM" | "VRAM", this process's device, the peer's device)
 
 
@@ -62,7 +67,7 @@ def available() -> bool:
 class Transfer:
     """One posted READ or WRITE. :meth:`wait` until it is done, then :meth:`release` (always).
 
-    Posting runs on the agent's poster thread (``future`` gives NIXL's handle): on one host UCX
+    Posting runs on one of the agent's poster threads (``future`` gives NIXL's handle): on one host UCX
     moves the bytes inside that call, so the caller's thread is free meanwhile (to scatter the
     previous chunk)."""
 
@@ -141,9 +146,11 @@ class Agent:
         api = _api()
         if api is None:
             raise NixlError("NIXL is not installed (pip install nixl-cu12)")
-        config = api.nixl_agent_config(enable_prog_thread=False, backends=["UCX"],
-                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_STRICT)
+        # RW: transfers from several threads run at once; registering and peers are exclusive
+        config = api.nixl_agent_config(enable_prog_thread=False, backends=[],
+                                       sync_mode=api.nixl_thread_sync_t.NIXL_THREAD_SYNC_RW)
         self._nixl = api.nixl_agent(name, config)
+        self._nixl.create_backend("UCX", {"num_workers": str(POSTERS)})
         self.name = name
         self._lock = threading.Lock()  # guards the bookkeeping below, not NIXL's calls
         self._registered: dict[tuple[int, int], object] = {}  # (address, bytes) -> NIXL's descriptor list
@@ -152,8 +159,8 @@ class Agent:
         self._users: dict[str, set[object]] = {}  # peer name -> who holds it (:meth:`connect`'s ``user``)
         self._let_go: dict[str, float] = {}  # peer name -> when its last user let go (monotonic s)
         self.device = device
-        # posts transfers, in order
-        self._poster = ThreadPoolExecutor(1, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
+        # posts READs, in order, up to POSTERS at once
+        self._poster = ThreadPoolExecutor(POSTERS, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
         self.registered_bytes = 0
         self.post_s = 0.0  # seconds the poster thread spent posting transfers, since start
 
@@ -294,7 +301,8 @@ class Agent:
             state = self._nixl.transfer(handle)
         except Exception as exc:
             state = f"ERR ({exc})"
-        self.post_s += time.perf_counter() - begin
+        with self._lock:
+            self.post_s += time.perf_counter() - begin
         if state.startswith("ERR"):
             self._nixl.release_xfer_handle(handle)
             raise NixlError(f"NIXL refused a {op} with {peer}: {state}")
