@@ -1,24 +1,24 @@
 """A decode engine's side of a transfer: fetch chunks from one producer rank's chunk server.
 
 One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next), a
-handshake that compares layouts, then a window of fetches in flight: while the caller verifies
-and scatters chunk ``i``, chunks ``i+1 …`` are on the wire. Any failure raises
-:class:`PeerError` after the chunks that did arrive were yielded.
+handshake that compares layouts, then a window of fetches in flight: while the caller verifies and
+scatters chunk ``i``, chunks ``i+1 …`` are on the wire. Any failure raises :class:`PeerError` after
+the chunks that did arrive were yielded.
 
 Over NIXL the replies carry addresses instead of payloads: as each arrives, a buffer of this
-engine's CPU tier (registered with NIXL) is allocated and a READ posted into it; a chunk is
-yielded once its READ is done and its MAC checked. Buffers and READs not handed to the caller are
-settled and released when the transfer ends, however it ends.
+engine's CPU tier (registered with NIXL) is allocated and a READ posted into it; a chunk is yielded
+once its READ is done and its MAC checked. Buffers and READs not handed to the caller are settled
+and released when the transfer ends, however it ends.
 
 HBM to HBM (a :class:`Landing` given): where P still holds the request's engine blocks, its reply
-names them and D READs them straight into the engine blocks the caller named, one descriptor per
-run of consecutive blocks (:mod:`kvtier.pd.hbm`); once P lends, the rest is asked for at once and
-all replies read by one READ. The caller gets a :class:`Landed` with the KVSUM64 to check the
-blocks against (:mod:`kvtier.pd.landing`). In a push transfer D gives P its NIXL metadata and
-engine KV regions in a second hello, once P's reply checked out, and names each chunk's engine
-blocks in its fetch: P WRITEs the chunk there the moment it has it. A push transfer that ends
-with such fetches unanswered waits (up to the timeout) for P to say that none of its WRITEs still
-runs, so no late WRITE lands in blocks this engine recomputes.
+names them and D READs them straight into the engine blocks the caller named, one descriptor per run
+of consecutive blocks (:mod:`kvtier.pd.hbm`); once P lends, the rest is asked for at once and all
+replies read by one READ. The caller gets a :class:`Landed` with the KVSUM64 to check the blocks
+against (:mod:`kvtier.pd.landing`). In a push transfer D gives P its NIXL metadata and engine KV
+regions in a second hello, once P's reply checked out, and names each chunk's engine blocks in its
+fetch: P WRITEs the chunk there the moment it has it. A push transfer that ends with such fetches
+unanswered waits (up to the timeout) for P to say that none of its WRITEs still runs, so no late
+WRITE lands in blocks this engine recomputes.
 """
 
 from __future__ import annotations
@@ -73,9 +73,8 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
     which picks NIXL or ZMQ (None: ZMQ only). ``block_size``: this engine's, in tokens: each
     chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
-    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). Tells the
-    producer it is done (releases its pins and lent buffers) when the generator ends, however it ends.
-    """
+    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). The
+    producer is told it is done (its pins and lent buffers released) however the generator ends."""
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)
     socket.setsockopt(zmq.MAXMSGSIZE, max(chunk_bytes(n) for _, n in items) + (64 << 10))
@@ -142,7 +141,7 @@ class _Peer:
         self.silent = False  # P sent nothing for the timeout (dead or hung: no WRITE of its is still coming)
         self.plan = plan  # (transfer id, the chunks to fetch, wait), fetched in order
         self.sent = 0  # fetches sent
-        self.reply_s = 0.0  # seconds spent waiting for replies
+        self.reply_s, self.read_s, self.reads = 0.0, 0.0, 0  # s waiting for replies, for READs into the CPU tier; those READs
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
@@ -161,8 +160,7 @@ class _Peer:
         return reply
 
     def settle_writes(self) -> None:
-        """After a release that asked for an answer: wait until P says none of its WRITEs into
-        this engine still runs (or the timeout passes: P is gone, and so are its WRITEs)."""
+        """After a release asking for an answer: wait until P says none of its WRITEs here still runs (or P is silent)."""
         try:
             while (got := self.receive()) is not None and got.reply.status != "released":
                 self._discard(got)
@@ -196,8 +194,7 @@ class _Peer:
             frames = self.socket.recv_multipart(copy=False)
             if len(frames) not in (2, 3):
                 raise PeerError(f"{self.endpoint} sent {len(frames)} frames")
-            tag, body = frames[0].bytes, frames[1].bytes
-            payload = frames[2] if len(frames) == 3 else None
+            tag, body, payload = frames[0].bytes, frames[1].bytes, frames[2] if len(frames) == 3 else None
             try:
                 reply = decode_reply(body)
                 lent = (isinstance(reply, ChunkReply) and reply.status == "ok" and payload is None and self.nixl
@@ -341,11 +338,13 @@ class _Peer:
                     raise PeerError(f"no room in this engine's CPU tier for a {nbytes} B chunk")
                 if transfer is None:
                     raise PeerError(f"NIXL could not post the READ of chunk {index} from {self.endpoint}")
+                begin = time.perf_counter()
                 try:
                     transfer.wait(self.timeout_ms / 1000, self.cancelled)
                 except NixlError as exc:
                     self.failed = True  # forgotten once its READs are settled (close)
                     raise PeerError(f"NIXL READ of chunk {index} from {self.endpoint}: {exc}") from None
+                self.read_s, self.reads = self.read_s + time.perf_counter() - begin, self.reads + 1
             try:
                 check_mac(self.secret, arrived.tag, arrived.body, memoryview(buffer.data.numpy()))
             except AuthError as exc:
@@ -372,6 +371,9 @@ class _Peer:
 
     def close(self) -> None:
         """Settle and release every READ and buffer not handed out."""
+        if self.reads:  # the caller scatters each chunk while the next ones are READ
+            logger.debug("kvtier P/D: %d chunks READ from %s into this engine's CPU tier; ms waiting for replies %.1f, "
+                         "for READs %.1f", self.reads, self.endpoint, self.reply_s * 1e3, self.read_s * 1e3)
         for arrived in self.early.values():
             self._discard(arrived)
         self.early.clear()
