@@ -162,7 +162,7 @@ class Agent:
         # posts READs, in order, up to POSTERS at once
         self._poster = ThreadPoolExecutor(POSTERS, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
         self.registered_bytes = 0
-        self.post_s = 0.0  # seconds the poster thread spent posting transfers, since start
+        self.post_s = 0.0  # seconds the poster threads spent posting transfers, since start (summed)
 
     def bind_device(self) -> None:
         """Make this agent's CUDA device the calling thread's (no-op for host memory)."""
@@ -288,7 +288,7 @@ class Agent:
 
     def _start(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
                memory: Memory = ("DRAM", 0, 0)):
-        """On the poster thread: NIXL's handle of a posted transfer; raises :class:`NixlError`."""
+        """On a poster thread: NIXL's handle of a posted transfer; raises :class:`NixlError`."""
         kind, mine, theirs = memory
         begin = time.perf_counter()
         try:
@@ -309,7 +309,7 @@ class Agent:
         return handle
 
     def close(self) -> None:
-        """Stop the poster thread once what it was given is posted."""
+        """Stop the poster threads once what they were given is posted."""
         self._poster.shutdown(wait=True)
 
     def progress(self) -> None:
