@@ -159,7 +159,7 @@ class Agent:
         self._users: dict[str, set[object]] = {}  # peer name -> who holds it (:meth:`connect`'s ``user``)
         self._let_go: dict[str, float] = {}  # peer name -> when its last user let go (monotonic s)
         self.device = device
-        # posts READs, in order, up to POSTERS at once
+        # posts READs and WRITEs of host memory, in order, up to POSTERS at once
         self._poster = ThreadPoolExecutor(POSTERS, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
         self.registered_bytes = 0
         self.post_s = 0.0  # seconds the poster threads spent posting transfers, since start (summed)
@@ -272,8 +272,11 @@ class Agent:
 
     def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
               memory: Memory = ("DRAM", 0, 0)) -> Transfer:
-        """Post a one-sided WRITE of ``local`` into the peer's ``remote``, on the caller's thread
-        (on one host the bytes of host memory move before it returns). ``memory``: as for :meth:`read`."""
+        """Post a one-sided WRITE of ``local`` into the peer's ``remote``: of host memory on the
+        poster threads, as READs (on one host its bytes move while it is posted); of engine blocks
+        (``VRAM``) on the caller's thread, which its timing counts. ``memory``: as for :meth:`read`."""
+        if memory[0] == "DRAM":
+            return self._post("WRITE", peer, local, remote, memory)
         future: Future = Future()
         try:
             future.set_result(self._start("WRITE", peer, local, remote, memory))

@@ -83,7 +83,7 @@ class ChunkServer:
         self._lease_wait = False  # a fetch waits for a lease: look again at the next turn of the loop
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
-        self._writes = PeerWrites(self._send, self._retry)  # WRITEs not done yet (RDMA; on one host they finish when posted)
+        self._writes = PeerWrites(self._send, self._retry)  # WRITEs not done yet (being posted, or RDMA)
         self._hbm = HbmServing(self._send, self._writes)
         self._answer_releases: list[tuple[bytes, str]] = []  # (identity, transfer id): answer once no WRITE runs
         self.served_total = 0  # chunks answered "ok" since start, lent or sent

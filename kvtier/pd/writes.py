@@ -1,7 +1,8 @@
 """A chunk server's NIXL WRITEs into push consumers' memory (see :mod:`kvtier.pd.server`).
 
 Into a consumer's CPU-tier buffer: each WRITE keeps its chunk's buffer until it no longer runs
-(on one host the bytes move while it is posted, with RDMA later). Once done, the consumer is
+(posted on the agent's poster threads: on one host the bytes move while it is posted, several
+chunks at once, with RDMA later). Once done, the consumer is
 told the chunk is there (``written``); a WRITE that failed sends the chunk as a payload frame
 instead, so the consumer still gets it.
 
