@@ -141,7 +141,7 @@ class _Peer:
         self.silent = False  # P sent nothing for the timeout (dead or hung: no WRITE of its is still coming)
         self.plan = plan  # (transfer id, the chunks to fetch, wait), fetched in order
         self.sent = 0  # fetches sent
-        self.reply_s, self.read_s, self.reads = 0.0, 0.0, 0  # s waiting for replies, for READs into the CPU tier; those READs
+        self.reply_s, self.read_s, self.reads = 0.0, 0.0, 0  # s waiting for replies and for READs into the CPU tier; READs
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:

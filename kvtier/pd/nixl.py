@@ -38,8 +38,8 @@ import numpy as np
 logger = logging.getLogger(__name__)
 
 _POLL_S = 20e-6  # how often a waiting transfer looks at its state
-# Threads posting READs, each with a UCX worker of its own: on one host UCX copies host memory (cma)
-# inside the posting call, one core per READ, so several cores copy a transfer's chunks at once.
+# Threads posting transfers, each with a UCX worker of its own: on one host UCX copies host memory
+# (cma) inside the posting call, one core per transfer, so several cores copy a transfer's chunks at once.
 POSTERS = max(1, min(4, os.cpu_count() or 1))
 Memory = tuple[str, int, int]  # (NIXL memory kind "DRAM" | "VRAM", this process's device, the peer's device)
 
@@ -159,7 +159,7 @@ class Agent:
         self._users: dict[str, set[object]] = {}  # peer name -> who holds it (:meth:`connect`'s ``user``)
         self._let_go: dict[str, float] = {}  # peer name -> when its last user let go (monotonic s)
         self.device = device
-        # posts READs and WRITEs of host memory, in order, up to POSTERS at once
+        # posts READs and the WRITEs of host memory, in order, up to POSTERS at once
         self._poster = ThreadPoolExecutor(POSTERS, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
         self.registered_bytes = 0
         self.post_s = 0.0  # seconds the poster threads spent posting transfers, since start (summed)

@@ -2,9 +2,9 @@
 
 Into a consumer's CPU-tier buffer: each WRITE keeps its chunk's buffer until it no longer runs
 (posted on the agent's poster threads: on one host the bytes move while it is posted, several
-chunks at once, with RDMA later). Once done, the consumer is
-told the chunk is there (``written``); a WRITE that failed sends the chunk as a payload frame
-instead, so the consumer still gets it.
+chunks at once, with RDMA later). Once done, the consumer is told the chunk is there
+(``written``); a WRITE that failed sends the chunk as a payload frame instead, so the consumer
+still gets it.
 
 Into a consumer's engine blocks (HBM push): the chunks that became ready in one turn of the
 server go out as one WRITE from this engine's blocks, one descriptor per run of consecutive

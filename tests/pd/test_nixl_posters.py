@@ -2,7 +2,7 @@
 posting call, so a transfer's chunks are copied on several cores only if several threads post them.
 
 Real NIXL over UCX between this process and a producer process; the only stand-in is a barrier
-around NIXL's posting call, which lets a READ through only once another is being posted beside it."""
+around NIXL's posting call, which lets a transfer through only once another is being posted beside it."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 
 from kvtier.pd import nixl
 
-CHUNK = 8 << 20  # bytes per READ
+CHUNK = 8 << 20  # bytes per transfer
 CHUNKS = 4
 
 
