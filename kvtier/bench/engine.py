@@ -80,8 +80,8 @@ def add_parser(commands) -> None:
     p.add_argument("--ttft-only", action="store_true", help="TTFT and bytes per reload only: no prefill, no chat")
     p.add_argument("--settle-s", type=float, default=1.0, help="pause before each local hit and reload (default 1)")
     p.add_argument("--profile", metavar="DIR",
-                   help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: the "
-                        "first reload after start, a later one, a local hit; a prefill batch), traces into "
+                   help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: a local "
+                        "hit, the first reload after start, a later one; a prefill batch), traces into "
                         "DIR/<engine>/<round>, and report what grew between them")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
@@ -154,6 +154,8 @@ def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict
     profiled = prompt(salt + 777_777, lengths[0]) if profile else []
     if profile:
         rounds.append({"prompts": [profiled], "tag": ["warmup"]})
+        # its local hit at once: after the rounds below a long prompt is no longer in the engine's prefix cache
+        rounds.append(_profiled({"prompts": [profiled], "pause_s": args.settle_s}, "local"))
         if reload:
             rounds.append(_profiled({"prompts": [profiled], "reset": True, "pause_s": args.settle_s}, "reload-first"))
     for n in lengths:
@@ -163,11 +165,8 @@ def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict
                        {"prompts": [p], "pause_s": args.settle_s, "tag": ["local", n]}]
             if reload:
                 rounds.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["reload", n]})
-        if profile and n == lengths[0]:
-            rounds.append(_profiled({"prompts": [profiled], "pause_s": args.settle_s}, "local"))
-            if reload:
-                rounds.append(_profiled({"prompts": [profiled], "reset": True, "pause_s": args.settle_s},
-                                        "reload-later"))
+        if profile and reload and n == lengths[0]:
+            rounds.append(_profiled({"prompts": [profiled], "reset": True, "pause_s": args.settle_s}, "reload-later"))
     for n in lengths:
         p = prompt(7 + n, n)
         rounds.append({"prompts": [p], "max_tokens": CHECK_TOKENS, "tag": ["check", n]})

@@ -65,7 +65,9 @@ def test_profile_adds_rounds_of_its_own_and_leaves_the_measured_ones_as_they_wer
                               prefill_len=16, sessions=1, session_len=16, chat_rounds=1)
     rounds = engine.engine_rounds(args, [64, 128], "kvtier")
     tags = [r.get("profile") for r in rounds]
-    assert [t for t in tags if t] == ["reload-first", "local", "reload-later", "prefill"]
+    assert [t for t in tags if t] == ["local", "reload-first", "reload-later", "prefill"]
+    local = tags.index("local")  # right after its prompt was computed: still in the engine's prefix cache
+    assert rounds[local - 1]["tag"] == ["warmup"] and rounds[local - 1]["prompts"] == rounds[local]["prompts"]
     assert all(r["tag"] == ["profiled"] for r in rounds if r.get("profile"))  # _collect counts none of them
     first = tags.index("reload-first")
     assert not any(r["tag"][0] in ("reload", "local") for r in rounds[:first])  # the first reload after start
