@@ -47,8 +47,9 @@ class KvtierConfig:
     ``handoff`` (prefill to the next chunk boundary, then load; needs kvtier's scheduler_cls) or
     ``auto`` (cheaper by the measured cost model). prefill_tokens_per_s: the engine's prefill rate
     for the cost model (default: measured from step times). save_backlog_bytes: most bytes of
-    copied-out chunks waiting to be stored; past half of it a save waits for its step's forward,
-    beyond it the oldest are dropped and counted (default: a quarter of cpu_bytes). disk_io:
+    copied-out chunks waiting to be stored; where it could not take another save of the same size
+    a save waits for its step's forward, beyond it the oldest are dropped and counted (default:
+    half of cpu_bytes). disk_io:
     ``buffered`` or ``direct`` (O_DIRECT reads of disk chunks).
 
     P/D (:mod:`kvtier.pd`): pd_bind: address the chunk server binds (loopback by default; any

@@ -335,33 +335,61 @@ def test_cuda_save_then_load_on_their_own_streams(stores, backend):
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("backlog_chunks", [None, 9])
-def test_cuda_save_waits_for_the_engines_stream_only_past_half_its_backlog(stores, backlog_chunks):
-    """The engine thread calls save() right after queueing the step's forward. With the backlog at
-    most half full it queues the copies behind the forward and returns (waiting would keep the
-    step's sampling from being queued); past half full (8 chunks of a 9-chunk backlog) it waits
-    for the forward, so the save thread catches up instead of chunks being dropped."""
+@pytest.mark.parametrize(("backlog_chunks", "second_waits"), [(None, False), (14, False), (11, True), (7, True)])
+def test_cuda_save_waits_for_the_engines_stream_only_when_the_next_save_might_not_fit(stores, backlog_chunks,
+                                                                                      second_waits):
+    """The engine thread calls save() right after queueing the step's forward, and with async
+    scheduling the next step's save comes while that forward still runs: the previous step's
+    chunks are still pending then. A save waits for the forward only when its backlog could not
+    take another save of its size: two saves of 4 chunks, the first still pending when the second
+    comes, fit in 14 chunks with room for a third (12), not in 11. Nothing is dropped, and both
+    reload byte for byte."""
     alloc, layout = cuda_kv()
     chunk = codec.chunk_bytes(layout, CHUNK_BLOCKS)
     backlog = None if backlog_chunks is None else backlog_chunks * chunk
     worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, "auto", save_backlog_bytes=backlog)
-    ks = keys(8)
+    first, second = keys(4), keys(4, seed=1)
     try:
         expected = alloc[:, :, :16].clone()
         torch.cuda.synchronize()
         torch.cuda._sleep(2_000_000_000)  # a long "forward" on the engine's stream (~1 s)
         forward_done = torch.cuda.Event()
         forward_done.record()
-        assert worker.save([save_job(ks)]) == 8
-        if backlog is None:
-            assert not forward_done.query(), "save() waited for the engine's stream"
-        else:
-            assert forward_done.query(), "save() did not wait with its backlog past half full"
+        waits = backlog_chunks is not None and backlog_chunks < 8
+        assert worker.save([SaveJob("a", tuple(first), tuple(range(8)))]) == 4
+        assert forward_done.query() == waits, "the first save did not wait" if waits else "the first save waited"
+        if not waits:
+            assert worker.save([SaveJob("b", tuple(second), tuple(range(8, 16)))]) == 4
+            assert forward_done.query() == second_waits, (
+                "the second save did not wait" if second_waits else "the second save waited")
         worker.drain()
         assert worker.stats.dropped_saves == 0
-        worker.submit_load(LoadJob("r", tuple(ks), 0, tuple(range(32, 48)))).result(timeout=30)
+        if waits:
+            assert worker.save([SaveJob("b", tuple(second), tuple(range(8, 16)))]) == 4
+            worker.drain()
+        worker.submit_load(LoadJob("r", tuple(first) + tuple(second), 0, tuple(range(32, 48)))).result(timeout=30)
         assert worker.take_finished() == ({"r"}, set())
         assert torch.equal(alloc[:, :, 32:48], expected)
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_cuda_save_of_a_pushing_producer_waits_for_the_forward(stores):
+    """A P/D producer pushing into a consumer's GPU saves with ``wait_forward``: the save waits
+    for the step's forward whatever room its backlog has (none bounds it here)."""
+    alloc, layout = cuda_kv()
+    worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, "auto")
+    try:
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # a long "forward" on the engine's stream (~1 s)
+        forward_done = torch.cuda.Event()
+        forward_done.record()
+        assert worker.save([save_job(keys(2))], wait_forward=True) == 2
+        assert forward_done.query(), "the save did not wait for the forward"
+        worker.drain()
+        assert worker.stats.dropped_saves == 0
     finally:
         worker.close()
 

@@ -73,7 +73,7 @@ def add_parser(commands) -> None:
                    "--devices gives P and D a GPU each, else 0.35)")
     p.add_argument("--hbm-lease-ms", type=int, default=2000, help="P's pd_hbm_lease_ms: how long P keeps a P/D "
                    "request's engine blocks for D, ms (default 2000; 0: off)")
-    p.add_argument("--cpu-gib", type=positive, default=8, help="kvtier's CPU tier in each engine, GiB (default 8)")
+    p.add_argument("--cpu-gib", type=positive, default=16, help="kvtier's CPU tier in each engine, GiB (default 16)")
     p.add_argument("--chunk-tokens", type=positive, default=256, help="kvtier's chunk_tokens (default 256)")
     p.add_argument("--keep-logs", metavar="DIR", help="write the engines' logs to DIR and keep them")
     p.add_argument("--json", metavar="FILE", help="write every sample to FILE (also after each repeat)")

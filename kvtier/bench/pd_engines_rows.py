@@ -95,7 +95,7 @@ class Run:
 
     def spec(self, connector: str, transport: str = "auto", role: str = "D") -> dict:
         # P pins a published prompt until D has it and may hold a whole prefill's chunks in its save
-        # backlog: both get half the CPU tier (by default a quarter), so the longest prompt fits.
+        # backlog: both get half the CPU tier (the hold by default a quarter), so the longest prompt fits.
         cpu = self.args.cpu_gib << 30
         kvtier = {"cpu_bytes": cpu, "pd_hold_bytes": cpu // 2, "save_backlog_bytes": cpu // 2,
                   "chunk_tokens": self.args.chunk_tokens, "pd_transport": transport, "pd_timeout_ms": 30_000}

@@ -98,6 +98,7 @@ class ChunkServer:
         self.rejected = 0
         self.dropped = 0  # replies not sent: the peer's queue was full
         self._waiting: list[_Waiting] = []
+        self.pushing = False  # WRITEs into a consumer run or wait for chunks (read by the engine thread)
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -143,6 +144,7 @@ class ChunkServer:
                 now = time.monotonic()
                 self._serve_waiting(now, came)
                 self._hbm.flush(self.nixl)  # one WRITE per peer for what this turn's fetches found stored
+                self.pushing = bool(self._writes) or any(w.fetch.blocks for w in self._waiting)
                 if now - last_beat >= self._heartbeat_s:
                     self._heartbeat()
                     last_beat = now

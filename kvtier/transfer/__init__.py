@@ -110,10 +110,10 @@ class TierWorker:
         return storage_key(key, self.layout.fingerprint)
 
     # ---- save ---------------------------------------------------------------------------------
-    def save(self, jobs: list[SaveJob]) -> int:
+    def save(self, jobs: list[SaveJob], wait_forward: bool = False) -> int:
         """See :meth:`SaveSide.save`: copy the jobs' new chunks out and queue them for storing;
         returns how many were queued. Never waits for storage. Engine thread only."""
-        return self.saves.save(jobs)
+        return self.saves.save(jobs, wait_forward)
 
     def guard_reuse(self, allocated) -> None:
         """See :meth:`ReuseGuard.guard`: before a step's kernels (engine thread), make the step

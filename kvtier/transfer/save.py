@@ -11,9 +11,10 @@ Threads:
   priority, and only while no load is running (``loads_running``, from the load side): saves
   yield to loads, never the reverse.
 
-The backlog is bounded in bytes: past half full, a save waits for its step's forward (see
-:meth:`SaveSide._ids`); overflow drops the oldest pending chunks, counted and said (once a
-minute), instead of waiting for the store; so does a save that finds no room in the pool.
+The backlog is bounded in bytes: where it could not take another save of the same size, a save
+waits for its step's forward (see :meth:`SaveSide._ids`); overflow drops the oldest pending
+chunks, counted and said (once a minute), instead of waiting for the store; so does a save that
+finds no room in the pool.
 
 Buffers: :meth:`SaveSide.save` allocates each chunk's buffer from the store (never waiting for
 room). The save thread hands it to ``store.put``, which takes it, or releases it if storing fails;
@@ -123,32 +124,39 @@ class SaveSide:
     def skey(self, key: bytes) -> bytes:
         return storage_key(key, self.layout.fingerprint)
 
-    def _ids(self, block_ids) -> torch.Tensor:
+    def _ids(self, block_ids, nbytes: int, wait: bool) -> torch.Tensor:
         """``block_ids`` on the engine's device, copied on the engine's stream from pinned memory.
 
-        Not waited for while the backlog is at most half full: waiting for the copy holds the engine
-        thread until the step's forward is done (0.7 s of a 1.35 s prefill batch at TP=2), and the
-        step's sampling cannot be queued meanwhile. Past half full, the save thread is falling
+        Not waited for while the backlog could take another save of this one's ``nbytes``: waiting
+        holds the engine thread until the step's forward is done (0.7 s of a 1.35 s prefill batch
+        at TP=2; the step's sampling and the next step cannot be queued meanwhile). With async
+        scheduling the next step's save comes while this forward still runs, so this save's chunks
+        and the previous step's are still pending then; past that, the save thread is falling
         behind (it stores chunk by chunk and needs the CPU and the GIL the engine thread keeps busy
-        when it never waits), so the engine thread waits for its forward as before: the save
-        thread catches up and no chunk is dropped for want of room."""
+        when it never waits), and the engine thread waits for its forward as before: the save
+        thread catches up and the next save drops no chunk for want of room. ``wait``: wait for
+        the forward anyway (see :meth:`save`)."""
         host = torch.tensor(block_ids, dtype=torch.int64)
         if self.layout.device.type != "cuda":
             return host
         ids = host.pin_memory().to(self.layout.device, non_blocking=True)
-        pending = self.pending_bytes()
-        if self.backlog_bytes is not None and pending * 2 > self.backlog_bytes:
-            logger.debug("kvtier: save backlog %d of %d B: this save waits for its step's forward",
-                         pending, self.backlog_bytes)
+        pending = self.pending_bytes()  # this save's chunks included
+        if wait or (self.backlog_bytes is not None and pending + nbytes > self.backlog_bytes):
+            logger.debug("kvtier: save backlog %d of %d B: this save of %d B waits for its step's forward",
+                         pending, self.backlog_bytes, nbytes)
             torch.cuda.current_stream(self.layout.device).synchronize()
         return ids
 
-    def save(self, jobs: list[SaveJob]) -> int:
+    def save(self, jobs: list[SaveJob], wait_forward: bool = False) -> int:
         """Copy the jobs' new chunks out and queue them for storing; returns how many were queued.
         The engine may reuse the blocks once this returns (on CUDA its stream waits until the
         copies have read them; with ``dma`` they run on in the background, a batch of about
         ``pipeline_bytes`` at a time, and the save thread stores each chunk as it lands).
-        Never waits for storage.
+        Never waits for storage. ``wait_forward``: wait for the step's forward whatever the
+        backlog: a P/D producer pushing into a consumer's GPU does. With a step queued behind the
+        running one, a 32k push's first WRITE from engine blocks took 754 ms and the rest went out
+        as one WRITE after the prefill (vLLM 0.26, two H200s): posting a WRITE maps the consumer's
+        GPU memory, which waits for the work queued on this GPU.
 
         Chunks already stored are not saved again (they are reported held again, so a chunk
         withdrawn because another rank lost it becomes visible once that rank saves it anew).
@@ -177,7 +185,8 @@ class SaveSide:
         wanted = self._make_room(wanted)
         if not wanted:
             return 0
-        ids = self._ids([b for _, blocks in wanted for b in blocks])  # one host-to-device copy for all
+        total = sum(codec.chunk_bytes(self.layout, len(blocks)) for _, blocks in wanted)
+        ids = self._ids([b for _, blocks in wanted for b in blocks], total, wait_forward)  # one host-to-device copy for all
         start = now_ms()
         batch = _SaveBatch(start, 0)
         group: list[tuple[_PendingSave, ChunkSpan]] = []

@@ -310,6 +310,10 @@ def test_a_chunk_computed_looks_again_only_at_the_fetches_waiting_for_it(engines
     while len(server._waiting) < waiting and time.monotonic() < deadline:
         time.sleep(0.005)
     assert len(server._waiting) == waiting, "D's fetches did not wait"
+    hbm = transport != "zmq"  # the fetches name D's engine blocks: P's saves wait for their forwards
+    while server.pushing != hbm and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert server.pushing == hbm
     looks[0] = 0
     for i, key in enumerate(keys):  # one chunk a step, each served before the next step
         p.side.save((SaveJob("p", (key,), tuple(p_blocks[2 * i : 2 * i + 2]), publish="t1",
@@ -318,6 +322,9 @@ def test_a_chunk_computed_looks_again_only_at_the_fetches_waiting_for_it(engines
             time.sleep(0.002)
     assert d.wait_loaded("d-req") == set()
     assert torch.equal(d.blocks(d_blocks), p.blocks(p_blocks))
+    while server.pushing and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert not server.pushing, "P still counts as pushing once its WRITEs are done"
     # each chunk's own look and a new fetch's first (ZMQ), plus one look at all of those waiting
     # for the last announcement and once a second: not one at every waiting fetch for each chunk
     assert looks[0] <= 3 * len(keys), f"{looks[0]} looks for {len(keys)} chunks"

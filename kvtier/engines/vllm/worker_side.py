@@ -140,7 +140,7 @@ class WorkerSide:
 
             self.events = TierEvents(store.residency)
         store.watch(self._changed)
-        backlog = config.save_backlog_bytes or config.cpu_bytes // 4
+        backlog = config.save_backlog_bytes or config.cpu_bytes // 2
         self._hello = Hello(PD_VERSION, self.rank, self.world_size, layout.fingerprint, layout.description,
                             config.chunk_tokens)
         self.holds = PublishHolds(store.get, config.pd_hold_bytes or config.cpu_bytes // 4, config.pd_hold_s)
@@ -279,10 +279,10 @@ class WorkerSide:
                 for key, name in zip(job.keys, job.names):
                     if name is not None:
                         self.events.name(self.transfers.skey(key), name)
+        pushing = self.chunk_server is not None and self.chunk_server.pushing  # see SaveSide.save
         for group, transfers in enumerate(self.group_transfers):
-            mine = [job for job in jobs if job.keys and job.group == group]
-            if mine:
-                transfers.save(mine)
+            if mine := [job for job in jobs if job.keys and job.group == group]:
+                transfers.save(mine, pushing)
 
     def reset(self) -> int:
         """Empty this rank's tiers: saves already queued land first, then every chunk of this
