@@ -379,7 +379,7 @@ def test_cuda_save_waits_for_the_engines_stream_only_when_the_next_save_might_no
 def test_cuda_save_of_a_pushing_producer_waits_for_the_forward(stores):
     """A P/D producer pushing into a consumer's GPU saves with ``wait_forward``: the save waits
     for the step's forward whatever room its backlog has (none bounds it here)."""
-    alloc, layout = cuda_kv()
+    _, layout = cuda_kv()
     worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, "auto")
     try:
         torch.cuda.synchronize()
