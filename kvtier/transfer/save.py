@@ -156,7 +156,7 @@ class SaveSide:
         backlog: a P/D producer pushing into a consumer's GPU does. With a step queued behind the
         running one, a 32k push's first WRITE from engine blocks took 754 ms and the rest went out
         as one WRITE after the prefill (vLLM 0.26, two H200s): posting a WRITE maps the consumer's
-        GPU memory, which waits for the work queued on this GPU.
+        GPU memory, which there waited for the work queued on this GPU.
 
         Chunks already stored are not saved again (they are reported held again, so a chunk
         withdrawn because another rank lost it becomes visible once that rank saves it anew).
