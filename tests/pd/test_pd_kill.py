@@ -97,10 +97,12 @@ def test_consumer_killed_mid_transfer_gives_back_every_pin_and_loan(peers, engin
     p.side.transfers.drain()
     d.ask("fetch", "d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, False)  # pull: the rest is "coming"
     server = p.side.chunk_server
+    lent = 2 if transport == "nixl" else 0  # NIXL: D READs them from P's pool
     deadline = time.monotonic() + 10
-    while server.served_total < 2 and time.monotonic() < deadline:
+    # a chunk counts as served just before its loan is recorded, on the server's thread
+    while (server.served_total < 2 or server.lent_chunks < lent) and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert server.lent_chunks == (2 if transport == "nixl" else 0)  # NIXL: D READs them from P's pool
+    assert server.lent_chunks == lent
     d.kill()  # no Release will ever come
     deadline = time.monotonic() + 10
     while (server.lent_chunks or p.side.holds.pinned_bytes()) and time.monotonic() < deadline:
