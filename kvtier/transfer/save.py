@@ -182,10 +182,9 @@ class SaveSide:
             self._on_held(stored)
         if not wanted:
             return 0
-        wanted = self._make_room(wanted)
+        wanted, total = self._make_room(wanted)
         if not wanted:
             return 0
-        total = sum(codec.chunk_bytes(self.layout, len(blocks)) for _, blocks in wanted)
         ids = self._ids([b for _, blocks in wanted for b in blocks], total, wait_forward)  # one host-to-device copy for all
         start = now_ms()
         batch = _SaveBatch(start, 0)
@@ -239,10 +238,10 @@ class SaveSide:
             item.ready, item.sums, item.index = event, sums, i
         return [item for item, _ in group]
 
-    def _make_room(self, wanted: list[tuple[bytes, list[int]]]) -> list[tuple[bytes, list[int]]]:
+    def _make_room(self, wanted: list[tuple[bytes, list[int]]]) -> tuple[list[tuple[bytes, list[int]]], int]:
         """Reserve backlog bytes for ``wanted``, dropping the oldest pending chunks to make room;
         returns the part of ``wanted`` that may be gathered (its leading chunks: a chunk is only
-        reachable by lookups through the chunks before it)."""
+        reachable by lookups through the chunks before it) and the bytes reserved for it."""
         limit = self.backlog_bytes
         sizes = [codec.chunk_bytes(self.layout, len(ids)) for _, ids in wanted]
         dropped: list[_PendingSave] = []
@@ -264,14 +263,15 @@ class SaveSide:
                 self.stats.dropped_saves += len(dropped) + len(wanted) - room
                 refused = [key for key, _ in wanted[room:]]
                 wanted, sizes = wanted[:room], sizes[:room]
-            self._backlog_bytes += sum(sizes)
+            reserved = sum(sizes)
+            self._backlog_bytes += reserved
         for item in dropped:
             if item.ready is not None:
                 item.ready.synchronize()  # its copy may still be landing in the buffer
             item.buffer.release()
         if dropped or refused:
             self._given_up([item.key for item in dropped] + refused, f"more than save_backlog_bytes={limit} waiting")
-        return wanted
+        return wanted, reserved
 
     def _given_up(self, keys: list[bytes], why: str) -> None:
         """Saves of ``keys`` will not be stored (``why``): said at most once a minute per reason."""
