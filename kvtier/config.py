@@ -65,6 +65,9 @@ class KvtierConfig:
     a producer without it is still read over ZMQ) or ``zmq``. ZMQ stays the control plane.
     pd_hbm_lease_ms: how long a prefill engine keeps a finished P/D request's engine blocks for
     decode engines to READ HBM to HBM over NIXL (0: never; they always fetch from its CPU tier).
+    pd_hbm_push: how a decode engine that asked first (push) gets each chunk HBM to HBM the moment
+    the producer's step computed it: ``read`` (it READs the producer's live blocks) or ``write``
+    (the producer WRITEs into the blocks the decode engine named). A decode engine's setting.
 
     Shared tier (a Redis or Valkey server many engines use; named "shared" because "remote" is
     P/D's producer): shared_url: ``redis://[:password@]host:port[/db]`` (``valkey://`` alike;
@@ -93,6 +96,7 @@ class KvtierConfig:
     pd_hold_s: int = 120
     pd_transport: str = "auto"
     pd_hbm_lease_ms: int = 2000
+    pd_hbm_push: str = "read"
     shared_url: str | None = None
     shared_timeout_ms: int = 1000
 
@@ -103,6 +107,8 @@ class KvtierConfig:
             raise ConfigError(f"kvtier setting 'disk_io' must be 'buffered' or 'direct', got {self.disk_io!r}.")
         if self.pd_transport not in ("auto", "nixl", "zmq"):
             raise ConfigError(f"kvtier setting 'pd_transport' must be 'auto', 'nixl' or 'zmq', got {self.pd_transport!r}.")
+        if self.pd_hbm_push not in ("read", "write"):
+            raise ConfigError(f"kvtier setting 'pd_hbm_push' must be 'read' or 'write', got {self.pd_hbm_push!r}.")
         if self.shared_url is not None and (problem := shared_url_problem(self.shared_url)):
             raise ConfigError(f"kvtier setting 'shared_url' ({redact(self.shared_url)!r}) {problem}.")
         if not _is_loopback(self.pd_bind) and not self.secret:

@@ -21,6 +21,7 @@ def test_defaults_and_values():
         ({"shared_url": "redis://host"}, "'shared_url'.*port"),
         ({"shared_url": "redis://host:6379?socket_timeout=9"}, "'shared_url'.*query"),
         ({"shared_timeout_ms": 0}, "'shared_timeout_ms'"),
+        ({"pd_hbm_push": "push"}, "'pd_hbm_push'.*'read' or 'write'"),
         ({"remote_url": "redis://host:6379"}, "'remote_url'"),  # the tier is called shared
     ],
 )

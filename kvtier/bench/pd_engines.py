@@ -73,6 +73,9 @@ def add_parser(commands) -> None:
                    "--devices gives P and D a GPU each, else 0.35)")
     p.add_argument("--hbm-lease-ms", type=int, default=2000, help="P's pd_hbm_lease_ms: how long P keeps a P/D "
                    "request's engine blocks for D, ms (default 2000; 0: off)")
+    p.add_argument("--hbm-push", default="read", help="D's pd_hbm_push over NIXL, comma-separated: read, write or "
+                   "read,write (a D for each; the first gives every row, the others their push row, e.g. "
+                   "'kvtier push nixl write'; default read)")
     p.add_argument("--cpu-gib", type=positive, default=16, help="kvtier's CPU tier in each engine, GiB (default 16)")
     p.add_argument("--chunk-tokens", type=positive, default=256, help="kvtier's chunk_tokens (default 256)")
     p.add_argument("--keep-logs", metavar="DIR", help="write the engines' logs to DIR and keep them")
@@ -106,6 +109,7 @@ def memory_share(devices: tuple[str, str] | None, given: float | None) -> float:
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     lengths = token_lengths(parser, args.prompt_lens)
     pairs = names_from(parser, args.pairs, PAIRS, flag="--pairs")
+    args.hbm_push = names_from(parser, args.hbm_push, ("read", "write"), flag="--hbm-push")
     try:
         args.devices = parse_devices(args.devices, args.tp)
     except ValueError as exc:

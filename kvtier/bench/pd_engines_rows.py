@@ -93,7 +93,7 @@ class Run:
         rng = random.Random(self._seed)
         return [rng.randrange(100, min(self.vocab, 120_000)) for _ in range(length)]
 
-    def spec(self, connector: str, transport: str = "auto", role: str = "D") -> dict:
+    def spec(self, connector: str, transport: str = "auto", role: str = "D", push: str = "") -> dict:
         # P pins a published prompt until D has it and may hold a whole prefill's chunks in its save
         # backlog: both get half the CPU tier (the hold by default a quarter), so the longest prompt fits.
         cpu = self.args.cpu_gib << 30
@@ -101,6 +101,8 @@ class Run:
                   "chunk_tokens": self.args.chunk_tokens, "pd_transport": transport, "pd_timeout_ms": 30_000}
         if role == "P" and not self.lease_missing:
             kvtier["pd_hbm_lease_ms"] = self.args.hbm_lease_ms
+        if push:
+            kvtier["pd_hbm_push"] = push
         return {"model": self.model, "connector": connector, "kvtier": kvtier, "load_format": self.args.load_format,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "max_model_len": max(self.lengths) + 64,
                 "engine_args": {"tensor_parallel_size": self.tp} if self.tp > 1 else {}}
@@ -181,10 +183,13 @@ class Run:
             logs.append(p)
             self.start_s["kvtier P"] = p.start_s
             d_gpu = self.args.devices[1] if self.args.devices else None
-            for transport in ("nixl", "zmq"):
+            pushes = [("nixl", m) for m in self.args.hbm_push] + [("zmq", "")]  # D's pd_hbm_push, one D each
+            for transport, push in pushes:
                 before = gpu_used_mib(d_gpu) if d_gpu is not None else None
-                self.progress(f"starting D (kvtier over {transport}) ...")
-                d = self.engine(f"kvtier-D-{transport}", "D", self.spec("kvtier", transport), workdir)
+                label = f"{transport}{' ' + push if push and push != pushes[0][1] else ''}"  # the first: "nixl"
+                self.progress(f"starting D (kvtier over {transport}{f', pd_hbm_push {push}' if push else ''}) ...")
+                d = self.engine(f"kvtier-D-{label.replace(' ', '-')}", "D", self.spec("kvtier", transport, push=push),
+                                workdir)
                 engines.append(d)
                 logs.append(d)
                 self.start_s[f"kvtier D {transport}"] = d.start_s
@@ -196,14 +201,14 @@ class Run:
                 for n in self.lengths:
                     for r in range(self.args.repeats):
                         self.progress(f"kvtier over {transport}, {n} tokens, repeat {r + 1}/{self.args.repeats}")
-                        if transport == "nixl":
+                        if label == "nixl":
                             self.baselines(p, n)
                             self.pull("kvtier pull hbm", p, d, n)
                             if not self.lease_missing:
                                 self.pull("kvtier pull after lease", p, d, n, wait_s)
-                        else:
+                        elif transport == "zmq":
                             self.pull("kvtier pull zmq", p, d, n)
-                        self.push(f"kvtier push {transport}", p, d, n, endpoints)
+                        self.push(f"kvtier push {label}", p, d, n, endpoints)
                         self.checkpoint()
                 d.stop()
                 engines.remove(d)
@@ -315,7 +320,7 @@ class Run:
                 "d_stages_ms": self.stages,
                 "devices": {"P": devices[0], "D": devices[1]} if devices else None, "tp": self.tp,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
-                "device": _device_name(), "vllm": vllm_version(),
+                "hbm_push": self.args.hbm_push, "device": _device_name(), "vllm": vllm_version(),
                 "ucx_cuda_ipc_cache": os.environ.get("UCX_CUDA_IPC_CACHE", "n (kvtier's default)")}
 
 

@@ -14,11 +14,12 @@ HBM to HBM (a :class:`Landing` given): where P still holds the request's engine 
 names them and D READs them straight into the engine blocks the caller named, one descriptor per run
 of consecutive blocks (:mod:`kvtier.pd.hbm`); once P lends, the rest is asked for at once and all
 replies read by one READ. The caller gets a :class:`Landed` with the KVSUM64 to check the blocks
-against (:mod:`kvtier.pd.landing`). In a push transfer D gives P its NIXL metadata and engine KV
-regions in a second hello, once P's reply checked out, and names each chunk's engine blocks in its
-fetch: P WRITEs the chunk there the moment it has it. A push transfer that ends with such fetches
-unanswered waits (up to the timeout) for P to say that none of its WRITEs still runs, so no late
-WRITE lands in blocks this engine recomputes.
+against (:mod:`kvtier.pd.landing`). In a push transfer (D asked first) P answers each chunk with its
+live blocks once its step computed it, and D READs those at hand (``pd_hbm_push`` "read"); or D gives P
+its NIXL metadata and engine KV regions in a second hello, once P's reply checked out, and names each
+chunk's engine blocks in its fetch: P WRITEs the chunk there the moment it has it ("write"). One
+that ends with such fetches unanswered waits (up to the timeout) for P to say that none of its
+WRITEs still runs, so no late WRITE lands in blocks this engine recomputes.
 """
 
 from __future__ import annotations
@@ -48,12 +49,11 @@ WINDOW = 4  # fetches in flight per transfer (each holds a CPU-tier buffer)
 HBM_WINDOW = 16  # ... when chunks may land in the engine's blocks: no buffer held, more READs in flight
 LENT_WINDOW = 256  # ... once P answers with its engine blocks (lent): the rest asked at once, few READs
 PUSH_WINDOW = 256  # ... when P writes them into the engine's blocks as it computes them (a 64k prompt)
-_CANCEL_CHECK_S = 0.05  # how often a waiting transfer checks whether its request was aborted
-_PROGRESS_S = 0.001  # how often a push transfer over NIXL lets NIXL progress while it waits
+_CANCEL_CHECK_S, _PROGRESS_S = 0.05, 0.001  # how often a waiting transfer checks whether its request was
+# aborted; how often one P WRITEs into over NIXL lets NIXL progress while it waits
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
-_warned: set[str] = set()  # peers whose layout mismatch was logged (one line per peer)
+_warned, _told = set(), set()  # peers whose layout mismatch was logged; (peer, transport) pairs logged
 _QUARANTINE_TIMEOUTS = 3  # a buffer P was told to write into, never answered, is reused after this many timeouts
-_told: set[tuple[str, str]] = set()  # (peer, transport) pairs already logged
 
 
 class PeerError(RuntimeError):
@@ -87,14 +87,15 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"),
                                             hbm=landing is not None and not emulated(endpoint))
         reply = peer.hello(hello)
-        if reply.transport == "nixl" and nixl is not None and wait:  # push: P may WRITE into our memory
+        reads = landing is not None and not landing.writes and bool(reply.regions)  # D READs P's live blocks
+        if reply.transport == "nixl" and nixl is not None and wait and not reads:  # P may WRITE into our memory
             regions = () if landing is None else tuple((r.base, r.stride, r.block_bytes) for r in landing.regions)
             hello = msgspec.structs.replace(hello, nixl=nixl.metadata(), regions=regions,
                                             device=landing.device if landing is not None else 0)
             reply = peer.hello(hello)  # P passed the handshake: only now does it learn how to reach us
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
-            peer.landing_enabled = wait
+            peer.landing_enabled = wait and not reads
             remote = tuple(RegionSpan(*r) for r in reply.regions)
             if landing is not None and remote and compatible(landing.regions, remote):
                 peer.hbm = Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
@@ -218,7 +219,7 @@ class _Peer:
         begin = time.perf_counter()
         while index not in self.early:
             self._take(self.receive())
-        if self.hbm is not None and self.lent and not self.landing_enabled and self.hbm.unposted(index):
+        if self.hbm is not None and self.lent and not self.plan[2] and self.hbm.unposted(index):
             self.fetch_until(index + LENT_WINDOW)  # P lends its blocks: ask for the rest, READ them at once
             while self.asked:  # (each READ's posting maps P's regions: one READ, not two)
                 self._take(self.receive())
@@ -361,12 +362,11 @@ class _Peer:
         settled = arrived.transfer is None or arrived.transfer.settle(self.timeout_ms / 1000)
         if arrived.transfer is not None and settled:
             arrived.transfer.release()
-        if arrived.buffer is not None:
-            if settled:
-                arrived.buffer.release()
-            else:
-                logger.warning("kvtier P/D: a NIXL READ from %s did not end; its %d B buffer is kept out of use.",
-                               self.endpoint, arrived.buffer.data.numel())
+        if arrived.buffer is not None and settled:
+            arrived.buffer.release()
+        elif arrived.buffer is not None:
+            logger.warning("kvtier P/D: a NIXL READ from %s did not end; its %d B buffer is kept out of use.",
+                           self.endpoint, arrived.buffer.data.numel())
         arrived.buffer = arrived.transfer = None
 
     def close(self) -> None:

@@ -66,12 +66,15 @@ class EngineBlocks:
 class Landing:
     """A consumer's engine KV where chunks may land HBM to HBM: its ``regions``, registered with
     NIXL as ``kind`` ("VRAM" of CUDA device ``device``, this process's index, or "DRAM"), and per
-    item of a fetch the engine blocks that chunk may be written into (None: not that one)."""
+    item of a fetch the engine blocks that chunk may be written into (None: not that one).
+    ``writes``: a producer still computing the chunks WRITEs them there (``pd_hbm_push`` "write");
+    else this engine READs each from the producer's blocks once computed."""
 
     regions: tuple[RegionSpan, ...]
     kind: str
     device: int
     block_ids: list[tuple[int, ...] | None]
+    writes: bool = False
 
 
 def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float, op: str = "READ") -> None:

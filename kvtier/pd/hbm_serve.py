@@ -9,7 +9,7 @@ fetch (``Fetch.blocks``) is written into instead: from the running request's blo
 lease that follows it, as soon as the chunk's checksum is known: taken from its blocks as its
 step ended (:mod:`kvtier.pd.sums`), else its stored copy's; the chunks ready in one turn of the
 server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`). A pull fetch is answered with
-the blocks as soon, too.
+the blocks as soon, too, from the running request's or the lease's: the consumer READs them.
 
 Used by the chunk server's thread only.
 """
@@ -100,7 +100,7 @@ class HbmServing:
         target = self._targets.get(identity) if fetch.blocks else None
         if fetch.blocks and (target is None or len(fetch.blocks) != fetch.num_blocks or emulated(target[0])):
             return False
-        blocks = self.engine.leases.blocks(fetch.transfer_id, fetch.key, fetch.num_blocks, live=target is not None)
+        blocks = self.engine.leases.blocks(fetch.transfer_id, fetch.key, fetch.num_blocks)
         if blocks is None:
             return False
         if target is not None:

@@ -127,7 +127,7 @@ class BlockLeases:
                 self._ended.add(req_id)
                 self.stats.released += 1
                 return
-            lent = live is not None and live.lent and live.req_id == req_id  # a D is being written into
+            lent = live is not None and live.lent and live.req_id == req_id  # a D reads or is written into
             self._leases[transfer_id] = _Lease(req_id, tuple(block_ids), chunks, self._clock() + lease_s, lent)
             self.stats.lent += 1
         logger.debug("kvtier P/D: lease of transfer %s began: %d blocks for %.0f ms", transfer_id, len(block_ids),
@@ -138,13 +138,13 @@ class BlockLeases:
         with self._lock:
             self._ended.add(req_id)
 
-    def blocks(self, transfer_id: str, key: bytes, count: int, live: bool = False) -> tuple[int, ...] | None:
+    def blocks(self, transfer_id: str, key: bytes, count: int) -> tuple[int, ...] | None:
         """The ``count`` blocks of the transfer's chunk ``key`` (a chain key), now handed to a D
-        (which must release the transfer); None when there is no running lease, the chunk is not
-        its request's, or the request holds fewer blocks. ``live``: a running request's blocks
-        too (for a WRITE posted at once, while the request still owns them)."""
+        (which must release the transfer): the running request's (for a WRITE posted, or a READ
+        asked, while the request still owns them), else its lease's; None when neither holds
+        the chunk whole."""
         with self._lock:
-            running = self._live.get(transfer_id) if live else None
+            running = self._live.get(transfer_id)
             if running is not None and len(running.chunks.get(key, ())) == count > 0:
                 running.lent = True
                 return running.chunks[key]

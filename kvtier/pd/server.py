@@ -215,13 +215,13 @@ class ChunkServer:
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
-        if now + EXPECT_S > time.monotonic() and self._hbm.waits_for_lease(identity, fetch):
-            self._lease_wait = True
-            return self._park(identity, fetch, now)
         if self._hbm.answer_early(identity, fetch):  # from its blocks, checksum taken as its step ended:
             self.served_total += 1  # no look-up in the store (its copy there may be coming, stored, or lost)
             self._nixl_peers[identity] = time.monotonic()
             return True
+        if now + EXPECT_S > time.monotonic() and self._hbm.waits_for_lease(identity, fetch):
+            self._lease_wait = True
+            return self._park(identity, fetch, now)
         skey = storage_key(fetch.key, self.layout.fingerprint)
         buffer = self.store.get(skey)
         if buffer is not None:

@@ -287,7 +287,7 @@ def run(tmp_path, monkeypatch):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2, tp=1,
-                              gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"))
+                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"))
     r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     r.waits = waits
     return r
@@ -308,6 +308,19 @@ def test_kvtier_pair_rows_lease_wait_and_transports(run, tmp_path):
                                    "kvtier push zmq": "ZMQ"}
     assert result["devices"] == {"P": "0", "D": "1"} and result["hbm_lease_ms"] == 2000 and not result["failures"]
     assert len(run.result()["transport_lines"]) == 3  # D over NIXL: HBM and CPU tier; D over ZMQ: ZMQ
+
+
+def test_a_second_pd_hbm_push_gets_a_d_of_its_own_for_its_push_row(run, tmp_path):
+    run.args.hbm_push = ["read", "write"]
+    run.kvtier_pair(str(tmp_path))
+    p, d_read, d_write, d_zmq = FakeEngine.started
+    assert (d_read.spec["kvtier"]["pd_hbm_push"], d_write.spec["kvtier"]["pd_hbm_push"]) == ("read", "write")
+    assert "pd_hbm_push" not in p.spec["kvtier"] and "pd_hbm_push" not in d_zmq.spec["kvtier"]
+    result = run.result()
+    assert result["d_leg_ms"]["kvtier push nixl write"]["600"] == pytest.approx([50.0, 50.0])
+    assert len(result["ttft_ms"]["kvtier pull hbm"]["600"]) == 2  # the pulls ran on the first D only
+    assert result["hbm_push"] == ["read", "write"]
+    assert "'kvtier push nixl': D's pd_hbm_push read" in pd_engines.format_table(result)
 
 
 def test_without_the_lease_setting_the_after_lease_row_is_skipped(run, tmp_path, monkeypatch):
@@ -420,7 +433,7 @@ def test_at_tp_2_the_devices_are_p_s_two_then_d_s_two_and_each_engine_runs_at_tp
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=1,
-                              gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2)
+                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2)
     run = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     assert run.spec("kvtier")["engine_args"] == {"tensor_parallel_size": 2}
     assert run.push_legs("1", "t", 5600, run.tp)[1]["tp_size"] == 2

@@ -12,8 +12,9 @@ on the same KV bytes). Cases:
   landed HBM to HBM) and answers exactly as P;
 * pull after the lease ended (P's log says so; P keeps its blocks 300 ms here): D gets the same
   chunks from P's CPU tier, no recompute, the same answer;
-* push (both legs at once): P WRITEs each chunk from its blocks into those D named (D's log
-  counts them landed), the same answer;
+* push (both legs at once): D READs each chunk from P's blocks as P computes it, and (a D with
+  ``pd_hbm_push: write``) P WRITEs each from its blocks into those D named; D's log counts them
+  landed, and the READs it took; the same answer;
 * a transfer P never published: D recomputes and still answers like P (negative control);
 * every lease of P ends: none is left holding blocks when the test ends.
 """
@@ -101,15 +102,24 @@ def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_p
         assert got["cached"] >= LOADED, f"after the lease: D loaded {got['cached']} tokens (a recompute?)"
         g.assert_strict(_as_output(got), _as_output(_ask(p, late)), "pull after the lease vs P's own KV")
 
-        # Push: both legs at once under one transfer id.
-        pushed, transfer_id = g.prompt(402, LENGTH), uuid.uuid4().hex
-        d.send(pushed, {"do_remote_prefill": True, "transfer_id": transfer_id, "tp_size": 1,
-                        "kvtier_endpoints": params["kvtier_endpoints"]}, max_tokens=16, logprobs=g.TOP_LOGPROBS)
-        p.send(pushed, {"do_remote_decode": True, "transfer_id": transfer_id})
-        got, _ = d.receive(), p.receive()
-        assert got["cached"] >= LOADED, f"push: D loaded {got['cached']} tokens, expected {LOADED}"
-        _wait_for_line(d, rf"transfer {transfer_id} from \S+: 5 chunks landed")  # 4 and the tail, written by P
-        g.assert_strict(_as_output(got), _as_output(_ask(p, pushed)), "push vs P's own KV")
+        # Push: both legs at once under one transfer id; D READs P's blocks as P computes them
+        # (pd_hbm_push "read"), then a D of its own has P WRITE them into its blocks ("write").
+        for seed, push in ((402, "read"), (404, "write")):
+            if push == "write":
+                d.stop()
+                engines.remove(d)
+                d = Engine("D-write", _spec(gpu_model, pd_hbm_push="write"), str(tmp_path),
+                           env={"CUDA_VISIBLE_DEVICES": d_dev, "KVTIER_LOG_LEVEL": "DEBUG"})
+                engines.append(d)
+            pushed, transfer_id = g.prompt(seed, LENGTH), uuid.uuid4().hex
+            d.send(pushed, {"do_remote_prefill": True, "transfer_id": transfer_id, "tp_size": 1,
+                            "kvtier_endpoints": params["kvtier_endpoints"]}, max_tokens=16, logprobs=g.TOP_LOGPROBS)
+            p.send(pushed, {"do_remote_decode": True, "transfer_id": transfer_id})
+            got, _ = d.receive(), p.receive()
+            assert got["cached"] >= LOADED, f"{push} push: D loaded {got['cached']} tokens, expected {LOADED}"
+            landed = _wait_for_line(d, rf"transfer {transfer_id} from \S+: 5 chunks landed by (\d+) READs")
+            assert (landed[0] == "0") == (push == "write"), f"{push} push: {landed[0]} READs by D"  # 4 and the tail
+            g.assert_strict(_as_output(got), _as_output(_ask(p, pushed)), f"{push} push vs P's own KV")
 
         # Negative control: a transfer P never published. D recomputes; the answer is still P's.
         unknown = g.prompt(403, LENGTH)

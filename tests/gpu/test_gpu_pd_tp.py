@@ -13,7 +13,7 @@ on the same KV bytes). Cases:
 
 * pull while P's lease runs: each D rank READs its shard from the P rank of the same index,
   engine blocks to engine blocks (D's log says so for both of P's chunk servers);
-* push (both legs at once): each P rank WRITEs its shard into the blocks D named;
+* push (both legs at once): each D rank READs its shard from its P rank's blocks as P computes them;
 * a transfer P never published: D recomputes and still answers like P (negative control).
 """
 

@@ -149,11 +149,24 @@ def test_a_lease_a_consumer_engine_cannot_keep_is_ended_at_once(engines):
     assert c.side.finished_sends(set()) == {"r"}
 
 
-def test_a_fetch_waits_for_a_lease_its_request_is_about_to_begin(engines):
+def test_a_fetch_before_the_lease_reads_the_running_requests_blocks_and_its_lease_waits_for_the_release(engines):
     p, d = engines("p", 1), engines("d", 2)
     publish(p, PROMPT, P_BLOCKS, "t1", lease=True)  # the last chunk is computed: P's workers expect the lease
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()  # before the step that tells P's workers the request finished
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert p.side.chunk_server.hbm_total == 4 and p.side.chunk_server.lease_waits == 0
+    lend(p, "t1")  # D has released already: the blocks go at once
+    assert wait_ended(p) < 1 and p.side.engine_kv.held_bytes == 0
+
+
+def test_a_fetch_whose_early_checksum_is_gone_waits_for_the_lease_about_to_begin(engines, monkeypatch):
+    p, d = engines("p", 1), engines("d", 2)
+    monkeypatch.setattr(p.side.engine_kv.sums, "get", lambda key, count: None)  # e.g. dropped: KEEP were newer
+    publish(p, PROMPT, P_BLOCKS, "t1", lease=True)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
     time.sleep(0.1)  # D asked before the step that tells P's workers the request finished
     lend(p, "t1")
     assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
     assert p.side.chunk_server.hbm_total == 4 and p.side.chunk_server.lease_waits > 0

@@ -1,6 +1,7 @@
 """P/D HBM to HBM before the producer's CPU-tier copy is stored: the producer (P) takes each
 published chunk's KVSUM64 from its engine blocks as the step that computed it ends
-(:mod:`kvtier.pd.sums`), and WRITEs (push) or lends (pull) the chunk at once, without waiting
+(:mod:`kvtier.pd.sums`), and WRITEs it (push, ``pd_hbm_push`` "write") or lends it (pull, and push
+"read") at once, without waiting
 for its save to land. Real worker halves, real NIXL over UCX on loopback; the engine KV is host
 memory registered as DRAM, standing in for VRAM. P's save thread is held at its store (the
 stand-in for a CPU-tier copy still crossing PCIe) so that nothing is stored while D loads."""
@@ -14,7 +15,8 @@ import pytest
 import torch
 
 from pd_workers import Engine, remote_job
-from test_pd_hbm_push import D_BLOCKS, FULL, P_BLOCKS, PROMPT, TAIL, finish, step, wait_for
+from test_pd_hbm_push import D_BLOCKS, FULL, P_BLOCKS, PROMPT, TAIL, copied, finish, step, wait_for
+from test_pd_hbm_push import push  # noqa: F401 (a fixture)
 from kvtier import codec
 from kvtier.pd import nixl
 from kvtier.transfer import load
@@ -48,17 +50,16 @@ def stored(engine: Engine) -> int:
     return len(engine.side.store.keys())
 
 
-def test_push_writes_each_chunk_before_its_cpu_tier_copy_is_stored(engines, held_store):
-    p, d = engines("p", 1), engines("d", 2)
+def test_push_copies_each_chunk_before_its_cpu_tier_copy_is_stored(engines, held_store, push):
+    p, d = engines("p", 1), engines("d", 2, pd_hbm_push=push)
     gate = held_store(p)
-    server = p.side.chunk_server
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     step(p, 0, 2)
-    wait_for(lambda: server.blocks_written_total == 2)
+    wait_for(lambda: copied(p, push) == 2)
     step(p, 2, 3, final=True)
     assert d.wait_loaded("d-req") == set()
     assert stored(p) == 0  # every chunk went out before any was stored
-    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS)) and server.blocks_written_total == 4
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS)) and copied(p, push) == 4
     gate.set()
     assert p.side.settle()
     sums = p.side.engine_kv.sums
@@ -107,7 +108,7 @@ def test_a_block_that_changed_after_its_step_fails_its_chunk_and_those_after(eng
 
 
 def test_a_failed_write_before_the_copy_is_stored_sends_that_copy_once_stored(engines, held_store, monkeypatch):
-    p, d = engines("p", 1), engines("d", 2, pd_timeout_ms=20000)
+    p, d = engines("p", 1), engines("d", 2, pd_timeout_ms=20000, pd_hbm_push="write")
     gate = held_store(p)
     server = p.side.chunk_server
     monkeypatch.setattr(server.nixl, "write",

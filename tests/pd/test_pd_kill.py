@@ -117,19 +117,21 @@ def test_consumer_killed_mid_transfer_gives_back_every_pin_and_loan(peers, engin
 
 
 @pytest.mark.parametrize("transport", ["nixl"])  # pushing into engine blocks is NIXL's
-def test_consumer_killed_while_the_producer_writes_into_its_blocks_leaves_nothing_held(peers, engines, transport):
+@pytest.mark.parametrize("push", ["read", "write"])
+def test_consumer_killed_while_the_producer_writes_into_its_blocks_leaves_nothing_held(peers, engines, transport, push):
     from kvtier.jobs import Lend
 
     p = engines("p", 1, pd_timeout_ms=TIMEOUT_MS)
-    d = peers("d", 2, pd_timeout_ms=TIMEOUT_MS, pd_transport=transport, produce=False)
+    d = peers("d", 2, pd_timeout_ms=TIMEOUT_MS, pd_transport=transport, produce=False, pd_hbm_push=push)
     full, tail = prompt_keys(PROMPT)
     d.ask("fetch", "d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, True)  # push: D names its blocks first
     server = p.side.chunk_server
     p.side.save((SaveJob("p-req", tuple(full[:1]), tuple(P_BLOCKS[:2]), publish="t1", lease=True),))
     deadline = time.monotonic() + 10
-    while server.blocks_written_total < 1 and time.monotonic() < deadline:
+    copied = (lambda: server.hbm_total) if push == "read" else (lambda: server.blocks_written_total)
+    while copied() < 1 and time.monotonic() < deadline:
         time.sleep(0.005)
-    assert server.blocks_written_total == 1  # P wrote chunk 0 into D's engine blocks
+    assert copied() == 1  # P wrote chunk 0 into D's engine blocks, or D was given them to READ
     d.kill()  # the rest of P's WRITEs have nowhere to go, and no release will come
     p.side.save((SaveJob("p-req", (*full[1:], tail), tuple(P_BLOCKS[2:]), publish="t1", final=True, lease=True),))
     p.side.lend((Lend("p-req", "t1", tuple(P_BLOCKS), tuple(full + [tail]), 500),))  # the request ends
@@ -139,9 +141,9 @@ def test_consumer_killed_while_the_producer_writes_into_its_blocks_leaves_nothin
     assert p.side.engine_kv.held_bytes == 0  # the lease ended: 500 ms, then the grace of one timeout
     assert p.side.engine_kv.leases.stats.abandoned == 1
     # P still serves the next consumer, HBM to HBM
-    d2 = engines("d2", 3, pd_timeout_ms=TIMEOUT_MS)
+    d2, before = engines("d2", 3, pd_timeout_ms=TIMEOUT_MS, pd_hbm_push=push), copied()
     p.side.save((SaveJob("p2", (*full, tail), tuple(P_BLOCKS), publish="t2", final=True, lease=True),))
     d2.side.start_loads((remote_job("d2-req", PROMPT, D_BLOCKS, "t2", p.endpoint, wait=True),))
     assert d2.wait_loaded("d2-req") == set()
     assert torch.equal(d2.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
-    assert server.blocks_written_total == 1 + 4  # the four chunks of t2 written into d2's blocks
+    assert copied() == before + 4  # the four chunks of t2 copied into d2's blocks (D's fetches were answered too)

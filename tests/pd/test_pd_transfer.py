@@ -47,9 +47,10 @@ def test_consumer_starting_after_its_own_tiers_fetches_only_the_rest(engines):
     assert not torch.equal(d.blocks(D_BLOCKS[:skip]), p.blocks(P_BLOCKS[:skip]))
 
 
+@pytest.mark.parametrize("push", ["read", "write"])
 @pytest.mark.parametrize("lease_ms", [2000, 0], ids=["engine-blocks", "cpu-tier"])
-def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines, transport, lease_ms):
-    p, d = engines("p", 1, pd_hbm_lease_ms=lease_ms), engines("d", 2)
+def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines, transport, lease_ms, push):
+    p, d = engines("p", 1, pd_hbm_lease_ms=lease_ms), engines("d", 2, pd_hbm_push=push)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     time.sleep(0.3)  # D is waiting before P computed anything
     full, tail = prompt_keys(PROMPT)
@@ -61,11 +62,14 @@ def test_push_consumer_first_gets_chunks_as_the_producer_seals_them(engines, tra
     p.side.save((SaveJob("p", (full[2], tail), tuple(P_BLOCKS[4:]), publish="t1", final=True, lease=lease),))
     assert d.wait_loaded("d-req") == set()
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
-    # NIXL: P wrote each chunk, the moment it was sealed, from its engine blocks into D's (with
-    # leases) or into a buffer of D's CPU tier; none was lent
+    # NIXL: the moment each chunk was sealed, D was given P's engine blocks to READ (with leases,
+    # "read"), or P wrote it from them into D's ("write"), or into a buffer of D's CPU tier (no
+    # leases); no CPU-tier buffer was lent
     server = p.side.chunk_server
-    assert (server.written_total, server.lent_total) == ((4, 0) if transport == "nixl" else (0, 0))
-    assert server.blocks_written_total == (4 if transport == "nixl" and lease else 0)
+    reads = transport == "nixl" and lease and push == "read"
+    assert (server.written_total, server.lent_total) == ((4 - 4 * reads, 0) if transport == "nixl" else (0, 0))
+    assert server.blocks_written_total == (4 if transport == "nixl" and lease and not reads else 0)
+    assert server.hbm_total == 4 * reads
 
 
 def test_corrupt_chunk_fails_from_that_chunk_on(engines, caplog):
@@ -286,14 +290,15 @@ def test_chunks_a_full_save_backlog_gives_up_are_answered_missing_at_once(engine
     assert torch.equal(d.blocks([D_BLOCKS[i] for i in loaded]), p.blocks([P_BLOCKS[i] for i in loaded]))
 
 
-def test_a_chunk_computed_looks_again_only_at_the_fetches_waiting_for_it(engines, transport):
+@pytest.mark.parametrize("push", ["read", "write"])
+def test_a_chunk_computed_looks_again_only_at_the_fetches_waiting_for_it(engines, transport, push):
     """A push consumer asks for every chunk before P computed any; P then computes, sums and
     stores them one by one. Each must look again only at the fetch waiting for that chunk:
     looking at every waiting fetch each time is quadratic Python on P's server thread, which
     takes the GIL from P's engine thread during the prefill (30 chunks: 465 looks, not 30)."""
     tokens = tokens_of(30 * CHUNK, seed=3)
     p_blocks, d_blocks = list(range(2, 62)), list(range(1, 61))
-    p, d = engines("p", 1), engines("d", 2)
+    p, d = engines("p", 1), engines("d", 2, pd_hbm_push=push)
     server = p.side.chunk_server
     looks, fetch = [0], server._fetch
 
@@ -310,7 +315,7 @@ def test_a_chunk_computed_looks_again_only_at_the_fetches_waiting_for_it(engines
     while len(server._waiting) < waiting and time.monotonic() < deadline:
         time.sleep(0.005)
     assert len(server._waiting) == waiting, "D's fetches did not wait"
-    hbm = transport != "zmq"  # the fetches name D's engine blocks: P's saves wait for their forwards
+    hbm = transport != "zmq" and push == "write"  # the fetches name D's engine blocks: P's saves wait for their forwards
     while server.pushing != hbm and time.monotonic() < deadline:
         time.sleep(0.002)
     assert server.pushing == hbm

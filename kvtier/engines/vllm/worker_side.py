@@ -175,7 +175,7 @@ class WorkerSide:
             self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
         if not hybrid:
             lease_ms = config.pd_hbm_lease_ms if self.produce else 0
-            self.engine_kv = EngineKv(layout, cb, lease_ms, grace_s=config.pd_timeout_ms / 1000)
+            self.engine_kv = EngineKv(layout, cb, lease_ms, config.pd_timeout_ms / 1000, config.pd_hbm_push)
         self._nixl_start = NixlStart(self.rank, store.pool_memory(), self.engine_kv, self.chunk_server,
                                      self.transfers.loads.accept_landings)
         pd += self._nixl_start.start(config.pd_transport)
