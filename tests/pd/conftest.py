@@ -33,3 +33,9 @@ def engines(tmp_path, transport):
     yield make
     for engine in made:
         engine.side.close()
+
+
+@pytest.fixture(params=["read", "write"])
+def push(request) -> str:
+    """A consumer's ``pd_hbm_push``: it READs P's blocks, or P WRITEs into its own."""
+    return request.param

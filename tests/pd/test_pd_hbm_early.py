@@ -16,7 +16,6 @@ import torch
 
 from pd_workers import Engine, remote_job
 from test_pd_hbm_push import D_BLOCKS, FULL, P_BLOCKS, PROMPT, TAIL, copied, finish, step, wait_for
-from test_pd_hbm_push import push  # noqa: F401 (a fixture)
 from kvtier import codec
 from kvtier.pd import nixl
 from kvtier.transfer import load

@@ -35,12 +35,6 @@ def transport() -> str:
     return "nixl"
 
 
-@pytest.fixture(params=["read", "write"])
-def push(request) -> str:
-    """D's ``pd_hbm_push``."""
-    return request.param
-
-
 def copied(p: Engine, push: str) -> int:
     """Chunks P answered from its engine blocks: READ by D, or WRITTEN into D's."""
     server = p.side.chunk_server
