@@ -109,7 +109,7 @@ def memory_share(devices: tuple[str, str] | None, given: float | None) -> float:
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     lengths = token_lengths(parser, args.prompt_lens)
     pairs = names_from(parser, args.pairs, PAIRS, flag="--pairs")
-    args.hbm_push = names_from(parser, args.hbm_push, ("read", "write"), flag="--hbm-push")
+    args.hbm_push = list(dict.fromkeys(names_from(parser, args.hbm_push, ("read", "write"), flag="--hbm-push")))
     try:
         args.devices = parse_devices(args.devices, args.tp)
     except ValueError as exc:

@@ -30,7 +30,8 @@ import statistics
 from kvtier.bench.common import NO_MATPLOTLIB, pyplot, save_figure
 
 ROWS = ("recompute", "local hit", "kvtier pull hbm", "kvtier pull after lease", "kvtier push nixl",
-        "kvtier push nixl read", "kvtier push nixl write", "kvtier pull zmq", "kvtier push zmq", "NixlConnector pull", "NixlPushConnector push")
+        "kvtier push nixl read", "kvtier push nixl write", "kvtier pull zmq", "kvtier push zmq",
+        "NixlConnector pull", "NixlPushConnector push")
 NIXL_HBM, NIXL_CPU, ZMQ = "NIXL HBM to HBM", "NIXL to CPU tier", "ZMQ"
 # Which of D's transport lines a kvtier row is read from when none was logged during the row: a
 # pull within P's lease READs P's engine blocks; a pull after the lease goes through the CPU
@@ -188,7 +189,8 @@ def format_table(result: dict) -> str:
                  + ("yes" if not result["failures"] else "NO: " + "; ".join(result["failures"][:5])))
     lines.append("pull TTFT = P's prefill leg + D's leg; pull after lease: the same, D asking once P's lease "
                  f"({result.get('hbm_lease_ms', '?')} ms) + 500 ms passed (the wait not counted); push TTFT = D's leg "
-                 f"(both sent at once; 'kvtier push nixl': D's pd_hbm_push {result.get('hbm_push', ['read'])[0]}); GB/s (pull) = KV bytes / (D's leg - local hit)")
+                 f"(both sent at once; 'kvtier push nixl': D's pd_hbm_push {result.get('hbm_push', ['read'])[0]}); "
+                 "GB/s (pull) = KV bytes / (D's leg - local hit)")
     return "\n".join(lines)
 
 

@@ -192,7 +192,7 @@ class Run:
                                 workdir)
                 engines.append(d)
                 logs.append(d)
-                self.start_s[f"kvtier D {transport}"] = d.start_s
+                self.start_s[f"kvtier D {label}"] = d.start_s
                 # A short warm-up: the first transfer connects (and on NIXL waits for D's agent).
                 warm = self.prompt(2 * self.args.chunk_tokens + 8)
                 params = p.ask(warm, {"do_remote_decode": True})["params"]
