@@ -183,10 +183,10 @@ class Run:
             logs.append(p)
             self.start_s["kvtier P"] = p.start_s
             d_gpu = self.args.devices[1] if self.args.devices else None
-            pushes = [("nixl", m) for m in self.args.hbm_push] + [("zmq", "")]  # D's pd_hbm_push, one D each
-            for transport, push in pushes:
+            # one D per pd_hbm_push over NIXL (the first labelled "nixl", the others "nixl <mode>"), then ZMQ
+            pushes = [("nixl", m, f"nixl {m}" if i else "nixl") for i, m in enumerate(self.args.hbm_push)]
+            for transport, push, label in pushes + [("zmq", "", "zmq")]:
                 before = gpu_used_mib(d_gpu) if d_gpu is not None else None
-                label = f"{transport}{' ' + push if push and push != pushes[0][1] else ''}"  # the first: "nixl"
                 self.progress(f"starting D (kvtier over {transport}{f', pd_hbm_push {push}' if push else ''}) ...")
                 d = self.engine(f"kvtier-D-{label.replace(' ', '-')}", "D", self.spec("kvtier", transport, push=push),
                                 workdir)

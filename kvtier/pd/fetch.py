@@ -87,15 +87,15 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"),
                                             hbm=landing is not None and not emulated(endpoint))
         reply = peer.hello(hello)
-        reads = landing is not None and not landing.writes and bool(reply.regions)  # D READs P's live blocks
-        if reply.transport == "nixl" and nixl is not None and wait and not reads:  # P may WRITE into our memory
+        writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
+        if reply.transport == "nixl" and nixl is not None and writes:  # P may WRITE into our memory (live blocks)
             regions = () if landing is None else tuple((r.base, r.stride, r.block_bytes) for r in landing.regions)
             hello = msgspec.structs.replace(hello, nixl=nixl.metadata(), regions=regions,
                                             device=landing.device if landing is not None else 0)
             reply = peer.hello(hello)  # P passed the handshake: only now does it learn how to reach us
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
-            peer.landing_enabled = wait and not reads
+            peer.landing_enabled = writes
             remote = tuple(RegionSpan(*r) for r in reply.regions)
             if landing is not None and remote and compatible(landing.regions, remote):
                 peer.hbm = Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)

@@ -142,7 +142,7 @@ class SaveSide:
         ids = host.pin_memory().to(self.layout.device, non_blocking=True)
         pending = self.pending_bytes()  # this save's chunks included
         if wait or (self.backlog_bytes is not None and pending + nbytes > self.backlog_bytes):
-            logger.debug("kvtier: save backlog %d of %d B: this save of %d B waits for its step's forward",
+            logger.debug("kvtier: save backlog %d of %s B: this save of %d B waits for its step's forward",
                          pending, self.backlog_bytes, nbytes)
             torch.cuda.current_stream(self.layout.device).synchronize()
         return ids
