@@ -14,11 +14,11 @@ HBM to HBM (a :class:`Landing` given): where P still holds the request's engine 
 names them and D READs them straight into the engine blocks the caller named, one descriptor per run
 of consecutive blocks (:mod:`kvtier.pd.hbm`); once P lends, the rest is asked for at once and all
 replies read by one READ. The caller gets a :class:`Landed` with the KVSUM64 to check the blocks
-against (:mod:`kvtier.pd.landing`). In a push transfer (D asked first) P answers each chunk with its
-live blocks once its step computed it, and D READs those at hand (``pd_hbm_push`` "read"); or D gives P
-its NIXL metadata and engine KV regions in a second hello, once P's reply checked out, and names each
-chunk's engine blocks in its fetch: P WRITEs the chunk there the moment it has it ("write"). One
-that ends with such fetches unanswered waits (up to the timeout) for P to say that none of its
+against (:mod:`kvtier.pd.landing`). In a push transfer (D asked first) P answers a step's chunks
+with its live blocks once the step ends, and D READs them as one (``pd_hbm_push`` "read"); or D gives
+P its NIXL metadata and engine KV regions in a second hello, once P's reply checked out, and names
+each chunk's engine blocks in its fetch: P WRITEs the chunk there the moment it has it ("write").
+One that ends with such fetches unanswered waits (up to the timeout) for P to say that none of its
 WRITEs still runs, so no late WRITE lands in blocks this engine recomputes.
 """
 
@@ -136,7 +136,7 @@ class _Peer:
         self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
         self.early: dict[int, Arrived] = {}  # replies ahead of their turn
         self.hbm: Landings | None = None  # chunks READ into the engine's blocks (HBM to HBM)
-        self.lent = False  # P's latest reply named its engine blocks (lent under its lease)
+        self.lent, self.more = False, 0  # P's latest reply named its engine blocks; replies P sent with it, to come
         self.asked: set[int] = set()  # chunks fetched, not answered yet
         self.named: set[int] = set()  # chunks whose engine blocks were named to P (push), not answered yet
         self.silent = False  # P sent nothing for the timeout (dead or hung: no WRITE of its is still coming)
@@ -224,8 +224,8 @@ class _Peer:
             while self.asked:  # (each READ's posting maps P's regions: one READ, not two)
                 self._take(self.receive())
         self.reply_s += time.perf_counter() - begin
-        while (got := self.receive(block=False)) is not None:  # replies already here: their READs
-            self._take(got)  # start now, while the caller scatters this chunk
+        while (got := self.receive(block=self.more > 0)) is not None:  # replies here, and the rest of P's
+            self._take(got)  # turn: their READs start now (one for the turn), while the caller scatters this chunk
         if self.hbm is not None:
             self.hbm.post(index)
         arrived = self.early.pop(index)
@@ -236,8 +236,7 @@ class _Peer:
             return self._finish_landed(index, arrived)
         if arrived.payload is None:
             return self._finish_read(index, arrived)
-        payload, buffer = arrived.payload, arrived.buffer
-        arrived.buffer = None
+        payload, buffer, arrived.buffer = arrived.payload, arrived.buffer, None
         if len(payload.buffer) != nbytes:
             if buffer is not None:
                 buffer.release()
@@ -277,6 +276,7 @@ class _Peer:
         if not 0 <= got.reply.index < len(self.sizes) or got.reply.index in self.early:
             raise PeerError(f"{self.endpoint} answered for chunk {got.reply.index}, which was not asked")
         self.early[got.reply.index] = got
+        self.more = got.reply.more
         self.named.discard(got.reply.index)  # P answered: it will not write there later
         self.asked.discard(got.reply.index)
         landing = self.landing.pop(got.reply.index, None)

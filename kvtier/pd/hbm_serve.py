@@ -10,6 +10,8 @@ lease that follows it, as soon as the chunk's checksum is known: taken from its 
 step ended (:mod:`kvtier.pd.sums`), else its stored copy's; the chunks ready in one turn of the
 server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`). A pull fetch is answered with
 the blocks as soon, too, from the running request's or the lease's: the consumer READs them.
+The replies of one turn go out together, each saying how many more follow (``ChunkReply.more``),
+so the consumer READs a step's chunks as one (posting a READ costs a mapping of P's KV).
 
 Used by the chunk server's thread only.
 """
@@ -17,6 +19,8 @@ Used by the chunk server's thread only.
 from __future__ import annotations
 
 from typing import Callable
+
+import msgspec
 
 from kvtier import codec
 from kvtier.pd.hbm import EngineBlocks, RegionSpan, compatible, emulated
@@ -39,6 +43,7 @@ class HbmServing:
         self._targets: dict[bytes, tuple[str, tuple[RegionSpan, ...], int]] = {}  # identity -> NIXL peer, its
         # engine KV regions, its CUDA device: a push consumer whose blocks may be written into
         self._batch: dict[bytes, list[BlockWrite]] = {}  # chunks to WRITE at the end of this turn, per peer
+        self._lent: dict[bytes, list[ChunkReply]] = {}  # replies naming engine blocks, sent at the end of this turn
         self.lent_total = 0  # chunks answered with engine blocks (pull) since start
         self.lease_waits = 0  # looks at fetches that found their transfer's lease not begun yet
 
@@ -107,7 +112,8 @@ class HbmServing:
             self._batch.setdefault(identity, []).append(BlockWrite(identity, fetch, buffer, blocks, checksum))
             return True
         self.lent_total += 1
-        self._send(identity, ChunkReply(VERSION, fetch.index, "ok", blocks=blocks, checksum=checksum))
+        self._lent.setdefault(identity, []).append(ChunkReply(VERSION, fetch.index, "ok", blocks=blocks,
+                                                              checksum=checksum))
         if buffer is not None:
             buffer.release()
         return True
@@ -123,7 +129,12 @@ class HbmServing:
         return self.engine is not None and self.engine.sums is not None and self.engine.sums.pending
 
     def flush(self, agent: Agent) -> None:
-        """Post one WRITE per peer for the chunks gathered this turn."""
+        """Send this turn's replies naming engine blocks, each with how many of them follow it, and
+        post one WRITE per peer for the chunks gathered this turn."""
+        lent, self._lent = self._lent, {}
+        for identity, replies in lent.items():
+            for k, reply in enumerate(replies):
+                self._send(identity, msgspec.structs.replace(reply, more=len(replies) - 1 - k))
         batch, self._batch = self._batch, {}
         for identity, chunks in batch.items():
             peer, theirs, device = self._targets.get(identity) or (None, (), 0)

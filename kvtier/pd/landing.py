@@ -1,6 +1,7 @@
 """A consumer's side of the chunks of one transfer that land in its engine blocks (HBM to HBM).
 
-The producer's reply names the chunk's engine blocks; the READs of every reply at hand go out
+The producer's reply names the chunk's engine blocks; the READs of every reply at hand (the
+consumer waits for the rest of a turn of the producer's replies, ``ChunkReply.more``) go out
 as one NIXL transfer, so runs of consecutive blocks coalesce across chunks (a window of chunks
 costs about the descriptors of one, and the posting cost with them). Replies wait to be posted
 until the caller needs one of them or :data:`POST_AT` have gathered: a READ per reply would pay

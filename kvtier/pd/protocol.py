@@ -158,6 +158,7 @@ class ChunkReply(msgspec.Struct, frozen=True, tag="chunk"):
     written: bool = False  # NIXL push: the chunk is already in the buffer the fetch named
     blocks: tuple[Size, ...] = ()  # HBM: the chunk's blocks in P's engine, to READ region by region
     checksum: Checksum = 0  # HBM: the chunk's KVSUM64, over its payload as P's save sealed it
+    more: Count = 0  # HBM: replies naming engine blocks that follow this one at once (one turn of P's server)
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from pd_workers import Engine, prompt_keys, remote_job, tokens_of
+from pd_workers import CHUNK, Engine, prompt_keys, remote_job, tokens_of
 from kvtier.jobs import Lend, SaveJob
 from kvtier import timeline
 from kvtier.pd import nixl, server as chunk_server
@@ -84,6 +84,28 @@ def test_each_chunk_goes_into_the_consumers_blocks_while_the_producer_computes(e
     finish(p)  # D released the transfer before P's request ended: no lease needed
     wait_for(lambda: "p-req" in p.side.finished_sends(set()))
     assert time.monotonic() - start < 1.0 and p.side.engine_kv.held_bytes == 0
+
+
+def test_each_step_of_many_chunks_lands_by_one_read(engines, monkeypatch):
+    """P answers the chunks a step computed in one turn of its server, each reply saying how many
+    follow: D READs them as one (posting a READ maps P's KV). Taking the replies at hand, 16 at
+    most a READ, cost a 32k prompt's last step four READs after P's prefill."""
+    tokens = tokens_of(28 * CHUNK, seed=5)
+    keys, ids = prompt_keys(tokens)[0], list(range(56))  # 28 chunks, no tail
+    p, d = engines("p", 1), engines("d", 2)
+    reads, read = [], d.side.nixl.read
+    monkeypatch.setattr(d.side.nixl, "read", lambda *a, **k: reads.append(sum(n for _, n in a[1])) or read(*a, **k))
+    hbm = p.side.chunk_server._hbm  # replies trickle out, as from a P whose engine thread holds the GIL
+    monkeypatch.setattr(hbm, "_send", lambda *a, send=hbm._send, **k: time.sleep(0.003) or send(*a, **k))
+    d.side.start_loads((remote_job("d-req", tokens, ids, "t1", p.endpoint, wait=True),))
+    wait_for(lambda: len(p.side.chunk_server._waiting) == 28)  # D asked for every chunk
+    for first, last in ((0, 20), (20, 28)):  # P's steps
+        p.side.save((SaveJob("p-req", tuple(keys[first:last]), tuple(ids[2 * first: 2 * last]), publish="t1",
+                             final=last == 28, lease=True),))
+        wait_for(lambda: p.side.chunk_server.hbm_total == last)
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(ids), p.blocks(ids))
+    assert len(reads) == 2 and reads[0] * 8 == reads[1] * 20, reads  # one per step (by the chunk at hand: 1, 27)
 
 
 def test_a_request_that_ends_before_the_consumer_releases_keeps_its_blocks_until_then(engines, push):
