@@ -31,7 +31,7 @@ def _default_cpu_bytes() -> int:
     return int(min(64 * GiB, max(GiB // 4, psutil.virtual_memory().available // 4)))
 
 
-_ZERO_TURNS_OFF = {"pd_hbm_lease_ms"}  # integer settings for which 0 means "off"
+_ZERO_TURNS_OFF = {"pd_hbm_lease_ms", "switch_interval_us"}  # integer settings for which 0 means "off"
 
 @dataclass(frozen=True, slots=True)
 class KvtierConfig:
@@ -74,6 +74,11 @@ class KvtierConfig:
     None: no shared tier); without a password in the URL, env ``KVTIER_SHARED_PASSWORD`` gives
     it. shared_timeout_ms: most milliseconds one network call to it may take; a lookup asks it
     within min(this, lookup_timeout_ms / 2).
+
+    switch_interval_us: Python's thread switch interval in each engine worker process, in µs
+    (default: env ``KVTIER_SWITCH_INTERVAL_US``, else 500; 0 leaves Python's 5 ms). While vLLM's
+    engine loop runs Python, kvtier's transfer threads wait up to this long for the interpreter
+    each time they come back from a copy, a socket or NIXL.
     """
 
     cpu_bytes: int = field(default_factory=_default_cpu_bytes)
@@ -99,6 +104,7 @@ class KvtierConfig:
     pd_hbm_push: str = "read"
     shared_url: str | None = None
     shared_timeout_ms: int = 1000
+    switch_interval_us: int | None = None
 
     def __post_init__(self) -> None:
         if self.unaligned not in ("partial", "handoff", "auto"):
@@ -109,6 +115,8 @@ class KvtierConfig:
             raise ConfigError(f"kvtier setting 'pd_transport' must be 'auto', 'nixl' or 'zmq', got {self.pd_transport!r}.")
         if self.pd_hbm_push not in ("read", "write"):
             raise ConfigError(f"kvtier setting 'pd_hbm_push' must be 'read' or 'write', got {self.pd_hbm_push!r}.")
+        if self.switch_interval_us is not None and not 0 <= self.switch_interval_us <= 5000:
+            raise ConfigError(f"kvtier setting 'switch_interval_us' must be 0 to 5000, got {self.switch_interval_us!r}.")
         if self.shared_url is not None and (problem := shared_url_problem(self.shared_url)):
             raise ConfigError(f"kvtier setting 'shared_url' ({redact(self.shared_url)!r}) {problem}.")
         if not _is_loopback(self.pd_bind) and not self.secret:
@@ -120,6 +128,18 @@ class KvtierConfig:
         """The P/D shared secret (setting, else environment), as bytes; None when unset."""
         secret = self.pd_secret or os.environ.get("KVTIER_PD_SECRET")
         return secret.encode() if secret else None
+
+    @property
+    def switch_interval_s(self) -> float:
+        """The thread switch interval to set, in seconds (setting, else environment, else 500 µs); 0: leave it."""
+        us = self.switch_interval_us
+        if us is None:
+            raw = os.environ.get("KVTIER_SWITCH_INTERVAL_US", "500")
+            try:
+                us = int(raw)
+            except ValueError:
+                raise ConfigError(f"KVTIER_SWITCH_INTERVAL_US must be an integer of µs, got {raw!r}.") from None
+        return max(0, min(us, 5000)) / 1e6
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> KvtierConfig:

@@ -10,15 +10,14 @@ P/D speaks vLLM's standard ``kv_transfer_params`` (:mod:`kvtier.pd.params`): a r
 ``request_finished``; a request with ``do_remote_prefill`` loads the prompt from the producer
 through the same plan, waiting state and load executor as a reload.
 
-Hybrid models (vLLM's hybrid KV cache manager): the connector is ``SupportsHMA`` where vLLM has
-it, so the manager stays on. kvtier serves a config whose transferred KV cache groups it can all
-serve (:mod:`.groups`: full attention, sliding window, chunked local attention, Mamba state
-cached by block), each group's blocks under keys of its own, a windowed group only within its
-window, Mamba state at chunk ends; any other config runs
-with kvtier idle: no hits (the engine recomputes), no saves, one start-up line naming the groups
-it does not serve. vLLM takes no block-level load failures from a model of several groups, so
-there the workers report a failed load per request and the engine recomputes its whole prompt:
-through ``get_transfer_results`` (``failed_recving``) where vLLM has it, else
+Hybrid models (vLLM's hybrid KV cache manager): the connector is ``SupportsHMA`` where vLLM has it, so the
+manager stays on. kvtier serves a config whose transferred KV cache groups it can all serve (:mod:`.groups`:
+full attention, sliding window, chunked local attention, Mamba state cached by block), each group's blocks
+under keys of its own, a windowed group only within its window, Mamba state at chunk ends; any other config
+runs with kvtier idle: no hits (the engine recomputes), no saves, one start-up line naming the groups it
+does not serve. vLLM takes no block-level load failures from a model of several groups, so there the workers
+report a failed load per request and the engine recomputes its whole prompt: through
+``get_transfer_results`` (``failed_recving``) where vLLM has it, else
 :func:`~kvtier.engines.vllm.compat.recompute_failed_loads`.
 
 Hook order: blocks given out in a step wait for saves still reading them before the step's
@@ -32,6 +31,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import logging
+import sys
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterable
@@ -72,7 +72,6 @@ _SOURCES = {} if CacheHitSource is None else {
     "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P,
     "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # not aborted, not failed
-
 
 _WORKER_MODULE = "kvtier.engines.vllm.worker_side"
 logger = logging.getLogger(__name__)
@@ -137,8 +136,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         # done at the first lookup, when vLLM's scheduler is on the stack and its cache still empty.
         self._agree_on_hits = role == KVConnectorRole.SCHEDULER and not MAMBA_KINDS.isdisjoint(self.groups.kinds)
         self._agreed_hits: AgreedHits | None = None
-        parallel = vllm_config.parallel_config
-        events_config = vllm_config.kv_events_config
+        parallel, events_config = vllm_config.parallel_config, vllm_config.kv_events_config
         kv_events = events_config is not None and events_config.enable_kv_cache_events
         self._live: dict[str, Request] = {}  # with KV events: live requests, whose saved chunks are named
         self._lends: list[Lend] = []  # producer requests whose blocks to keep, for the next step's workers
@@ -167,6 +165,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return
         self._importing.join()
         WorkerSide = importlib.import_module(_WORKER_MODULE).WorkerSide  # raises here if the import failed
+        if 0 < (interval := self.config.switch_interval_s) < sys.getswitchinterval():
+            sys.setswitchinterval(interval)  # kvtier's threads get the interpreter soon after each wait (config.py)
         self._worker = WorkerSide(*self._worker_args, **self._worker_kwargs)
         self._worker.register(kv_caches)
 
