@@ -75,8 +75,8 @@ class KvtierConfig:
     it. shared_timeout_ms: most milliseconds one network call to it may take; a lookup asks it
     within min(this, lookup_timeout_ms / 2).
 
-    switch_interval_us: Python's thread switch interval in each engine worker process, in µs
-    (default: env ``KVTIER_SWITCH_INTERVAL_US``, else 500; 0 leaves Python's 5 ms). While vLLM's
+    switch_interval_us: Python's thread switch interval to set in each engine worker process, in µs
+    (default: env ``KVTIER_SWITCH_INTERVAL_US``, else 0: Python's own 5 ms is left). While vLLM's
     engine loop runs Python, kvtier's transfer threads wait up to this long for the interpreter
     each time they come back from a copy, a socket or NIXL.
     """
@@ -131,10 +131,10 @@ class KvtierConfig:
 
     @property
     def switch_interval_s(self) -> float:
-        """The thread switch interval to set, in seconds (setting, else environment, else 500 µs); 0: leave it."""
+        """The thread switch interval to set, in seconds (setting, else environment); 0: leave Python's."""
         us = self.switch_interval_us
         if us is None:
-            raw = os.environ.get("KVTIER_SWITCH_INTERVAL_US", "500")
+            raw = os.environ.get("KVTIER_SWITCH_INTERVAL_US", "0")
             try:
                 us = int(raw)
             except ValueError:

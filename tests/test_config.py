@@ -22,6 +22,8 @@ def test_defaults_and_values():
         ({"shared_url": "redis://host:6379?socket_timeout=9"}, "'shared_url'.*query"),
         ({"shared_timeout_ms": 0}, "'shared_timeout_ms'"),
         ({"pd_hbm_push": "push"}, "'pd_hbm_push'.*'read' or 'write'"),
+        ({"switch_interval_us": 6000}, "'switch_interval_us'.*0 to 5000"),
+        ({"switch_interval_us": -1}, "'switch_interval_us'"),
         ({"remote_url": "redis://host:6379"}, "'remote_url'"),  # the tier is called shared
     ],
 )
@@ -46,3 +48,14 @@ def test_a_shared_url_password_never_shows_in_errors():
 def test_an_unknown_key_names_the_setting_meant(key, hint):
     with pytest.raises(ConfigError, match=f"'{key}' \\(did you mean '{hint}'\\?\\)"):
         KvtierConfig.from_dict({key: 1})
+
+
+def test_the_thread_switch_interval_comes_from_the_setting_else_the_environment(monkeypatch):
+    monkeypatch.delenv("KVTIER_SWITCH_INTERVAL_US", raising=False)
+    assert KvtierConfig.from_dict({}).switch_interval_s == 0  # Python's own is left
+    monkeypatch.setenv("KVTIER_SWITCH_INTERVAL_US", "500")
+    assert KvtierConfig.from_dict({}).switch_interval_s == 0.0005
+    assert KvtierConfig.from_dict({"switch_interval_us": 0}).switch_interval_s == 0
+    monkeypatch.setenv("KVTIER_SWITCH_INTERVAL_US", "fast")
+    with pytest.raises(ConfigError, match="KVTIER_SWITCH_INTERVAL_US"):
+        KvtierConfig.from_dict({}).switch_interval_s

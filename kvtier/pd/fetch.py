@@ -224,7 +224,7 @@ class _Peer:
             while self.asked:  # (each READ's posting maps P's regions: one READ, not two)
                 self._take(self.receive())
         self.reply_s += time.perf_counter() - begin
-        while (got := self.receive(block=self.more > 0)) is not None:  # replies here, and the rest of P's
+        while (got := self.receive(block=self.more > 0 and bool(self.asked))) is not None:  # replies here, the rest of P's
             self._take(got)  # turn: their READs start now (one for the turn), while the caller scatters this chunk
         if self.hbm is not None:
             self.hbm.post(index)

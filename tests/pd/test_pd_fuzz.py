@@ -234,16 +234,17 @@ def test_a_decode_engine_reads_any_lent_chunk_reply_as_chunks_or_a_peer_error(ho
 @given(regions=st.lists(st.tuples(st.integers(-8, 5 * CHUNK_BYTES), st.sampled_from([ENGINE_BLOCK, 1, 2 * ENGINE_BLOCK]),
                                   st.sampled_from([ENGINE_BLOCK, 7])), max_size=2),
        chunks=st.lists(st.tuples(st.integers(-1, 2), st.lists(st.integers(0, 1 << 40), max_size=3),
-                                 st.integers(0, (1 << 64) - 1)), max_size=3),
+                                 st.integers(0, (1 << 64) - 1), st.integers(0, 3)), max_size=3),
        push=st.booleans())
-@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1), (1, [1], 2)], push=False)  # both land
-@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [2], 1), (1, [5], 2)], push=True)  # both "written"
+@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1, 1), (1, [1], 2, 0)], push=False)  # both land
+@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [2], 1, 0), (1, [5], 2, 0)], push=True)  # both "written"
+@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1, 3)], push=False)  # more said to follow than asked
 def test_a_decode_engine_reads_any_engine_block_reply_as_landed_chunks_or_a_peer_error(hostile_nixl, regions, chunks,
                                                                                        push):
     """HBM to HBM a producer names its engine KV regions and each chunk's blocks (pull), or says
-    it wrote each chunk into blocks (push): any regions, block ids, index or checksum end in
-    landed chunks or a PeerError, and D's engine KV is written only in the blocks D named for
-    the chunks (host memory stands in for VRAM)."""
+    it wrote each chunk into blocks (push): any regions, block ids, index, checksum or count of
+    replies said to follow end in landed chunks or a PeerError, and D's engine KV is written
+    only in the blocks D named for the chunks (host memory stands in for VRAM)."""
     import torch
 
     producer, store, p_agent, d_agent, base = hostile_nixl
@@ -254,7 +255,7 @@ def test_a_decode_engine_reads_any_engine_block_reply_as_landed_chunks_or_a_peer
         hello = [b"", encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=p_agent.metadata(),
                                         regions=tuple((max(0, base + o), st_, bb) for o, st_, bb in regions)))]
         replies = [[b"", encode(ChunkReply(VERSION, index, "ok", blocks=tuple(blocks), checksum=checksum,
-                                           written=push))] for index, blocks, checksum in chunks]
+                                           written=push, more=more))] for index, blocks, checksum, more in chunks]
         with producer.lock:
             producer.replies[:] = [hello, *([hello] if push else []), *replies]
         fetch_from_hostile(producer, store, wait=push, nixl=d_agent, landing=landing)
