@@ -13,12 +13,14 @@ A mark is ``kvtier timeline: <request> <event> <epoch s> [transfer <id>]``. The 
 * ``finished``: vLLM finished the request (a P/D producer's names its transfer: its prefill ended;
   with ``max_tokens=1``, as the benches ask, the step that follows the load gives the first token);
 * ``written``: a P/D producer's chunk server saw a WRITE into the consumer end (push; marked
-  under the transfer id, not a request: the last one counts).
+  under the transfer id, not a request: the last one counts);
+* ``lent``: a P/D producer's chunk server sent replies naming its engine blocks for the consumer
+  to READ (under the transfer id; the last one counts).
 
 ``python -m kvtier.timeline LOG ...`` reads the marks back from engine logs (``KVTIER_LOG_LEVEL=DEBUG``)
 and prints, per stage, the median ms over the requests that passed through it; for P/D also the
 hops from the producer's ``finished`` (joined by transfer id) to the consumer's ``arrived`` and
-``load seen``, and to the producer's last ``written``.
+``load seen``, and to the producer's last ``written`` or ``lent``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from collections import defaultdict
 logger = logging.getLogger(__name__)
 
 EVENTS = ("arrived", "looked up", "planned", "load began", "load ended", "load reported", "load seen", "finished")
-_NAMES = "|".join((*EVENTS, "written"))
+_COPIES = {"written": "last WRITE done", "lent": "last blocks lent"}  # a producer's marks, per transfer
+_NAMES = "|".join((*EVENTS, *_COPIES))
 _MARK = re.compile(rf"kvtier timeline: (\S+) ({_NAMES}) ([0-9.]+)(?: transfer (\S+))?")
 
 
@@ -59,7 +62,7 @@ def read(lines) -> tuple[dict[str, dict], dict[str, dict[str, float]]]:
             continue
         request, event, at, transfer = m.group(1), m.group(2), float(m.group(3)), m.group(4)
         mine = marks[request]
-        last = event.startswith("load") or event == "written"
+        last = event.startswith("load") or event in _COPIES
         mine[event] = max(mine.get(event, at), at) if last else mine.get(event, at)
         if transfer and event in ("finished", "arrived"):
             transfers[transfer].setdefault(event, at)
@@ -89,13 +92,13 @@ def stages(marks: dict[str, dict], transfers: dict[str, dict[str, float]]) -> li
     after = [m["load seen"] - transfers[t]["finished"] for t, m in consumers]
     if after:  # push: the consumer arrived first, so this is its wait beyond the prefill
         out.append(("producer finished -> load seen", statistics.median(after) * 1e3, len(after)))
-    written = [(transfers[t]["finished"], marks[t]["written"], m["load ended"]) for t, m in consumers
-               if "written" in marks.get(t, {}) and "load ended" in m]
-    if written:
-        out.append(("producer finished -> last WRITE done", statistics.median(w - f for f, w, _ in written) * 1e3,
-                    len(written)))
-        out.append(("last WRITE done -> load ended", statistics.median(e - w for _, w, e in written) * 1e3,
-                    len(written)))
+    for event, name in _COPIES.items():
+        copied = [(transfers[t]["finished"], marks[t][event], m["load ended"]) for t, m in consumers
+                  if event in marks.get(t, {}) and "load ended" in m]
+        if copied:
+            out.append((f"producer finished -> {name}", statistics.median(c - f for f, c, _ in copied) * 1e3,
+                        len(copied)))
+            out.append((f"{name} -> load ended", statistics.median(e - c for _, c, e in copied) * 1e3, len(copied)))
     return out
 
 

@@ -40,6 +40,8 @@ def test_stages_join_ranks_and_the_producer_by_transfer():
         "DEBUG kvtier timeline: d-1 load ended 100.060",
         "DEBUG kvtier timeline: t-1 written 100.030",  # P's WRITEs (push), under the transfer id
         "DEBUG kvtier timeline: t-1 written 100.040",  # the last counts
+        "DEBUG kvtier timeline: t-1 lent 100.020",  # P's replies naming its blocks (READ), the last counts
+        "DEBUG kvtier timeline: t-1 lent 100.025",
         "DEBUG kvtier timeline: d-1 load reported 100.070",
         "DEBUG kvtier timeline: d-1 load seen 100.071",
         "DEBUG kvtier timeline: d-1 finished 100.090",  # D's step after the load
@@ -56,7 +58,8 @@ def test_stages_join_ranks_and_the_producer_by_transfer():
                    "load ended -> load reported": 10.0, "load reported -> load seen": 1.0,
                    "load seen -> finished": 19.0,
                    "arrived -> load seen": 61.0, "producer finished -> load seen": 71.0,
-                   "producer finished -> last WRITE done": 40.0, "last WRITE done -> load ended": 20.0}
+                   "producer finished -> last WRITE done": 40.0, "last WRITE done -> load ended": 20.0,
+                   "producer finished -> last blocks lent": 25.0, "last blocks lent -> load ended": 35.0}
 
 
 def test_the_command_prints_a_table_or_says_what_is_missing(tmp_path, capsys):

@@ -78,6 +78,7 @@ def test_each_chunk_goes_into_the_consumers_blocks_while_the_producer_computes(e
     marks, _ = timeline.read(r.getMessage() for r in caplog.records if r.name == "kvtier.timeline")
     if push == "read":  # D's metadata and engine KV never went to P
         assert d.side.chunk_server.nixl.name not in server.nixl.peer_names
+        assert "lent" in marks["t1"] and marks["t1"]["lent"] <= marks["d-req"]["load ended"]
     else:
         assert "written" in marks["t1"] and marks["t1"]["written"] <= marks["d-req"]["load ended"]
     start = time.monotonic()
