@@ -76,6 +76,9 @@ def add_parser(commands) -> None:
     p.add_argument("--hbm-push", default="read", help="D's pd_hbm_push over NIXL, comma-separated: read, write or "
                    "read,write (a D for each; the first gives every row, the others their push row, e.g. "
                    "'kvtier push nixl write'; default read)")
+    p.add_argument("--zmq", action=argparse.BooleanOptionalAction, default=True, help="also run a kvtier D over ZMQ "
+                   "for the 'kvtier pull zmq' and 'kvtier push zmq' rows (--no-zmq: D over NIXL only, one engine "
+                   "start fewer)")
     p.add_argument("--cpu-gib", type=positive, default=16, help="kvtier's CPU tier in each engine, GiB (default 16)")
     p.add_argument("--chunk-tokens", type=positive, default=256, help="kvtier's chunk_tokens (default 256)")
     p.add_argument("--keep-logs", metavar="DIR", help="write the engines' logs to DIR and keep them")

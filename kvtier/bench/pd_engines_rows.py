@@ -185,7 +185,11 @@ class Run:
             d_gpu = self.args.devices[1] if self.args.devices else None
             # one D per pd_hbm_push over NIXL (the first labelled "nixl", the others "nixl <mode>"), then ZMQ
             pushes = [("nixl", m, f"nixl {m}" if i else "nixl") for i, m in enumerate(self.args.hbm_push)]
-            for transport, push, label in pushes + [("zmq", "", "zmq")]:
+            if self.args.zmq:
+                pushes.append(("zmq", "", "zmq"))
+            else:
+                self.skipped["kvtier pull zmq"] = self.skipped["kvtier push zmq"] = "--no-zmq"
+            for transport, push, label in pushes:
                 before = gpu_used_mib(d_gpu) if d_gpu is not None else None
                 self.progress(f"starting D (kvtier over {transport}{f', pd_hbm_push {push}' if push else ''}) ...")
                 d = self.engine(f"kvtier-D-{label.replace(' ', '-')}", "D", self.spec("kvtier", transport, push=push),

@@ -287,7 +287,8 @@ def run(tmp_path, monkeypatch):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2, tp=1,
-                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"))
+                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"),
+                              zmq=True)
     r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     r.waits = waits
     return r
@@ -321,6 +322,15 @@ def test_a_second_pd_hbm_push_gets_a_d_of_its_own_for_its_push_row(run, tmp_path
     assert len(result["ttft_ms"]["kvtier pull hbm"]["600"]) == 2  # the pulls ran on the first D only
     assert result["hbm_push"] == ["read", "write"]
     assert "'kvtier push nixl': D's pd_hbm_push read" in pd_engines.format_table(result)
+
+
+def test_without_zmq_the_pair_starts_no_d_over_zmq_and_says_its_rows_were_skipped(run, tmp_path):
+    run.args.zmq = False
+    run.kvtier_pair(str(tmp_path))
+    p, d_nixl = FakeEngine.started
+    result = run.result()
+    assert result["skipped"]["kvtier push zmq"] == "--no-zmq" and not result["ttft_ms"]["kvtier push zmq"]["600"]
+    assert len(result["ttft_ms"]["kvtier push nixl"]["600"]) == 2
 
 
 def test_without_the_lease_setting_the_after_lease_row_is_skipped(run, tmp_path, monkeypatch):
