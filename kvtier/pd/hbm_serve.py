@@ -44,7 +44,7 @@ class HbmServing:
         self._targets: dict[bytes, tuple[str, tuple[RegionSpan, ...], int]] = {}  # identity -> NIXL peer, its
         # engine KV regions, its CUDA device: a push consumer whose blocks may be written into
         self._batch: dict[bytes, list[BlockWrite]] = {}  # chunks to WRITE at the end of this turn, per peer
-        self._lent: dict[bytes, tuple[str, list[ChunkReply]]] = {}  # identity -> (transfer id, replies naming
+        self._replies: dict[bytes, tuple[str, list[ChunkReply]]] = {}  # identity -> (transfer id, replies naming
         # engine blocks), sent at the end of this turn
         self.lent_total = 0  # chunks answered with engine blocks (pull) since start
         self.lease_waits = 0  # looks at fetches that found their transfer's lease not begun yet
@@ -114,7 +114,7 @@ class HbmServing:
             self._batch.setdefault(identity, []).append(BlockWrite(identity, fetch, buffer, blocks, checksum))
             return True
         self.lent_total += 1
-        self._lent.setdefault(identity, (fetch.transfer_id, []))[1].append(
+        self._replies.setdefault(identity, (fetch.transfer_id, []))[1].append(
             ChunkReply(VERSION, fetch.index, "ok", blocks=blocks, checksum=checksum))
         if buffer is not None:
             buffer.release()
@@ -133,8 +133,8 @@ class HbmServing:
     def flush(self, agent: Agent) -> None:
         """Send this turn's replies naming engine blocks, each with how many of them follow it, and
         post one WRITE per peer for the chunks gathered this turn."""
-        lent, self._lent = self._lent, {}
-        for identity, (transfer_id, replies) in lent.items():
+        replies_of, self._replies = self._replies, {}
+        for identity, (transfer_id, replies) in replies_of.items():
             for k, reply in enumerate(replies):
                 self._send(identity, msgspec.structs.replace(reply, more=len(replies) - 1 - k))
             mark(transfer_id, "lent")
