@@ -63,6 +63,13 @@ def parse(params: dict[str, Any] | None) -> Produce | Consume | None:
     return Consume(rid, tuple(endpoints), tp_size, wait=transfer_id is not None)
 
 
+def fetched_transfer(params: dict[str, Any] | None) -> str | None:
+    """The producer's transfer a consumer request's ``params`` name, as given (for the timeline), else None."""
+    params = params if isinstance(params, dict) else {}
+    transfer = params.get("remote_request_id") or params.get("transfer_id") if params.get("do_remote_prefill") else None
+    return transfer if isinstance(transfer, str) else None
+
+
 def published(transfer_id: str, engine_id: str, endpoints: list[str], tp_size: int) -> dict[str, Any]:
     """What P's ``request_finished`` returns: D's ``kv_transfer_params``."""
     head = urlsplit(endpoints[0].replace("tcp://", "http://", 1))

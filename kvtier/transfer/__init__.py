@@ -26,6 +26,7 @@ the store, whose locks guard index updates only.
 
 from __future__ import annotations
 
+import queue
 from collections import deque
 from typing import Callable
 from concurrent.futures import Future
@@ -105,6 +106,7 @@ class TierWorker:
         self.saves = SaveSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["save"], on_held,
                               checksum, save_backlog_bytes, reuse, loads_running or self.loads.running, PIPELINE_BYTES,
                               on_lost or (lambda keys: None))
+        self._loads_out = 0  # load jobs submitted, not reported yet (engine thread)
 
     def skey(self, key: bytes) -> bytes:
         return storage_key(key, self.layout.fingerprint)
@@ -136,7 +138,18 @@ class TierWorker:
     def submit_load(self, job: LoadJob) -> Future:
         """Load in the background (with ``load_inline``, a local-tier load runs now); the outcome
         is reported by :meth:`take_finished`."""
+        self._loads_out += 1
         return self.loads.submit(job)
+
+    def wait_finished(self, timeout_s: float) -> None:
+        """With loads not reported yet, wait up to ``timeout_s`` for one to end, the interpreter
+        left to the load threads meanwhile (vLLM's loop, stepping while requests wait for their
+        loads, would hold it); what came stays for :meth:`take_finished`. Engine thread."""
+        if self._loads_out > 0:
+            try:
+                self.loads.finished.put(self.loads.finished.get(timeout=timeout_s))
+            except queue.Empty:
+                pass
 
     @property
     def load(self):
@@ -150,7 +163,9 @@ class TierWorker:
 
     def take_finished(self) -> tuple[set[str], set[int]]:
         """Requests whose loads ended since the last call, and the block ids that failed."""
-        return self.loads.take_finished()
+        req_ids, failed = self.loads.take_finished()
+        self._loads_out = max(0, self._loads_out - len(req_ids))
+        return req_ids, failed
 
     def chunk_load_ms(self) -> dict[str, float]:
         """Measured ms to load one whole chunk from each tier (fetch, verify, scatter), as a

@@ -86,7 +86,7 @@ class LoadSide:
                                                initializer=on_device(layout.device))
         self._remote_barrier = threading.Barrier(REMOTE_THREADS + 1)
         self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
-        self._finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()
+        self.finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()  # (request, failed ids)
         self._loads_running = 0  # written by whichever thread runs local loads; the save thread yields while > 0
         self._landed: LandedCheck | None = None  # set when producers may write chunks into the engine's blocks
 
@@ -140,7 +140,7 @@ class LoadSide:
                 self._loads_running -= 1
             self._cancelled.discard(job.req_id)
         mark(job.req_id, "load ended")
-        self._finished.put((job.req_id, failed))
+        self.finished.put((job.req_id, failed))
 
     def load(self, job: LoadJob) -> set[int]:
         """Load ``job`` now. Returns the engine block ids that were not loaded (empty on success).
@@ -363,7 +363,7 @@ class LoadSide:
         failed: set[int] = set()
         while True:
             try:
-                req_id, bad = self._finished.get_nowait()
+                req_id, bad = self.finished.get_nowait()
             except queue.Empty:
                 return req_ids, failed
             mark(req_id, "load reported")

@@ -80,6 +80,7 @@ class Stats:
     aborted: int = 0
     resumed_checked: int = 0
     plans: Counter = field(default_factory=Counter)  # admission plans by kind or skip reason
+    idle_steps: int = 0  # steps that computed nothing (the workers may wait for their loads)
 
 
 class Harness:
@@ -210,6 +211,9 @@ class Harness:
         self._forward(out)
         self._check_computed(out)
         meta = out.kv_connector_metadata
+        if meta.idle != (out.total_num_scheduled_tokens == 0):
+            raise InvariantError(f"a step of {out.total_num_scheduled_tokens} tokens told the workers idle={meta.idle}")
+        self.stats.idle_steps += meta.idle
         for i, job in enumerate(meta.plan.loads):
             lag = lags[i % len(lags)] if lags else self.rng.choice((0, 0, 0, 1, 2, 4))
             fail_at = self.rng.randrange(len(job.keys)) if self.rng.random() < fail_prob else None

@@ -29,6 +29,10 @@ class Recorder:
     def __init__(self, failed: set[str] = frozenset()):
         self.calls: list[str] = []
         self.failed = set(failed)
+        self.transfers = self  # its wait_finished, recorded as the rest
+
+    def wait_finished(self, timeout_s: float) -> None:
+        self.calls.append("wait_finished")
 
     def __getattr__(self, name):
         def record(*args, **kwargs):
@@ -54,12 +58,13 @@ def connector(monkeypatch):
     conn.shutdown()
 
 
-def step(connector, recorder: Recorder, has_sync_kv_loads: bool = False):
-    """One step through vLLM's own connector context; returns the calls made before the forward
-    (the context's body) and the step's connector output."""
+def step(connector, recorder: Recorder, has_sync_kv_loads: bool = False, idle: bool = False):
+    """One step through vLLM's own connector context (``idle``: one that computes nothing);
+    returns the calls made before the forward (the context's body) and the step's connector output."""
     connector._worker = recorder
     plan = StepPlan(loads=(), saves=(), allocated=(3, 4))
-    out = type("SchedulerOutput", (), {"kv_connector_metadata": KvtierMetadata(plan), "finished_req_ids": set(),
+    meta = KvtierMetadata(plan, idle=idle)
+    out = type("SchedulerOutput", (), {"kv_connector_metadata": meta, "finished_req_ids": set(),
                                        "has_sync_kv_loads": has_sync_kv_loads})()
     with KVConnectorModelRunnerMixin._get_kv_connector_output(out) as output:
         before_forward = list(recorder.calls)  # the forward is launched here
@@ -86,3 +91,14 @@ def test_a_step_without_saves_and_an_unbound_wait_for_save_do_nothing(connector)
     connector.clear_connector_metadata()
     connector.wait_for_save()  # called with nothing bound: no error, no work
     assert "save" not in recorder.calls
+
+
+def test_only_a_step_that_computes_nothing_waits_for_the_loads_before_taking_them(connector):
+    """vLLM steps back to back while requests wait for their loads: such a step gives the load
+    threads the interpreter (waits for one to end, at most a moment) instead of spinning."""
+    recorder = Recorder()
+    step(connector, recorder)
+    assert "wait_finished" not in recorder.calls
+    recorder = Recorder()
+    step(connector, recorder, idle=True)
+    assert recorder.calls.index("wait_finished") < recorder.calls.index("finished_loads")

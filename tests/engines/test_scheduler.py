@@ -64,6 +64,17 @@ def test_aligned_floor_loads_whole_chunks(make):
     h.check_quiescent()
 
 
+def test_steps_while_a_request_only_waits_for_its_load_tell_the_workers_they_compute_nothing(make):
+    h = make()
+    stored_with_floor(h, 0)
+    h.add(P, 2)
+    for _ in range(4):
+        h.step(lags=[3])  # the load takes three steps, and nothing else runs meanwhile
+    assert h.stats.idle_steps >= 2 and h.stats.loads == {"load": 1}
+    h.drain()
+    h.check_quiescent()
+
+
 def test_partial_loads_block_by_block_from_the_floor(make):
     h = make(unaligned="partial")
     stored_with_floor(h, 5)  # 80 tokens: one block into chunk 1

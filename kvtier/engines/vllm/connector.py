@@ -53,6 +53,7 @@ from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
 from kvtier.profiled import name_hooks
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
 from kvtier.jobs import Lend, StepPlan
+from kvtier.pd.params import fetched_transfer
 from kvtier.timeline import mark
 from kvtier.engines.vllm.events import KvtierKVEvents, name_chunk
 from kvtier.engines.vllm.stats import FAILED_REQUESTS, KvtierPromMetrics, build_stats
@@ -74,6 +75,7 @@ _SOURCES = {} if CacheHitSource is None else {
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # not aborted, not failed
 
 _WORKER_MODULE = "kvtier.engines.vllm.worker_side"
+IDLE_WAIT_S = 0.002  # a step that computes nothing waits this long at most for a load to end (GIL released)
 logger = logging.getLogger(__name__)
 
 
@@ -85,17 +87,11 @@ def _import_quietly(name: str) -> None:
         pass
 
 
-def _arrived(request: Request) -> None:
-    """Mark the request's arrival (a P/D consumer's names the producer's transfer)."""
-    params = request.kv_transfer_params if isinstance(request.kv_transfer_params, dict) else {}
-    transfer = params.get("remote_request_id") or params.get("transfer_id") if params.get("do_remote_prefill") else None
-    mark(request.request_id, "arrived", transfer if isinstance(transfer, str) else None)
-
-
 @dataclass
 class KvtierMetadata(KVConnectorMetadata):
     plan: StepPlan
     lends: tuple[Lend, ...] = ()  # finished producer requests whose blocks the workers keep for decode engines
+    idle: bool = False  # the step computes nothing (requests only wait, e.g. for their loads)
 
 
 class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
@@ -204,6 +200,9 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         if self._worker is None:
             return None, None
+        meta = self._get_connector_metadata() if self.has_connector_metadata() else None
+        if isinstance(meta, KvtierMetadata) and meta.idle and self._worker.transfers is not None:
+            self._worker.transfers.wait_finished(IDLE_WAIT_S)  # not spin through idle steps while loads run
         return self._worker.finished_sends(finished_req_ids) or None, self._worker.finished_loads() or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
@@ -246,7 +245,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return
         if self._scheduler.name_chunk is not None:
             self._live[request.request_id] = request
-        _arrived(request)
+        mark(request.request_id, "arrived", fetched_transfer(request.kv_transfer_params))
         self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt,
                               request.kv_transfer_params)
 
@@ -263,7 +262,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if not self.active:
             return 0, False  # a hit must hold for every group; some group kvtier cannot fill
         if self._scheduler.state(request.request_id) is None:  # vLLM < 0.32 has no on_new_request
-            _arrived(request)
+            mark(request.request_id, "arrived", fetched_transfer(request.kv_transfer_params))
         plan = self._scheduler.matched_tokens(
             request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
             request.kv_transfer_params,
@@ -317,7 +316,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
                 )
             )
         lends, self._lends = tuple(self._lends), []
-        return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)), lends)
+        return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)), lends,
+                              scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if not self.active:
