@@ -106,7 +106,7 @@ class TierWorker:
         self.saves = SaveSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["save"], on_held,
                               checksum, save_backlog_bytes, reuse, loads_running or self.loads.running, PIPELINE_BYTES,
                               on_lost or (lambda keys: None))
-        self._loads_out = 0  # load jobs submitted, not reported yet (engine thread)
+        self._loads_out: set[str] = set()  # requests whose load was submitted, not reported yet (engine thread)
 
     def skey(self, key: bytes) -> bytes:
         return storage_key(key, self.layout.fingerprint)
@@ -138,14 +138,14 @@ class TierWorker:
     def submit_load(self, job: LoadJob) -> Future:
         """Load in the background (with ``load_inline``, a local-tier load runs now); the outcome
         is reported by :meth:`take_finished`."""
-        self._loads_out += 1
+        self._loads_out.add(job.req_id)
         return self.loads.submit(job)
 
     def wait_finished(self, timeout_s: float) -> None:
         """With loads not reported yet, wait up to ``timeout_s`` for one to end, the interpreter
         left to the load threads meanwhile (vLLM's loop, stepping while requests wait for their
         loads, would hold it); what came stays for :meth:`take_finished`. Engine thread."""
-        if self._loads_out > 0:
+        if self._loads_out:
             try:
                 self.loads.finished.put(self.loads.finished.get(timeout=timeout_s))
             except queue.Empty:
@@ -164,7 +164,7 @@ class TierWorker:
     def take_finished(self) -> tuple[set[str], set[int]]:
         """Requests whose loads ended since the last call, and the block ids that failed."""
         req_ids, failed = self.loads.take_finished()
-        self._loads_out = max(0, self._loads_out - len(req_ids))
+        self._loads_out -= req_ids
         return req_ids, failed
 
     def chunk_load_ms(self) -> dict[str, float]:
