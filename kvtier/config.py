@@ -31,7 +31,7 @@ def _default_cpu_bytes() -> int:
     return int(min(64 * GiB, max(GiB // 4, psutil.virtual_memory().available // 4)))
 
 
-_ZERO_TURNS_OFF = {"pd_hbm_lease_ms", "switch_interval_us"}  # integer settings for which 0 means "off"
+_ZERO_TURNS_OFF = {"pd_hbm_lease_ms", "switch_interval_us", "idle_wait_us"}  # integer settings for which 0 means "off"
 
 @dataclass(frozen=True, slots=True)
 class KvtierConfig:
@@ -78,7 +78,10 @@ class KvtierConfig:
     switch_interval_us: Python's thread switch interval to set in each engine worker process, in µs
     (default: env ``KVTIER_SWITCH_INTERVAL_US``, else 0: Python's own 5 ms is left). While vLLM's
     engine loop runs Python, kvtier's transfer threads wait up to this long for the interpreter
-    each time they come back from a copy, a socket or NIXL.
+    each time they come back from a copy, a socket or NIXL. idle_wait_us: how long at most an
+    engine step that computes nothing (its requests all wait for loads) waits for a load to end, the
+    interpreter released, in µs (default: env ``KVTIER_IDLE_WAIT_US``, else 2000; 0: step on at once,
+    as vLLM does).
     """
 
     cpu_bytes: int = field(default_factory=_default_cpu_bytes)
@@ -105,6 +108,7 @@ class KvtierConfig:
     shared_url: str | None = None
     shared_timeout_ms: int = 1000
     switch_interval_us: int | None = None
+    idle_wait_us: int | None = None
 
     def __post_init__(self) -> None:
         if self.unaligned not in ("partial", "handoff", "auto"):
@@ -115,8 +119,9 @@ class KvtierConfig:
             raise ConfigError(f"kvtier setting 'pd_transport' must be 'auto', 'nixl' or 'zmq', got {self.pd_transport!r}.")
         if self.pd_hbm_push not in ("read", "write"):
             raise ConfigError(f"kvtier setting 'pd_hbm_push' must be 'read' or 'write', got {self.pd_hbm_push!r}.")
-        if self.switch_interval_us is not None and not 0 <= self.switch_interval_us <= 5000:
-            raise ConfigError(f"kvtier setting 'switch_interval_us' must be 0 to 5000, got {self.switch_interval_us!r}.")
+        for name in ("switch_interval_us", "idle_wait_us"):
+            if (us := getattr(self, name)) is not None and not 0 <= us <= 5000:
+                raise ConfigError(f"kvtier setting {name!r} must be 0 to 5000, got {us!r}.")
         if self.shared_url is not None and (problem := shared_url_problem(self.shared_url)):
             raise ConfigError(f"kvtier setting 'shared_url' ({redact(self.shared_url)!r}) {problem}.")
         if not _is_loopback(self.pd_bind) and not self.secret:
@@ -132,14 +137,12 @@ class KvtierConfig:
     @property
     def switch_interval_s(self) -> float:
         """The thread switch interval to set, in seconds (setting, else environment); 0: leave Python's."""
-        us = self.switch_interval_us
-        if us is None:
-            raw = os.environ.get("KVTIER_SWITCH_INTERVAL_US", "0")
-            try:
-                us = int(raw)
-            except ValueError:
-                raise ConfigError(f"KVTIER_SWITCH_INTERVAL_US must be an integer of µs, got {raw!r}.") from None
-        return max(0, min(us, 5000)) / 1e6
+        return _micros(self.switch_interval_us, "KVTIER_SWITCH_INTERVAL_US", 0)
+
+    @property
+    def idle_wait_s(self) -> float:
+        """How long an idle step waits for a load, in seconds (setting, else environment, else 2 ms)."""
+        return _micros(self.idle_wait_us, "KVTIER_IDLE_WAIT_US", 2000)
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None) -> KvtierConfig:
@@ -188,6 +191,17 @@ class KvtierConfig:
         host = self.pd_host or (socket.gethostname() if self.pd_bind in ("0.0.0.0", "::", "*") else self.pd_bind)
         bind = "*" if self.pd_bind in ("0.0.0.0", "*") else self.pd_bind
         return f"tcp://{_bracket(bind)}:{port}", f"tcp://{_bracket(host)}:{port}"
+
+
+def _micros(us: int | None, env: str, default: int) -> float:
+    """A µs setting of 0 to 5000 in seconds: the setting, else the environment variable ``env``."""
+    if us is None:
+        raw = os.environ.get(env, str(default))
+        try:
+            us = int(raw)
+        except ValueError:
+            raise ConfigError(f"{env} must be an integer of µs, got {raw!r}.") from None
+    return max(0, min(us, 5000)) / 1e6
 
 
 def _bracket(host: str) -> str:

@@ -24,6 +24,7 @@ def test_defaults_and_values():
         ({"pd_hbm_push": "push"}, "'pd_hbm_push'.*'read' or 'write'"),
         ({"switch_interval_us": 6000}, "'switch_interval_us'.*0 to 5000"),
         ({"switch_interval_us": -1}, "'switch_interval_us'"),
+        ({"idle_wait_us": 5001}, "'idle_wait_us'.*0 to 5000"),
         ({"remote_url": "redis://host:6379"}, "'remote_url'"),  # the tier is called shared
     ],
 )
@@ -59,3 +60,14 @@ def test_the_thread_switch_interval_comes_from_the_setting_else_the_environment(
     monkeypatch.setenv("KVTIER_SWITCH_INTERVAL_US", "fast")
     with pytest.raises(ConfigError, match="KVTIER_SWITCH_INTERVAL_US"):
         KvtierConfig.from_dict({}).switch_interval_s
+
+
+def test_the_idle_wait_comes_from_the_setting_else_the_environment_else_2_ms(monkeypatch):
+    monkeypatch.delenv("KVTIER_IDLE_WAIT_US", raising=False)
+    assert KvtierConfig.from_dict({}).idle_wait_s == 0.002
+    monkeypatch.setenv("KVTIER_IDLE_WAIT_US", "0")
+    assert KvtierConfig.from_dict({}).idle_wait_s == 0  # steps on at once, as vLLM does
+    assert KvtierConfig.from_dict({"idle_wait_us": 500}).idle_wait_s == 0.0005
+    monkeypatch.setenv("KVTIER_IDLE_WAIT_US", "2ms")
+    with pytest.raises(ConfigError, match="KVTIER_IDLE_WAIT_US"):
+        KvtierConfig.from_dict({}).idle_wait_s

@@ -28,6 +28,9 @@ def test_a_wait_ends_when_a_load_ends_and_leaves_its_report_to_be_taken(stores):
         start = time.monotonic()
         worker.wait_finished(0.1)
         assert time.monotonic() - start >= 0.09  # the load is held: the whole wait
+        start = time.monotonic()
+        worker.wait_finished(0)  # idle_wait_us 0: no wait at all
+        assert time.monotonic() - start < 0.05
         threading.Timer(0.1, gate.set).start()
         start = time.monotonic()
         worker.wait_finished(10.0)

@@ -145,7 +145,7 @@ class TierWorker:
         """With loads not reported yet, wait up to ``timeout_s`` for one to end, the interpreter
         left to the load threads meanwhile (vLLM's loop, stepping while requests wait for their
         loads, would hold it); what came stays for :meth:`take_finished`. Engine thread."""
-        if self._loads_out:
+        if self._loads_out and timeout_s > 0:
             try:
                 self.loads.finished.put(self.loads.finished.get(timeout=timeout_s))
             except queue.Empty:

@@ -75,7 +75,6 @@ _SOURCES = {} if CacheHitSource is None else {
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # not aborted, not failed
 
 _WORKER_MODULE = "kvtier.engines.vllm.worker_side"
-IDLE_WAIT_S = 0.002  # a step that computes nothing waits this long at most for a load to end (GIL released)
 logger = logging.getLogger(__name__)
 
 
@@ -202,7 +201,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return None, None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
         if isinstance(meta, KvtierMetadata) and meta.idle and self._worker.transfers is not None:
-            self._worker.transfers.wait_finished(IDLE_WAIT_S)  # not spin through idle steps while loads run
+            self._worker.transfers.wait_finished(self.config.idle_wait_s)  # not spin through idle steps while loads run
         return self._worker.finished_sends(finished_req_ids) or None, self._worker.finished_loads() or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:
