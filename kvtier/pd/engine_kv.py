@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import logging
 
+import torch
+
 from kvtier.jobs import Lend, SaveJob
 from kvtier.layout import Layout
 from kvtier.pd.hbm import EngineBlocks, Landing, region_spans, registration
@@ -62,19 +64,22 @@ class EngineKv:
             return None
         return Landing(self.spans, self.kind, self.device, list(targets), writes=self.push == "write")
 
-    def saving(self, jobs: tuple[SaveJob, ...]) -> None:
+    def saving(self, jobs: tuple[SaveJob, ...]) -> torch.cuda.Event | None:
         """Published requests whose blocks will be lent when they finish (the scheduler half says
         so: ``SaveJob.lease``): the blocks of the chunks computed now may be written into a decode
         engine at once (their checksums are taken from them now, :mod:`kvtier.pd.sums`), and once
-        the last chunk is computed a lease is expected."""
+        the last chunk is computed a lease is expected. Returns the event the step's copy-out
+        should wait for (:meth:`EarlySums.take`), if any."""
+        after = None
         if self.leases is None or self.agent is None:
-            return
+            return after
         for job in jobs:
             if job.publish is not None and job.lease and job.group == 0:
                 self.leases.live(job.publish, job.req_id, job.block_ids, job.keys)
-                self.sums.take(job.keys, job.block_ids)
+                after = self.sums.take(job.keys, job.block_ids) or after
                 if job.final:
                     self.leases.expect(job.publish, job.req_id)
+        return after
 
     def lend(self, lends: tuple[Lend, ...]) -> bool:
         """Begin the leases the scheduler asked for (or end them at once where this rank cannot

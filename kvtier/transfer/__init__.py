@@ -31,6 +31,8 @@ from collections import deque
 from typing import Callable
 from concurrent.futures import Future
 
+import torch
+
 from kvtier import codec
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import storage_key
@@ -112,10 +114,10 @@ class TierWorker:
         return storage_key(key, self.layout.fingerprint)
 
     # ---- save ---------------------------------------------------------------------------------
-    def save(self, jobs: list[SaveJob], wait_forward: bool = False) -> int:
+    def save(self, jobs: list[SaveJob], wait_forward: bool = False, after: torch.cuda.Event | None = None) -> int:
         """See :meth:`SaveSide.save`: copy the jobs' new chunks out and queue them for storing;
         returns how many were queued. Never waits for storage. Engine thread only."""
-        return self.saves.save(jobs, wait_forward)
+        return self.saves.save(jobs, wait_forward, after)
 
     def guard_reuse(self, allocated) -> None:
         """See :meth:`ReuseGuard.guard`: before a step's kernels (engine thread), make the step

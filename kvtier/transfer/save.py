@@ -147,7 +147,7 @@ class SaveSide:
             torch.cuda.current_stream(self.layout.device).synchronize()
         return ids
 
-    def save(self, jobs: list[SaveJob], wait_forward: bool = False) -> int:
+    def save(self, jobs: list[SaveJob], wait_forward: bool = False, after: torch.cuda.Event | None = None) -> int:
         """Copy the jobs' new chunks out and queue them for storing; returns how many were queued.
         The engine may reuse the blocks once this returns (on CUDA its stream waits until the
         copies have read them; with ``dma`` they run on in the background, a batch of about
@@ -156,7 +156,9 @@ class SaveSide:
         backlog: a P/D producer pushing into a consumer's GPU does. With a step queued behind the
         running one, a 32k push's first WRITE from engine blocks took 754 ms and the rest went out
         as one WRITE after the prefill (vLLM 0.26, two H200s): posting a WRITE maps the consumer's
-        GPU memory, which there waited for the work queued on this GPU.
+        GPU memory, which there waited for the work queued on this GPU. ``after``: the copies
+        start after this CUDA event too (a P/D producer's checksum pass, :mod:`kvtier.pd.sums`,
+        whose few bytes would otherwise reach the host behind the whole copy-out).
 
         Chunks already stored are not saved again (they are reported held again, so a chunk
         withdrawn because another rank lost it becomes visible once that rank saves it anew).
@@ -203,10 +205,10 @@ class SaveSide:
             group.append((_PendingSave(skey, buffer, len(blocks), None, batch=batch),
                           ChunkSpan(buffer.data, len(blocks), 0, span_ids)))
             if self._gather_async is not None and len(group) * nbytes >= self._pipeline_bytes:
-                started += self._start_gather(group)
+                started += self._start_gather(group, after)
                 group = []
         if group:
-            started += self._start_gather(group)
+            started += self._start_gather(group, after)
         self.reuse.saved((b for _, blocks in wanted for b in blocks), ids)
         # Queued only once every copy has started: the save thread's Python would otherwise slow
         # (through the GIL) the starting of the copies it waits for.
@@ -222,7 +224,8 @@ class SaveSide:
             self._given_up(lost, "no room in the CPU tier: its chunks are held by readers")
         return len(started)
 
-    def _start_gather(self, group: list[tuple[_PendingSave, ChunkSpan]]) -> list[_PendingSave]:
+    def _start_gather(self, group: list[tuple[_PendingSave, ChunkSpan]],
+                      after: torch.cuda.Event | None = None) -> list[_PendingSave]:
         """Start copying ``group``'s chunks out; returns its items, each knowing when its copy has
         landed (and where its KVSUM64 will be)."""
         spans = [span for _, span in group]
@@ -231,7 +234,7 @@ class SaveSide:
             on_host = self._gather_async is not None or self.layout.device.type == "cpu"
             sums = torch.empty(len(spans), dtype=torch.int64, device="cpu" if on_host else self.layout.device,
                                pin_memory=on_host and self.layout.device.type == "cuda")
-        ready = self._gather_for_save(spans, sums)
+        ready = self._gather_for_save(spans, sums, after)
         if sums is not None and sums.device.type != "cpu":
             sums = sums.cpu()  # a kernel backend: its gather has finished
         for i, ((item, _), event) in enumerate(zip(group, ready)):
@@ -281,15 +284,19 @@ class SaveSide:
                            "%d given up since start.", len(keys), why, self.stats.dropped_saves)
         self._on_lost(keys)
 
-    def _gather_for_save(self, spans: list[ChunkSpan], sums: torch.Tensor | None) -> list[torch.cuda.Event | None]:
-        """Copy ``spans`` out of the engine blocks (their KVSUM64s into ``sums``, if given); per
-        span, the CUDA event after which its chunk is on the host (None: it is already)."""
+    def _gather_for_save(self, spans: list[ChunkSpan], sums: torch.Tensor | None,
+                         after: torch.cuda.Event | None = None) -> list[torch.cuda.Event | None]:
+        """Copy ``spans`` out of the engine blocks (their KVSUM64s into ``sums``, if given), after
+        ``after`` if given; per span, the CUDA event after which its chunk is on the host (None:
+        it is already)."""
         kw = {} if sums is None else {"checksums_out": sums}
         if self._save_stream is None:
             self._gather(self.layout, spans, **kw)
             return [None] * len(spans)
         engine = torch.cuda.current_stream(self.layout.device)
         self._save_stream.wait_stream(engine)  # the forward that wrote the blocks comes first
+        if after is not None:
+            self._save_stream.wait_event(after)
         with torch.cuda.stream(self._save_stream):
             if self._gather_async is not None:
                 copying = self._gather_async(self.layout, spans, **kw)

@@ -269,8 +269,7 @@ class WorkerSide:
         return unkept | (self.engine_kv.ended(finished_req_ids) if self.engine_kv is not None else set())
 
     def save(self, jobs: tuple[SaveJob, ...]) -> None:
-        if self.engine_kv is not None:
-            self.engine_kv.saving(jobs)
+        after = self.engine_kv.saving(jobs) if self.engine_kv is not None else None  # a producer's checksums
         for job in jobs:
             if job.publish is not None:  # announced before the save can land, so it is pinned
                 self.holds.announce(job.publish, [self.transfers.skey(k) for k in job.keys], job.final)
@@ -282,7 +281,7 @@ class WorkerSide:
         pushing = self.chunk_server is not None and self.chunk_server.pushing  # see SaveSide.save
         for group, transfers in enumerate(self.group_transfers):
             if mine := [job for job in jobs if job.keys and job.group == group]:
-                transfers.save(mine, pushing)
+                transfers.save(mine, pushing, after)
 
     def reset(self) -> int:
         """Empty this rank's tiers: saves already queued land first, then every chunk of this
