@@ -115,7 +115,7 @@ class EarlySums:
                 came.append(self._pending.popleft())
         for p in came:
             self._add(p.keys, p.sums)
-            logger.debug("kvtier P/D: KVSUM64s of %d chunks in by %.1f ms after their step's launch",
+            logger.debug("kvtier P/D: KVSUM64s of %d chunks on the host %.1f ms after their step was launched",
                          len(p.keys), (time.monotonic() - p.taken_s) * 1000)
         with self._lock:
             fresh, self._fresh = self._fresh, set()
