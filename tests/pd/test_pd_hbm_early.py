@@ -17,6 +17,7 @@ import torch
 from pd_workers import Engine, remote_job
 from test_pd_hbm_push import D_BLOCKS, FULL, P_BLOCKS, PROMPT, TAIL, copied, finish, step, wait_for
 from kvtier import codec
+from kvtier.jobs import SaveJob
 from kvtier.pd import nixl
 from kvtier.transfer import load
 
@@ -146,4 +147,24 @@ def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, mon
     else:
         assert failed == set() and [c.split()[2] for c in checks] == ["2", "2"]
         assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    finish(p)
+
+
+def test_a_steps_copy_out_waits_for_its_checksum_pass(engines, monkeypatch):
+    """On a GPU the checksum pass's sums reach the host through the copy engines, and queued
+    behind the step's copy-out they came when the stored copies did: the copy-out is given the
+    pass's event to wait for (the order itself: ``tests/ops/test_gpu_early_sums.py``, on a GPU).
+    Host memory here: the pass is done at once, a stand-in event is passed through."""
+    p = engines("p", 1)
+    sums, event = p.side.engine_kv.sums, object()
+    take = sums.take
+    monkeypatch.setattr(sums, "take", lambda keys, ids: (take(keys, ids), event)[1])
+    transfers, waits = p.side.group_transfers[0], []
+    save = transfers.save
+    monkeypatch.setattr(transfers, "save", lambda jobs, wait_forward=False, after=None: (
+        waits.append(after), save(jobs, wait_forward))[1])
+    step(p, 0, 2)
+    p.side.save((SaveJob("other", (FULL[2],), tuple(P_BLOCKS[4:6])),))  # not published: no pass, no wait
+    assert waits == [event, None]
+    assert p.side.settle()
     finish(p)
