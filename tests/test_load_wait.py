@@ -22,11 +22,11 @@ def test_a_wait_ends_when_a_load_ends_and_leaves_its_report_to_be_taken(stores):
         worker.save([save_job(ks)])
         worker.drain()
         start = time.monotonic()
-        worker.wait_finished(1.0)
+        assert not worker.wait_finished(1.0)
         assert time.monotonic() - start < 0.5  # no load out: no wait
         worker.submit_load(LoadJob("r", tuple(ks), 0, tuple(range(40, 44))))
         start = time.monotonic()
-        worker.wait_finished(0.1)
+        assert worker.wait_finished(0.1)
         assert time.monotonic() - start >= 0.09  # the load is held: the whole wait
         start = time.monotonic()
         worker.wait_finished(0)  # idle_wait_us 0: no wait at all

@@ -102,6 +102,11 @@ class EngineKv:
         self.leases.finished(finished_req_ids)
         return unkept | self.leases.take_ended()
 
+    def wait_ended(self, timeout_s: float) -> None:
+        """See :meth:`BlockLeases.wait_ended` (no leases here: returns at once)."""
+        if self.leases is not None:
+            self.leases.wait_ended(timeout_s)
+
     @property
     def held_bytes(self) -> int:
         """Engine bytes kept under running leases."""

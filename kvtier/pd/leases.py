@@ -74,6 +74,7 @@ class BlockLeases:
         self.grace_s = grace_s
         self._clock = clock
         self._lock = threading.Lock()
+        self._released = threading.Condition(self._lock)  # a D released a lease
         self._leases: dict[str, _Lease] = {}
         self._ended: set[str] = set()  # request ids whose blocks vLLM may free now
         self._expected: dict[str, str] = {}  # transfer id -> request id: computed, its lease not begun yet
@@ -162,6 +163,7 @@ class BlockLeases:
             if lease is not None:
                 self._ended.add(lease.req_id)
                 self.stats.released += 1
+                self._released.notify_all()
             live = self._live.get(transfer_id)
             if live is not None:
                 live.released = True  # D has what it wanted: the request's blocks go when it ends
@@ -185,6 +187,13 @@ class BlockLeases:
                         self.stats.expired += 1
         for transfer_id, why in ended:
             logger.debug("kvtier P/D: lease of transfer %s ended: %s", transfer_id, why)
+
+    def wait_ended(self, timeout_s: float) -> None:
+        """With leases running and none ended, wait up to ``timeout_s`` for a D to release one
+        (engine thread, in a step that computes nothing: vLLM steps on while blocks are held)."""
+        with self._lock:
+            if self._leases and not self._ended and timeout_s > 0:
+                self._released.wait(timeout_s)
 
     def take_ended(self) -> set[str]:
         """Request ids whose blocks vLLM may free now (each once)."""

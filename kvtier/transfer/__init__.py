@@ -143,15 +143,19 @@ class TierWorker:
         self._loads_out.add(job.req_id)
         return self.loads.submit(job)
 
-    def wait_finished(self, timeout_s: float) -> None:
+    def wait_finished(self, timeout_s: float) -> bool:
         """With loads not reported yet, wait up to ``timeout_s`` for one to end, the interpreter
         left to the load threads meanwhile (vLLM's loop, stepping while requests wait for their
-        loads, would hold it); what came stays for :meth:`take_finished`. Engine thread."""
-        if self._loads_out and timeout_s > 0:
+        loads, would hold it); what came stays for :meth:`take_finished`. Engine thread. False
+        when no load was out (no wait)."""
+        if not self._loads_out:
+            return False
+        if timeout_s > 0:
             try:
                 self.loads.finished.put(self.loads.finished.get(timeout=timeout_s))
             except queue.Empty:
                 pass
+        return True
 
     @property
     def load(self):

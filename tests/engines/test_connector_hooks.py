@@ -29,11 +29,6 @@ class Recorder:
     def __init__(self, failed: set[str] = frozenset()):
         self.calls: list[str] = []
         self.failed = set(failed)
-        self.transfers = self  # its wait_finished, recorded as the rest
-
-    def wait_finished(self, timeout_s: float) -> None:
-        self.calls.append("wait_finished")
-
     def __getattr__(self, name):
         def record(*args, **kwargs):
             self.calls.append(name)
@@ -98,7 +93,7 @@ def test_only_a_step_that_computes_nothing_waits_for_the_loads_before_taking_the
     threads the interpreter (waits for one to end, at most a moment) instead of spinning."""
     recorder = Recorder()
     step(connector, recorder)
-    assert "wait_finished" not in recorder.calls
+    assert "wait_idle" not in recorder.calls
     recorder = Recorder()
     step(connector, recorder, idle=True)
-    assert recorder.calls.index("wait_finished") < recorder.calls.index("finished_loads")
+    assert recorder.calls.index("wait_idle") < recorder.calls.index("finished_loads")

@@ -3,6 +3,9 @@ READ (kvtier.pd.hbm): pure logic, a fake clock."""
 
 from __future__ import annotations
 
+import threading
+import time
+
 import pytest
 
 from kvtier.pd.hbm import RegionSpan, block_runs, read_descriptors, registration
@@ -57,6 +60,28 @@ def test_a_lease_handed_out_waits_for_the_release_then_ends():
     assert lease.take_ended() == set()
     lease.release("t")
     assert lease.take_ended() == {"r"} and lease.stats.released == 1
+
+
+def test_an_idle_step_waits_for_a_release_while_leases_run_and_not_otherwise():
+    """vLLM steps on while a finished request's blocks are held: such a step waits (the chunk
+    server's thread gets the interpreter), and a release wakes it at once."""
+    lease = leases(Clock())
+    start = time.monotonic()
+    lease.wait_ended(5.0)
+    assert time.monotonic() - start < 1.0  # no lease: no wait
+    lease.lend("t", "r", (1, 2), KEYS[:1], 2.0)
+    start = time.monotonic()
+    lease.wait_ended(0.05)
+    assert time.monotonic() - start >= 0.04  # a lease, nothing released: the whole wait
+    threading.Timer(0.05, lease.release, args=("t",)).start()
+    start = time.monotonic()
+    lease.wait_ended(10.0)
+    assert time.monotonic() - start < 5.0  # woken by the release
+    start = time.monotonic()
+    lease.lend("t2", "r2", (3, 4), KEYS[:1], 2.0)
+    lease.wait_ended(5.0)
+    assert time.monotonic() - start < 1.0  # an ended lease not taken yet: no wait
+    assert lease.take_ended() == {"r"}
 
 
 def test_a_consumer_that_never_releases_frees_nothing_past_lease_plus_grace():

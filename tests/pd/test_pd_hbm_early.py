@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 import pytest
 import torch
@@ -168,3 +169,23 @@ def test_a_steps_copy_out_waits_for_its_checksum_pass(engines, monkeypatch):
     assert waits == [event, None]
     assert p.side.settle()
     finish(p)
+
+
+def test_a_producers_idle_step_waits_for_the_decode_engine_to_release_its_lease(engines):
+    """P's loop steps on while a finished request's blocks are lent; such a step waits for D's
+    release (or ``idle_wait_us``), the interpreter left to P's chunk server meanwhile."""
+    p, d = engines("p", 1), engines("d", 2)
+    step(p, 0, 3, final=True)
+    finish(p)
+    start = time.monotonic()
+    p.side.wait_idle(0.05)
+    assert time.monotonic() - start >= 0.04  # lent, not released yet: the whole wait
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
+    assert d.wait_loaded("d-req") == set()
+    start = time.monotonic()
+    p.side.wait_idle(10.0)
+    assert time.monotonic() - start < 5.0  # D released: no wait, or woken by it
+    assert p.side.finished_sends(set()) == {"p-req"}
+    start = time.monotonic()
+    p.side.wait_idle(5.0)
+    assert time.monotonic() - start < 1.0  # nothing lent, nothing loading: no wait

@@ -200,8 +200,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if self._worker is None:
             return None, None
         meta = self._get_connector_metadata() if self.has_connector_metadata() else None
-        if isinstance(meta, KvtierMetadata) and meta.idle and self._worker.transfers is not None:
-            self._worker.transfers.wait_finished(self.config.idle_wait_s)  # not spin through idle steps while loads run
+        if isinstance(meta, KvtierMetadata) and meta.idle:  # not spin through idle steps while transfers run
+            self._worker.wait_idle(self.config.idle_wait_s)
         return self._worker.finished_sends(finished_req_ids) or None, self._worker.finished_loads() or None
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> Any:

@@ -128,7 +128,8 @@ class WorkerSide:
         tier_s = time.perf_counter() - begin  # LMCache's StorageManager: its CPU pool pinned
         if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
             shared = None if config.shared_url is None else self._shared_prefix
-            self.server = LookupServer(self.endpoint, self.world_size, self._chunk_load_ms, shared)
+            self.server = LookupServer(self.endpoint, self.world_size,
+                                       lambda: self.transfers.chunk_load_ms() if self.transfers else {}, shared)
 
         def tier_of(key: bytes) -> str | None:
             tier = store.contains(key)
@@ -154,7 +155,7 @@ class WorkerSide:
 
             cuda_ops.allow_build(False)
         hybrid = len(layouts) > 1
-        loads_running = self._loads_running if hybrid else None  # every group's saves yield to any group's loads
+        loads_running = (lambda: sum(t.loads.running() for t in self.group_transfers)) if hybrid else None  # every group's saves yield to any group's loads
         cb = config.chunk_tokens // self.block_size
         self.transfers = TierWorker(layout, store, cb, save_backlog_bytes=backlog, on_held=held,
                                     fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
@@ -186,9 +187,6 @@ class WorkerSide:
                     "%.1f s)", self.rank, self.world_size, _vllm_version(), sum(len(x.regions) for x in layouts),
                     len(layouts), sum(x.bytes_per_block for x in layouts), config.chunk_tokens, describe_backend(
                         self.transfers.backend), len(kept), self.endpoint, pd, time.perf_counter() - begin, tier_s)
-
-    def _loads_running(self) -> int:
-        return sum(t.loads.running() for t in self.group_transfers)
 
     def nixl_ready(self, timeout_s: float = 30.0) -> bool:
         """Wait until NIXL is up (True), or is not to be used here (False)."""
@@ -228,9 +226,6 @@ class WorkerSide:
         timeout_ms = min(self.config.shared_timeout_ms, self.config.lookup_timeout_ms // 2)
         return self.store.shared_prefix(chunks, tuple(fp.hex() for fp in fingerprints), timeout_ms)
 
-    def _chunk_load_ms(self) -> dict[str, float]:
-        return {} if self.transfers is None else self.transfers.chunk_load_ms()
-
     def guard_reuse(self, allocated: tuple[int, ...]) -> None:
         """Before a step's kernels: blocks given out this step wait for saves still reading them
         (saves no longer hold the engine's stream; see :meth:`TierWorker.guard_reuse`)."""
@@ -262,6 +257,12 @@ class WorkerSide:
             self.holds.changed.set()  # a fetch waiting for its lease looks again
         elif lends:
             self._unkept.update(lend.req_id for lend in lends)
+
+    def wait_idle(self, timeout_s: float) -> None:
+        """A step that computes nothing: wait up to ``timeout_s`` for a load, else a lease, to end,
+        the interpreter left to the transfer threads (vLLM's loop would spin through such steps)."""
+        if not (self.transfers is not None and self.transfers.wait_finished(timeout_s)) and self.engine_kv:
+            self.engine_kv.wait_ended(timeout_s)
 
     def finished_sends(self, finished_req_ids: set[str]) -> set[str]:
         """Requests whose blocks vLLM may free now (their lease ended)."""
