@@ -128,8 +128,8 @@ class WorkerSide:
         tier_s = time.perf_counter() - begin  # LMCache's StorageManager: its CPU pool pinned
         if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
             shared = None if config.shared_url is None else self._shared_prefix
-            self.server = LookupServer(self.endpoint, self.world_size,
-                                       lambda: self.transfers.chunk_load_ms() if self.transfers else {}, shared)
+            load_ms = lambda: {} if self.transfers is None else self.transfers.chunk_load_ms()  # noqa: E731
+            self.server = LookupServer(self.endpoint, self.world_size, load_ms, shared)
 
         def tier_of(key: bytes) -> str | None:
             tier = store.contains(key)
@@ -154,8 +154,8 @@ class WorkerSide:
             from kvtier.ops import cuda_ops
 
             cuda_ops.allow_build(False)
-        hybrid = len(layouts) > 1
-        loads_running = (lambda: sum(t.loads.running() for t in self.group_transfers)) if hybrid else None  # every group's saves yield to any group's loads
+        hybrid = len(layouts) > 1  # then every group's saves yield to any group's loads
+        loads_running = (lambda: sum(t.loads.running() for t in self.group_transfers)) if hybrid else None
         cb = config.chunk_tokens // self.block_size
         self.transfers = TierWorker(layout, store, cb, save_backlog_bytes=backlog, on_held=held,
                                     fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
@@ -261,7 +261,7 @@ class WorkerSide:
     def wait_idle(self, timeout_s: float) -> None:
         """A step that computes nothing: wait up to ``timeout_s`` for a load, else a lease, to end,
         the interpreter left to the transfer threads (vLLM's loop would spin through such steps)."""
-        if not (self.transfers is not None and self.transfers.wait_finished(timeout_s)) and self.engine_kv:
+        if not (self.transfers is not None and self.transfers.wait_finished(timeout_s)) and self.engine_kv is not None:
             self.engine_kv.wait_ended(timeout_s)
 
     def finished_sends(self, finished_req_ids: set[str]) -> set[str]:
