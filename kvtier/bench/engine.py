@@ -79,6 +79,8 @@ def add_parser(commands) -> None:
     p.add_argument("--prefill-batch", type=positive, default=8, help="prompts per prefill batch (default 8)")
     p.add_argument("--ttft-only", action="store_true", help="TTFT and bytes per reload only: no prefill, no chat")
     p.add_argument("--settle-s", type=float, default=1.0, help="pause before each local hit and reload (default 1)")
+    p.add_argument("--local-repeats", type=positive, default=1,
+                   help="local hits per prompt (default 1; at TP > 1 one engine's local hits spread by ±10 ms)")
     p.add_argument("--profile", metavar="DIR",
                    help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: a local "
                         "hit, the first reload after start, a later one; a prefill batch), traces into "
@@ -161,8 +163,8 @@ def _ttft_rounds(args, lengths: list[int], salt: int, reload: bool) -> list[dict
     for n in lengths:
         for r in range(args.repeats):
             p = prompt(salt + 1000 * r + n, n)
-            rounds += [{"prompts": [p], "tag": ["recompute", n]},
-                       {"prompts": [p], "pause_s": args.settle_s, "tag": ["local", n]}]
+            rounds += [{"prompts": [p], "tag": ["recompute", n]}]
+            rounds += [{"prompts": [p], "pause_s": args.settle_s, "tag": ["local", n]}] * getattr(args, "local_repeats", 1)
             if reload:
                 rounds.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["reload", n]})
         if profile and reload and n == lengths[0]:

@@ -82,6 +82,7 @@ def format_table(result: dict) -> str:
         lines.append(f"{n:>6} {fmt(cell('none', 'recompute'), 9)} {fmt(local, 6)} {fmt(kv, 10)} "
                      f"{fmt(cell('disk', 'disk'), 11)} {fmt(off, 12)} {fmt(target, 6)}  {ratio(kv, off):>11}  {ratio(kv, target):>13}")
     lines += _bytes_lines(result, shape)
+    lines += local_lines(result)
     loads = result.get("kvtier_load_ms") or {}
     if loads:
         lines.append("where a kvtier reload's time goes (median ms): " + "; ".join(
@@ -109,8 +110,28 @@ def format_table(result: dict) -> str:
     checked = "16-token checks, every chat reply" if result["chat_s"] else "16-token checks"
     lines.append(f"greedy outputs identical across engines ({checked}): " + ("yes" if result["identical"] else "NO"))
     lines.append("targets: kvtier cpu <= vLLM offload; kvtier cpu <= target = local + 1.1 x (window bound bytes / raw "
-                 "pinned H2D); chat rounds 2+ <= vLLM's; prefill >= 0.99 x none; start <= vLLM's + 5 s")
+                 "pinned H2D); local hit <= none's + 2 ms; chat rounds 2+ <= vLLM's; prefill >= 0.99 x none; "
+                 "start <= vLLM's + 5 s")
     return "\n".join(lines)
+
+
+def local_lines(result: dict) -> list[str]:
+    """Each engine's local prefix hit beside the connector-less engine's: median, and the spread
+    (min-max) of its samples, ms; nothing without the connector-less engine."""
+    ms = result["ttft_ms"]
+    parts = []
+    for n in map(str, result["lengths"]):
+        base = ms.get("none", {}).get(n, {}).get("local")
+        if not base:
+            continue
+        cells = []
+        for engine in ms:
+            values = ms[engine].get(n, {}).get("local")
+            if values:
+                extra = "" if engine == "none" else f" {_med(values) - _med(base):+.0f}"
+                cells.append(f"{engine} {_med(values):.0f} ({min(values):.0f}-{max(values):.0f}){extra}")
+        parts.append(f"{n} tokens: " + ", ".join(cells))
+    return ["local hit (median ms, (min-max), against none): " + "; ".join(parts)] if parts else []
 
 
 def first_reload(result: dict, engine: str) -> tuple[str, float, float] | None:

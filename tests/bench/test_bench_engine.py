@@ -4,6 +4,7 @@ the table's ratios and target columns, the identical-output check, the plot."""
 from __future__ import annotations
 
 from kvtier.bench import engine
+from kvtier.bench.cli import build_parser
 
 
 def made_up(chat_b=None) -> dict:
@@ -81,3 +82,20 @@ def test_load_stages_take_the_requests_that_loaded_and_the_first_of_them_apart()
     assert first["load reported -> load seen"] == 129.0 and every["load reported -> load seen"] == 65.5
     assert "looked up -> finished" not in every  # the local hit is not a reload
     assert engine.load_stages("no marks") == ({}, {})
+
+
+def test_each_engines_local_hit_is_set_beside_no_connectors_with_its_spread():
+    result = made_up()
+    result["ttft_ms"]["kvtier"]["8192"]["local"] = [21.0, 30.0, 24.0]
+    result["identical"] = engine._identical(result)
+    line = next(ln for ln in engine.format_table(result).splitlines() if ln.startswith("local hit"))
+    assert "8192 tokens: none 20 (20-20), kvtier 24 (21-30) +4, offload 21 (21-21) +1" in line
+    del result["ttft_ms"]["none"]
+    assert "local hit (" not in engine.format_table(result)  # nothing to set it beside
+
+
+def test_local_repeats_gives_each_prompt_that_many_local_hits():
+    args = build_parser().parse_args(["engine", "--local-repeats", "3", "--repeats", "2"])
+    rounds = engine._ttft_rounds(args, [8192], 0, reload=True)
+    assert sum(1 for r in rounds if r["tag"][0] == "local") == 3 * args.repeats
+    assert sum(1 for r in rounds if r["tag"][0] == "reload") == args.repeats
