@@ -75,6 +75,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
     ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). The
     producer is told it is done (its pins and lent buffers released) however the generator ends."""
+    begin = time.perf_counter()
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)
     socket.setsockopt(zmq.MAXMSGSIZE, max(chunk_bytes(n) for _, n in items) + (64 << 10))
@@ -99,6 +100,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             remote = tuple(RegionSpan(*r) for r in reply.regions)
             if landing is not None and remote and compatible(landing.regions, remote):
                 peer.hbm = Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
+        peer.handshake_s = time.perf_counter() - begin
         how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
                if peer.hbm else "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")
         if (endpoint, how) not in _told:
@@ -111,7 +113,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     finally:
         peer.close()
         if peer.hbm is not None:
-            peer.hbm.log(transfer_id, peer.reply_s)
+            peer.hbm.log(transfer_id, peer.reply_s, peer.handshake_s)
         try:
             answer = bool(peer.named) and not peer.silent  # a producer silent for the timeout is gone
             peer.send(Release(VERSION, transfer_id, answer=answer))
@@ -143,6 +145,7 @@ class _Peer:
         self.plan = plan  # (transfer id, the chunks to fetch, wait), fetched in order
         self.sent = 0  # fetches sent
         self.reply_s, self.read_s, self.reads = 0.0, 0.0, 0  # s waiting for replies and for READs into the CPU tier; READs
+        self.handshake_s = 0.0  # s from connecting to the first fetch (hello, adding P's NIXL agent)
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
@@ -280,14 +283,12 @@ class _Peer:
         self.named.discard(got.reply.index)  # P answered: it will not write there later
         self.asked.discard(got.reply.index)
         landing = self.landing.pop(got.reply.index, None)
+        if landing is not None and (got.reply.status != "ok" or got.reply.blocks):
+            landing.release()  # not answered, or from P's engine blocks: the buffer named goes unused
         if got.reply.status != "ok":
-            if landing is not None:
-                landing.release()
             return
         self.lent = bool(got.reply.blocks)  # P lends its blocks: this engine holds no buffer per fetch
         if got.reply.blocks:
-            if landing is not None:
-                landing.release()
             if self.hbm is not None and not got.reply.written:
                 self.hbm.add(got)  # READ with the other replies at hand (chunk() posts them)
             return
@@ -323,8 +324,7 @@ class _Peer:
             raise
 
     def _finish_read(self, index: int, arrived: Arrived) -> ChunkBuffer:
-        reply, buffer, transfer = arrived.reply, arrived.buffer, arrived.transfer
-        nbytes = self.sizes[index]
+        reply, buffer, transfer, nbytes = arrived.reply, arrived.buffer, arrived.transfer, self.sizes[index]
         try:
             if self.nixl is None:
                 raise PeerError(f"{self.endpoint} lent chunk {index} but NIXL was not agreed on")
@@ -372,15 +372,15 @@ class _Peer:
     def close(self) -> None:
         """Settle and release every READ and buffer not handed out."""
         if self.reads:  # the caller scatters each chunk while the next ones are READ
-            logger.debug("kvtier P/D: %d chunks READ from %s into this engine's CPU tier; ms waiting for replies %.1f, "
-                         "for READs %.1f", self.reads, self.endpoint, self.reply_s * 1e3, self.read_s * 1e3)
+            logger.debug("kvtier P/D: %d chunks READ from %s into this engine's CPU tier; ms handshake %.1f, waiting for "
+                         "replies %.1f, for READs %.1f", self.reads, self.endpoint, self.handshake_s * 1e3,
+                         self.reply_s * 1e3, self.read_s * 1e3)
         for arrived in self.early.values():
             self._discard(arrived)
         self.early.clear()
         if self.landing:  # named to P, never answered: P might still write there; kept out of use a while
             grace_s = _QUARANTINE_TIMEOUTS * self.timeout_ms / 1000
-            for buffer in self.landing.values():
-                timer = threading.Timer(grace_s, buffer.release)
+            for timer in [threading.Timer(grace_s, buffer.release) for buffer in self.landing.values()]:
                 timer.daemon = True
                 timer.start()
             self.landing.clear()

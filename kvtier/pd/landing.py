@@ -124,9 +124,11 @@ class Landings:
             _told.add(self.endpoint)
             logger.info("kvtier P/D: chunks from %s land HBM to HBM (engine blocks to engine blocks).", self.endpoint)
 
-    def log(self, transfer_id: str, reply_s: float) -> None:
-        """One debug line on where the transfer's time went (posting: this engine's, all transfers meanwhile)."""
+    def log(self, transfer_id: str, reply_s: float, handshake_s: float = 0.0) -> None:
+        """One debug line on where the transfer's time went (posting: this engine's, all transfers meanwhile;
+        ``handshake_s``: from connecting to P to the first fetch)."""
         if self.chunks:
-            logger.debug("kvtier P/D: transfer %s from %s: %d chunks landed by %d READs; ms waiting for replies "
-                         "%.1f, posting READs %.1f, waiting for READs %.1f", transfer_id, self.endpoint, self.chunks,
-                         self.reads, reply_s * 1e3, (self.agent.post_s - self._posting_s) * 1e3, self.read_s * 1e3)
+            logger.debug("kvtier P/D: transfer %s from %s: %d chunks landed by %d READs; ms handshake %.1f, waiting "
+                         "for replies %.1f, posting READs %.1f, waiting for READs %.1f", transfer_id, self.endpoint,
+                         self.chunks, self.reads, handshake_s * 1e3, reply_s * 1e3,
+                         (self.agent.post_s - self._posting_s) * 1e3, self.read_s * 1e3)

@@ -212,9 +212,11 @@ class Agent:
             name = self._peers.get(metadata)
             if name is None:
                 self.bind_device()
+                begin = time.perf_counter()
                 name = self._nixl.add_remote_agent(metadata)
                 name = name.decode() if isinstance(name, bytes) else name
                 self._peers[metadata] = name
+                logger.debug("kvtier NIXL: %s added in %.1f ms", name, (time.perf_counter() - begin) * 1e3)
             self._users.setdefault(name, set()).add(user)
             self._let_go.pop(name, None)
             return name

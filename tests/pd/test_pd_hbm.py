@@ -11,6 +11,7 @@ keep: each ends in a recompute or the CPU-tier path, and no block is held past t
 from __future__ import annotations
 
 import logging
+import re
 import time
 
 import pytest
@@ -65,6 +66,21 @@ def test_consumer_reads_the_producers_blocks_into_its_own_while_the_lease_runs(e
     assert d.side.transfers.stats.landed_bytes == len(D_BLOCKS) * d.side.transfers.layout.bytes_per_block
     wait_ended(p)  # D released the transfer: the blocks go at once, not when the lease runs out
     assert p.side.engine_kv.held_bytes == 0 and p.side.engine_kv.leases.stats.released == 1
+
+
+def test_the_consumers_debug_line_times_its_handshake_and_adding_the_producers_agent(engines, caplog):
+    """Where a pull's time goes before its first fetch: connecting, the hello, and adding P's NIXL
+    agent (UCX opens P's registered GPU memory then: once per region on vLLM 0.26)."""
+    p, d = engines("p", 1), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t-hs")
+    lend(p, "t-hs")
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t-hs", p.endpoint),))
+        assert d.wait_loaded("d-req") == set()
+    landed = re.search(r"transfer t-hs from \S+: 4 chunks landed by 1 READs; ms handshake ([0-9.]+), waiting for "
+                       r"replies [0-9.]+, posting READs [0-9.]+", caplog.text)
+    assert landed and float(landed.group(1)) > 0, caplog.text[-2000:]
+    assert re.search(r"kvtier NIXL: \S+ added in [0-9.]+ ms", caplog.text)
 
 
 def test_a_long_transfer_lands_by_a_few_reads_not_one_per_chunk(engines, monkeypatch):
