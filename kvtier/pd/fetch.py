@@ -149,7 +149,7 @@ class _Peer:
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
-            self.nixl_peer = agent.connect(metadata, self)
+            self.nixl_peer = agent.connect(metadata, self, self.endpoint)  # watched: kvtier.pd.peer_watch
         except Exception as exc:  # nixlBind's own errors: bad metadata, UCX could not reach it
             raise PeerError(f"could not reach {self.endpoint} over NIXL: {exc}") from None
         self.nixl, self.nixl_metadata = agent, metadata
@@ -386,7 +386,7 @@ class _Peer:
             self.landing.clear()
         if self.failed and self.nixl is not None:
             self.nixl.forget(self.nixl_metadata)  # a restarted producer comes back under a new name
-        elif self.nixl is not None:  # unused a while, it is dropped (Agent.forget_idle)
+        elif self.nixl is not None:  # kept while its chunk server is up (peer_watch), else dropped once idle
             self.nixl.disconnect(self.nixl_peer, self)
 
 

@@ -158,6 +158,8 @@ class Agent:
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent name
         self._users: dict[str, set[object]] = {}  # peer name -> who holds it (:meth:`connect`'s ``user``)
         self._let_go: dict[str, float] = {}  # peer name -> when its last user let go (monotonic s)
+        self._endpoints: dict[str, str] = {}  # peer name -> the chunk server it answered on (:mod:`.peer_watch`)
+        self._kept: set[str] = set()  # peers reached by a fetch: dropped when their chunk server goes, not as idle
         self.device = device
         # posts READs and the WRITEs of host memory, in order, up to POSTERS at once
         self._poster = ThreadPoolExecutor(POSTERS, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
@@ -204,10 +206,11 @@ class Agent:
         """What a peer needs to reach this agent and its registered memory."""
         return self._nixl.get_agent_metadata()
 
-    def connect(self, metadata: bytes, user: object = None) -> str:
+    def connect(self, metadata: bytes, user: object = None, endpoint: str | None = None) -> str:
         """Add a peer from its metadata (once); its agent name. Once every ``user`` (any hashable;
         None: kept until :meth:`forget`) let go of it (:meth:`disconnect`), :meth:`forget_idle`
-        may drop it."""
+        may drop it, unless it was reached at chunk server ``endpoint``: such a peer is kept until
+        :meth:`forget` (:mod:`kvtier.pd.peer_watch` calls it when that server goes away)."""
         with self._lock:
             name = self._peers.get(metadata)
             if name is None:
@@ -217,6 +220,9 @@ class Agent:
                 name = name.decode() if isinstance(name, bytes) else name
                 self._peers[metadata] = name
                 logger.debug("kvtier NIXL: %s added in %.1f ms", name, (time.perf_counter() - begin) * 1e3)
+            if endpoint:
+                self._endpoints[name] = endpoint
+                self._kept.add(name)
             self._users.setdefault(name, set()).add(user)
             self._let_go.pop(name, None)
             return name
@@ -236,6 +242,11 @@ class Agent:
                 if not users:
                     self._let_go[name] = time.monotonic()
 
+    def endpoints(self) -> dict[str, str]:
+        """Peer name -> the chunk server it answered on, for the peers reached by a fetch."""
+        with self._lock:
+            return dict(self._endpoints)
+
     def forget_idle(self, idle_s: float) -> None:
         """Drop the peers whose users all let go of them at least ``idle_s`` ago. UCX opens a
         peer's GPU memory handle when it unpacks the peer's remote key and closes it only when the
@@ -244,21 +255,27 @@ class Agent:
         it stopped, and the next engine there found too little free memory."""
         now = time.monotonic()
         with self._lock:  # a connect on another thread waits: it adds the peer anew
-            for metadata, name in [(m, n) for m, n in self._peers.items() if now - self._let_go.get(n, now) >= idle_s]:
-                del self._peers[metadata]
-                self._users.pop(name, None)
-                self._let_go.pop(name, None)
-                self._remove(name)
+            for metadata, name in [(m, n) for m, n in self._peers.items()
+                                   if n not in self._kept and now - self._let_go.get(n, now) >= idle_s]:
+                self._drop(metadata)
                 logger.debug("kvtier NIXL: %s forgotten (unused for %.0f s)", name, idle_s)
 
-    def forget(self, metadata: bytes) -> None:
-        """Drop a peer that failed: a restarted peer comes back under a new name."""
+    def forget(self, metadata: bytes | None = None, name: str | None = None) -> None:
+        """Drop a peer, by its metadata or its name: one that failed (a restarted peer comes back
+        under a new name), or whose chunk server went away."""
         with self._lock:
-            name = self._peers.pop(metadata, None)
-            self._users.pop(name, None)
-            self._let_go.pop(name, None)
-        if name is not None:
-            self._remove(name)
+            if metadata is None:
+                metadata = next((m for m, n in self._peers.items() if n == name), None)
+            if metadata in self._peers:
+                self._drop(metadata)
+
+    def _drop(self, metadata: bytes) -> None:
+        """With the lock held."""
+        name = self._peers.pop(metadata)
+        for table in (self._users, self._let_go, self._endpoints):
+            table.pop(name, None)
+        self._kept.discard(name)
+        self._remove(name)
 
     def _remove(self, name: str) -> None:
         try:

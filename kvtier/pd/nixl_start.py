@@ -12,6 +12,7 @@ from typing import Callable
 from kvtier.config import ConfigError
 from kvtier.pd import nixl
 from kvtier.pd.engine_kv import EngineKv
+from kvtier.pd.peer_watch import PeerWatch
 from kvtier.pd.server import ChunkServer
 
 logger = logging.getLogger(__name__)
@@ -31,6 +32,7 @@ class NixlStart:
         self.chunk_server = chunk_server
         self.on_landing = on_landing
         self.agent: nixl.Agent | None = None
+        self.watch: PeerWatch | None = None  # the chunk servers of the producers this rank fetched from
         self._thread: threading.Thread | None = None
 
     def start(self, transport: str) -> str:
@@ -65,6 +67,7 @@ class NixlStart:
                 self.on_landing()
             except Exception as exc:  # e.g. a UCX without CUDA support: the CPU-tier path stays
                 hbm = f"engine KV not registered ({exc}): P/D chunks go through the CPU tiers"
+        self.watch = PeerWatch(agent)
         self.agent = agent
         if self.chunk_server is not None:
             self.chunk_server.engine = engine_kv.engine_blocks() if engine_kv is not None else None
@@ -83,6 +86,8 @@ class NixlStart:
         """Deregister the CPU pool and stop the agent (after the engine KV's own close)."""
         if self._thread is not None:
             self._thread.join(30)
+        if self.watch is not None:
+            self.watch.close()
         if self.agent is not None:
             self.agent.deregister([self.pool])
             self.agent.close()

@@ -33,13 +33,16 @@ class _Nixl:
 def _agent(clock: list[float], monkeypatch) -> nixl.Agent:
     agent = nixl.Agent.__new__(nixl.Agent)  # no NIXL: only the bookkeeping runs
     agent._nixl, agent._lock, agent._peers, agent._users, agent._let_go = _Nixl(), threading.Lock(), {}, {}, {}
+    agent._endpoints, agent._kept = {}, set()
     agent.device = None
     monkeypatch.setattr(nixl.time, "monotonic", lambda: clock[0])
     return agent
 
 
 # users: None holds a peer until it is forgotten (a connect without a user)
-OPS = st.lists(st.tuples(st.sampled_from(["connect", "disconnect", "tick", "forget_idle"]),
+# peer "b" is reached by a fetch (at its chunk server's endpoint): never dropped as idle, only when
+# kvtier.pd.peer_watch sees that server go ("gone")
+OPS = st.lists(st.tuples(st.sampled_from(["connect", "disconnect", "tick", "forget_idle", "gone"]),
                          st.sampled_from(["a", "b"]), st.sampled_from([None, 0, 1, 2])), max_size=40)
 
 
@@ -49,7 +52,9 @@ OPS = st.lists(st.tuples(st.sampled_from(["connect", "disconnect", "tick", "forg
 @example([("connect", "a", 1), ("connect", "a", 2), ("disconnect", "a", 1), ("tick", "a", 0), ("tick", "a", 0),
           ("forget_idle", "a", 0), ("disconnect", "a", 2), ("tick", "a", 0), ("forget_idle", "a", 0),
           ("tick", "a", 0), ("forget_idle", "a", 0), ("connect", "a", 1)])
-def test_a_peer_is_dropped_only_when_idle_and_every_user_let_go(ops):
+@example([("connect", "b", 1), ("disconnect", "b", 1), ("tick", "b", 0), ("tick", "b", 0), ("forget_idle", "b", 0),
+          ("gone", "b", 0), ("connect", "b", None)])
+def test_a_peer_is_dropped_only_when_idle_and_every_user_let_go_or_when_its_watched_server_goes(ops):
     import pytest
 
     with pytest.MonkeyPatch.context() as monkeypatch:
@@ -59,7 +64,7 @@ def test_a_peer_is_dropped_only_when_idle_and_every_user_let_go(ops):
         let_go: dict[str, float] = {}
         for op, peer, user in ops:
             if op == "connect":
-                agent.connect(f"md-{peer}".encode(), user)
+                agent.connect(f"md-{peer}".encode(), user, "tcp://b" if peer == "b" else None)
                 users.setdefault(peer, set()).add(user)
                 let_go.pop(peer, None)
             elif op == "disconnect":
@@ -70,9 +75,13 @@ def test_a_peer_is_dropped_only_when_idle_and_every_user_let_go(ops):
                         let_go[peer] = clock[0]
             elif op == "tick":
                 clock[0] += 3.0
+            elif op == "gone":
+                agent.forget(name=peer)
+                users.pop(peer, None)
+                let_go.pop(peer, None)
             else:
                 agent.forget_idle(5.0)
-                for gone in [p for p, since in let_go.items() if clock[0] - since >= 5.0]:
+                for gone in [p for p, since in let_go.items() if clock[0] - since >= 5.0 and p != "b"]:
                     del users[gone], let_go[gone]
             assert agent.peer_names == set(users) == agent._nixl.remote, (op, peer, user)
 

@@ -19,7 +19,7 @@ import torch
 
 from pd_workers import BLOCK, CHUNK, Engine, prompt_keys, publish, remote_job, tokens_of
 from kvtier.jobs import Lend
-from kvtier.pd import nixl
+from kvtier.pd import nixl, server
 
 PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
 P_BLOCKS = [10, 11, 12, 13, 20, 21, 22]  # two runs: the READ takes a descriptor per run and region
@@ -83,6 +83,38 @@ def test_the_consumers_debug_line_times_its_handshake_and_adding_the_producers_a
     assert re.search(r"kvtier NIXL: \S+ added in [0-9.]+ ms", caplog.text)
 
 
+def test_a_producers_agent_is_kept_while_its_chunk_server_is_up_and_dropped_once_it_stops(engines, caplog,
+                                                                                         monkeypatch):
+    """D keeps P's NIXL agent however long it idles while P's chunk server is up (adding it again
+    cost the next transfer's handshake 14-19 ms here), and drops it as soon as P stops (it would
+    hold a stopped P's GPU memory)."""
+    monkeypatch.setattr(server, "PEER_IDLE_S", 0.05)  # the idle rule that would drop it, shortened
+    p, d = engines("p", 1), engines("d", 2)
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        for n in range(2):
+            publish(p, PROMPT, P_BLOCKS, f"t-w{n}")
+            lend(p, f"t-w{n}")
+            d.side.start_loads((remote_job(f"d-{n}", PROMPT, D_BLOCKS, f"t-w{n}", p.endpoint),))
+            assert d.wait_loaded(f"d-{n}") == set()
+            wait_ended(p)
+            time.sleep(0.3)  # idle six times PEER_IDLE_S: D's chunk server looked (every turn) and kept it
+            assert p.side.nixl.name in d.side.nixl.peer_names
+    name = p.side.nixl.name
+    assert len(re.findall(rf"kvtier NIXL: {name} added in", caplog.text)) == 1  # not again
+    p.side.close()
+    assert _within(5, lambda: name not in d.side.nixl.peer_names), "a stopped producer's agent stays"
+    assert d.side._nixl_start.watch.dropped == 1
+
+
+def _within(timeout_s: float, condition) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
+
+
 def test_a_long_transfer_lands_by_a_few_reads_not_one_per_chunk(engines, monkeypatch):
     """28 chunks under the lease: once P answers with its blocks, D asks for the rest at once and
     posts all the replies as one READ (a READ's posting cost is paid per READ: posting the replies
@@ -137,6 +169,7 @@ def test_a_consumer_that_never_releases_holds_nothing_past_lease_and_grace(engin
     p, d = engines("p", 1, pd_timeout_ms=500), engines("d", 2)
     publish(p, PROMPT, P_BLOCKS, "t1")
     lend(p, "t1", lease_ms=200)
+    lent_at = time.monotonic()
     full, _ = prompt_keys(PROMPT)
     kv = d.side.engine_kv
     landing = Landing(kv.spans, kv.kind, kv.device, [tuple(D_BLOCKS[:2])])
@@ -144,7 +177,8 @@ def test_a_consumer_that_never_releases_holds_nothing_past_lease_and_grace(engin
                           allocate=lambda n: d.side.store.allocate(n, wait=False), chunk_bytes=lambda n: chunk_bytes(d.side.transfers.layout, n),
                           nixl=d.side.nixl, block_size=BLOCK, landing=landing)
     next(chunks)  # READ done; the consumer dies here: no release ever comes
-    assert wait_ended(p) >= 0.6  # not at the lease's end: a READ may still run until lease + grace
+    wait_ended(p)
+    assert time.monotonic() - lent_at >= 0.6  # not at the lease's end (0.2 s): a READ may still run until lease + grace
     assert p.side.engine_kv.held_bytes == 0 and p.side.engine_kv.leases.stats.abandoned == 1
     chunks.close()
 
