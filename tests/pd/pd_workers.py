@@ -86,3 +86,11 @@ def remote_job(req_id: str, tokens: list[int], blocks: list[int], transfer_id: s
 
 def tokens_of(n: int, seed: int = 0) -> list[int]:
     return torch.randint(3, 500, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def wait_for(predicate, timeout_s: float = 10.0) -> None:
+    """Until ``predicate()`` holds (fails the test after ``timeout_s``)."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "never happened"
+        time.sleep(0.005)

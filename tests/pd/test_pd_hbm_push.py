@@ -17,7 +17,7 @@ import time
 import pytest
 import torch
 
-from pd_workers import CHUNK, Engine, prompt_keys, remote_job, tokens_of
+from pd_workers import CHUNK, Engine, prompt_keys, remote_job, tokens_of, wait_for
 from kvtier.jobs import Lend, SaveJob
 from kvtier import timeline
 from kvtier.pd import nixl, server as chunk_server
@@ -51,13 +51,6 @@ def step(p: Engine, first: int, last: int, final: bool = False) -> None:
 def finish(p: Engine) -> None:
     """P's scheduler half when the request ends: keep its blocks under a lease."""
     p.side.lend((Lend("p-req", "t1", tuple(P_BLOCKS), tuple(FULL + [TAIL]), 2000),))
-
-
-def wait_for(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "never happened"
-        time.sleep(0.005)
 
 
 def test_each_chunk_goes_into_the_consumers_blocks_while_the_producer_computes(engines, caplog, push):
