@@ -83,13 +83,14 @@ def test_the_consumers_debug_line_times_its_handshake_and_adding_the_producers_a
     assert re.search(r"kvtier NIXL: \S+ added in [0-9.]+ ms", caplog.text)
 
 
+@pytest.mark.parametrize("role", ["kv_both", "kv_consumer"])
 def test_a_producers_agent_is_kept_while_its_chunk_server_is_up_and_dropped_once_it_stops(engines, caplog,
-                                                                                         monkeypatch):
+                                                                                         monkeypatch, role):
     """D keeps P's NIXL agent however long it idles while P's chunk server is up (adding it again
-    cost the next transfer's handshake 14-19 ms here), and drops it as soon as P stops (it would
-    hold a stopped P's GPU memory)."""
+    cost the next transfer's handshake ~18 ms here), and drops it as soon as P stops (it would
+    hold a stopped P's GPU memory), whether or not D runs a chunk server of its own."""
     monkeypatch.setattr(server, "PEER_IDLE_S", 0.05)  # the idle rule that would drop it, shortened
-    p, d = engines("p", 1), engines("d", 2)
+    p, d = engines("p", 1), engines("d", 2, produce=role == "kv_both")
     with caplog.at_level(logging.DEBUG, logger="kvtier"):
         for n in range(2):
             publish(p, PROMPT, P_BLOCKS, f"t-w{n}")
