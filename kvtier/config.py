@@ -80,8 +80,8 @@ class KvtierConfig:
     engine loop runs Python, kvtier's transfer threads wait up to this long for the interpreter
     each time they come back from a copy, a socket or NIXL. idle_wait_us: how long at most an
     engine step that computes nothing (its requests all wait for loads, or a producer's lent blocks
-    for their decode engines) waits for a load or a lease to end, the interpreter released, in µs (default: env ``KVTIER_IDLE_WAIT_US``, else 2000; 0: step on at once,
-    as vLLM does).
+    for their decode engines) waits for a load or a lease to end, the interpreter released, in µs
+    (default: env ``KVTIER_IDLE_WAIT_US``, else 2000; 0: step on at once, as vLLM does).
     """
 
     cpu_bytes: int = field(default_factory=_default_cpu_bytes)

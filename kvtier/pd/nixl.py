@@ -158,8 +158,8 @@ class Agent:
         self._peers: dict[bytes, str] = {}  # a peer's metadata -> its agent name
         self._users: dict[str, set[object]] = {}  # peer name -> who holds it (:meth:`connect`'s ``user``)
         self._let_go: dict[str, float] = {}  # peer name -> when its last user let go (monotonic s)
-        self._endpoints: dict[str, str] = {}  # peer name -> the chunk server it answered on (:mod:`.peer_watch`)
-        self._kept: set[str] = set()  # peers reached by a fetch: dropped when their chunk server goes, not as idle
+        self._endpoints: dict[str, str] = {}  # peer name -> the chunk server a fetch reached it at: such a peer
+        # is dropped when that server goes (:mod:`.peer_watch`), never as idle
         self.device = device
         # posts READs and the WRITEs of host memory, in order, up to POSTERS at once
         self._poster = ThreadPoolExecutor(POSTERS, thread_name_prefix="kvtier-nixl", initializer=self.bind_device)
@@ -222,7 +222,6 @@ class Agent:
                 logger.debug("kvtier NIXL: %s added in %.1f ms", name, (time.perf_counter() - begin) * 1e3)
             if endpoint:
                 self._endpoints[name] = endpoint
-                self._kept.add(name)
             self._users.setdefault(name, set()).add(user)
             self._let_go.pop(name, None)
             return name
@@ -256,7 +255,7 @@ class Agent:
         now = time.monotonic()
         with self._lock:  # a connect on another thread waits: it adds the peer anew
             for metadata, name in [(m, n) for m, n in self._peers.items()
-                                   if n not in self._kept and now - self._let_go.get(n, now) >= idle_s]:
+                                   if n not in self._endpoints and now - self._let_go.get(n, now) >= idle_s]:
                 self._drop(metadata)
                 logger.debug("kvtier NIXL: %s forgotten (unused for %.0f s)", name, idle_s)
 
@@ -274,7 +273,6 @@ class Agent:
         name = self._peers.pop(metadata)
         for table in (self._users, self._let_go, self._endpoints):
             table.pop(name, None)
-        self._kept.discard(name)
         self._remove(name)
 
     def _remove(self, name: str) -> None:

@@ -32,7 +32,8 @@ _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRI
 
 
 class _Watched:
-    """One producer's watch connection: its socket, the socket's monitor, whether it connected."""
+    """One producer's watch connection: its socket, the socket's monitor, the producer's chunk
+    server, whether the connection came up."""
 
     def __init__(self, context: zmq.Context, endpoint: str):
         self.socket = context.socket(zmq.DEALER)
@@ -41,6 +42,7 @@ class _Watched:
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
         self.monitor = self.socket.get_monitor_socket(_EVENTS)
         self.socket.connect(endpoint)
+        self.endpoint = endpoint
         self.up = False
 
     def close(self) -> None:
@@ -101,7 +103,6 @@ class PeerWatch:
             elif event in (zmq.EVENT_DISCONNECTED, zmq.EVENT_CLOSED) or (
                     event == zmq.EVENT_CONNECT_RETRIED and not watch.up):
                 logger.info("kvtier P/D: producer %s's chunk server went away; its NIXL agent %s is dropped "
-                            "(nothing of its memory stays held here).", watch.socket.getsockopt_string(zmq.LAST_ENDPOINT),
-                            name)
+                            "(nothing of its memory stays held here).", watch.endpoint, name)
                 return True
         return False

@@ -33,7 +33,7 @@ class _Nixl:
 def _agent(clock: list[float], monkeypatch) -> nixl.Agent:
     agent = nixl.Agent.__new__(nixl.Agent)  # no NIXL: only the bookkeeping runs
     agent._nixl, agent._lock, agent._peers, agent._users, agent._let_go = _Nixl(), threading.Lock(), {}, {}, {}
-    agent._endpoints, agent._kept = {}, set()
+    agent._endpoints = {}
     agent.device = None
     monkeypatch.setattr(nixl.time, "monotonic", lambda: clock[0])
     return agent
