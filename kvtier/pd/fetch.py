@@ -10,16 +10,14 @@ engine's CPU tier (registered with NIXL) is allocated and a READ posted into it;
 once its READ is done and its MAC checked. Buffers and READs not handed to the caller are settled
 and released when the transfer ends, however it ends.
 
-HBM to HBM (a :class:`Landing` given): where P still holds the request's engine blocks, its reply
-names them and D READs them straight into the engine blocks the caller named, one descriptor per run
-of consecutive blocks (:mod:`kvtier.pd.hbm`); once P lends, the rest is asked for at once and all
-replies read by one READ. The caller gets a :class:`Landed` with the KVSUM64 to check the blocks
-against (:mod:`kvtier.pd.landing`). In a push transfer (D asked first) P answers a step's chunks
-with its live blocks once the step ends, and D READs them as one (``pd_hbm_push`` "read"); or D gives
-P its NIXL metadata and engine KV regions in a second hello, once P's reply checked out, and names
-each chunk's engine blocks in its fetch: P WRITEs the chunk there the moment it has it ("write").
-One that ends with such fetches unanswered waits (up to the timeout) for P to say that none of its
-WRITEs still runs, so no late WRITE lands in blocks this engine recomputes.
+HBM to HBM (a :class:`Landing` given): where P still holds the request's engine blocks, its replies
+name them and D READs them straight into the engine blocks the caller named (:mod:`kvtier.pd.hbm`);
+once P lends, the rest is asked for at once and all replies read by one READ. The caller gets a
+:class:`Landed` with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`). A push
+(D asked first) is answered a step's chunks at a time, READ as one (``pd_hbm_push`` "read"), or
+WRITTEN by P into the blocks each fetch names ("write"; D's NIXL metadata goes in a second hello,
+once P's reply checked out); one that ends with such fetches unanswered waits (up to the timeout)
+for P's word that none of its WRITEs still runs. Fetches and replies travel in batches (:mod:`kvtier.pd.protocol`).
 """
 
 from __future__ import annotations
@@ -27,6 +25,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections import deque
 from typing import Callable, Iterator
 
 import msgspec
@@ -37,8 +36,8 @@ from kvtier.jobs import Landed
 from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated
 from kvtier.pd.landing import Arrived, Landings
 from kvtier.pd.protocol import (
-    VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, check_mac, decode_reply, encode, layout_problem,
-    mac,
+    VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, layout_problem,
+    mac, read_reply,
 )
 from kvtier.pd.nixl import Agent, NixlError
 from kvtier.storage import ChunkBuffer
@@ -137,6 +136,7 @@ class _Peer:
         self.landing_enabled = False  # push over NIXL: each fetch names a buffer P writes into
         self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
         self.early: dict[int, Arrived] = {}  # replies ahead of their turn
+        self.queued: deque[Arrived] = deque()  # replies of a ChunkReplies not taken yet
         self.hbm: Landings | None = None  # chunks READ into the engine's blocks (HBM to HBM)
         self.lent, self.more = False, 0  # P's latest reply named its engine blocks; replies P sent with it, to come
         self.asked: set[int] = set()  # chunks fetched, not answered yet
@@ -181,7 +181,7 @@ class _Peer:
         chunk reply is authenticated once its bytes are read (:meth:`chunk`). ``block=False``:
         None at once when no reply is waiting."""
         deadline = time.monotonic() + self.timeout_ms / 1000
-        while True:
+        while not self.queued:
             left = deadline - time.monotonic()
             if left <= 0 and not self.socket.poll(0, zmq.POLLIN):  # a thread woken late still takes what came
                 self.silent = True
@@ -196,19 +196,14 @@ class _Peer:
                     raise PeerError("the request was aborted")
                 continue
             frames = self.socket.recv_multipart(copy=False)
-            if len(frames) not in (2, 3):
-                raise PeerError(f"{self.endpoint} sent {len(frames)} frames")
-            tag, body, payload = frames[0].bytes, frames[1].bytes, frames[2] if len(frames) == 3 else None
             try:
-                reply = decode_reply(body)
-                lent = (isinstance(reply, ChunkReply) and reply.status == "ok" and payload is None and self.nixl
-                        and not reply.blocks)
-                if not lent:
-                    check_mac(self.secret, tag, body, None if payload is None else payload.buffer)
+                reply = read_reply(frames, self.secret, lent_unchecked=self.nixl is not None)
             except (AuthError, msgspec.DecodeError, ValueError) as exc:  # UnicodeDecodeError on bad UTF-8
                 raise PeerError(f"bad reply from {self.endpoint}: {exc}") from None
-            if reply.version != VERSION:
-                raise PeerError(f"{self.endpoint} speaks protocol version {reply.version}, this is {VERSION}")
+            tag, body, payload = frames[0].bytes, frames[1].bytes, frames[2] if len(frames) == 3 else None
+            if isinstance(reply, ChunkReplies):
+                self.queued.extend(Arrived(r, tag=tag, body=body) for r in reply.replies)
+                continue
             if isinstance(reply, HelloReply):
                 return reply
             if reply.status == "pending":
@@ -217,6 +212,7 @@ class _Peer:
             if reply.status == "refused":
                 raise PeerError(f"{self.endpoint} refused a request: {reply.error}")
             return Arrived(reply, payload, tag=tag, body=body)
+        return self.queued.popleft()
 
     def chunk(self, index: int) -> ChunkBuffer:
         begin = time.perf_counter()
@@ -251,15 +247,17 @@ class _Peer:
         return buffer
 
     def fetch_until(self, end: int) -> None:
-        """Ask for the transfer's chunks not asked yet, up to (not including) chunk ``end``."""
+        """Ask for the transfer's chunks not asked yet, up to (not including) chunk ``end``, in as
+        few messages as :func:`~kvtier.pd.protocol.batches` makes."""
         transfer_id, items, wait = self.plan
-        for index in range(self.sent, min(end, len(items))):
-            self.fetch(transfer_id, index, *items[index], wait)
-            self.sent = index + 1
+        fetches = [self.fetch(transfer_id, i, *items[i], wait) for i in range(self.sent, min(end, len(items)))]
+        self.sent += len(fetches)
+        for message in batches(fetches):
+            self.send(message)
 
-    def fetch(self, transfer_id: str, index: int, key: bytes, num_blocks: int, wait: bool) -> None:
-        """Ask for chunk ``index``; in a push transfer over NIXL, name where P may WRITE it: the
-        chunk's engine blocks (HBM to HBM), else a buffer of this engine's CPU tier."""
+    def fetch(self, transfer_id: str, index: int, key: bytes, num_blocks: int, wait: bool) -> Fetch:
+        """The fetch of chunk ``index``; in a push transfer over NIXL, naming where P may WRITE it:
+        the chunk's engine blocks (HBM to HBM), else a buffer of this engine's CPU tier."""
         # an emulated path found by the first READs ends HBM fetches from then on, mid-transfer too
         hbm = self.hbm is not None and self.hbm.wants(index)
         blocks = self.hbm.mine.block_ids[index] if hbm and self.landing_enabled else ()
@@ -269,9 +267,9 @@ class _Peer:
         elif self.landing_enabled and (buffer := self.allocate(self.sizes[index])) is not None:
             self.landing[index] = buffer
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
-        self.send(Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
-                        num_blocks * self.block_size, hbm, blocks))
         self.asked.add(index)
+        return Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
+                     num_blocks * self.block_size, hbm, blocks)
 
     def _take(self, got: HelloReply | Arrived) -> None:
         if isinstance(got, HelloReply):

@@ -10,8 +10,10 @@ lease that follows it, as soon as the chunk's checksum is known: taken from its 
 step ended (:mod:`kvtier.pd.sums`), else its stored copy's; the chunks ready in one turn of the
 server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`). A pull fetch is answered with
 the blocks as soon, too, from the running request's or the lease's: the consumer READs them.
-The replies of one turn go out together, each saying how many more follow (``ChunkReply.more``),
-so the consumer READs a step's chunks as one (posting a READ costs a mapping of P's KV).
+The replies of one turn go out together, as few :class:`~kvtier.pd.protocol.ChunkReplies` as
+:data:`~kvtier.pd.protocol.MAX_BATCH` allows, each reply saying how many more follow
+(``ChunkReply.more``), so the consumer READs a step's chunks as one (posting a READ costs a
+mapping of P's KV).
 
 Used by the chunk server's thread only.
 """
@@ -25,7 +27,7 @@ import msgspec
 from kvtier import codec
 from kvtier.pd.hbm import EngineBlocks, RegionSpan, compatible, emulated
 from kvtier.pd.nixl import Agent
-from kvtier.pd.protocol import VERSION, ChunkReply, Fetch, Hello
+from kvtier.pd.protocol import MAX_BATCH, VERSION, ChunkReplies, ChunkReply, Fetch, Hello
 from kvtier.pd.writes import BlockWrite, PeerWrites
 from kvtier.storage import ChunkBuffer
 from kvtier.timeline import mark
@@ -131,12 +133,13 @@ class HbmServing:
         return self.engine is not None and self.engine.sums is not None and self.engine.sums.pending
 
     def flush(self, agent: Agent) -> None:
-        """Send this turn's replies naming engine blocks, each with how many of them follow it, and
-        post one WRITE per peer for the chunks gathered this turn."""
+        """Send this turn's replies naming engine blocks, together, each with how many of them follow
+        it, and post one WRITE per peer for the chunks gathered this turn."""
         replies_of, self._replies = self._replies, {}
         for identity, (transfer_id, replies) in replies_of.items():
-            for k, reply in enumerate(replies):
-                self._send(identity, msgspec.structs.replace(reply, more=len(replies) - 1 - k))
+            replies = [msgspec.structs.replace(r, more=len(replies) - 1 - k) for k, r in enumerate(replies)]
+            for start in range(0, len(replies), MAX_BATCH):
+                self._send(identity, ChunkReplies(VERSION, tuple(replies[start : start + MAX_BATCH])))
             mark(transfer_id, "lent")
         batch, self._batch = self._batch, {}
         for identity, chunks in batch.items():

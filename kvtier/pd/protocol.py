@@ -11,6 +11,9 @@ authenticated whole.
 D → P: :class:`Hello` (once per connection; answered with :class:`HelloReply`) and one
 :class:`Fetch` per chunk (answered with a :class:`ChunkReply`, possibly preceded by ``pending``
 heartbeats while the chunk is being computed). :class:`Release` ends a transfer: P unpins it.
+Fetches go out together as :class:`Fetches` (each answered as if sent alone), and the replies
+naming engine blocks (HBM below) of one turn of P's server come back together as
+:class:`ChunkReplies`: a 32k-token pull is then a few messages each way, not 128.
 
 Transports: D offers what it has (``Hello.transports``), P picks one (``HelloReply.transport``).
 Over ``zmq`` the chunk follows its reply as a payload frame. Over ``nixl`` (:mod:`kvtier.pd.nixl`)
@@ -53,10 +56,12 @@ import msgspec
 from kvtier.codec import HEADER_BYTES
 from kvtier.codec.chunk import CHECKSUM_BLAKE3, read_header
 
-VERSION = 5
+VERSION = 6
 MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larger ones unread
 KEY_BYTES = 16
 MAC_BYTES = 32
+MAX_BATCH = 64  # fetches in one Fetches, replies in one ChunkReplies
+BATCH_BYTES = 32 << 10  # a Fetches message stays under this many bytes (half of MAX_REQUEST_BYTES)
 
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -118,6 +123,14 @@ class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
     blocks: tuple[Size, ...] = ()  # HBM push: D's engine blocks P may WRITE the chunk into
 
 
+class Fetches(msgspec.Struct, frozen=True, tag="fetches"):
+    """Several fetches in one message (at most :data:`MAX_BATCH`, :data:`BATCH_BYTES` encoded):
+    each is answered as if it had come alone."""
+
+    version: int
+    fetches: Annotated[tuple[Fetch, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+
+
 class Release(msgspec.Struct, frozen=True, tag="release"):
     """D is done with ``transfer_id``: P may unpin its chunks. ``answer``: reply ``released``
     once no WRITE into D's memory for it is in flight."""
@@ -161,9 +174,54 @@ class ChunkReply(msgspec.Struct, frozen=True, tag="chunk"):
     more: Count = 0  # HBM: replies naming engine blocks that follow this one at once (one turn of P's server)
 
 
+class ChunkReplies(msgspec.Struct, frozen=True, tag="chunks"):
+    """``ok`` replies naming engine blocks (``blocks``, HBM), at most :data:`MAX_BATCH`, sent
+    together; ``more`` in each still counts the replies of the same turn after it."""
+
+    version: int
+    replies: Annotated[tuple[ChunkReply, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+
+
 encode = msgspec.msgpack.Encoder().encode
-decode_request = msgspec.msgpack.Decoder(Union[Hello, Fetch, Release]).decode
-decode_reply = msgspec.msgpack.Decoder(Union[HelloReply, ChunkReply]).decode
+decode_request = msgspec.msgpack.Decoder(Union[Hello, Fetch, Fetches, Release]).decode
+decode_reply = msgspec.msgpack.Decoder(Union[HelloReply, ChunkReply, ChunkReplies]).decode
+
+
+def batches(fetches: list[Fetch]) -> list[Fetch | Fetches]:
+    """``fetches`` as few messages as :data:`MAX_BATCH` and :data:`BATCH_BYTES` allow (one alone
+    goes as itself)."""
+    messages, batch, size = [], [], 0
+    for fetch in fetches:
+        nbytes = len(encode(fetch))
+        if batch and (len(batch) == MAX_BATCH or size + nbytes > BATCH_BYTES):
+            messages.append(batch)
+            batch, size = [], 0
+        batch.append(fetch)
+        size += nbytes
+    if batch:
+        messages.append(batch)
+    return [b[0] if len(b) == 1 else Fetches(VERSION, tuple(b)) for b in messages]
+
+
+def read_reply(frames: list, secret: bytes | None, lent_unchecked: bool) -> HelloReply | ChunkReply | ChunkReplies:
+    """A producer's reply from its ZMQ frames ``[mac, body(, payload)]`` (``zmq.Frame``), authenticated,
+    of this :data:`VERSION`, a :class:`ChunkReplies` holding only ``ok`` replies naming engine blocks.
+    ``lent_unchecked``: a chunk lent from P's CPU tier (NIXL: ``ok``, no payload, no blocks) is
+    authenticated by the caller, over the bytes it reads. Raises ``ValueError`` (:class:`AuthError`,
+    ``msgspec.DecodeError``)."""
+    if len(frames) not in (2, 3):
+        raise ValueError(f"{len(frames)} frames")
+    tag, body, payload = frames[0].bytes, frames[1].bytes, frames[2].buffer if len(frames) == 3 else None
+    reply = decode_reply(body)
+    lent = isinstance(reply, ChunkReply) and reply.status == "ok" and payload is None and not reply.blocks
+    if not (lent and lent_unchecked):
+        check_mac(secret, tag, body, payload)
+    if reply.version != VERSION:
+        raise ValueError(f"protocol version {reply.version}, this is {VERSION}")
+    if isinstance(reply, ChunkReplies) and (payload is not None or any(
+            r.version != VERSION or r.status != "ok" or not r.blocks for r in reply.replies)):
+        raise ValueError("a batch of replies not all naming engine blocks")
+    return reply
 
 
 def layout_problem(hello: Hello, reply: HelloReply) -> str:

@@ -41,8 +41,8 @@ from kvtier.pd.nixl import Agent
 from kvtier.pd.recut import recut
 from kvtier.pd.writes import PeerWrites
 from kvtier.pd.protocol import (
-    MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Hello, HelloReply, Release, ServedLayout, check_mac,
-    decode_request, encode, mac,
+    MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, ServedLayout,
+    check_mac, decode_request, encode, mac,
 )
 from kvtier.storage import ChunkBuffer, ChunkStore
 
@@ -96,6 +96,7 @@ class ChunkServer:
         self._heartbeat_s = timeout_ms / 4000
         self._active_s = max(ACTIVE_S, timeout_ms / 1000)
         self.rejected = 0
+        self.received_total = self.sent_total = 0  # messages taken (a Fetches is one) and sent (tests, stats)
         self.dropped = 0  # replies not sent: the peer's queue was full
         self._waiting: list[_Waiting] = []
         self.pushing = False  # WRITEs into a consumer run or wait for chunks (read by the engine thread)
@@ -170,12 +171,18 @@ class ChunkServer:
             message = decode_request(body)
         except (AuthError, msgspec.DecodeError, ValueError) as exc:  # UnicodeDecodeError on bad UTF-8
             return self._reject(identity, str(exc))
-        if message.version != VERSION:
-            return self._reject(identity, f"protocol version {message.version} != {VERSION}")
+        inner = message.fetches if isinstance(message, Fetches) else ()
+        if versions := {message.version, *(f.version for f in inner)} - {VERSION}:
+            return self._reject(identity, f"protocol version {min(versions)} != {VERSION}")
+        self.received_total += 1
         if isinstance(message, Hello):
             self._hello(identity, message)
         elif isinstance(message, Fetch):
             self._fetch(identity, message, time.monotonic())
+        elif isinstance(message, Fetches):
+            now = time.monotonic()
+            for fetch in message.fetches:
+                self._fetch(identity, fetch, now)
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
             self._forget_writer(identity)
@@ -376,6 +383,7 @@ class ChunkServer:
             frames.append(payload)
         try:
             self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+            self.sent_total += 1
         except zmq.Again:  # the peer stopped reading: it times out and recomputes
             self.dropped += 1
             if self.dropped % _LOG_EVERY == 1:

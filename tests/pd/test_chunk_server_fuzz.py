@@ -11,7 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import ask
-from kvtier.pd.protocol import VERSION, Fetch, Hello, HelloReply, Release, decode_reply, encode, mac
+from kvtier.pd.protocol import MAX_BATCH, VERSION, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, encode, mac
 
 SECRET = b"fuzz-secret"
 EXAMPLES = int(os.environ.get("KVTIER_FUZZ_EXAMPLES", "60"))  # per test; the slow run sets 100000
@@ -41,11 +41,13 @@ def still_serves(endpoint: str) -> None:
     assert isinstance(decode_reply(reply[1]), HelloReply)
 
 
+any_fetch = st.builds(Fetch, st.integers(-2, 7), st.text(max_size=300), st.integers(-1, 1 << 21),
+                      st.binary(max_size=20), st.integers(-1, 1 << 21), st.booleans())
 structs = st.one_of(
     st.builds(Hello, st.integers(-2, 3), st.integers(-1, 4), st.integers(-1, 4), st.binary(max_size=20),
               st.text(max_size=50), st.integers(-1, 1 << 21)),
-    st.builds(Fetch, st.integers(-2, 3), st.text(max_size=300), st.integers(-1, 1 << 21), st.binary(max_size=20),
-              st.integers(-1, 1 << 21), st.booleans()),
+    any_fetch,
+    st.builds(Fetches, st.integers(-2, 7), st.lists(any_fetch, max_size=MAX_BATCH + 1).map(tuple)),
     st.builds(Release, st.integers(-2, 3), st.text(max_size=300)),
 )
 raw_frames = st.lists(st.binary(max_size=200), min_size=0, max_size=4)

@@ -26,7 +26,7 @@ from fuzzing import ask, mutated
 from kvtier.pd import params as pd
 from kvtier.pd.fetch import PeerError, fetch_chunks
 from kvtier.pd.protocol import (
-    VERSION, ChunkReply, Fetch, Hello, HelloReply, Release, decode_reply, decode_request, encode,
+    VERSION, ChunkReplies, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, decode_request, encode,
 )
 from kvtier.jobs import Landed
 from kvtier.pd.hbm import Landing, RegionSpan
@@ -40,13 +40,15 @@ CHUNK_BYTES = 4096 + 64  # what the fetch below expects per chunk
 ENGINE_BLOCK = 4096  # bytes of one engine block in the HBM-to-HBM fuzz (one region)
 
 
+fetches = st.builds(Fetch, st.just(VERSION), st.text(min_size=1, max_size=20), st.integers(0, 9),
+                    st.binary(min_size=16, max_size=16), st.integers(0, 9), st.booleans(), hbm=st.booleans(),
+                    blocks=st.lists(st.integers(0, 1 << 40), max_size=4).map(tuple))
 requests = st.one_of(
     st.builds(Hello, st.just(VERSION), st.integers(0, 3), st.integers(0, 3), st.just(FP), st.text(max_size=20),
               st.integers(0, 1 << 10), hbm=st.booleans(),
               regions=st.lists(st.tuples(*[st.integers(0, 1 << 40)] * 3), max_size=3).map(tuple)),
-    st.builds(Fetch, st.just(VERSION), st.text(min_size=1, max_size=20), st.integers(0, 9), st.binary(min_size=16, max_size=16),
-              st.integers(0, 9), st.booleans(), hbm=st.booleans(),
-              blocks=st.lists(st.integers(0, 1 << 40), max_size=4).map(tuple)),
+    fetches,
+    st.builds(Fetches, st.just(VERSION), st.lists(fetches, min_size=1, max_size=4).map(tuple)),
     st.builds(Release, st.just(VERSION), st.text(min_size=1, max_size=20), st.booleans()),
 ).map(encode)
 
@@ -67,7 +69,8 @@ def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving
     endpoint = open_producer.endpoint
     try:
         message = decode_request(body)
-        valid = message.version == VERSION
+        inner = message.fetches if isinstance(message, Fetches) else ()
+        valid = message.version == VERSION and all(f.version == VERSION for f in inner)
     except (msgspec.DecodeError, ValueError):
         message, valid = None, False
     before = open_producer.side.chunk_server.rejected
@@ -82,7 +85,8 @@ def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving
 
 
 class HostileProducer:
-    """A ROUTER that answers each message with the next queued list of frames."""
+    """A ROUTER that answers each message with the next queued list of frames (a batch of fetches
+    with as many as it holds)."""
 
     def __init__(self):
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
@@ -98,10 +102,15 @@ class HostileProducer:
         while not self.stop.is_set():
             if not self.socket.poll(10):
                 continue
-            identity = self.socket.recv_multipart()[0]
+            identity, *_, body = self.socket.recv_multipart()
+            try:
+                message = decode_request(body)
+            except (msgspec.DecodeError, ValueError):
+                message = None
             with self.lock:
-                reply = self.replies.pop(0) if self.replies else None
-            if reply is not None:
+                count = len(message.fetches) if isinstance(message, Fetches) else 1
+                replies, self.replies[:count] = self.replies[:count], []
+            for reply in replies:
                 self.socket.send_multipart([identity, *reply])
 
     def close(self) -> None:
@@ -235,16 +244,22 @@ def test_a_decode_engine_reads_any_lent_chunk_reply_as_chunks_or_a_peer_error(ho
                                   st.sampled_from([ENGINE_BLOCK, 7])), max_size=2),
        chunks=st.lists(st.tuples(st.integers(-1, 2), st.lists(st.integers(0, 1 << 40), max_size=3),
                                  st.integers(0, (1 << 64) - 1), st.integers(0, 3)), max_size=3),
-       push=st.booleans())
-@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1, 1), (1, [1], 2, 0)], push=False)  # both land
-@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [2], 1, 0), (1, [5], 2, 0)], push=True)  # both "written"
-@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1, 3)], push=False)  # more said to follow than asked
+       push=st.booleans(), batched=st.booleans())
+@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1, 1), (1, [1], 2, 0)], push=False,
+         batched=False)  # both land
+@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1, 1), (1, [1], 2, 0)], push=False,
+         batched=True)  # both land, from one ChunkReplies
+@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [2], 1, 0), (1, [5], 2, 0)], push=True,
+         batched=False)  # both "written"
+@example(regions=[(0, ENGINE_BLOCK, ENGINE_BLOCK)], chunks=[(0, [0], 1, 3)], push=False,
+         batched=False)  # more said to follow than asked
 def test_a_decode_engine_reads_any_engine_block_reply_as_landed_chunks_or_a_peer_error(hostile_nixl, regions, chunks,
-                                                                                       push):
+                                                                                       push, batched):
     """HBM to HBM a producer names its engine KV regions and each chunk's blocks (pull), or says
-    it wrote each chunk into blocks (push): any regions, block ids, index, checksum or count of
-    replies said to follow end in landed chunks or a PeerError, and D's engine KV is written
-    only in the blocks D named for the chunks (host memory stands in for VRAM)."""
+    it wrote each chunk into blocks (push), one reply a message or ``batched`` in one
+    ChunkReplies: any regions, block ids, index, checksum or count of replies said to follow end
+    in landed chunks or a PeerError, and D's engine KV is written only in the blocks D named for
+    the chunks (host memory stands in for VRAM)."""
     import torch
 
     producer, store, p_agent, d_agent, base = hostile_nixl
@@ -254,8 +269,10 @@ def test_a_decode_engine_reads_any_engine_block_reply_as_landed_chunks_or_a_peer
         landing = Landing((RegionSpan(kv.data_ptr(), ENGINE_BLOCK, ENGINE_BLOCK),), "DRAM", 0, [(2,), (5,)])
         hello = [b"", encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=p_agent.metadata(),
                                         regions=tuple((max(0, base + o), st_, bb) for o, st_, bb in regions)))]
-        replies = [[b"", encode(ChunkReply(VERSION, index, "ok", blocks=tuple(blocks), checksum=checksum,
-                                           written=push, more=more))] for index, blocks, checksum, more in chunks]
+        replies = [ChunkReply(VERSION, index, "ok", blocks=tuple(blocks), checksum=checksum, written=push, more=more)
+                   for index, blocks, checksum, more in chunks]
+        replies = ([[b"", encode(ChunkReplies(VERSION, tuple(replies)))]] if batched and replies
+                   else [[b"", encode(r)] for r in replies])
         with producer.lock:
             producer.replies[:] = [hello, *([hello] if push else []), *replies]
         fetch_from_hostile(producer, store, wait=push, nixl=d_agent, landing=landing)

@@ -107,10 +107,11 @@ def test_a_producers_agent_is_kept_while_its_chunk_server_is_up_and_dropped_once
     assert d.side._nixl_start.watch.dropped == 1
 
 
-def test_a_long_transfer_lands_by_a_few_reads_not_one_per_chunk(engines, monkeypatch):
-    """28 chunks under the lease: once P answers with its blocks, D asks for the rest at once and
+def test_a_long_transfer_lands_by_a_few_reads_and_messages_not_one_per_chunk(engines, monkeypatch):
+    """29 chunks under the lease: once P answers with its blocks, D asks for the rest at once and
     posts all the replies as one READ (a READ's posting cost is paid per READ: posting the replies
-    at hand with each chunk taken made 5 to 8 READs here, a first window then the rest made 2)."""
+    at hand with each chunk taken made 5 to 8 READs here, a first window then the rest made 2).
+    The fetches and replies travel in batches: a message each per chunk made 31 and 30."""
     tokens = tokens_of(28 * CHUNK + 4, seed=3)
     ids = list(range(-(-len(tokens) // BLOCK)))  # 57 blocks, the tail's included
     p, d = engines("p", 1), engines("d", 2)
@@ -122,6 +123,9 @@ def test_a_long_transfer_lands_by_a_few_reads_not_one_per_chunk(engines, monkeyp
     assert d.wait_loaded("d-req") == set()
     assert torch.equal(d.blocks(ids), p.blocks(ids))
     assert p.side.chunk_server.hbm_total == 29 and len(reads) == 1, reads  # one READ per chunk at hand made 5 to 8
+    server = p.side.chunk_server
+    wait_for(lambda: server.received_total == 4)  # hello, the first 16 fetches, the other 13, the release
+    assert server.sent_total == 3, server.sent_total  # the hello's reply and one ChunkReplies a batch
 
 
 def test_after_the_lease_the_consumer_gets_the_cpu_tier_copy_and_no_block_is_held(engines):
