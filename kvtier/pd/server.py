@@ -3,16 +3,15 @@
 Serves the sealed chunks of this rank's store to decode engines by chain key. A chunk not stored
 yet but coming (its save is queued, or its transfer is still being computed: push) is sent the
 moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
-while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed, oversized, unauthenticated or
-wrong-version message is refused and logged; the server keeps serving.
+while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed,
+oversized, unauthenticated or wrong-version message is refused and logged; the server keeps serving.
 
 Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
-the reply carries its address in the registered CPU pool, and the server keeps the chunk's
-buffer until the peer releases the transfer, or has asked nothing for twice ``timeout_ms``
-(:mod:`kvtier.pd.lending`). A push peer names a buffer of its own in each fetch:
-the chunk is written there (a NIXL WRITE posted on this thread) and the reply says so. While
-NIXL peers are known the thread wakes every 10 ms (every 1 ms while a WRITE runs) to let NIXL
-make progress (no progress thread, see :mod:`kvtier.pd.nixl`).
+the reply carries its address in the registered CPU pool, and the server keeps the chunk's buffer
+until the peer releases the transfer, or has asked nothing for twice ``timeout_ms``
+(:mod:`kvtier.pd.lending`). A push peer names a buffer of its own in each fetch: the chunk is
+written there (a NIXL WRITE posted on this thread) and the reply says so. While NIXL peers are
+known the thread wakes every 10 ms (1 ms while a WRITE runs) to let NIXL progress (:mod:`kvtier.pd.nixl`).
 
 HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with NIXL): see
 :mod:`kvtier.pd.hbm_serve`. A pull fetch for a transfer whose lease should begin any moment
@@ -95,8 +94,7 @@ class ChunkServer:
         self._secret = secret
         self._heartbeat_s = timeout_ms / 4000
         self._active_s = max(ACTIVE_S, timeout_ms / 1000)
-        self.rejected = 0
-        self.received_total = self.sent_total = 0  # messages taken (a Fetches is one) and sent (tests, stats)
+        self.rejected = self.received_total = self.sent_total = 0  # messages refused, taken (a Fetches is one), sent
         self.dropped = 0  # replies not sent: the peer's queue was full
         self._waiting: list[_Waiting] = []
         self.pushing = False  # WRITEs into a consumer run or wait for chunks (read by the engine thread)
@@ -177,11 +175,9 @@ class ChunkServer:
         self.received_total += 1
         if isinstance(message, Hello):
             self._hello(identity, message)
-        elif isinstance(message, Fetch):
-            self._fetch(identity, message, time.monotonic())
-        elif isinstance(message, Fetches):
+        elif isinstance(message, (Fetch, Fetches)):
             now = time.monotonic()
-            for fetch in message.fetches:
+            for fetch in inner or (message,):  # a batch: each answered as if it came alone
                 self._fetch(identity, fetch, now)
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
