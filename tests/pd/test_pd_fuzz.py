@@ -12,6 +12,8 @@ that answers nothing costs a timeout).
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import os
 import threading
 import time
@@ -284,3 +286,52 @@ def test_a_decode_engine_reads_any_engine_block_reply_as_landed_chunks_or_a_peer
     while store.cpu_bytes_used() and time.monotonic() < deadline:
         time.sleep(0.01)  # push buffers named where the producer gave no usable regions: quarantined 3 timeouts
     assert store.cpu_bytes_used() == 0
+
+
+@pytest.mark.parametrize("signer", [b"pd-secret", b"another-secret"], ids=["right-mac", "wrong-mac"])
+def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_nixl, signer):
+    """With a shared secret a ChunkReplies is authenticated as a whole (every chunk's block ids and
+    KVSUM64): one signed with another key ends the transfer before any READ, D's blocks untouched;
+    the same batch signed with the secret lands both chunks (the control)."""
+    import torch
+
+    from kvtier.pd.protocol import mac
+
+    producer, store, p_agent, d_agent, base = hostile_nixl
+    kv = torch.zeros(8 * ENGINE_BLOCK, dtype=torch.uint8)  # D's engine KV: 8 blocks, one region
+    d_agent.register([(kv.data_ptr(), kv.numel())])
+    try:
+        landing = Landing((RegionSpan(kv.data_ptr(), ENGINE_BLOCK, ENGINE_BLOCK),), "DRAM", 0, [(2,), (5,)])
+        hello = encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=p_agent.metadata(),
+                                  regions=((base, ENGINE_BLOCK, ENGINE_BLOCK),)))
+        batch = encode(ChunkReplies(VERSION, (ChunkReply(VERSION, 0, "ok", blocks=(0,), more=1),
+                                              ChunkReply(VERSION, 1, "ok", blocks=(1,)))))
+        with producer.lock:
+            producer.replies[:] = [[mac(b"pd-secret", hello), hello], [mac(signer, batch), batch]]
+        got, stop = [], threading.Event()
+
+        def progress() -> None:  # P's agent lives in this process: UCX needs its side to progress too
+            while not stop.wait(0.001):
+                p_agent.progress()
+
+        thread = threading.Thread(target=progress)
+        thread.start()
+        try:
+            with pytest.raises(PeerError) if signer != b"pd-secret" else contextlib.nullcontext():
+                for chunk in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32),
+                                          "t", [(b"k" * 16, 1), (b"l" * 16, 1)], wait=False, timeout_ms=500,
+                                          secret=b"pd-secret", allocate=store.allocate,
+                                          chunk_bytes=lambda n: CHUNK_BYTES, nixl=d_agent, landing=landing):
+                    got.append(chunk)
+        finally:
+            stop.set()
+            thread.join()
+        lent = torch.frombuffer(bytearray(ctypes.string_at(base, 2 * ENGINE_BLOCK)), dtype=torch.uint8)
+        if signer == b"pd-secret":
+            assert [type(c) for c in got] == [Landed, Landed]
+            assert torch.equal(kv[2 * ENGINE_BLOCK: 3 * ENGINE_BLOCK], lent[:ENGINE_BLOCK])
+            assert torch.equal(kv[5 * ENGINE_BLOCK: 6 * ENGINE_BLOCK], lent[ENGINE_BLOCK:])
+        else:
+            assert got == [] and not kv.any(), "a batch under a wrong MAC was READ"
+    finally:
+        d_agent.deregister([(kv.data_ptr(), kv.numel())])
