@@ -297,7 +297,8 @@ def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_
 
     from kvtier.pd.protocol import mac
 
-    producer, store, p_agent, d_agent, base = hostile_nixl
+    _, store, p_agent, d_agent, base = hostile_nixl
+    producer = HostileProducer()  # its own: a late message of an earlier test would take a reply queued here
     kv = torch.zeros(8 * ENGINE_BLOCK, dtype=torch.uint8)  # D's engine KV: 8 blocks, one region
     d_agent.register([(kv.data_ptr(), kv.numel())])
     try:
@@ -335,3 +336,4 @@ def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_
             assert got == [] and not kv.any(), "a batch under a wrong MAC was READ"
     finally:
         d_agent.deregister([(kv.data_ptr(), kv.numel())])
+        producer.close()

@@ -125,7 +125,7 @@ def test_a_long_transfer_lands_by_a_few_reads_and_messages_not_one_per_chunk(eng
     assert p.side.chunk_server.hbm_total == 29 and len(reads) == 1, reads  # one READ per chunk at hand made 5 to 8
     server = p.side.chunk_server
     wait_for(lambda: server.received_total == 4)  # hello, the first 16 fetches, the other 13, the release
-    assert server.sent_total == 3, server.sent_total  # the hello's reply and one ChunkReplies a batch
+    assert server.sent_total <= 5, server.sent_total  # the hello's reply and a ChunkReplies for each turn of P's
 
 
 def test_after_the_lease_the_consumer_gets_the_cpu_tier_copy_and_no_block_is_held(engines):
