@@ -85,6 +85,9 @@ def add_parser(commands) -> None:
                    help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: a local "
                         "hit, the first reload after start, a later one; a prefill batch), traces into "
                         "DIR/<engine>/<round>, and report what grew between them")
+    p.add_argument("--cuda-graphs", action="store_true",
+                   help="run every engine compiled, with vLLM's default CUDA graphs, as vLLM serves by "
+                   "default (each engine starts slower; default: eager, enforce_eager)")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)
@@ -207,7 +210,7 @@ def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], 
              else {"num_gpu_blocks": args.hbm_tokens // 16 + 1})
     return {"model": model, "connector": connector, "kvtier": kvtier or {"cpu_bytes": args.cpu_gib << 30},
             "offload_gib": args.cpu_gib * args.tp,  # vLLM's setting is split over its ranks; kvtier's is per rank
-            **cache, "max_model_len": args.hbm_tokens, "tp": args.tp,
+            **cache, "max_model_len": args.hbm_tokens, "tp": args.tp, "cuda_graphs": args.cuda_graphs,
             "count_transfers": count_transfers, "rounds": rounds}
 
 

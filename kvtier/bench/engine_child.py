@@ -36,7 +36,8 @@ from kvtier.bench.engine_profile import collect, profiler_kwargs
 
 
 def build_engine(spec: dict):
-    """The ``vllm.LLM`` that ``spec`` asks for (dummy weights, token-id prompts, eager)."""
+    """The ``vllm.LLM`` that ``spec`` asks for (dummy weights, token-id prompts, eager unless
+    ``spec["cuda_graphs"]``)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -53,7 +54,8 @@ def build_engine(spec: dict):
         extra["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
     if spec.get("profile_dir"):
         extra.update(profiler_kwargs(spec["profile_dir"]))
-    return LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, enforce_eager=True, seed=0,
+    return LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, seed=0,
+               enforce_eager=not spec.get("cuda_graphs"),
                max_model_len=spec["max_model_len"], gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.85),
                tensor_parallel_size=spec.get("tp", 1),
                disable_log_stats=not spec.get("count_transfers"), **extra)

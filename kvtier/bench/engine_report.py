@@ -64,6 +64,7 @@ def format_table(result: dict) -> str:
     shape = kv_shape_of(result)
     lines = [f"kvtier-bench engine: vLLM {result['vllm']} on {result['device']}"
              + (f", {result['model']}" if result.get("model") else "")
+             + ("; CUDA graphs" if result.get("args", {}).get("cuda_graphs") else "; eager")
              + f"; TTFT ms, median of {result['repeats']}; raw pinned H2D {result['h2d_gbps']:.1f} GB/s; "
              + shape.describe()]
     head = (f"{'tokens':>6} {'recompute':>9} {'local':>6} {'kvtier cpu':>10} {'kvtier disk':>11} {'vLLM offload':>12} "

@@ -15,8 +15,9 @@ both legs: ``NixlPushConnector`` pairs P's finished request with D's by that nam
 
 SPEC: ``{"model": dir, "connector": "kvtier" | "nixl" | "nixl-push" | "none", "kvtier": extra
 config, "engine_id": NIXL engine id | null, "load_format": "dummy" | "auto",
-"gpu_memory_utilization": fraction, "max_model_len": tokens, "block_size": tokens | null}``. The
-engine runs eager, greedy, with token-id prompts only.
+"gpu_memory_utilization": fraction, "max_model_len": tokens, "block_size": tokens | null,
+"engine_args": further LLM(...) keyword arguments}``. The engine runs greedy, with token-id prompts
+only, and eager unless ``engine_args`` sets ``enforce_eager`` false.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ def build_engine(spec: dict):
     """The ``vllm.LLM`` ``spec`` asks for."""
     from vllm import LLM
 
-    kw = {"kv_transfer_config": _transfer_config(spec)} if spec["connector"] != "none" else {}
+    kw = {"enforce_eager": True}  # engine_args may turn it off (pd-engines --cuda-graphs)
+    if spec["connector"] != "none":
+        kw["kv_transfer_config"] = _transfer_config(spec)
     if spec.get("block_size"):
         kw["block_size"] = spec["block_size"]
     kw.update(spec.get("engine_args") or {})  # e.g. {"enable_prefix_caching": True} for a Mamba hybrid
     return LLM(model=spec["model"], load_format=spec.get("load_format", "dummy"), skip_tokenizer_init=True,
-               enforce_eager=True, seed=0, max_model_len=spec["max_model_len"],
+               seed=0, max_model_len=spec["max_model_len"],
                gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.35), disable_log_stats=True, **kw)
 
 

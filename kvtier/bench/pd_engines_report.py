@@ -153,7 +153,8 @@ def _ran(result: dict, row: str) -> bool:
 
 def format_table(result: dict) -> str:
     lines = [f"kvtier-bench pd-engines: vLLM {result['vllm']} on {result['device']}, {placement(result)} "
-             f"(gpu_memory_utilization {result.get('gpu_memory_utilization', '?')} each); TTFT ms, median of "
+             f"(gpu_memory_utilization {result.get('gpu_memory_utilization', '?')} each; "
+             f"{'CUDA graphs' if result.get('cuda_graphs') else 'eager'}); TTFT ms, median of "
              f"{result['repeats']}; KV {result['kv_bytes_per_token'] >> 10} KiB/token"]
     head = (f"{'row':<24} " + " ".join(f"{n + ' tok':>10} {'D leg':>7} {'GB/s':>5}" for n in map(str, result["lengths"]))
             + "  transport")

@@ -105,7 +105,8 @@ class Run:
             kvtier["pd_hbm_push"] = push
         return {"model": self.model, "connector": connector, "kvtier": kvtier, "load_format": self.args.load_format,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "max_model_len": max(self.lengths) + 64,
-                "engine_args": {"tensor_parallel_size": self.tp} if self.tp > 1 else {}}
+                "engine_args": ({"tensor_parallel_size": self.tp} if self.tp > 1 else {})
+                | ({"enforce_eager": False} if self.args.cuda_graphs else {})}
 
     def engine(self, name: str, role: str, spec: dict, workdir: str, extra_env: dict | None = None) -> Engine:
         """Start one engine on its device (``--devices``), UCX printing the protocols it selects."""
@@ -325,6 +326,7 @@ class Run:
                 "devices": {"P": devices[0], "D": devices[1]} if devices else None, "tp": self.tp,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
                 "hbm_push": self.args.hbm_push, "device": _device_name(), "vllm": vllm_version(),
+                "cuda_graphs": bool(self.args.cuda_graphs),
                 "ucx_cuda_ipc_cache": os.environ.get("UCX_CUDA_IPC_CACHE", "n (kvtier's default)")}
 
 

@@ -99,3 +99,25 @@ def test_local_repeats_gives_each_prompt_that_many_local_hits():
     rounds = engine._ttft_rounds(args, [8192], 0, reload=True)
     assert sum(1 for r in rounds if r["tag"][0] == "local") == 3 * args.repeats
     assert sum(1 for r in rounds if r["tag"][0] == "reload") == args.repeats
+
+
+def test_cuda_graphs_reach_every_engine_and_the_table_says_so(monkeypatch):
+    import sys
+    import types
+
+    from kvtier.bench import engine_child
+
+    args = build_parser().parse_args(["engine", "--cuda-graphs"])
+    assert args.cuda_graphs and not build_parser().parse_args(["engine"]).cuda_graphs
+    built = []
+    vllm, config = types.ModuleType("vllm"), types.ModuleType("vllm.config")
+    vllm.LLM, config.KVTransferConfig = (lambda **kw: built.append(kw)), (lambda **kw: kw)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.config", config)
+    spec = {"model": "/m", "connector": "none", "max_model_len": 1024}
+    engine_child.build_engine(spec)
+    engine_child.build_engine({**spec, "cuda_graphs": True})
+    assert [kw["enforce_eager"] for kw in built] == [True, False]
+    graphs = {**made_up(), "identical": True, "args": {"cuda_graphs": True}}
+    assert "; CUDA graphs; TTFT ms" in engine.format_table(graphs)
+    assert "; eager; TTFT ms" in engine.format_table({**made_up(), "identical": True})  # results before the flag

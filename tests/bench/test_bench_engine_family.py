@@ -61,11 +61,12 @@ def test_kv_shape_reads_the_pattern_the_text_config_and_ignores_an_unused_window
 
 def _args(**over) -> argparse.Namespace:
     base = dict(hbm_tokens=64 << 10, cpu_gib=16, repeats=2, settle_s=1.0, ttft_only=False, prefill_len=1024,
-                prefill_batch=2, sessions=2, session_len=1024, chat_rounds=2, tp=1)
+                prefill_batch=2, sessions=2, session_len=1024, chat_rounds=2, tp=1, cuda_graphs=False)
     return argparse.Namespace(**{**base, **over})
 
 
 def test_a_windowed_model_gets_its_kv_cache_in_bytes_and_llama_in_blocks():
+    assert engine._spec(_args(cuda_graphs=True), "/m", kv_shape(LLAMA3_8B), "kvtier", [])["cuda_graphs"] is True
     gemma = engine._spec(_args(), "/m", kv_shape(GEMMA3_LIKE), "offload", [], count_transfers=True)
     assert gemma["kv_cache_bytes"] == (65536 + 16) * (384 << 10) and "num_gpu_blocks" not in gemma  # + a block
     assert gemma["count_transfers"] and gemma["offload_gib"] == 16 and gemma["max_model_len"] == 65536

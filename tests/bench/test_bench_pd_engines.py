@@ -97,7 +97,7 @@ def test_table_shows_rows_run_their_transport_and_whether_every_answer_loaded(tm
     assert rows["kvtier pull after lease"].endswith("NIXL to CPU tier") and "650" in rows["kvtier pull after lease"]
     assert re.search(r"\nNixlPushConnector push +skipped: vLLM 0.24.0 registers no NixlPushConnector\n", table)
     assert "NixlConnector pull" not in table and "kvtier pull zmq" not in table and ": yes" in table
-    assert "P on device 0, D on device 1 (gpu_memory_utilization 0.8 each)" in table
+    assert "P on device 0, D on device 1 (gpu_memory_utilization 0.8 each; eager)" in table
     assert "UCX (kvtier): intra-node: remote memory read by ucp_get* from cuda memory: cuda_ipc" in table
     assert "self: remote memory" not in table
     assert "P's lease (2000 ms) + 500 ms" in table
@@ -288,7 +288,7 @@ def run(tmp_path, monkeypatch):
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2, tp=1,
                               hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"),
-                              zmq=True)
+                              zmq=True, cuda_graphs=False)
     r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     r.waits = waits
     return r
@@ -443,7 +443,8 @@ def test_at_tp_2_the_devices_are_p_s_two_then_d_s_two_and_each_engine_runs_at_tp
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=1,
-                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2)
+                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2,
+                              cuda_graphs=False)
     run = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     assert run.spec("kvtier")["engine_args"] == {"tensor_parallel_size": 2}
     assert run.push_legs("1", "t", 5600, run.tp)[1]["tp_size"] == 2
@@ -455,3 +456,18 @@ def test_tp_without_devices_is_refused_naming_the_flag():
     run = subprocess.run([sys.executable, "-m", "kvtier.bench.cli", "pd-engines", "--tp", "2"],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert run.returncode == 2 and "argument --tp: needs --devices" in run.stderr, run.stderr
+
+
+def test_cuda_graphs_turn_eager_off_in_every_engine_and_the_table_says_so(run, monkeypatch):
+    built = []
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = lambda **kw: built.append(kw)
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    spec = {**run.spec("none"), "connector": "none"}
+    pd_child.build_engine(spec)
+    run.args.cuda_graphs = True
+    pd_child.build_engine({**run.spec("none"), "connector": "none"})
+    assert [kw["enforce_eager"] for kw in built] == [True, False]
+    assert run.result()["cuda_graphs"] is True
+    assert "; CUDA graphs)" in pd_engines.format_table({**_result(), "cuda_graphs": True})
+    assert "; eager)" in pd_engines.format_table(_result())  # results written before the flag: eager

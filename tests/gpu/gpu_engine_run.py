@@ -14,8 +14,9 @@ the RESULT's rounds as in kvtier.bench.ttft's child runner):
   rounds: [{"prompts": [[ids]], "reset": bool, "max_tokens": int, "pause_s": float}],
   wait_disk: {"path", "files", "timeout_s"} (after the rounds: wait until that many chunk files
   are written, so that a fresh engine finds them).
-RESULT: {"vllm_version", "async_scheduling", "block_size", "kv_cache_dtype", "num_gpu_blocks",
-  "start_s", "rounds": [{"seconds", "outputs": [{"tokens", "cached", "top": [[[token, logprob]]]}],
+RESULT: {"vllm_version", "async_scheduling", "enforce_eager", "cudagraph_mode", "block_size",
+  "kv_cache_dtype", "num_gpu_blocks", "start_s",
+  "rounds": [{"seconds", "outputs": [{"tokens", "cached", "top": [[[token, logprob]]]}],
   "admissions": {kvtier plan kind: count}, "preemptions": int|null}], "counts": {...},
   "preemptions": int|null, "disk_files": int|null}. ``cached`` is vLLM's num_cached_tokens
   (its own prefix cache plus what the connector loaded); ``admissions``/``counts`` are kvtier's
@@ -103,6 +104,7 @@ def main() -> None:
     config = getattr(llm.llm_engine, "vllm_config", None)
     scheduler_config = getattr(config, "scheduler_config", None)
     cache_config = getattr(config, "cache_config", None)
+    compilation = getattr(config, "compilation_config", None)
     # In-process engine core only (VLLM_ENABLE_V1_MULTIPROCESSING=0): kvtier's scheduler half.
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)
     scheduler = getattr(core, "scheduler", None)
@@ -146,6 +148,8 @@ def main() -> None:
     result = {
         "vllm_version": getattr(vllm, "__version__", "unknown"),
         "async_scheduling": getattr(scheduler_config, "async_scheduling", None),
+        "enforce_eager": getattr(getattr(config, "model_config", None), "enforce_eager", None),
+        "cudagraph_mode": str(getattr(compilation, "cudagraph_mode", None)),
         "block_size": getattr(cache_config, "block_size", None),
         "kv_cache_dtype": getattr(cache_config, "cache_dtype", None),
         "num_gpu_blocks": getattr(cache_config, "num_gpu_blocks", None),
