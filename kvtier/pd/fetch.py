@@ -84,7 +84,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
                  (transfer_id, items, wait))
     try:
         if nixl is not None:
-            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"),
+            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), transfer_id=transfer_id,
                                             hbm=landing is not None and not emulated(endpoint))
         reply = peer.hello(hello)
         writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
@@ -99,6 +99,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             remote = tuple(RegionSpan(*r) for r in reply.regions)
             if landing is not None and remote and compatible(landing.regions, remote):
                 peer.hbm = Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
+                peer.lent = reply.lending and not wait  # P lends the transfer's blocks: ask for them all at once
         peer.handshake_s = time.perf_counter() - begin
         how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
                if peer.hbm else "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")

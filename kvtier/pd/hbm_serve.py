@@ -52,18 +52,20 @@ class HbmServing:
         self.lease_waits = 0  # looks at fetches that found their transfer's lease not begun yet
 
     def hello(self, identity: bytes, hello: Hello, same_layout: bool, writer: str | None,
-              ) -> tuple[tuple[tuple[int, int, int], ...], int]:
+              ) -> tuple[tuple[tuple[int, int, int], ...], int, bool]:
         """Note what a consumer's hello offers (``writer``: its NIXL peer name when it gave its
-        metadata); the regions and device to put in the reply (empty: no HBM to HBM)."""
+        metadata); the regions and device to put in the reply (empty: no HBM to HBM), and whether
+        the transfer it names is lent now (its chunks may all be asked for at once)."""
         engine = self.engine
         if not (hello.hbm and engine is not None and same_layout):
             self.forget(identity)
-            return (), 0
+            return (), 0, False
         self._readers.add(identity)
         theirs = tuple(RegionSpan(*r) for r in hello.regions)
         if writer is not None and theirs and compatible(engine.regions, theirs):
             self._targets[identity] = (writer, theirs, hello.device)
-        return tuple((r.base, r.stride, r.block_bytes) for r in engine.regions), engine.device
+        lending = bool(hello.transfer_id) and engine.leases.holds(hello.transfer_id)
+        return tuple((r.base, r.stride, r.block_bytes) for r in engine.regions), engine.device, lending
 
     def forget(self, identity: bytes) -> None:
         """The peer's connection ended (released, or gone quiet)."""

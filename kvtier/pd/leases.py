@@ -134,6 +134,12 @@ class BlockLeases:
         logger.debug("kvtier P/D: lease of transfer %s began: %d blocks for %.0f ms", transfer_id, len(block_ids),
                      lease_s * 1000)
 
+    def holds(self, transfer_id: str) -> bool:
+        """Whether ``transfer_id``'s blocks are under a lease now (a pull may ask for them all at once)."""
+        with self._lock:
+            lease = self._leases.get(transfer_id)
+            return lease is not None and self._clock() < lease.ends_s
+
     def end_now(self, req_id: str) -> None:
         """The request's blocks are not to be kept at all (no way to lend them here)."""
         with self._lock:

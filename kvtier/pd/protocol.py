@@ -65,6 +65,7 @@ BATCH_BYTES = 32 << 10  # a Fetches message stays under this many bytes (half of
 
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+MaybeTransferId = Annotated[str, msgspec.Meta(max_length=256)]  # "": none
 Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 20)]
 Address = Annotated[int, msgspec.Meta(ge=0, le=(1 << 63) - 1)]  # user-space addresses fit
 Size = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
@@ -101,6 +102,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     hbm: bool = False  # D registered its engine KV with NIXL: it may READ P's engine blocks into it
     regions: tuple[RegionAddress, ...] = ()  # D's engine KV (second hello): P may WRITE blocks into it
     device: Device = 0  # the CUDA device of those regions in D's process
+    transfer_id: MaybeTransferId = ""  # the transfer D is about to fetch (P says whether it lends its blocks)
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
@@ -151,6 +153,7 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     nixl: bytes = b""  # P's NIXL agent metadata, with transport "nixl"
     regions: tuple[RegionAddress, ...] = ()  # P's engine KV, when it may lend engine blocks (hbm)
     device: Device = 0  # the CUDA device of those regions in P's process
+    lending: bool = False  # P holds the hello's transfer's engine blocks under a lease: ask for every chunk
 
 
 ChunkStatus = Literal["ok", "missing", "pending", "refused", "released"]

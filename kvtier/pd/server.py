@@ -197,7 +197,7 @@ class ChunkServer:
         error = ""
         if hello.tp_size != mine.tp_size:
             error = f"tensor-parallel size {hello.tp_size} on the decode engine, {mine.tp_size} here"
-        transport, metadata, regions, device = "zmq", b"", (), 0
+        transport, metadata, regions, device, lending = "zmq", b"", (), 0, False
         if not error and self.nixl is not None and "nixl" in hello.transports:
             transport, metadata = "nixl", self.nixl.metadata()
             self._nixl_peers[identity] = time.monotonic()
@@ -208,13 +208,13 @@ class ChunkServer:
                 except Exception as exc:  # bad metadata, UCX cannot reach it: the peer READs instead
                     logger.warning("kvtier P/D chunk server: cannot reach a decode engine's NIXL agent (%s); "
                                    "it reads the chunks itself.", exc)
-            regions, device = self._hbm.hello(identity, hello, hello.fingerprint == mine.fingerprint,
-                                              self._writers.get(identity))
+            regions, device, lending = self._hbm.hello(identity, hello, hello.fingerprint == mine.fingerprint,
+                                                       self._writers.get(identity))
         else:
             self._nixl_peers.pop(identity, None)
             self._hbm.forget(identity)
         self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
-                                        mine.tp_size, error, transport, metadata, regions, device))
+                                        mine.tp_size, error, transport, metadata, regions, device, lending))
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""

@@ -45,7 +45,7 @@ any_fetch = st.builds(Fetch, st.integers(-2, 7), st.text(max_size=300), st.integ
                       st.binary(max_size=20), st.integers(-1, 1 << 21), st.booleans())
 structs = st.one_of(
     st.builds(Hello, st.integers(-2, 3), st.integers(-1, 4), st.integers(-1, 4), st.binary(max_size=20),
-              st.text(max_size=50), st.integers(-1, 1 << 21)),
+              st.text(max_size=50), st.integers(-1, 1 << 21), transfer_id=st.text(max_size=300)),
     any_fetch,
     st.builds(Fetches, st.integers(-2, 7), st.lists(any_fetch, max_size=MAX_BATCH + 1).map(tuple)),
     st.builds(Release, st.integers(-2, 3), st.text(max_size=300)),

@@ -38,6 +38,20 @@ def test_a_lease_hands_out_each_chunks_blocks_by_key():
     assert lease.held_bytes == 5000
 
 
+def test_a_transfer_is_held_from_its_lease_until_the_lease_ends_or_is_released():
+    clock = Clock()
+    lease = leases(clock)
+    lease.live("t", "r", (1, 2), KEYS[:1])
+    assert not lease.holds("t")  # the running request's blocks: its chunks come as they are computed
+    lease.lend("t", "r", (1, 2), KEYS[:1], 2.0)
+    assert lease.holds("t") and not lease.holds("other")
+    clock.now = 2.0
+    assert not lease.holds("t")  # its time is up
+    lease.lend("u", "s", (3, 4), KEYS[1:2], 2.0)
+    lease.release("u")
+    assert not lease.holds("u")
+
+
 def test_an_unread_lease_ends_on_time_and_its_request_is_reported_once():
     clock = Clock()
     lease = leases(clock)

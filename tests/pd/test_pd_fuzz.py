@@ -47,7 +47,7 @@ fetches = st.builds(Fetch, st.just(VERSION), st.text(min_size=1, max_size=20), s
                     blocks=st.lists(st.integers(0, 1 << 40), max_size=4).map(tuple))
 requests = st.one_of(
     st.builds(Hello, st.just(VERSION), st.integers(0, 3), st.integers(0, 3), st.just(FP), st.text(max_size=20),
-              st.integers(0, 1 << 10), hbm=st.booleans(),
+              st.integers(0, 1 << 10), hbm=st.booleans(), transfer_id=st.text(max_size=20),
               regions=st.lists(st.tuples(*[st.integers(0, 1 << 40)] * 3), max_size=3).map(tuple)),
     fetches,
     st.builds(Fetches, st.just(VERSION), st.lists(fetches, min_size=1, max_size=4).map(tuple)),
@@ -288,11 +288,13 @@ def test_a_decode_engine_reads_any_engine_block_reply_as_landed_chunks_or_a_peer
     assert store.cpu_bytes_used() == 0
 
 
+@pytest.mark.parametrize("lending", [False, True], ids=["window", "lending"])
 @pytest.mark.parametrize("signer", [b"pd-secret", b"another-secret"], ids=["right-mac", "wrong-mac"])
-def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_nixl, signer):
+def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_nixl, signer, lending):
     """With a shared secret a ChunkReplies is authenticated as a whole (every chunk's block ids and
     KVSUM64): one signed with another key ends the transfer before any READ, D's blocks untouched;
-    the same batch signed with the secret lands both chunks (the control)."""
+    the same batch signed with the secret lands both chunks (the control); alike whether P's
+    hello reply said it lends the transfer (D asks for every chunk at once) or not."""
     import torch
 
     from kvtier.pd.protocol import mac
@@ -304,7 +306,7 @@ def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_
     try:
         landing = Landing((RegionSpan(kv.data_ptr(), ENGINE_BLOCK, ENGINE_BLOCK),), "DRAM", 0, [(2,), (5,)])
         hello = encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=p_agent.metadata(),
-                                  regions=((base, ENGINE_BLOCK, ENGINE_BLOCK),)))
+                                  regions=((base, ENGINE_BLOCK, ENGINE_BLOCK),), lending=lending))
         batch = encode(ChunkReplies(VERSION, (ChunkReply(VERSION, 0, "ok", blocks=(0,), more=1),
                                               ChunkReply(VERSION, 1, "ok", blocks=(1,)))))
         with producer.lock:

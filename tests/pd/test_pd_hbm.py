@@ -44,6 +44,14 @@ def lend(p: Engine, transfer_id: str, lease_ms: int = 2000, tokens: list[int] = 
     p.side.lend((Lend("p-req", transfer_id, tuple(ids), tuple(full + [tail]), lease_ms),))
 
 
+def spy_lending(p: Engine, monkeypatch) -> list[bool]:
+    """What P's hello replies say of the transfer they name: lent now (D may ask for it all)."""
+    said, hbm = [], p.side.chunk_server._hbm
+    hello = hbm.hello
+    monkeypatch.setattr(hbm, "hello", lambda *a, **k: (r := hello(*a, **k), said.append(r[2]))[0])
+    return said
+
+
 def wait_ended(p: Engine, req_id: str = "p-req", timeout_s: float = 10.0) -> float:
     """Seconds until P's workers say the request's blocks may be freed."""
     start = time.monotonic()
@@ -108,15 +116,17 @@ def test_a_producers_agent_is_kept_while_its_chunk_server_is_up_and_dropped_once
 
 
 def test_a_long_transfer_lands_by_a_few_reads_and_messages_not_one_per_chunk(engines, monkeypatch):
-    """29 chunks under the lease: once P answers with its blocks, D asks for the rest at once and
-    posts all the replies as one READ (a READ's posting cost is paid per READ: posting the replies
-    at hand with each chunk taken made 5 to 8 READs here, a first window then the rest made 2).
-    The fetches and replies travel in batches: a message each per chunk made 31 and 30."""
+    """29 chunks under the lease: P's hello reply says it lends them, so D asks for them all at
+    once and posts all the replies as one READ (a READ's posting cost is paid per READ: posting
+    the replies at hand with each chunk taken made 5 to 8 READs here, a first window then the
+    rest made 2). The fetches and replies travel in batches: a message each per chunk made 31 and
+    30; a first window of 16 fetches before P's hello reply said it lends, 4 and 5."""
     tokens = tokens_of(28 * CHUNK + 4, seed=3)
     ids = list(range(-(-len(tokens) // BLOCK)))  # 57 blocks, the tail's included
     p, d = engines("p", 1), engines("d", 2)
     publish(p, tokens, ids, "t-long")
     lend(p, "t-long", tokens=tokens, ids=ids)
+    lending = spy_lending(p, monkeypatch)
     reads, read = [], d.side.nixl.read
     monkeypatch.setattr(d.side.nixl, "read", lambda *a, **k: reads.append(len(a[1])) or read(*a, **k))
     d.side.start_loads((remote_job("d-req", tokens, ids, "t-long", p.endpoint),))
@@ -124,19 +134,22 @@ def test_a_long_transfer_lands_by_a_few_reads_and_messages_not_one_per_chunk(eng
     assert torch.equal(d.blocks(ids), p.blocks(ids))
     assert p.side.chunk_server.hbm_total == 29 and len(reads) == 1, reads  # one READ per chunk at hand made 5 to 8
     server = p.side.chunk_server
-    wait_for(lambda: server.received_total == 4)  # hello, the first 16 fetches, the other 13, the release
-    assert server.sent_total <= 5, server.sent_total  # the hello's reply and a ChunkReplies for each turn of P's
+    assert lending == [True]
+    wait_for(lambda: server.received_total == 3)  # hello, the 29 fetches, the release
+    assert server.sent_total <= 4, server.sent_total  # the hello's reply and a ChunkReplies for each turn of P's
 
 
-def test_after_the_lease_the_consumer_gets_the_cpu_tier_copy_and_no_block_is_held(engines):
+def test_after_the_lease_the_consumer_gets_the_cpu_tier_copy_and_no_block_is_held(engines, monkeypatch):
     p, d = engines("p", 1, pd_hbm_lease_ms=100), engines("d", 2)
     publish(p, PROMPT, P_BLOCKS, "t1")
     lend(p, "t1", lease_ms=100)
     assert p.side.engine_kv.held_bytes == len(P_BLOCKS) * p.side.transfers.layout.bytes_per_block
     assert wait_ended(p) < 5
     assert p.side.engine_kv.held_bytes == 0 and p.side.engine_kv.leases.stats.expired == 1
+    lending = spy_lending(p, monkeypatch)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
     assert d.wait_loaded("d-req") == set()  # no recompute
+    assert lending == [False]  # no lease: D asks a window at a time (each chunk takes a CPU-tier buffer)
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
     assert p.side.chunk_server.hbm_total == 0 and p.side.chunk_server.lent_total == 4
     assert d.side.transfers.stats.landed_bytes == 0
