@@ -463,8 +463,7 @@ def test_cuda_graphs_turn_eager_off_in_every_engine_and_the_table_says_so(run, m
     vllm = types.ModuleType("vllm")
     vllm.LLM = lambda **kw: built.append(kw)
     monkeypatch.setitem(sys.modules, "vllm", vllm)
-    spec = {**run.spec("none"), "connector": "none"}
-    pd_child.build_engine(spec)
+    pd_child.build_engine({**run.spec("none"), "connector": "none"})
     run.args.cuda_graphs = True
     pd_child.build_engine({**run.spec("none"), "connector": "none"})
     assert [kw["enforce_eager"] for kw in built] == [True, False]
