@@ -248,7 +248,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             profiles[name] = {tag: engine_profile.summarize(paths) for tag, paths in out.get("profiles", {}).items()}
             if name == "kvtier":
                 result["kvtier_load_ms"] = load_times(log)
-                result["kvtier_stages_ms"], result["kvtier_first_load_stages_ms"] = load_stages(log)
+                result["kvtier_stages_ms"], result["kvtier_first_load_stages_ms"] = load_stages(log, _reloads(rounds))
                 result["kvtier_start_lines"] = [m[0] for m in _STARTED.finditer(log)]  # what its start-up cost
             progress(f"engine {name}: started in {out['start_s']:.1f} s; " + _summary(result, name))
         if "disk" in engines:
@@ -317,10 +317,18 @@ def _collect(result: dict, name: str, rounds: list[dict], out: dict) -> None:
             result["prefill_tok_s"].setdefault(name, []).append(tokens / one["seconds"])
 
 
-def load_stages(log: str) -> tuple[dict[str, float], dict[str, float]]:
+def _reloads(rounds: list[dict]) -> int:
+    """How many of ``rounds`` reload one prompt after a reset: the TTFT reloads, which come before
+    the prefill and chat rounds (whose loads, among busy steps, are not a reload's time)."""
+    return sum(1 for r in rounds if r.get("reset") and len(r.get("prompts", ())) == 1)
+
+
+def load_stages(log: str, reloads: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """From an engine log's timeline marks: the median ms of each stage over the requests that
-    loaded something, and the same for the first of them (the first load after start)."""
+    loaded something (the first ``reloads`` of them, if given), and the same for the first of
+    them (the first load after start)."""
     loaded = {r: m for r, m in timeline.read(log.splitlines())[0].items() if "load seen" in m}  # in log order
+    loaded = dict(list(loaded.items())[:reloads])
 
     def ms(marks: dict[str, dict]) -> dict[str, float]:
         return {stage: round(v, 2) for stage, v, _ in timeline.stages(marks, {})}

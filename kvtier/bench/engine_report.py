@@ -89,7 +89,7 @@ def format_table(result: dict) -> str:
         lines.append("where a kvtier reload's time goes (median ms): " + "; ".join(
             f"{n} tokens: load in the worker {_med(loads[n]):.0f} (raw H2D of its bytes {copy_ms(result, int(n)):.0f})"
             for n in map(str, result["lengths"]) if n in loads))
-    for key, what in (("kvtier_stages_ms", "a kvtier reload's stages (median ms over every reload"),
+    for key, what in (("kvtier_stages_ms", "a kvtier reload's stages (median ms over the TTFT reloads"),
                       ("kvtier_first_load_stages_ms", "the first load after start (ms")):
         if result.get(key):
             lines.append(f"{what}, kvtier timeline): " + ", ".join(f"{s} {ms:.1f}" for s, ms in result[key].items()))

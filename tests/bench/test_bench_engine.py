@@ -61,7 +61,7 @@ def test_a_kvtier_reloads_stages_from_its_timeline_marks_are_printed():
     result = made_up()
     result["identical"] = True
     result["kvtier_stages_ms"] = {"arrived -> planned": 0.4, "load began -> load ended": 22.0}
-    assert ("a kvtier reload's stages (median ms over every reload, kvtier timeline): arrived -> planned 0.4, "
+    assert ("a kvtier reload's stages (median ms over the TTFT reloads, kvtier timeline): arrived -> planned 0.4, "
             "load began -> load ended 22.0") in engine.format_table(result)
     del result["kvtier_stages_ms"]
     assert "stages" not in engine.format_table(result)
@@ -82,6 +82,15 @@ def test_load_stages_take_the_requests_that_loaded_and_the_first_of_them_apart()
     assert first["load reported -> load seen"] == 129.0 and every["load reported -> load seen"] == 65.5
     assert "looked up -> finished" not in every  # the local hit is not a reload
     assert engine.load_stages("no marks") == ({}, {})
+    only_first, _ = engine.load_stages(log, reloads=1)  # a later load (a chat round's, say) left out
+    assert only_first["load reported -> load seen"] == 129.0
+
+
+def test_the_ttft_reloads_are_the_single_prompt_rounds_after_a_reset():
+    args = build_parser().parse_args(["engine", "--repeats", "2", "--prompt-lens", "8k,32k"])
+    rounds = engine._ttft_rounds(args, [8192, 32768], 0, reload=True) + engine._workload_rounds(args)
+    assert engine._reloads(rounds) == 2 * 2 + 2  # a reload per length and repeat, a checked one per length
+    assert engine._reloads(engine._ttft_rounds(args, [8192], 0, reload=False)) == 0
 
 
 def test_each_engines_local_hit_is_set_beside_no_connectors_with_its_spread():
