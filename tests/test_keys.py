@@ -39,3 +39,16 @@ def test_keys_identical_across_processes_and_hash_seeds():
         for seed in ("0", "1", "12345")
     }
     assert len(outs) == 1 and outs.pop().strip() == chunk_keys(list(range(1000)), 256, namespace("m", "s"))[-1].hex()
+
+
+def test_keys_are_a_stored_format_and_do_not_change():
+    """Chunk files on disk and in a shared tier are found again by these keys: the same tokens
+    must give the same keys in every release (int64 little-endian token ids, chained blake3)."""
+    from kvtier.keys import tail_key
+
+    root = namespace("golden-model", "salt")
+    tokens = list(range(1000, 1600)) + [-5, 2**40]  # two chunks of 256 and a tail of 90
+    keys = chunk_keys(tokens, 256, root)
+    assert root.hex() == "f14ec0364cd9f781e7a22b5519185469"
+    assert [k.hex() for k in keys] == ["f99e7e56d997cd9094905e55f84b729f", "501de8bbc42c885c3b2b388042f82c8a"]
+    assert tail_key(tokens, 256, root, keys).hex() == "a226cf3937898d6c2fd4510d006de519"
