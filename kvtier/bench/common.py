@@ -47,6 +47,13 @@ def positive(text: str) -> int:
     return value
 
 
+def add_cuda_graphs_flag(parser: argparse.ArgumentParser) -> None:
+    """``--cuda-graphs``, shared by the benches that start vLLM engines (eager by default)."""
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="run every engine compiled, with vLLM's default CUDA graphs, as vLLM serves by "
+                        "default (each engine starts slower; default: eager, enforce_eager)")
+
+
 def token_list(text: str) -> tuple[int, ...]:
     """An argparse type: ``2k,8k`` -> ``(2048, 8192)`` tokens."""
     parts = [part for part in text.split(",") if part.strip()]

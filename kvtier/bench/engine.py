@@ -38,7 +38,8 @@ from dataclasses import asdict
 
 from kvtier import timeline
 from kvtier.bench import engine_profile
-from kvtier.bench.common import Progress, names_from, parse_tokens, positive, token_lengths, vllm_version
+from kvtier.bench.common import (Progress, add_cuda_graphs_flag, names_from, parse_tokens, positive, token_lengths,
+                                 vllm_version)
 from kvtier.bench.engine_model import FAMILIES, KvShape, read_kv_shape, write_model_dir
 from kvtier.bench.engine_report import MiB, format_table, reload_bytes, write_plot
 from kvtier.bench.ttft import spawn
@@ -85,9 +86,7 @@ def add_parser(commands) -> None:
                    help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: a local "
                         "hit, the first reload after start, a later one; a prefill batch), traces into "
                         "DIR/<engine>/<round>, and report what grew between them")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="run every engine compiled, with vLLM's default CUDA graphs, as vLLM serves by "
-                   "default (each engine starts slower; default: eager, enforce_eager)")
+    add_cuda_graphs_flag(p)
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)

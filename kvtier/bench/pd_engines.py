@@ -41,7 +41,7 @@ import os
 import sys
 import tempfile
 
-from kvtier.bench.common import BenchError, Progress, names_from, positive, token_lengths
+from kvtier.bench.common import BenchError, Progress, add_cuda_graphs_flag, names_from, positive, token_lengths
 from kvtier.bench.engine_model import LLAMA3_8B
 from kvtier.bench.pd_engine_proc import Engine  # noqa: F401 - the GPU tests start engines from here
 from kvtier.bench.pd_engines_report import ROWS, format_table, transfer_gbps, write_plot  # noqa: F401 - this command's outputs
@@ -81,9 +81,7 @@ def add_parser(commands) -> None:
                    "start fewer)")
     p.add_argument("--cpu-gib", type=positive, default=16, help="kvtier's CPU tier in each engine, GiB (default 16)")
     p.add_argument("--chunk-tokens", type=positive, default=256, help="kvtier's chunk_tokens (default 256)")
-    p.add_argument("--cuda-graphs", action="store_true",
-                   help="run every engine compiled, with vLLM's default CUDA graphs, as vLLM serves by "
-                   "default (each engine starts slower; default: eager, enforce_eager)")
+    add_cuda_graphs_flag(p)
     p.add_argument("--keep-logs", metavar="DIR", help="write the engines' logs to DIR and keep them")
     p.add_argument("--json", metavar="FILE", help="write every sample to FILE (also after each repeat)")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of TTFT per row and length (needs matplotlib)")
