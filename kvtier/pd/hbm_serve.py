@@ -64,8 +64,8 @@ class HbmServing:
         theirs = tuple(RegionSpan(*r) for r in hello.regions)
         if writer is not None and theirs and compatible(engine.regions, theirs):
             self._targets[identity] = (writer, theirs, hello.device)
-        lending = bool(hello.transfer_id) and engine.leases.holds(hello.transfer_id)
-        return tuple((r.base, r.stride, r.block_bytes) for r in engine.regions), engine.device, lending
+        regions = tuple((r.base, r.stride, r.block_bytes) for r in engine.regions)
+        return regions, engine.device, engine.leases.holds(hello.transfer_id)  # "": no transfer, no lease
 
     def forget(self, identity: bytes) -> None:
         """The peer's connection ended (released, or gone quiet)."""
