@@ -7,6 +7,11 @@ shuffled order, chunk buffers of 256 tokens (16 blocks, 32 MiB) in pinned host m
 Run on a GPU machine: ``python bench/gpu_copy.py [--out DIR] [--quick]``. Prints a table, writes
 ``gpu_copy.json`` (and ``gpu_copy.png`` when matplotlib is there) to ``--out`` (default $OUT or
 bench/results). Every section is saved as soon as it is measured, so a cut-off run keeps its data.
+
+``python bench/gpu_copy.py --checksum-pass`` measures only the read-only KVSUM64 pass a P/D decode
+engine runs over chunks that landed in its engine blocks (:class:`kvtier.transfer.landed.BlockSums`:
+one plan, one launch over every SM): the kernel alone and with the plan built, at 16 and all
+chunks; writes ``checksum_pass.json``.
 """
 
 from __future__ import annotations
@@ -338,6 +343,43 @@ class Bench:
         fig.savefig(self.out / "gpu_copy.png", dpi=110)
 
 
+def checksum_pass(args) -> None:
+    """The read-only checksum pass over landed chunks, as ``BlockSums.launch`` runs it: best of 5."""
+    layout, spans, _, payload = setup(args.tokens)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    scratch = torch.empty(codec.chunk_bytes(layout, CHUNK_BLOCKS), dtype=torch.uint8, device="cuda")
+    want = torch.zeros(len(spans), dtype=torch.int64, device="cuda")
+    cuda_ops.gather(layout, spans, checksums_out=want)  # the save's own sums of the same blocks
+    rows = []
+    print(f"{'chunks':>6s} {'GiB':>5s} {'kernel ms':>9s} {'GB/s':>6s} {'plan + kernel + wait ms':>23s}  sums as the save's")
+    for count in sorted({16, len(spans)}):
+        landed = [ChunkSpan(scratch, CHUNK_BLOCKS, 0, s.block_ids) for s in spans[:count]]
+        sums = torch.zeros(count, dtype=torch.int64, device="cuda")
+        kernel, whole = [], []
+        for _ in range(6):
+            begin = time.perf_counter()
+            plan = triton_ops.build_plan(layout, landed, write=False)
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            sums.zero_()
+            a.record()
+            cuda_ops.launch(plan, gather=True, sums=sums, max_ctas=sms)
+            b.record()
+            b.synchronize()
+            whole.append(time.perf_counter() - begin)
+            kernel.append(a.elapsed_time(b) / 1e3)
+        same = torch.equal(sums, want[:count])
+        row = dict(chunks=count, bytes=count * payload, kernel_ms=min(kernel[1:]) * 1e3, whole_ms=min(whole[1:]) * 1e3, same=same)
+        rows.append(row)
+        print(f"{count:6d} {row['bytes'] / GiB:5.2f} {row['kernel_ms']:9.3f} {row['bytes'] / row['kernel_ms'] / 1e6:6.0f} "
+              f"{row['whole_ms']:23.3f}  {'yes' if same else 'NO'}", flush=True)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "checksum_pass.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), sms=sms, rows=rows), indent=1))
+    print(f"wrote {out / 'checksum_pass.json'}")
+    if not all(r["same"] for r in rows):
+        sys.exit(1)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT") or str(Path(__file__).parent / "results"))
@@ -355,7 +397,10 @@ def main():
         "triton-c16-t16k-w16", "triton-c132-t16k-w16", "cuda-c1", "cuda-c2", "cuda-c8"])
     ap.add_argument("--small", nargs="+", default=["dma-staged-cuda-c4-4x128M", "triton-c16-t16k-w16", "cuda-c8"], help="paths of the small-batch section")
     ap.add_argument("--skip", nargs="*", default=[], help="sections to skip: idle small checks interference")
+    ap.add_argument("--checksum-pass", action="store_true", help="only the read-only checksum pass over landed chunks")
     args = ap.parse_args()
+    if args.checksum_pass:
+        return checksum_pass(args)
     args.tiles = [tuple(int(x) for x in t.split(":")) for t in args.tiles.split(",")]
     args.staged = [(k, int(c), int(n), int(m)) for k, c, n, m in (x.split(":") for x in args.staged)]
     b = Bench(args)
