@@ -89,10 +89,12 @@ class SaveJob:
 class Landed:
     """A producer's chunk that a transfer wrote straight into this engine's blocks (P/D, HBM to
     HBM): ``checksum`` is the KVSUM64 its blocks must have, read region-major as a chunk payload;
-    ``nbytes``: bytes moved."""
+    ``nbytes``: bytes moved. ``follows``: the transfer's next chunk has landed too (the same READ,
+    or P's word that it WROTE it came): checking both in one pass costs less than two."""
 
     checksum: int
     nbytes: int
+    follows: bool = False
 
 
 @dataclass(frozen=True, slots=True)

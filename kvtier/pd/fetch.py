@@ -313,7 +313,7 @@ class _Peer:
         try:
             if self.hbm is None:
                 raise PeerError(f"{self.endpoint} named engine blocks for chunk {index}, which this engine did not ask")
-            return self.hbm.finish(index, arrived, self.timeout_ms / 1000, self.cancelled)
+            return self.hbm.finish(index, arrived, self.timeout_ms / 1000, self.cancelled, self.early.get(index + 1))
         except NixlError as exc:
             self.failed = True
             self._discard(arrived)

@@ -97,15 +97,20 @@ class Landings:
         for arrived in posted:
             arrived.transfer, arrived.started_s = transfer, now
 
-    def finish(self, index: int, arrived: Arrived, timeout_s: float, cancelled: Callable[[], bool]) -> Landed:
+    def finish(self, index: int, arrived: Arrived, timeout_s: float, cancelled: Callable[[], bool],
+               after: Arrived | None = None) -> Landed:
         """Wait for chunk ``index``'s READ (or take P's word that it WROTE the chunk into the blocks
-        this engine named); raises :class:`NixlError` (the caller discards ``arrived``)."""
+        this engine named); raises :class:`NixlError` (the caller discards ``arrived``). ``after``:
+        the next chunk's reply, if here (it landed too when it shares the READ, or was WRITTEN)."""
+        nbytes = len(arrived.reply.blocks) * self.block_bytes
+        follows = after is not None and after.reply.status == "ok" and (
+            after.transfer is not None and after.transfer is arrived.transfer or after.reply.written)
         if arrived.reply.written:
             if tuple(arrived.reply.blocks) != tuple(self.mine.block_ids[index] or ()):
                 raise NixlError(f"chunk {index} was written into blocks {arrived.reply.blocks[:4]}…, not those named")
             self.chunks += 1
             self._tell()
-            return Landed(arrived.reply.checksum, len(arrived.reply.blocks) * self.block_bytes)
+            return Landed(arrived.reply.checksum, nbytes, follows)
         transfer = arrived.transfer
         if transfer is None:
             raise NixlError(f"{len(arrived.reply.blocks)} engine blocks named could not be read into this engine's")
@@ -117,7 +122,7 @@ class Landings:
             transfer.release()
             read_speed(self.endpoint, self.mine.kind, transfer.nbytes, time.perf_counter() - arrived.started_s)
         self._tell()
-        return Landed(arrived.reply.checksum, len(arrived.reply.blocks) * self.block_bytes)
+        return Landed(arrived.reply.checksum, nbytes, follows)
 
     def _tell(self) -> None:
         if self.endpoint not in _told:

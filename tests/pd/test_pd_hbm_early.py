@@ -128,7 +128,7 @@ def test_a_failed_write_before_the_copy_is_stored_sends_that_copy_once_stored(en
 @pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "chunk-1-changed"])
 def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, monkeypatch, caplog, corrupt):
     """Batches of ``CHECK_AT`` chunks are checked while P still computes, so only the last batch's
-    check is left once the last WRITE lands; a bad chunk in an early batch ends the transfer there."""
+    check is left once the last READ lands; a bad chunk in an early batch ends the transfer there."""
     monkeypatch.setattr(load, "CHECK_AT", 2)
     caplog.set_level(logging.DEBUG, logger="kvtier")
     p, d = engines("p", 1), engines("d", 2)
@@ -140,6 +140,7 @@ def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, mon
                             else get(key, n) ^ 1)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     step(p, 0, 2)
+    wait_for(lambda: copied(p, "read") == 2)  # P's next step comes after D was answered this one's
     step(p, 2, 3, final=True)
     failed = d.wait_loaded("d-req")
     checks = [r.getMessage() for r in caplog.records if "chunks landed, checked in" in r.getMessage()]
@@ -148,6 +149,24 @@ def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, mon
     else:
         assert failed == set() and [c.split()[2] for c in checks] == ["2", "2"]
         assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    finish(p)
+
+
+def test_a_push_consumer_checks_the_chunks_of_one_read_in_one_pass(engines, held_store, monkeypatch, caplog):
+    """P's one step computed every chunk: D READs them at once and checks them in one pass, not
+    in batches of ``CHECK_AT`` one after another (each pass has a fixed cost on the host)."""
+    monkeypatch.setattr(load, "CHECK_AT", 2)
+    caplog.set_level(logging.DEBUG, logger="kvtier")
+    p, d = engines("p", 1), engines("d", 2)
+    held_store(p)
+    d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    step(p, 0, 3, final=True)
+    assert d.wait_loaded("d-req") == set()
+    checks = [r.getMessage() for r in caplog.records if "chunks landed, checked in" in r.getMessage()]
+    reads = [r.getMessage() for r in caplog.records if "chunks landed by" in r.getMessage()]
+    assert reads and reads[-1].split("chunks landed by ")[1].startswith("1 READs")  # one READ brought them all
+    assert [c.split()[2] for c in checks] == ["4"]
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
     finish(p)
 
 
