@@ -103,7 +103,7 @@ class Landings:
         this engine named); raises :class:`NixlError` (the caller discards ``arrived``). ``after``:
         the next chunk's reply, if here (it landed too when it shares the READ, or was WRITTEN)."""
         nbytes = len(arrived.reply.blocks) * self.block_bytes
-        follows = after is not None and after.reply.status == "ok" and (
+        follows = after is not None and after.reply.status == "ok" and bool(after.reply.blocks) and (
             after.transfer is not None and after.transfer is arrived.transfer or after.reply.written)
         if arrived.reply.written:
             if tuple(arrived.reply.blocks) != tuple(self.mine.block_ids[index] or ()):

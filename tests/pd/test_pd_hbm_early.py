@@ -140,7 +140,7 @@ def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, mon
                             else get(key, n) ^ 1)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     step(p, 0, 2)
-    wait_for(lambda: copied(p, "read") == 2)  # P's next step comes after D was answered this one's
+    wait_for(lambda: torch.equal(d.blocks(D_BLOCKS[:4]), p.blocks(P_BLOCKS[:4])))  # P's next step after D's READ
     step(p, 2, 3, final=True)
     failed = d.wait_loaded("d-req")
     checks = [r.getMessage() for r in caplog.records if "chunks landed, checked in" in r.getMessage()]
