@@ -137,6 +137,14 @@ def transfer_gbps(result: dict, row: str, n: str) -> float | None:
     return int(n) * result["kv_bytes_per_token"] / ((d_leg - local) / 1e3) / 1e9
 
 
+def prefill_leg(result: dict, row: str, n: str) -> float | None:
+    """P's prefill leg of a pull row at ``n`` tokens: the median over the repeats of TTFT − D's
+    leg, ms (None for a push row, whose D leg is its TTFT, or a row not run)."""
+    ttft, d_leg = result["ttft_ms"][row][n], result["d_leg_ms"][row][n]
+    legs = [t - d for t, d in zip(ttft, d_leg) if t > d]
+    return _med(legs) if legs and len(ttft) == len(d_leg) else None
+
+
 def placement(result: dict) -> str:
     """Where P and D ran, in words."""
     devices = result.get("devices")
@@ -173,6 +181,12 @@ def format_table(result: dict) -> str:
             cells.append(f"{d_leg:>7.0f} " if d_leg is not None else f"{'-':>7} ")
             cells.append(f"{gbps:>5.1f}" if gbps is not None else f"{'-':>5}")
         lines.append(f"{row:<24} " + "".join(cells) + f"  {transports.get(row, '-')}")
+    legs = {row: [prefill_leg(result, row, n) for n in map(str, result["lengths"])] for row in ROWS}
+    if any(None not in by_length for by_length in legs.values()):  # what a push is compared with, per connector
+        lines.append("P's prefill leg of each pull (TTFT - D's leg, median ms; " + " / ".join(
+            f"{n} tok" for n in map(str, result["lengths"])) + "): " + ", ".join(
+            f"{row} " + " / ".join(f"{leg:.0f}" for leg in by_length)
+            for row, by_length in legs.items() if None not in by_length))
     lines.append("engine start (s): " + ", ".join(f"{k} {v:.1f}" for k, v in result["start_s"].items()))
     if result.get("ucx_cuda_ipc_cache"):
         lines.append(f"UCX_CUDA_IPC_CACHE in the engines: {result['ucx_cuda_ipc_cache']} (n: a peer's GPU memory "

@@ -101,6 +101,8 @@ def test_table_shows_rows_run_their_transport_and_whether_every_answer_loaded(tm
     assert "UCX (kvtier): intra-node: remote memory read by ucp_get* from cuda memory: cuda_ipc" in table
     assert "self: remote memory" not in table
     assert "P's lease (2000 ms) + 500 ms" in table
+    assert ("P's prefill leg of each pull (TTFT - D's leg, median ms; 8192 tok): kvtier pull hbm 250, "
+            "kvtier pull after lease 250\n") in table  # not the push row: its D leg is its TTFT
     assert "P and D on one device" in pd_engines.format_table({**_result(), "devices": None})
     assert "NO: kvtier pull hbm 8192: D loaded 0" in pd_engines.format_table(
         _result(["kvtier pull hbm 8192: D loaded 0 of 8192 tokens (expected >= 7936)"]))
