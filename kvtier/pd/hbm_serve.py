@@ -22,12 +22,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-import msgspec
-
 from kvtier import codec
 from kvtier.pd.hbm import EngineBlocks, RegionSpan, compatible, emulated
 from kvtier.pd.nixl import Agent
-from kvtier.pd.protocol import MAX_BATCH, VERSION, ChunkReplies, ChunkReply, Fetch, Hello
+from kvtier.pd.protocol import VERSION, ChunkReply, Fetch, Hello, reply_batches
 from kvtier.pd.writes import BlockWrite, PeerWrites
 from kvtier.storage import ChunkBuffer
 from kvtier.timeline import mark
@@ -139,9 +137,8 @@ class HbmServing:
         it, and post one WRITE per peer for the chunks gathered this turn."""
         replies_of, self._replies = self._replies, {}
         for identity, (transfer_id, replies) in replies_of.items():
-            replies = [msgspec.structs.replace(r, more=len(replies) - 1 - k) for k, r in enumerate(replies)]
-            for start in range(0, len(replies), MAX_BATCH):
-                self._send(identity, ChunkReplies(VERSION, tuple(replies[start : start + MAX_BATCH])))
+            for message in reply_batches(replies):
+                self._send(identity, message)
             mark(transfer_id, "lent")
         batch, self._batch = self._batch, {}
         for identity, chunks in batch.items():

@@ -206,6 +206,13 @@ def batches(fetches: list[Fetch]) -> list[Fetch | Fetches]:
     return [b[0] if len(b) == 1 else Fetches(VERSION, tuple(b)) for b in messages]
 
 
+def reply_batches(replies: list[ChunkReply]) -> list[ChunkReplies]:
+    """``replies`` naming engine blocks (one turn of P's, to one consumer) as :class:`ChunkReplies`
+    of at most :data:`MAX_BATCH`, each reply's ``more`` counting those after it."""
+    replies = [msgspec.structs.replace(r, more=len(replies) - 1 - k) for k, r in enumerate(replies)]
+    return [ChunkReplies(VERSION, tuple(replies[i : i + MAX_BATCH])) for i in range(0, len(replies), MAX_BATCH)]
+
+
 def read_reply(frames: list, secret: bytes | None, lent_unchecked: bool) -> HelloReply | ChunkReply | ChunkReplies:
     """A producer's reply from its ZMQ frames ``[mac, body(, payload)]`` (``zmq.Frame``), authenticated,
     of this :data:`VERSION`, a :class:`ChunkReplies` holding only ``ok`` replies naming engine blocks.

@@ -25,7 +25,7 @@ import msgspec
 
 from kvtier.pd.hbm import EngineBlocks, RegionSpan, read_descriptors, read_speed
 from kvtier.pd.nixl import Agent, Transfer
-from kvtier.pd.protocol import VERSION, ChunkReply, Fetch
+from kvtier.pd.protocol import VERSION, ChunkReply, Fetch, reply_batches
 from kvtier.storage import ChunkBuffer
 from kvtier.timeline import mark
 
@@ -101,8 +101,9 @@ class PeerWrites:
         return any(w.fetch.transfer_id == transfer_id for w in self._writes)
 
     def poll(self) -> None:
-        """Answer the WRITEs that finished; one that failed sends its chunk as a payload instead."""
-        running = []
+        """Answer the WRITEs that finished (those into engine blocks together, per consumer: it checks
+        them in one pass); one that failed sends its chunk as a payload instead."""
+        running, landed = [], {}
         for w in self._writes:
             state = w.transfer.state()
             if state == "PROC":
@@ -128,12 +129,15 @@ class PeerWrites:
                     self._send(w.identity, reply, memoryview(w.buffer.data.numpy()), out_of_band=True)
                 else:
                     self.blocks_total += 1
-                    self._send(w.identity, ChunkReply(VERSION, w.fetch.index, "ok", written=True,
-                                                      blocks=w.fetch.blocks, checksum=w.checksum))
+                    landed.setdefault(w.identity, []).append(ChunkReply(
+                        VERSION, w.fetch.index, "ok", written=True, blocks=w.fetch.blocks, checksum=w.checksum))
             finally:
                 if w.buffer is not None:
                     w.buffer.release()
         self._writes = running
+        for identity, replies in landed.items():
+            for message in reply_batches(replies):
+                self._send(identity, message)
 
     def _fall_back(self, w: _Write) -> None:
         """A WRITE that failed: the chunk goes as a payload frame, from its stored copy, or once

@@ -152,20 +152,23 @@ def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, mon
     finish(p)
 
 
-def test_a_push_consumer_checks_the_chunks_of_one_read_in_one_pass(engines, held_store, monkeypatch, caplog):
-    """P's one step computed every chunk: D READs them at once and checks them in one pass, not
-    in batches of ``CHECK_AT`` one after another (each pass has a fixed cost on the host)."""
+def test_a_push_consumer_checks_the_chunks_of_one_step_in_one_pass(engines, held_store, monkeypatch, caplog, push):
+    """P's one step computed every chunk: they land at once (one READ, or one WRITE of P's) and D
+    checks them in one pass, not in batches of ``CHECK_AT`` one after another (each pass has a
+    fixed cost on the host)."""
     monkeypatch.setattr(load, "CHECK_AT", 2)
     caplog.set_level(logging.DEBUG, logger="kvtier")
-    p, d = engines("p", 1), engines("d", 2)
+    p, d = engines("p", 1), engines("d", 2, pd_hbm_push=push)
     held_store(p)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+    if push == "write":  # D's blocks named to P first: P writes a step's chunks as one WRITE
+        wait_for(lambda: len(p.side.chunk_server._waiting) == 4)
     step(p, 0, 3, final=True)
     assert d.wait_loaded("d-req") == set()
     checks = [r.getMessage() for r in caplog.records if "chunks landed, checked in" in r.getMessage()]
-    reads = [r.getMessage() for r in caplog.records if "chunks landed by" in r.getMessage()]
-    assert reads and reads[-1].split("chunks landed by ")[1].startswith("1 READs")  # one READ brought them all
-    assert [c.split()[2] for c in checks] == ["4"]
+    landed = [r.getMessage().split("chunks landed by ")[1] for r in caplog.records if "chunks landed by" in r.getMessage()]
+    assert landed and landed[-1].startswith("1 READs" if push == "read" else "0 READs")
+    assert copied(p, push) == 4 and [c.split()[2] for c in checks] == ["4"]
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
     finish(p)
 
