@@ -152,24 +152,35 @@ def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, mon
     finish(p)
 
 
-def test_a_push_consumer_checks_the_chunks_of_one_step_in_one_pass(engines, held_store, monkeypatch, caplog, push):
+@pytest.mark.parametrize("corrupt", [False, True], ids=["intact", "chunk-1-changed"])
+def test_a_push_consumer_checks_the_chunks_of_one_step_in_one_pass(engines, held_store, monkeypatch, caplog, push,
+                                                                   corrupt):
     """P's one step computed every chunk: they land at once (one READ, or one WRITE of P's) and D
     checks them in one pass, not in batches of ``CHECK_AT`` one after another (each pass has a
-    fixed cost on the host)."""
+    fixed cost on the host); a bad chunk among them fails the blocks from it on."""
     monkeypatch.setattr(load, "CHECK_AT", 2)
     caplog.set_level(logging.DEBUG, logger="kvtier")
     p, d = engines("p", 1), engines("d", 2, pd_hbm_push=push)
     held_store(p)
+    if corrupt:  # chunk 1's blocks are not what P summed
+        sums = p.side.engine_kv.sums
+        get = sums.get
+        monkeypatch.setattr(sums, "get", lambda key, n: get(key, n) if key != FULL[1] or get(key, n) is None
+                            else get(key, n) ^ 1)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     if push == "write":  # D's blocks named to P first: P writes a step's chunks as one WRITE
         wait_for(lambda: len(p.side.chunk_server._waiting) == 4)
     step(p, 0, 3, final=True)
-    assert d.wait_loaded("d-req") == set()
+    assert d.wait_loaded("d-req") == (set(D_BLOCKS[2:]) if corrupt else set())
     checks = [r.getMessage() for r in caplog.records if "chunks landed, checked in" in r.getMessage()]
     landed = [r.getMessage().split("chunks landed by ")[1] for r in caplog.records if "chunks landed by" in r.getMessage()]
     assert landed and landed[-1].startswith("1 READs" if push == "read" else "0 READs")
     assert copied(p, push) == 4 and [c.split()[2] for c in checks] == ["4"]
-    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    if corrupt:
+        assert any("chunk 1 of transfer t1" in r.getMessage() and "another KVSUM64" in r.getMessage()
+                   for r in caplog.records)
+    else:
+        assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
     finish(p)
 
 
