@@ -47,6 +47,15 @@ def held_store(monkeypatch):
         gate.set()  # a save thread still held must not outlive the test's engines
 
 
+def misreport_chunk_1(p: Engine, monkeypatch) -> None:
+    """P's KVSUM64 of chunk 1 is off by a bit: its blocks are not what P summed (as a block reused
+    or torn between its step and its copy into D)."""
+    sums = p.side.engine_kv.sums
+    get = sums.get
+    monkeypatch.setattr(sums, "get", lambda key, n: get(key, n) if key != FULL[1] or get(key, n) is None
+                        else get(key, n) ^ 1)
+
+
 def stored(engine: Engine) -> int:
     return len(engine.side.store.keys())
 
@@ -133,11 +142,8 @@ def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, mon
     caplog.set_level(logging.DEBUG, logger="kvtier")
     p, d = engines("p", 1), engines("d", 2)
     held_store(p)
-    if corrupt:  # chunk 1's blocks are not what P summed (a block reused or torn between its step and its WRITE)
-        sums = p.side.engine_kv.sums
-        get = sums.get
-        monkeypatch.setattr(sums, "get", lambda key, n: get(key, n) if key != FULL[1] or get(key, n) is None
-                            else get(key, n) ^ 1)
+    if corrupt:
+        misreport_chunk_1(p, monkeypatch)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     step(p, 0, 2)
     wait_for(lambda: torch.equal(d.blocks(D_BLOCKS[:4]), p.blocks(P_BLOCKS[:4])))  # P's next step after D's READ
@@ -162,11 +168,8 @@ def test_a_push_consumer_checks_the_chunks_of_one_step_in_one_pass(engines, held
     caplog.set_level(logging.DEBUG, logger="kvtier")
     p, d = engines("p", 1), engines("d", 2, pd_hbm_push=push)
     held_store(p)
-    if corrupt:  # chunk 1's blocks are not what P summed
-        sums = p.side.engine_kv.sums
-        get = sums.get
-        monkeypatch.setattr(sums, "get", lambda key, n: get(key, n) if key != FULL[1] or get(key, n) is None
-                            else get(key, n) ^ 1)
+    if corrupt:
+        misreport_chunk_1(p, monkeypatch)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     if push == "write":  # D's blocks named to P first: P writes a step's chunks as one WRITE
         wait_for(lambda: len(p.side.chunk_server._waiting) == 4)
