@@ -12,7 +12,9 @@ and released when the transfer ends, however it ends.
 
 HBM to HBM (a :class:`Landing` given): where P still holds the request's engine blocks, its replies
 name them and D READs them straight into the engine blocks the caller named (:mod:`kvtier.pd.hbm`);
-once P lends, the rest is asked for at once and all replies read by one READ. The caller gets a
+once P lends, the rest is asked for at once and all replies read by one READ. A pull's hello
+carries its first fetches (:func:`kvtier.pd.hello.first_fetches`): P answers them at once when
+it lends the transfer, so the chunks' replies follow the handshake's without another round trip. The caller gets a
 :class:`Landed` with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`). A push
 (D asked first) is answered a step's chunks at a time, READ as one (``pd_hbm_push`` "read"), or
 WRITTEN by P into the blocks each fetch names ("write"; D's NIXL metadata goes in a second hello,
@@ -35,9 +37,9 @@ import zmq
 from kvtier.jobs import Landed
 from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated
 from kvtier.pd.landing import Arrived, Landings
+from kvtier.pd.hello import PeerError, check_layouts, first_fetches
 from kvtier.pd.protocol import (
-    VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, layout_problem,
-    mac, read_reply,
+    VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
 )
 from kvtier.pd.nixl import Agent, NixlError
 from kvtier.storage import ChunkBuffer
@@ -51,12 +53,8 @@ PUSH_WINDOW = 256  # ... when P writes them into the engine's blocks as it compu
 _CANCEL_CHECK_S, _PROGRESS_S = 0.05, 0.001  # how often a waiting transfer checks whether its request was
 # aborted; how often one P WRITEs into over NIXL lets NIXL progress while it waits
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
-_warned, _told = set(), set()  # peers whose layout mismatch was logged; (peer, transport) pairs logged
+_told: set[tuple[str, str]] = set()  # (peer, transport) pairs logged
 _QUARANTINE_TIMEOUTS = 3  # a buffer P was told to write into, never answered, is reused after this many timeouts
-
-
-class PeerError(RuntimeError):
-    """The producer could not deliver: unreachable, timed out, refused, mismatched or missing."""
 
 
 def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tuple[bytes, int]], *,
@@ -84,8 +82,10 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
                  (transfer_id, items, wait))
     try:
         if nixl is not None:
-            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), transfer_id=transfer_id,
-                                            hbm=landing is not None and not emulated(endpoint))
+            hbm = landing is not None and not emulated(endpoint)
+            first = first_fetches(peer.plan, landing, block_size) if hbm and not wait else ()
+            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), transfer_id=transfer_id, hbm=hbm,
+                                            fetches=first)
         reply = peer.hello(hello)
         writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
         if reply.transport == "nixl" and nixl is not None and writes:  # P may WRITE into our memory (live blocks)
@@ -100,6 +100,10 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             if landing is not None and remote and compatible(landing.regions, remote):
                 peer.hbm = Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
                 peer.lent = reply.lending and not wait  # P lends the transfer's blocks: ask for them all at once
+        if reply.lending and hello.fetches:  # P answers those the hello carried (only HBM to HBM can take them)
+            if peer.hbm is None:
+                raise PeerError(f"{endpoint} lends engine blocks this engine cannot READ (KV regions differ)")
+            peer.sent, peer.asked = len(hello.fetches), set(range(len(hello.fetches)))
         peer.handshake_s = time.perf_counter() - begin
         how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
                if peer.hbm else "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")
@@ -161,7 +165,7 @@ class _Peer:
         reply = self.receive()
         if not isinstance(reply, HelloReply):
             raise PeerError(f"{self.endpoint} answered the handshake with {type(reply).__name__}")
-        _check_layouts(self.endpoint, hello, reply)
+        check_layouts(self.endpoint, hello, reply)
         return reply
 
     def settle_writes(self) -> None:
@@ -387,13 +391,3 @@ class _Peer:
             self.nixl.forget(self.nixl_metadata)  # a restarted producer comes back under a new name
         elif self.nixl is not None:  # kept while its chunk server is up (peer_watch), else dropped once idle
             self.nixl.disconnect(self.nixl_peer, self)
-
-
-def _check_layouts(endpoint: str, hello: Hello, reply: HelloReply) -> None:
-    """Refuse a producer whose chunks mean other bytes than this engine's (one line per producer)."""
-    problem = reply.error or layout_problem(hello, reply)
-    if problem:
-        if endpoint not in _warned:
-            _warned.add(endpoint)
-            logger.warning("kvtier P/D: not loading from %s (%s); recomputing.", endpoint, problem)
-        raise PeerError(problem)

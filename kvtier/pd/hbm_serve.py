@@ -65,6 +65,12 @@ class HbmServing:
         regions = tuple((r.base, r.stride, r.block_bytes) for r in engine.regions)
         return regions, engine.device, engine.leases.holds(hello.transfer_id)  # "": no transfer, no lease
 
+    @staticmethod
+    def carried(hello: Hello) -> list[Fetch]:
+        """The fetches a pull's hello carries, of the transfer it names (answered at once when the
+        reply says P lends that transfer's blocks)."""
+        return [f for f in hello.fetches if f.transfer_id == hello.transfer_id and f.hbm and not f.wait and not f.blocks]
+
     def forget(self, identity: bytes) -> None:
         """The peer's connection ended (released, or gone quiet)."""
         self._readers.discard(identity)

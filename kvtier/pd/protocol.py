@@ -31,7 +31,10 @@ HBM to HBM (``Hello.hbm``: D registered its engine KV with NIXL): while P holds 
 request's engine blocks under a lease (:mod:`kvtier.pd.leases`), its handshake reply gives its
 engine KV regions (``regions``, ``device``), and a fetch that asks for it (``Fetch.hbm``) is
 answered with the chunk's block ids in P's engine (``ChunkReply.blocks``) and the KVSUM64 its
-save computed (``checksum``), both under the MAC. D READs those blocks into its own, checks the
+save computed (``checksum``), both under the MAC. A pull's hello names its transfer and carries
+its first fetches (``Hello.fetches``): P answers them right after its handshake reply when that
+reply says it lends the transfer's blocks (``lending``), and drops them otherwise (D then sends
+them again), so a pull under a lease takes one round trip, not two. D READs those blocks into its own, checks the
 KVSUM64 of what landed, and releases the transfer when done. Without a lease (it ended, or P
 keeps none) the same fetch gets the CPU-tier answer above.
 
@@ -56,12 +59,13 @@ import msgspec
 from kvtier.codec import HEADER_BYTES
 from kvtier.codec.chunk import CHECKSUM_BLAKE3, read_header
 
-VERSION = 6
+VERSION = 7
 MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larger ones unread
 KEY_BYTES = 16
 MAC_BYTES = 32
 MAX_BATCH = 64  # fetches in one Fetches, replies in one ChunkReplies
-BATCH_BYTES = 32 << 10  # a Fetches message stays under this many bytes (half of MAX_REQUEST_BYTES)
+BATCH_BYTES = 32 << 10  # a Fetches message (and a hello's fetches) stays under this many bytes (half of MAX_REQUEST_BYTES)
+MAX_HELLO_FETCHES = 256  # fetches a pull's hello may carry
 
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -103,6 +107,8 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     regions: tuple[RegionAddress, ...] = ()  # D's engine KV (second hello): P may WRITE blocks into it
     device: Device = 0  # the CUDA device of those regions in D's process
     transfer_id: MaybeTransferId = ""  # the transfer D is about to fetch (P says whether it lends its blocks)
+    fetches: Annotated[tuple[Fetch, ...], msgspec.Meta(max_length=MAX_HELLO_FETCHES)] = ()  # a pull's first
+    # fetches of that transfer (``hbm``), answered at once if P lends its engine blocks now, else dropped
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):

@@ -105,8 +105,7 @@ class ChunkServer:
         self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer fails, not blocks
         self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
         if bind.endswith(":0"):
-            port = self._socket.bind_to_random_port(bind[: bind.rindex(":")])
-            self.port = port
+            self.port = self._socket.bind_to_random_port(bind[: bind.rindex(":")])
         else:
             self._socket.bind(bind)
             self.port = int(bind.rsplit(":", 1)[1])
@@ -170,7 +169,7 @@ class ChunkServer:
         except (AuthError, msgspec.DecodeError, ValueError) as exc:  # UnicodeDecodeError on bad UTF-8
             return self._reject(identity, str(exc))
         inner = message.fetches if isinstance(message, Fetches) else ()
-        if versions := {message.version, *(f.version for f in inner)} - {VERSION}:
+        if versions := {message.version, *(f.version for f in getattr(message, "fetches", ()))} - {VERSION}:
             return self._reject(identity, f"protocol version {min(versions)} != {VERSION}")
         self.received_total += 1
         if isinstance(message, Hello):
@@ -215,6 +214,8 @@ class ChunkServer:
             self._hbm.forget(identity)
         self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
                                         mine.tp_size, error, transport, metadata, regions, device, lending))
+        for fetch in self._hbm.carried(hello) if lending else ():  # a pull's first fetches: answered now
+            self._fetch(identity, fetch, time.monotonic())  # (not lending: dropped, D sends them again)
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
@@ -362,9 +363,8 @@ class ChunkServer:
         self._waiting = [w for w in self._waiting if now - w.since_s <= horizon]
 
     def _heartbeat(self) -> None:
-        peers = {w.identity for w in self._waiting if self.holds.active(w.fetch.transfer_id, self._active_s)}
         now = time.monotonic()
-        for identity in peers:
+        for identity in {w.identity for w in self._waiting if self.holds.active(w.fetch.transfer_id, self._active_s)}:
             self._send(identity, ChunkReply(VERSION, -1, "pending"))
             if identity in self._nixl_peers:  # waiting through a long prefill is not going quiet
                 self._nixl_peers[identity] = now

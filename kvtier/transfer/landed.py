@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import itertools
 import logging
+import threading
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import torch
@@ -51,25 +53,53 @@ class BlockSums:
             # checksum pass is one short read of the device's own memory: every SM may take part.
             self._kw = {"max_ctas": torch.cuda.get_device_properties(layout.device).multi_processor_count}
         self._scratch: torch.Tensor | None = None
+        self._lock = threading.Lock()
+        self._tables = torch.cuda.Stream(layout.device) if self._read_only is not None else None  # plans built ahead
 
-    def launch(self, chunks: list[tuple[torch.Tensor, int]]) -> torch.Tensor | list[int]:
+    @property
+    def ahead(self) -> bool:
+        """Whether :meth:`plan` builds anything (on a GPU)."""
+        return self._read_only is not None
+
+    def plan(self, chunks: list[tuple[int, ...]]) -> tuple[tuple[tuple[int, ...], ...], object]:
+        """``(chunks, the GPU kernel's read-only plan for them)``: ``chunks`` the engine block ids of
+        each. Its tables are copied to the device on a stream of their own and waited for, so any
+        thread may build it ahead of :meth:`launch`."""
+        from kvtier.ops.triton_ops import build_plan
+
+        with torch.cuda.stream(self._tables):
+            flat = torch.tensor([i for c in chunks for i in c], dtype=torch.int64, device=self.layout.device)
+            at = [0, *itertools.accumulate(len(c) for c in chunks)]
+            plan = build_plan(self.layout, self._spans([(flat[at[k] : at[k + 1]], len(c)) for k, c in enumerate(chunks)]),
+                              write=False)
+        self._tables.synchronize()
+        return tuple(chunks), plan
+
+    def _spans(self, chunks: list[tuple[torch.Tensor, int]]) -> list[ChunkSpan]:
+        largest = max(n for _, n in chunks)
+        with self._lock:  # two threads may build plans at once (one ahead of its chunks' READ)
+            if self._scratch is None or self._scratch.numel() < codec.chunk_bytes(self.layout, largest):
+                self._scratch = torch.empty(codec.chunk_bytes(self.layout, max(largest, self.chunk_blocks)),
+                                            dtype=torch.uint8, device=self.layout.device)
+            scratch = self._scratch
+        return [ChunkSpan(scratch[: codec.chunk_bytes(self.layout, n)], n, 0, ids) for ids, n in chunks]
+
+    def launch(self, chunks: list[tuple[torch.Tensor, int]], plan=None) -> torch.Tensor | list[int]:
         """The sums of ``chunks`` (``(block_ids, num_blocks)``: ``int64 [num_blocks]`` engine block
         ids on the layout's device): on a GPU an ``int64 [len(chunks)]`` device tensor, enqueued
         on the current stream and not waited for (signed, see
-        :func:`~kvtier.ops.checksum.as_unsigned`); on a CPU the unsigned sums, computed now."""
-        largest = max(n for _, n in chunks)
-        if self._scratch is None or self._scratch.numel() < codec.chunk_bytes(self.layout, largest):
-            self._scratch = torch.empty(codec.chunk_bytes(self.layout, max(largest, self.chunk_blocks)),
-                                        dtype=torch.uint8, device=self.layout.device)
-        spans = [ChunkSpan(self._scratch[: codec.chunk_bytes(self.layout, n)], n, 0, ids) for ids, n in chunks]
+        :func:`~kvtier.ops.checksum.as_unsigned`); on a CPU the unsigned sums, computed now.
+        ``plan``: :meth:`plan` of the same chunks, built ahead (GPU)."""
         if self._read_only is not None:
             from kvtier.ops.triton_ops import build_plan
 
-            sums = torch.zeros(len(spans), dtype=torch.int64, device=self.layout.device)
-            plan = build_plan(self.layout, spans, write=False)
+            sums = torch.zeros(len(chunks), dtype=torch.int64, device=self.layout.device)
+            if plan is None:
+                plan = build_plan(self.layout, self._spans(chunks), write=False)
             if plan.num_units:
                 self._read_only(plan, gather=True, sums=sums, **self._kw)
             return sums
+        spans = self._spans(chunks)
         if self.in_kernel:
             sums = torch.empty(len(spans), dtype=torch.int64)
             self._gather(self.layout, spans, checksums_out=sums)
@@ -87,33 +117,53 @@ class LandedCheck:
 
     def __init__(self, layout: Layout, chunk_blocks: int):
         self._sums = BlockSums(layout, chunk_blocks)
+        self._ahead: ThreadPoolExecutor | None = None  # builds a pull's check while its chunks are READ
         self.check_s = 0.0  # seconds spent checking, since start
 
-    def first_bad(self, chunks: list[tuple[torch.Tensor, int, int]]) -> int | None:
+    def prepare(self, targets: list[tuple[int, ...] | None]) -> Future | None:
+        """Build the check of a pull's chunks ahead, on a thread of its own, while they are READ:
+        ``targets`` are the engine blocks each chunk lands in (None: it does not land). :meth:`loaded`
+        uses it if exactly those chunks landed. None where nothing is built (a CPU)."""
+        chunks = [t for t in targets if t is not None]
+        if not chunks or not self._sums.ahead:
+            return None
+        if self._ahead is None:
+            self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvtier-check-ahead")
+        return self._ahead.submit(self._sums.plan, chunks)
+
+    def first_bad(self, chunks: list[tuple[torch.Tensor | None, int, int]], plan=None) -> int | None:
         """Index of the first of ``chunks`` whose blocks do not hold what the producer saved, or
         None. Each chunk is ``(block_ids, num_blocks, expected)``: ``int64 [num_blocks]`` engine
-        block ids on the layout's device and the KVSUM64 (unsigned) they must have as payload.
-        One pass over all of them; runs on the current stream and waits for it."""
+        block ids on the layout's device (None with a ``plan`` built ahead for them) and the
+        KVSUM64 (unsigned) they must have as payload. One pass over all of them; runs on the
+        current stream and waits for it."""
         if not chunks:
             return None
         begin = time.perf_counter()
-        got = self._sums.launch([(ids, n) for ids, n, _ in chunks])
+        got = self._sums.launch([(ids, n) for ids, n, _ in chunks], plan)
         if isinstance(got, torch.Tensor):
             got = as_unsigned(got.cpu())  # waits for the pass
         self.check_s += time.perf_counter() - begin
         return next((i for i, (value, (_, _, want)) in enumerate(zip(got, chunks)) if value != want), None)
 
     def loaded(self, job: LoadJob, landed: list[tuple[int, int, int, Landed]], done: int, chunks: int,
-               ids: Callable[[tuple[int, ...]], torch.Tensor]) -> tuple[int, int, int]:
+               ids: Callable[[tuple[int, ...]], torch.Tensor], ahead: Future | None = None) -> tuple[int, int, int]:
         """Check ``job``'s chunks that landed, ``(chunk, blocks loaded before it, its blocks, what
         came)`` each, when ``done`` blocks in ``chunks`` chunks were taken as loaded: from the first
         bad one on nothing counts (one line says so). Returns the (blocks, chunks, bytes landed)
-        that count. ``ids``: block ids as a device tensor."""
+        that count. ``ids``: block ids as a device tensor. ``ahead``: :meth:`prepare`'s."""
         begin = self.check_s
-        flat = ids(tuple(i for _, b, n, _ in landed for i in job.block_ids[b : b + n]))  # one copy to the device
-        at = [0, *itertools.accumulate(n for _, _, n, _ in landed)]
-        bad = self.first_bad([(flat[at[k] : at[k + 1]], n, x.checksum) for k, (_, _, n, x) in enumerate(landed)])
-        logger.debug("kvtier P/D: %d chunks landed, checked in %.1f ms", len(landed), (self.check_s - begin) * 1e3)
+        blocks = tuple(tuple(job.block_ids[b : b + n]) for _, b, n, _ in landed)
+        plan = _built(ahead, blocks)
+        if plan is None:
+            flat = ids(tuple(i for c in blocks for i in c))  # one copy to the device
+            at = [0, *itertools.accumulate(len(c) for c in blocks)]
+            rows = [(flat[at[k] : at[k + 1]], n, x.checksum) for k, (_, _, n, x) in enumerate(landed)]
+        else:
+            rows = [(None, n, x.checksum) for _, _, n, x in landed]
+        bad = self.first_bad(rows, plan)
+        logger.debug("kvtier P/D: %d chunks landed, checked in %.1f ms (its plan built %s)", len(landed),
+                     (self.check_s - begin) * 1e3, "ahead" if plan is not None else "then")
         if bad is not None:
             i, done, _, _ = landed[bad]
             chunks = i - job.remote.first_chunk
@@ -121,3 +171,15 @@ class LandedCheck:
                            "KVSUM64 than the producer saved; recomputing from there.", i, job.remote.transfer_id,
                            job.remote.endpoints[0])
         return done, chunks, sum(x.nbytes for _, b, _, x in landed if b < done)
+
+
+def _built(ahead: Future | None, blocks: tuple[tuple[int, ...], ...]):
+    """The plan built ahead, if it was for exactly the chunks ``blocks`` (else None: built now)."""
+    if ahead is None:
+        return None
+    try:
+        built, plan = ahead.result()
+    except Exception as exc:  # built again now, on the load's own thread
+        logger.debug("kvtier P/D: the check built ahead failed (%s)", exc)
+        return None
+    return plan if built == blocks else None

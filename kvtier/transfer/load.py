@@ -242,10 +242,11 @@ class LoadSide:
         remote = job.remote
         first = remote.first_chunk
         items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
-        held, count_chunks, chunks = [], 0, None
+        held, count_chunks, chunks, targets = [], 0, None, self._targets(job, done)
         landed: list[tuple[int, int, int, Landed]] = []  # (chunk, blocks loaded before it, its blocks, what came)
-        try:
-            chunks = self._fetch_remote(job, items, self._targets(job, done))
+        ahead = self._landed.prepare(targets) if self._landed is not None and not remote.wait else None  # a pull's
+        try:  # check, built while its chunks are READ
+            chunks = self._fetch_remote(job, items, targets)
             for i, buffer in enumerate(chunks, start=first):
                 if done == len(job.block_ids):
                     if not isinstance(buffer, Landed):
@@ -283,8 +284,7 @@ class LoadSide:
                     logger.warning("kvtier P/D: chunk %d of transfer %s from %s is unusable (payload KVSUM64 checksum "
                                    "mismatch); recomputing from there.", i, remote.transfer_id, remote.endpoints[0])
                     break
-                done += count
-                count_chunks += 1
+                done, count_chunks = done + count, count_chunks + 1
                 if num_blocks == self.chunk_blocks:
                     skey = self.skey(job.keys[i])
                     self.store.put([skey], [buffer])  # takes the buffer; a key already stored is skipped
@@ -298,7 +298,7 @@ class LoadSide:
             if chunks is not None:
                 chunks.close()
         if landed:
-            done, count_chunks, nbytes = self._landed.loaded(job, landed, done, count_chunks, self._ids)
+            done, count_chunks, nbytes = self._landed.loaded(job, landed, done, count_chunks, self._ids, ahead)
             self.stats.landed_bytes += nbytes
         if held:
             self._on_held(held)

@@ -48,7 +48,8 @@ fetches = st.builds(Fetch, st.just(VERSION), st.text(min_size=1, max_size=20), s
 requests = st.one_of(
     st.builds(Hello, st.just(VERSION), st.integers(0, 3), st.integers(0, 3), st.just(FP), st.text(max_size=20),
               st.integers(0, 1 << 10), hbm=st.booleans(), transfer_id=st.text(max_size=20),
-              regions=st.lists(st.tuples(*[st.integers(0, 1 << 40)] * 3), max_size=3).map(tuple)),
+              regions=st.lists(st.tuples(*[st.integers(0, 1 << 40)] * 3), max_size=3).map(tuple),
+              fetches=st.lists(fetches, max_size=3).map(tuple)),
     fetches,
     st.builds(Fetches, st.just(VERSION), st.lists(fetches, min_size=1, max_size=4).map(tuple)),
     st.builds(Release, st.just(VERSION), st.text(min_size=1, max_size=20), st.booleans()),
@@ -71,7 +72,7 @@ def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving
     endpoint = open_producer.endpoint
     try:
         message = decode_request(body)
-        inner = message.fetches if isinstance(message, Fetches) else ()
+        inner = getattr(message, "fetches", ())  # a batch's, or those a hello carries
         valid = message.version == VERSION and all(f.version == VERSION for f in inner)
     except (msgspec.DecodeError, ValueError):
         message, valid = None, False
@@ -88,13 +89,14 @@ def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving
 
 class HostileProducer:
     """A ROUTER that answers each message with the next queued list of frames (a batch of fetches
-    with as many as it holds)."""
+    with as many as it holds; a hello with one more per fetch it carries, when ``hello_fetches``)."""
 
     def __init__(self):
         self.socket = zmq.Context.instance().socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.replies: list[list[bytes]] = []
+        self.hello_fetches = False  # a hello's fetches take replies too (P lends the transfer)
         self.lock = threading.Lock()
         self.stop = threading.Event()
         self.thread = threading.Thread(target=self.serve, daemon=True)
@@ -111,6 +113,8 @@ class HostileProducer:
                 message = None
             with self.lock:
                 count = len(message.fetches) if isinstance(message, Fetches) else 1
+                if isinstance(message, Hello) and self.hello_fetches:  # answered with it, as a lending P does
+                    count += len(message.fetches)
                 replies, self.replies[:count] = self.replies[:count], []
             for reply in replies:
                 self.socket.send_multipart([identity, *reply])
@@ -301,6 +305,7 @@ def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_
 
     _, store, p_agent, d_agent, base = hostile_nixl
     producer = HostileProducer()  # its own: a late message of an earlier test would take a reply queued here
+    producer.hello_fetches = lending  # lending: the batch answers the fetches D's hello carried
     kv = torch.zeros(8 * ENGINE_BLOCK, dtype=torch.uint8)  # D's engine KV: 8 blocks, one region
     d_agent.register([(kv.data_ptr(), kv.numel())])
     try:

@@ -1,0 +1,43 @@
+"""A decode engine's side of the handshake with a producer's chunk server: the fetches a pull's
+hello carries, and the reply it accepts (:mod:`kvtier.pd.protocol`)."""
+
+from __future__ import annotations
+
+import logging
+
+from kvtier.pd.hbm import Landing
+from kvtier.pd.protocol import BATCH_BYTES, MAX_HELLO_FETCHES, VERSION, Fetch, Hello, HelloReply, encode, layout_problem
+
+logger = logging.getLogger(__name__)
+_warned: set[str] = set()  # producers whose layout mismatch was logged
+
+
+class PeerError(RuntimeError):
+    """The producer could not deliver: unreachable, timed out, refused, mismatched or missing."""
+
+
+def first_fetches(plan: tuple[str, list[tuple[bytes, int]], bool], landing: Landing,
+                  block_size: int) -> tuple[Fetch, ...]:
+    """A pull's first fetches, to go with its hello: those of ``plan`` (transfer id, the chunks'
+    ``(chain key, block count)``, wait) that fit :data:`~kvtier.pd.protocol.BATCH_BYTES`, each
+    asking for P's engine blocks where the chunk lands in this engine's (``landing``);
+    ``block_size``: this engine's, in tokens."""
+    transfer_id, items, _ = plan
+    fetches, size = [], 0
+    for i, (key, n) in enumerate(items[:MAX_HELLO_FETCHES]):
+        fetch = Fetch(VERSION, transfer_id, i, key, n, tokens=n * block_size, hbm=landing.block_ids[i] is not None)
+        size += len(encode(fetch))
+        if size > BATCH_BYTES:
+            break
+        fetches.append(fetch)
+    return tuple(fetches)
+
+
+def check_layouts(endpoint: str, hello: Hello, reply: HelloReply) -> None:
+    """Refuse a producer whose chunks mean other bytes than this engine's (one line per producer)."""
+    problem = reply.error or layout_problem(hello, reply)
+    if problem:
+        if endpoint not in _warned:
+            _warned.add(endpoint)
+            logger.warning("kvtier P/D: not loading from %s (%s); recomputing.", endpoint, problem)
+        raise PeerError(problem)
