@@ -22,7 +22,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -73,6 +73,10 @@ class Layout:
     fingerprint: bytes
     description: str = ""  # the fingerprinted facts in words, for error messages
     token_contiguous: bool = False  # each region's block is block_size equal token slices, in token order
+    _bytes_per_block: int = field(default=0, init=False, repr=False, compare=False)  # asked per chunk: summed once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "_bytes_per_block", sum(r.block_bytes for r in self.regions))
 
     @property
     def token_bytes(self) -> tuple[int, ...]:
@@ -88,7 +92,7 @@ class Layout:
     @property
     def bytes_per_block(self) -> int:
         """Bytes one block index holds across all regions (all layers, K and V)."""
-        return sum(r.block_bytes for r in self.regions)
+        return self._bytes_per_block
 
     @property
     def device(self) -> torch.device:
