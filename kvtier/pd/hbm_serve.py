@@ -67,9 +67,9 @@ class HbmServing:
 
     @staticmethod
     def carried(hello: Hello) -> list[Fetch]:
-        """The fetches a pull's hello carries, of the transfer it names (answered at once when the
-        reply says P lends that transfer's blocks)."""
-        return [f for f in hello.fetches if f.transfer_id == hello.transfer_id and f.hbm and not f.wait and not f.blocks]
+        """The pull fetches a hello carries, of the transfer it names (answered at once, each as if
+        it came alone, when the reply says P lends that transfer's blocks)."""
+        return [f for f in hello.fetches if f.transfer_id == hello.transfer_id and not f.wait and not f.blocks]
 
     def forget(self, identity: bytes) -> None:
         """The peer's connection ended (released, or gone quiet)."""

@@ -10,6 +10,7 @@ keep: each ends in a recompute or the CPU-tier path, and no block is held past t
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 import time
@@ -138,6 +139,22 @@ def test_a_long_transfer_lands_by_a_few_reads_and_messages_not_one_per_chunk(eng
     assert lending == [True]
     wait_for(lambda: server.received_total == 2)  # the hello with the 29 fetches, the release
     assert server.sent_total <= 4, server.sent_total  # the hello's reply and a ChunkReplies for each turn of P's
+
+
+def test_a_chunk_the_consumer_holds_in_part_comes_from_the_cpu_tier_in_the_same_round_trip(engines):
+    """D already holds the first block of chunk 0: that chunk does not land whole in D's blocks, so
+    its fetch (carried by the hello with the others) asks for P's CPU-tier copy, which P lends
+    while the rest are READ HBM to HBM; D sends P only the hello and the release."""
+    p, d = engines("p", 1), engines("d", 2)
+    publish(p, PROMPT, P_BLOCKS, "t-part")
+    lend(p, "t-part")
+    job = remote_job("d-req", PROMPT, D_BLOCKS, "t-part", p.endpoint)
+    d.side.start_loads((dataclasses.replace(job, first_block=1, block_ids=job.block_ids[1:]),))
+    assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS[1:]), p.blocks(P_BLOCKS[1:]))
+    server = p.side.chunk_server
+    assert server.hbm_total == 3 and server.lent_total == 1
+    wait_for(lambda: server.received_total == 2)  # the hello with its 4 fetches, the release
 
 
 def test_after_the_lease_the_consumer_gets_the_cpu_tier_copy_and_no_block_is_held(engines, monkeypatch):
