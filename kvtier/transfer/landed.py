@@ -70,8 +70,8 @@ class BlockSums:
         with torch.cuda.stream(self._tables):
             flat = torch.tensor([i for c in chunks for i in c], dtype=torch.int64, device=self.layout.device)
             at = [0, *itertools.accumulate(len(c) for c in chunks)]
-            plan = build_plan(self.layout, self._spans([(flat[at[k] : at[k + 1]], len(c)) for k, c in enumerate(chunks)]),
-                              write=False)
+            spans = self._spans([(flat[at[k] : at[k + 1]], len(c)) for k, c in enumerate(chunks)])
+            plan = build_plan(self.layout, spans, write=False)
         self._tables.synchronize()
         return tuple(chunks), plan
 
@@ -84,21 +84,22 @@ class BlockSums:
             scratch = self._scratch
         return [ChunkSpan(scratch[: codec.chunk_bytes(self.layout, n)], n, 0, ids) for ids, n in chunks]
 
-    def launch(self, chunks: list[tuple[torch.Tensor, int]], plan=None) -> torch.Tensor | list[int]:
+    def launch(self, chunks: list[tuple[torch.Tensor, int]], ahead: tuple[object, int] | None = None,
+               ) -> torch.Tensor | list[int]:
         """The sums of ``chunks`` (``(block_ids, num_blocks)``: ``int64 [num_blocks]`` engine block
         ids on the layout's device): on a GPU an ``int64 [len(chunks)]`` device tensor, enqueued
         on the current stream and not waited for (signed, see
         :func:`~kvtier.ops.checksum.as_unsigned`); on a CPU the unsigned sums, computed now.
-        ``plan``: :meth:`plan` of the same chunks, built ahead (GPU)."""
+        ``ahead``: ``(plan, first)``, a :meth:`plan` built ahead whose chunks ``first …`` are these (GPU)."""
         if self._read_only is not None:
             from kvtier.ops.triton_ops import build_plan
 
-            sums = torch.zeros(len(chunks), dtype=torch.int64, device=self.layout.device)
-            if plan is None:
-                plan = build_plan(self.layout, self._spans(chunks), write=False)
+            plan, first = ahead or (build_plan(self.layout, self._spans(chunks), write=False), 0)
+            sums = torch.zeros(plan.num_spans, dtype=torch.int64, device=self.layout.device)
+            plan = plan.spans_slice(first, first + len(chunks)) if ahead else plan  # its span indices stay global
             if plan.num_units:
                 self._read_only(plan, gather=True, sums=sums, **self._kw)
-            return sums
+            return sums[first : first + len(chunks)]
         spans = self._spans(chunks)
         if self.in_kernel:
             sums = torch.empty(len(spans), dtype=torch.int64)
@@ -121,9 +122,10 @@ class LandedCheck:
         self.check_s = 0.0  # seconds spent checking, since start
 
     def prepare(self, targets: list[tuple[int, ...] | None]) -> Future | None:
-        """Build the check of a pull's chunks ahead, on a thread of its own, while they are READ:
-        ``targets`` are the engine blocks each chunk lands in (None: it does not land). :meth:`loaded`
-        uses it if exactly those chunks landed. None where nothing is built (a CPU)."""
+        """Build the check of a transfer's chunks ahead, on a thread of its own, while they are on
+        their way: ``targets`` are the engine blocks each chunk lands in (None: it does not land).
+        :meth:`loaded` checks any run of them that landed with it (a pull's, all at once; a push's,
+        a step's at a time). None where nothing is built (a CPU)."""
         chunks = [t for t in targets if t is not None]
         if not chunks or not self._sums.ahead:
             return None
@@ -131,16 +133,17 @@ class LandedCheck:
             self._ahead = ThreadPoolExecutor(1, thread_name_prefix="kvtier-check-ahead")
         return self._ahead.submit(self._sums.plan, chunks)
 
-    def first_bad(self, chunks: list[tuple[torch.Tensor | None, int, int]], plan=None) -> int | None:
+    def first_bad(self, chunks: list[tuple[torch.Tensor | None, int, int]],
+                  ahead: tuple[object, int] | None = None) -> int | None:
         """Index of the first of ``chunks`` whose blocks do not hold what the producer saved, or
         None. Each chunk is ``(block_ids, num_blocks, expected)``: ``int64 [num_blocks]`` engine
-        block ids on the layout's device (None with a ``plan`` built ahead for them) and the
-        KVSUM64 (unsigned) they must have as payload. One pass over all of them; runs on the
-        current stream and waits for it."""
+        block ids on the layout's device (None with a plan built ahead for them: ``ahead``, see
+        :meth:`BlockSums.launch`) and the KVSUM64 (unsigned) they must have as payload. One pass
+        over all of them; runs on the current stream and waits for it."""
         if not chunks:
             return None
         begin = time.perf_counter()
-        got = self._sums.launch([(ids, n) for ids, n, _ in chunks], plan)
+        got = self._sums.launch([(ids, n) for ids, n, _ in chunks], ahead)
         if isinstance(got, torch.Tensor):
             got = as_unsigned(got.cpu())  # waits for the pass
         self.check_s += time.perf_counter() - begin
@@ -154,7 +157,7 @@ class LandedCheck:
         that count. ``ids``: block ids as a device tensor. ``ahead``: :meth:`prepare`'s."""
         begin = self.check_s
         blocks = tuple(tuple(job.block_ids[b : b + n]) for _, b, n, _ in landed)
-        plan = _built(ahead, blocks)
+        plan = _built(ahead, blocks)  # (the plan, where these chunks begin in it)
         if plan is None:
             flat = ids(tuple(i for c in blocks for i in c))  # one copy to the device
             at = [0, *itertools.accumulate(len(c) for c in blocks)]
@@ -173,13 +176,15 @@ class LandedCheck:
         return done, chunks, sum(x.nbytes for _, b, _, x in landed if b < done)
 
 
-def _built(ahead: Future | None, blocks: tuple[tuple[int, ...], ...]):
-    """The plan built ahead, if it was for exactly the chunks ``blocks`` (else None: built now)."""
-    if ahead is None:
+def _built(ahead: Future | None, blocks: tuple[tuple[int, ...], ...]) -> tuple[object, int] | None:
+    """``(the plan built ahead, the index of the first of blocks in it)`` if it covers the chunks
+    ``blocks`` as a run (else None: a plan is built now)."""
+    if ahead is None or not blocks:
         return None
     try:
         built, plan = ahead.result()
     except Exception as exc:  # built again now, on the load's own thread
         logger.debug("kvtier P/D: the check built ahead failed (%s)", exc)
         return None
-    return plan if built == blocks else None
+    first = built.index(blocks[0]) if blocks[0] in built else -1
+    return (plan, first) if first >= 0 and built[first : first + len(blocks)] == blocks else None

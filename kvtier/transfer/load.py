@@ -244,8 +244,8 @@ class LoadSide:
         items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
         held, count_chunks, chunks, targets = [], 0, None, self._targets(job, done)
         landed: list[tuple[int, int, int, Landed]] = []  # (chunk, blocks loaded before it, its blocks, what came)
-        ahead = self._landed.prepare(targets) if self._landed is not None and not remote.wait else None  # a pull's
-        try:  # check, built while its chunks are READ
+        ahead = self._landed.prepare(targets) if self._landed is not None else None  # the check, built while
+        try:  # the chunks are on their way
             chunks = self._fetch_remote(job, items, targets)
             for i, buffer in enumerate(chunks, start=first):
                 if done == len(job.block_ids):
@@ -258,7 +258,7 @@ class LoadSide:
                     landed.append((i, done, count, buffer))
                     done, count_chunks = done + count, count_chunks + 1
                     if remote.wait and len(landed) >= CHECK_AT and not buffer.follows:  # while P computes the rest
-                        checked, landed = self._landed.loaded(job, landed, done, count_chunks, self._ids), []
+                        checked, landed = self._landed.loaded(job, landed, done, count_chunks, self._ids, ahead), []
                         self.stats.landed_bytes += checked[2]
                         if checked[0] < done:  # a bad chunk: recomputed from there
                             done, count_chunks = checked[:2]

@@ -1,7 +1,8 @@
-"""A pull's check of the chunks that landed in the engine's blocks (:mod:`kvtier.transfer.landed`),
-built ahead on a thread of its own while the chunks are READ: it finds what a check built then
-finds, a corrupt chunk included, and is not used for other chunks than those it was built for.
-Needs a CUDA device: only the GPU kernel's plan is built ahead."""
+"""The check of a transfer's chunks that landed in the engine's blocks (:mod:`kvtier.transfer.landed`),
+built ahead on a thread of its own while the chunks are on their way: it finds what a check built
+then finds, a corrupt chunk included, for all the chunks (a pull) or a run of them (a push's
+step), and is not used for chunks it was not built for. Needs a CUDA device: only the GPU
+kernel's plan is built ahead."""
 
 from __future__ import annotations
 
@@ -55,12 +56,25 @@ def test_a_check_built_ahead_finds_what_one_built_then_does(landed, caplog):
         assert "chunk 7 of transfer t" in caplog.text
 
 
+def test_a_run_of_the_chunks_is_checked_by_the_plan_built_for_them_all(landed, caplog):
+    """A push's step: chunks 8 to 15 landed; chunk 10 is corrupt, the last one too (not landed yet)."""
+    kv, layout, job, chunks, rows = landed
+    check = LandedCheck(layout, CHUNK_BLOCKS)
+    kv["l0"][chunks[CHUNKS - 1][0]] += 1
+    kv["l3"][chunks[10][2]] -= 1
+    with caplog.at_level(logging.DEBUG, logger="kvtier.transfer.landed"):
+        ahead = check.prepare(chunks)
+        assert check.loaded(job, rows[8:16], 16 * CHUNK_BLOCKS, 16, ids_of, ahead) == (10 * CHUNK_BLOCKS, 10, 2)
+        assert "8 chunks landed, checked in" in caplog.text and "plan built ahead" in caplog.text
+        assert "chunk 10 of transfer t" in caplog.text
+
+
 def test_a_check_built_ahead_for_other_chunks_is_not_used(landed, caplog):
     kv, layout, job, chunks, rows = landed
     check = LandedCheck(layout, CHUNK_BLOCKS)
     kv["l0"][chunks[CHUNKS - 1][0]] += 1  # the last chunk is corrupt, but only the first half landed
     with caplog.at_level(logging.DEBUG, logger="kvtier.transfer.landed"):
-        ahead = check.prepare(chunks)
+        ahead = check.prepare([None, *chunks[1:]])  # chunk 0 was to come from this engine's own tier
         half = CHUNKS // 2 * CHUNK_BLOCKS
         assert check.loaded(job, rows[: CHUNKS // 2], half, CHUNKS // 2, ids_of, ahead) == (half, CHUNKS // 2, CHUNKS // 2)
         assert "plan built then" in caplog.text and "plan built ahead" not in caplog.text
