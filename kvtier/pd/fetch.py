@@ -14,12 +14,13 @@ HBM to HBM (a :class:`Landing` given): where P still holds the request's engine 
 name them and D READs them straight into the engine blocks the caller named (:mod:`kvtier.pd.hbm`);
 once P lends, the rest is asked for at once and all replies read by one READ. A pull's hello
 carries its first fetches (:func:`kvtier.pd.hello.first_fetches`): P answers them at once when
-it lends the transfer, so the chunks' replies follow the handshake's without another round trip. The caller gets a
-:class:`Landed` with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`). A push
-(D asked first) is answered a step's chunks at a time, READ as one (``pd_hbm_push`` "read"), or
-WRITTEN by P into the blocks each fetch names ("write"; D's NIXL metadata goes in a second hello,
-once P's reply checked out); one that ends with such fetches unanswered waits (up to the timeout)
-for P's word that none of its WRITEs still runs. Fetches and replies travel in batches (:mod:`kvtier.pd.protocol`).
+it lends the transfer, so the chunks' replies follow the handshake's without another round
+trip. The caller gets a :class:`Landed` with the KVSUM64 to check the blocks against
+(:mod:`kvtier.pd.landing`). A push (D asked first) is answered a step's chunks at a time, READ
+as one (``pd_hbm_push`` "read"), or WRITTEN by P into the blocks each fetch names ("write"; D's
+NIXL metadata goes in a second hello, once P's reply checked out); one that ends with such
+fetches unanswered waits (up to the timeout) for P's word that none of its WRITEs still runs.
+Fetches and replies travel in batches (:mod:`kvtier.pd.protocol`).
 """
 
 from __future__ import annotations
@@ -100,7 +101,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             if landing is not None and remote and compatible(landing.regions, remote):
                 peer.hbm = Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
                 peer.lent = reply.lending and not wait  # P lends the transfer's blocks: ask for them all at once
-        if reply.lending and hello.fetches:  # P answers those the hello carried (only HBM to HBM can take them)
+        if reply.lending and hello.fetches:  # P answers the fetches the hello carried, naming its engine blocks
             if peer.hbm is None:
                 raise PeerError(f"{endpoint} lends engine blocks this engine cannot READ (KV regions differ)")
             peer.sent, peer.asked = len(hello.fetches), set(range(len(hello.fetches)))

@@ -34,8 +34,8 @@ answered with the chunk's block ids in P's engine (``ChunkReply.blocks``) and th
 save computed (``checksum``), both under the MAC. A pull's hello names its transfer and carries
 its first fetches (``Hello.fetches``): P answers them right after its handshake reply when that
 reply says it lends the transfer's blocks (``lending``), and drops them otherwise (D then sends
-them again), so a pull under a lease takes one round trip, not two. D READs those blocks into its own, checks the
-KVSUM64 of what landed, and releases the transfer when done. Without a lease (it ended, or P
+them again), so a pull under a lease takes one round trip, not two. D READs those blocks into
+its own, checks the KVSUM64 of what landed, and releases the transfer when done. Without a lease (it ended, or P
 keeps none) the same fetch gets the CPU-tier answer above.
 
 HBM push: D's second hello also gives its engine KV regions, and each fetch names the engine
@@ -64,7 +64,7 @@ MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larg
 KEY_BYTES = 16
 MAC_BYTES = 32
 MAX_BATCH = 64  # fetches in one Fetches, replies in one ChunkReplies
-BATCH_BYTES = 32 << 10  # a Fetches message (and a hello's fetches) stays under this many bytes (half of MAX_REQUEST_BYTES)
+BATCH_BYTES = 32 << 10  # a Fetches (or a hello's fetches) stays under this many bytes: half of MAX_REQUEST_BYTES
 MAX_HELLO_FETCHES = 256  # fetches a pull's hello may carry
 
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
@@ -108,7 +108,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     device: Device = 0  # the CUDA device of those regions in D's process
     transfer_id: MaybeTransferId = ""  # the transfer D is about to fetch (P says whether it lends its blocks)
     fetches: Annotated[tuple[Fetch, ...], msgspec.Meta(max_length=MAX_HELLO_FETCHES)] = ()  # a pull's first
-    # fetches of that transfer (``hbm``), answered at once if P lends its engine blocks now, else dropped
+    # fetches of that transfer, answered at once if P lends its engine blocks now, else dropped
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):

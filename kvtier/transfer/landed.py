@@ -118,7 +118,7 @@ class LandedCheck:
 
     def __init__(self, layout: Layout, chunk_blocks: int):
         self._sums = BlockSums(layout, chunk_blocks)
-        self._ahead: ThreadPoolExecutor | None = None  # builds a pull's check while its chunks are READ
+        self._ahead: ThreadPoolExecutor | None = None  # builds a transfer's check while its chunks are on their way
         self.check_s = 0.0  # seconds spent checking, since start
 
     def prepare(self, targets: list[tuple[int, ...] | None]) -> Future | None:

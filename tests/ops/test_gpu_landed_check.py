@@ -48,7 +48,8 @@ def test_a_check_built_ahead_finds_what_one_built_then_does(landed, caplog):
     check = LandedCheck(layout, CHUNK_BLOCKS)
     with caplog.at_level(logging.DEBUG, logger="kvtier.transfer.landed"):
         ahead = check.prepare([None, *chunks[1:]])  # the first chunk came from this engine's own tier
-        assert check.loaded(job, rows[1:], len(job.block_ids), CHUNKS, ids_of, ahead) == (len(job.block_ids), CHUNKS, CHUNKS - 1)
+        everything = len(job.block_ids)
+        assert check.loaded(job, rows[1:], everything, CHUNKS, ids_of, ahead) == (everything, CHUNKS, CHUNKS - 1)
         assert "plan built ahead" in caplog.text
         kv["l2"][chunks[7][1]] += 1  # a corrupt block in chunk 7: everything from it on is recomputed
         ahead = check.prepare([None, *chunks[1:]])
@@ -76,5 +77,5 @@ def test_a_check_built_ahead_for_other_chunks_is_not_used(landed, caplog):
     with caplog.at_level(logging.DEBUG, logger="kvtier.transfer.landed"):
         ahead = check.prepare([None, *chunks[1:]])  # chunk 0 was to come from this engine's own tier
         half = CHUNKS // 2 * CHUNK_BLOCKS
-        assert check.loaded(job, rows[: CHUNKS // 2], half, CHUNKS // 2, ids_of, ahead) == (half, CHUNKS // 2, CHUNKS // 2)
+        assert check.loaded(job, rows[: CHUNKS // 2], half, CHUNKS // 2, ids_of, ahead) == (half, 12, 12)
         assert "plan built then" in caplog.text and "plan built ahead" not in caplog.text
