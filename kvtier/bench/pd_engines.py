@@ -30,7 +30,8 @@ the one P computed for the same prompt; either failure makes the exit status 1. 
 rate is ``KV bytes / (D's leg - local hit)``: the KV moved, over the time D's leg took beyond a
 prefix-cache hit's. Each row names its transport: a kvtier row from D's ``kvtier P/D: fetching
 from`` line, a vLLM connector's from the protocols UCX prints (``UCX_PROTO_INFO=y``, e.g.
-``cuda_ipc``, ``rc``, ``tcp``); see :mod:`kvtier.bench.pd_engines_report`.
+``cuda_ipc``, ``rc``, ``tcp``); see :mod:`kvtier.bench.pd_engines_report`. ``--py-spy DIR``
+records kvtier's P and D while the longest prompt's repeats run (:mod:`kvtier.bench.pd_spy`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ from kvtier.bench.engine_model import LLAMA3_8B
 from kvtier.bench.pd_engine_proc import Engine  # noqa: F401 - the GPU tests start engines from here
 from kvtier.bench.pd_engines_report import ROWS, format_table, transfer_gbps, write_plot  # noqa: F401 - this command's outputs
 from kvtier.bench.pd_engines_rows import Run, engine_env  # noqa: F401 - engine_env: each engine's environment
+from kvtier.bench.pd_spy import py_spy
 
 PAIRS = ("kvtier", "nixl", "nixl-push")
 
@@ -83,6 +85,9 @@ def add_parser(commands) -> None:
     p.add_argument("--chunk-tokens", type=positive, default=256, help="kvtier's chunk_tokens (default 256)")
     add_cuda_graphs_flag(p)
     p.add_argument("--keep-logs", metavar="DIR", help="write the engines' logs to DIR and keep them")
+    p.add_argument("--py-spy", metavar="DIR", help="record kvtier's P and D with py-spy (pip install py-spy) through "
+                   "the longest prompt's repeats: DIR/<engine>.speedscope.json, and DIR/summary.txt on where remote "
+                   "loads and chunk serving spent their time")
     p.add_argument("--json", metavar="FILE", help="write every sample to FILE (also after each repeat)")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of TTFT per row and length (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)
@@ -122,6 +127,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error("argument --tp: needs --devices, P's GPUs then D's")
     if args.hbm_lease_ms < 0:
         parser.error("argument --hbm-lease-ms: expected 0 or more milliseconds")
+    if args.py_spy and py_spy() is None:
+        parser.error("argument --py-spy: py-spy is not installed (pip install py-spy)")
     args.gpu_memory_utilization = memory_share(args.devices, args.gpu_memory_utilization)
     progress = Progress("pd-engines")
     with tempfile.TemporaryDirectory(prefix="kvtier-pd-engines-") as tmp:

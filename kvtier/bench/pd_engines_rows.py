@@ -20,6 +20,7 @@ from kvtier import timeline
 from kvtier.bench.common import BenchError, Progress, vllm_version
 from kvtier.bench.pd_engine_proc import RELEASE_SLACK_MIB, Engine, gpu_used_mib, wait_released
 from kvtier.bench.pd_engines_report import ROWS, merge_protocols, row_transport, ucx_protocols, ucx_transport
+from kvtier.bench.pd_spy import Spy, summary
 
 # NIXL side-channel ports of the vLLM connector pairs (each pair runs alone; ports differ anyway).
 NIXL_PORTS = {"nixl": (5600, 5700), "nixl-push": (5800, 5900)}
@@ -86,6 +87,7 @@ class Run:
         self.released: dict[str, dict] = {}  # a stopped D -> how long its GPU memory took to come back
         self.stages: dict[str, dict[str, dict[str, list[float]]]] = {}  # kvtier row -> tokens -> stage -> ms
         self.lease_missing = hbm_lease_missing()
+        self.profiles: dict[str, list[str]] = {}  # engine -> where its threads' time went (--py-spy)
         self._seed = 0
 
     def prompt(self, length: int) -> list[int]:
@@ -165,6 +167,26 @@ class Run:
         self.check(row, n, p_out, d_out)
         self.record(row, n, d_out["seconds"], d_out["seconds"])
 
+    def spy(self, engines: tuple[Engine, ...]) -> list[tuple[Engine, Spy]]:
+        """With ``--py-spy DIR``: py-spy recording each of ``engines`` (its process and children)."""
+        if not self.args.py_spy:
+            return []
+        os.makedirs(self.args.py_spy, exist_ok=True)
+        self.progress(f"py-spy recording {', '.join(e.name for e in engines)}")
+        return [(e, Spy(e.proc.pid, os.path.join(self.args.py_spy, f"{e.name}.speedscope.json"))) for e in engines]
+
+    def spied(self, spies: list[tuple[Engine, Spy]]) -> None:
+        """Stop :meth:`spy`'s recordings; their summaries go in the result and ``DIR/summary.txt``."""
+        for engine, spy in spies:
+            problem = spy.stop()
+            self.profiles[engine.name] = [problem] if problem else summary(spy.path, spy.seconds)
+        if spies:
+            path = os.path.join(self.args.py_spy, "summary.txt")
+            with open(path, "w") as f:
+                f.writelines(f"== {name}\n" + "".join(f"{line}\n" for line in lines)
+                             for name, lines in self.profiles.items())
+            self.progress(f"wrote {path}")
+
     def baselines(self, p: Engine, n: int) -> None:
         prompt = self.prompt(n)
         self.ms["recompute"][str(n)].append(p.ask(prompt)["seconds"] * 1e3)
@@ -204,6 +226,7 @@ class Run:
                 d.ask(warm, params)
                 endpoints = params["kvtier_endpoints"]
                 for n in self.lengths:
+                    spies = self.spy((p, d)) if n == max(self.lengths) and label == "nixl" else []
                     for r in range(self.args.repeats):
                         self.progress(f"kvtier over {transport}, {n} tokens, repeat {r + 1}/{self.args.repeats}")
                         if label == "nixl":
@@ -215,6 +238,7 @@ class Run:
                             self.pull("kvtier pull zmq", p, d, n)
                         self.push(f"kvtier push {label}", p, d, n, endpoints)
                         self.checkpoint()
+                    self.spied(spies)
                 d.stop()
                 engines.remove(d)
                 if before is not None:  # P may still hold what it wrote into: the next D would not start
@@ -326,7 +350,7 @@ class Run:
                 "devices": {"P": devices[0], "D": devices[1]} if devices else None, "tp": self.tp,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
                 "hbm_push": self.args.hbm_push, "device": _device_name(), "vllm": vllm_version(),
-                "cuda_graphs": bool(self.args.cuda_graphs),
+                "cuda_graphs": bool(self.args.cuda_graphs), "py_spy": self.profiles,
                 "ucx_cuda_ipc_cache": os.environ.get("UCX_CUDA_IPC_CACHE", "n (kvtier's default)")}
 
 

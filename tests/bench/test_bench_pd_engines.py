@@ -225,6 +225,7 @@ class FakeEngine:
 
     def __init__(self, name, spec, workdir, env=None):
         self.name, self.spec, self.env, self.start_s = name, spec, env or {}, 1.0
+        self.proc = types.SimpleNamespace(pid=1000 + len(FakeEngine.started))
         self.role = "P" if name.endswith("-P") else "D"
         self.queue, self.sent, self.log = [], [], []
         FakeEngine.started.append(self)
@@ -290,7 +291,7 @@ def run(tmp_path, monkeypatch):
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2, tp=1,
                               hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"),
-                              zmq=True, cuda_graphs=False)
+                              zmq=True, cuda_graphs=False, py_spy=None)
     r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     r.waits = waits
     return r
@@ -446,7 +447,7 @@ def test_at_tp_2_the_devices_are_p_s_two_then_d_s_two_and_each_engine_runs_at_tp
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=1,
                               hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2,
-                              cuda_graphs=False)
+                              cuda_graphs=False, py_spy=None)
     run = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     assert run.spec("kvtier")["engine_args"] == {"tensor_parallel_size": 2}
     assert run.push_legs("1", "t", 5600, run.tp)[1]["tp_size"] == 2
@@ -472,3 +473,75 @@ def test_cuda_graphs_turn_eager_off_in_every_engine_and_the_table_says_so(run, m
     assert run.result()["cuda_graphs"] is True
     assert "; CUDA graphs)" in pd_engines.format_table({**_result(), "cuda_graphs": True})
     assert "; eager)" in pd_engines.format_table(_result())  # results written before the flag: eager
+
+
+# ---- --py-spy --------------------------------------------------------------------------------------
+def test_py_spy_records_kvtier_p_and_d_through_the_longest_prompts_repeats(run, tmp_path, monkeypatch):
+    """A stand-in for py-spy (which samples real processes): recording starts before the longest
+    length's first repeat and stops after its last, on P and the first D only; the summaries go in
+    the result and DIR/summary.txt."""
+    spied = []
+
+    class FakeSpy:
+        def __init__(self, pid, path):
+            self.path, self.seconds = path, 1.0
+            spied.append((pid, Path(path).name, len(FakeEngine.started[-1].sent)))
+
+        def stop(self):
+            Path(self.path).write_text(json.dumps(SPEEDSCOPE))
+            return None
+
+    monkeypatch.setattr(pd_engines_rows, "Spy", FakeSpy)
+    run.args.py_spy = str(tmp_path / "spy")
+    run.lengths = [300, 600]
+    run.ms = {row: {"300": [], "600": []} for row in run.ms}
+    run.d_leg_ms = {row: {"300": [], "600": []} for row in run.d_leg_ms}
+    run.kvtier_pair(str(tmp_path))
+    p, d_nixl, _ = FakeEngine.started
+    assert [(pid, name) for pid, name, _ in spied] == [(p.proc.pid, "kvtier-P.speedscope.json"),
+                                                        (d_nixl.proc.pid, "kvtier-D-nixl.speedscope.json")]
+    assert spied[1][2] == 1 + 2 * 3  # D had answered the warm-up and the 300-token repeats (3 rows each)
+    text = (tmp_path / "spy" / "summary.txt").read_text()
+    assert "== kvtier-P" in text and "== kvtier-D-nixl" in text and "2 remote loads" in text
+    assert set(run.result()["py_spy"]) == {"kvtier-P", "kvtier-D-nixl"}
+
+
+# A recording of two threads, 10 ms a sample: a load thread that ran a pull (3 samples: the
+# handshake, the READ twice) and a push (25 samples waiting for replies), and a chunk server idle
+# but for 2 samples answering a fetch.
+_FRAMES = [{"name": n, "file": f} for n, f in (
+    ("Thread.run", "threading.py"), ("LoadSide._load_remote", "/x/kvtier/transfer/load.py"),
+    ("_Peer.hello", "/x/kvtier/pd/fetch.py"), ("Poller.poll", "zmq/sugar/poll.py"),
+    ("Transfer.wait", "/x/kvtier/pd/nixl.py"), ("_Peer.receive", "/x/kvtier/pd/fetch.py"),
+    ("ChunkServer._serve", "/x/kvtier/pd/server.py"), ("ChunkServer._fetch", "/x/kvtier/pd/server.py"))]
+_IDLE = [[0]]
+_PULL = [[0, 1, 2, 3], [0, 1, 4], [0, 1, 4]]
+_PUSH = [[0, 1, 5, 3]] * 25
+SPEEDSCOPE = {"shared": {"frames": _FRAMES}, "profiles": [
+    {"name": 'Thread 1 "kvtier-remote_0"', "samples": _IDLE * 5 + _PULL + _IDLE * 5 + _PUSH + _IDLE * 2},
+    {"name": 'Thread 2 "kvtier-pd-server"', "samples": [[0, 6, 3]] * 38 + [[0, 6, 7]] * 2}]}
+
+
+def test_the_py_spy_summary_says_where_loads_and_chunk_serving_went(tmp_path):
+    from kvtier.bench.pd_spy import summary
+
+    path = tmp_path / "d.json"
+    path.write_text(json.dumps(SPEEDSCOPE))
+    lines = summary(str(path), seconds=0.4)  # 40 samples
+    text = "\n".join(lines)
+    assert lines[0] == "2 threads, ~10.00 ms a sample"
+    assert 'kvtier-remote_0": 2 remote loads, ms 30, 250' in text
+    assert re.search(r"short loads: 3 samples, ~30 ms\n +66.7 %  Transfer.wait\n +33.3 %  _Peer.hello  <- Poller.poll", text)
+    assert re.search(r"long loads: 25 samples, ~250 ms\n +100.0 %  _Peer.receive  <- Poller.poll", text)
+    assert re.search(r'kvtier-pd-server": busy: 2 samples, ~20 ms\n +100.0 %  ChunkServer._fetch', text)
+
+
+def test_py_spy_that_is_not_installed_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
+    from kvtier.bench.cli import build_parser
+
+    monkeypatch.setattr(pd_engines, "py_spy", lambda: None)  # make test installs it
+    args = build_parser().parse_args(["pd-engines", "--py-spy", str(tmp_path)])
+    with pytest.raises(SystemExit) as exit_:
+        args.run(args.parser, args)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and "--py-spy" in err and "pip install py-spy" in err, err
