@@ -11,11 +11,14 @@ same computation on what must be the same KV bytes, and are compared bit for bit
 logprobs). Pull:
 P prefills (``do_remote_decode``), D answers with P's ``kv_transfer_params``. Push: both legs at
 once under one ``transfer_id``. A negative control sends D a transfer P never published: D must
-recompute (nothing loaded) and still answer like P.
+recompute (nothing loaded) and still answer like P. Each D's GPU memory must come back once it
+stopped (as ``kvtier-bench pd-engines`` waits for it), before the next D starts beside P: vLLM
+checks the GPU's free memory as an engine starts.
 """
 
 from __future__ import annotations
 
+import os
 import uuid
 
 import pytest
@@ -48,15 +51,18 @@ def _ask(engine, prompt: list[int], params: dict | None = None) -> dict:
 
 
 def test_pd_pull_push_nixl_and_zmq(gpu_model, tmp_path, monkeypatch):
+    from kvtier.bench.pd_engine_proc import RELEASE_SLACK_MIB, gpu_used_mib, wait_released
     from kvtier.bench.pd_engines import Engine
 
     for key, value in g.child_env(multiprocess=True).items():
         monkeypatch.setenv(key, value)
+    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
     engines = []
     try:
         p = Engine("P", _spec(gpu_model, "auto"), str(tmp_path))
         engines.append(p)
         for i, transport in enumerate(("nixl", "zmq")):
+            before = gpu_used_mib(gpu)  # P's share: what the GPU holds again once this D stopped
             d = Engine(f"D-{transport}", _spec(gpu_model, transport), str(tmp_path))
             engines.append(d)
 
@@ -85,6 +91,9 @@ def test_pd_pull_push_nixl_and_zmq(gpu_model, tmp_path, monkeypatch):
             assert lines and f"over {transport.upper()}" in lines[0], f"D's transport line: {lines[:1]}"
             d.stop()
             engines.remove(d)
+            if before is not None:  # the next D checks the GPU's free memory as it starts
+                released = wait_released(gpu, before)
+                assert released["held_mib"] <= RELEASE_SLACK_MIB, f"D-{transport}'s GPU memory still held: {released}"
     finally:
         for e in engines:
             e.stop()
