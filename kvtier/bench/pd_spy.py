@@ -114,10 +114,16 @@ def _shares(title: str, samples: list[list[int]], frames: list[dict], ms: float)
     """``title`` with the samples' total, then the top (innermost kvtier function ← innermost call) shares."""
     counts: Counter = Counter()
     for stack in samples:
-        ours = [i for i in stack if "kvtier" in (frames[i].get("file") or "")]
+        ours = [i for i in stack if _ours(frames[i].get("file") or "")]
         where = frames[ours[-1]]["name"] if ours else "-"
         counts[(where, frames[stack[-1]]["name"] if stack else "-")] += 1
     lines = [f"{title}: {len(samples)} samples, ~{len(samples) * ms:.0f} ms"]
     for (where, leaf), n in counts.most_common(TOP):
         lines.append(f"    {100 * n / len(samples):5.1f} %  {where}" + (f"  <- {leaf}" if leaf != where else ""))
     return lines
+
+
+def _ours(path: str) -> bool:
+    """Whether a frame's file is kvtier's (installed, or in a checkout), not another package's."""
+    tail = path.replace("\\", "/").split("site-packages/")[-1]
+    return tail.startswith("kvtier/") or "/kvtier/" in tail
