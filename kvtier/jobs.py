@@ -13,13 +13,16 @@ class RemoteSource:
     of each producer TP rank (rank r of the consumer fetches from rank r). ``first_chunk``: index
     into the job's keys of the first chunk fetched from the producer (the ones before come from
     the consumer's own tiers). ``wait``: the producer may still be computing the prompt (push: both
-    legs were sent at once), so chunks not yet published are waited for, not missed.
+    legs were sent at once), so chunks not yet published are waited for, not missed. ``blocks``:
+    the producer's engine blocks from the first chunk fetched on, in token order, as its
+    ``kv_transfer_params`` named them (a pull's; empty: not named).
     """
 
     transfer_id: str
     endpoints: tuple[str, ...]
     first_chunk: int
     wait: bool = False
+    blocks: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -15,7 +15,7 @@ name them and D READs them straight into the engine blocks the caller named (:mo
 once P lends, the rest is asked for at once and all replies read by one READ. A pull's hello
 carries its first fetches (:func:`kvtier.pd.hello.first_fetches`): P answers them at once when
 it lends the transfer, so the chunks' replies follow the handshake's without another round
-trip. The caller gets a :class:`Landed` with the KVSUM64 to check the blocks against
+trip (and blocks P's params named are READ before the hello goes: :mod:`kvtier.pd.landing`). The caller gets a :class:`Landed` with the KVSUM64 to check the blocks against
 (:mod:`kvtier.pd.landing`). A push (D asked first) is answered a step's chunks at a time, READ
 as one (``pd_hbm_push`` "read"), or WRITTEN by P into the blocks each fetch names ("write"; D's
 NIXL metadata goes in a second hello, once P's reply checked out); one that ends with such
@@ -37,8 +37,8 @@ import zmq
 
 from kvtier.jobs import Landed
 from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated
-from kvtier.pd.landing import Arrived, Landings
-from kvtier.pd.hello import PeerError, check_layouts, first_fetches
+from kvtier.pd.landing import Arrived, Landings, read_early, remember
+from kvtier.pd.hello import PeerError, check_layouts, first_fetches, say_transport
 from kvtier.pd.protocol import (
     VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
 )
@@ -54,14 +54,14 @@ PUSH_WINDOW = 256  # ... when P writes them into the engine's blocks as it compu
 _CANCEL_CHECK_S, _PROGRESS_S = 0.05, 0.001  # how often a waiting transfer checks whether its request was
 # aborted; how often one P WRITEs into over NIXL lets NIXL progress while it waits
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
-_told: set[tuple[str, str]] = set()  # (peer, transport) pairs logged
 _QUARANTINE_TIMEOUTS = 3  # a buffer P was told to write into, never answered, is reused after this many timeouts
 
 
 def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tuple[bytes, int]], *,
                  wait: bool, timeout_ms: int, secret: bytes | None, allocate: Allocate,
                  chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool, nixl: Agent | None = None,
-                 block_size: int = 0, landing: Landing | None = None) -> Iterator[ChunkBuffer | Landed]:
+                 block_size: int = 0, landing: Landing | None = None,
+                 producer_blocks: tuple[int, ...] = ()) -> Iterator[ChunkBuffer | Landed]:
     """Yield the chunks ``items`` (chain key, block count) of ``transfer_id`` from ``endpoint``, in
     order, each in a fresh buffer from ``allocate`` that the caller owns.
 
@@ -71,8 +71,8 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
     which picks NIXL or ZMQ (None: ZMQ only). ``block_size``: this engine's, in tokens: each
     chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
-    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). The
-    producer is told it is done (its pins and lent buffers released) however the generator ends."""
+    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only); ``producer_blocks``:
+    P's from the first chunk on, as its params named them. P is told it is done however the generator ends."""
     begin = time.perf_counter()
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)
@@ -81,12 +81,15 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     sizes = [chunk_bytes(n) for _, n in items]
     peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size,
                  (transfer_id, items, wait))
+    early = None  # the READ of the blocks P's params named, posted before the hello (pull)
     try:
         if nixl is not None:
             hbm = landing is not None and not emulated(endpoint)
             first = first_fetches(peer.plan, landing, block_size) if hbm and not wait else ()
             hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), transfer_id=transfer_id, hbm=hbm,
                                             fetches=first)
+            if hbm and not wait and producer_blocks:
+                early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000)
         reply = peer.hello(hello)
         writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
         if reply.transport == "nixl" and nixl is not None and writes:  # P may WRITE into our memory (live blocks)
@@ -99,23 +102,25 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             peer.landing_enabled = writes
             remote = tuple(RegionSpan(*r) for r in reply.regions)
             if landing is not None and remote and compatible(landing.regions, remote):
-                peer.hbm = Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
+                same = early is not None and reply.lending and early.matches(peer.nixl_peer, remote, reply.device)
+                peer.hbm = early if same else Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
+                remember(nixl, endpoint, peer.nixl_peer, remote, reply.device)
                 peer.lent = reply.lending and not wait  # P lends the transfer's blocks: ask for them all at once
+        if early is not None and peer.hbm is not early:
+            early.settle_early()  # P does not lend them now, or changed: what that READ wrote goes unused
         if reply.lending and hello.fetches:  # P answers the fetches the hello carried, naming its engine blocks
             if peer.hbm is None:
                 raise PeerError(f"{endpoint} lends engine blocks this engine cannot READ (KV regions differ)")
             peer.sent, peer.asked = len(hello.fetches), set(range(len(hello.fetches)))
         peer.handshake_s = time.perf_counter() - begin
-        how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
-               if peer.hbm else "NIXL (UCX, into this engine's CPU tier)" if peer.nixl else "ZMQ")
-        if (endpoint, how) not in _told:
-            _told.add((endpoint, how))
-            logger.info("kvtier P/D: fetching from %s over %s.", endpoint, how)
+        say_transport(endpoint, peer.hbm is not None, peer.nixl is not None)
         for index in range(len(items)):
             window = (PUSH_WINDOW if wait else LENT_WINDOW if peer.lent else HBM_WINDOW) if peer.hbm else WINDOW
             peer.fetch_until(index + window)
             yield peer.chunk(index)
     finally:
+        if early is not None:  # before P may reuse its blocks (the release) or this engine recomputes into its own
+            early.settle_early()
         peer.close()
         if peer.hbm is not None:
             peer.hbm.log(transfer_id, peer.reply_s, peer.handshake_s)
@@ -289,6 +294,8 @@ class _Peer:
         landing = self.landing.pop(got.reply.index, None)
         if landing is not None and (got.reply.status != "ok" or got.reply.blocks):
             landing.release()  # not answered, or from P's engine blocks: the buffer named goes unused
+        if self.hbm is not None and not got.reply.blocks:  # comes otherwise: nothing lands in its blocks
+            self.hbm.settle_early(got.reply.index)  # while an early READ may still write there
         if got.reply.status != "ok":
             return
         self.lent = bool(got.reply.blocks)  # P lends its blocks: this engine holds no buffer per fetch
@@ -379,9 +386,8 @@ class _Peer:
             logger.debug("kvtier P/D: %d chunks READ from %s into this engine's CPU tier; ms handshake %.1f, waiting for "
                          "replies %.1f, for READs %.1f", self.reads, self.endpoint, self.handshake_s * 1e3,
                          self.reply_s * 1e3, self.read_s * 1e3)
-        for arrived in self.early.values():
-            self._discard(arrived)
-        self.early.clear()
+        while self.early:
+            self._discard(self.early.popitem()[1])
         if self.landing:  # named to P, never answered: P might still write there; kept out of use a while
             grace_s = _QUARANTINE_TIMEOUTS * self.timeout_ms / 1000
             for timer in [threading.Timer(grace_s, buffer.release) for buffer in self.landing.values()]:

@@ -10,6 +10,7 @@ from kvtier.pd.protocol import BATCH_BYTES, MAX_HELLO_FETCHES, VERSION, Fetch, H
 
 logger = logging.getLogger(__name__)
 _warned: set[str] = set()  # producers whose layout mismatch was logged
+_told: set[tuple[str, str]] = set()  # (producer, transport) pairs logged
 
 
 class PeerError(RuntimeError):
@@ -41,3 +42,13 @@ def check_layouts(endpoint: str, hello: Hello, reply: HelloReply) -> None:
             _warned.add(endpoint)
             logger.warning("kvtier P/D: not loading from %s (%s); recomputing.", endpoint, problem)
         raise PeerError(problem)
+
+
+def say_transport(endpoint: str, hbm: bool, nixl: bool) -> None:
+    """One line per producer and transport: how its chunks come (``hbm``: HBM to HBM where it
+    lends; ``nixl``: NIXL, else ZMQ)."""
+    how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
+           if hbm else "NIXL (UCX, into this engine's CPU tier)" if nixl else "ZMQ")
+    if (endpoint, how) not in _told:
+        _told.add((endpoint, how))
+        logger.info("kvtier P/D: fetching from %s over %s.", endpoint, how)

@@ -8,6 +8,15 @@ until the caller needs one of them or :data:`POST_AT` have gathered: a READ per 
 the posting cost per chunk (over ``cuda_ipc`` without UCX's mapping cache, a mapping of every
 region of the producer's KV each time). The chunks sharing a READ each wait for it; the first to
 see it done gives NIXL's handle back and times it (:func:`kvtier.pd.hbm.read_speed`).
+
+A pull whose ``kv_transfer_params`` named P's blocks, from a producer this engine reached before
+(its agent still known, its regions as its last handshake gave them: :func:`remember`), READs
+them all at once, before P's handshake reply (:meth:`Landings.read_early`): the READ runs while
+the hello and P's replies travel. A reply that names the same blocks takes that READ
+(:meth:`Landings.add`); one naming others is READ again once the early READ settled, and a
+chunk P answers otherwise (not lent) waits for it to settle too, so nothing else lands in the
+blocks while it may still write there. P's KVSUM64 in each reply is checked on the blocks as
+for any READ: blocks named wrongly cost time, never a wrong answer.
 """
 
 from __future__ import annotations
@@ -28,6 +37,26 @@ from kvtier.storage import ChunkBuffer
 logger = logging.getLogger(__name__)
 _told: set[str] = set()  # producers whose chunks were said to land HBM to HBM
 POST_AT = 16  # replies gathered before they are posted as one READ, unless one is needed sooner
+_known: dict[tuple[str, str], tuple[str, tuple[RegionSpan, ...], int]] = {}  # (this agent, producer endpoint) ->
+# the producer's NIXL peer name, engine KV regions and CUDA device, as its last handshake gave them
+
+
+def remember(agent: Agent, endpoint: str, peer: str, theirs: tuple[RegionSpan, ...], device: int) -> None:
+    """The producer at ``endpoint`` passed a handshake lending engine blocks: its agent is ``peer``
+    and its engine KV ``theirs`` on CUDA device ``device`` (what :meth:`Landings.read_early` uses)."""
+    _known[(agent.name, endpoint)] = (peer, theirs, device)
+
+
+def read_early(agent: Agent, endpoint: str, mine: Landing, their_blocks: tuple[int, ...], counts: list[int],
+               settle_s: float) -> Landings | None:
+    """Landings from the producer at ``endpoint`` as its last handshake described it, their
+    :meth:`~Landings.read_early` posted (arguments as there); None where ``agent`` no longer knows
+    that producer's agent (it is kept while the producer's chunk server is up) or nothing was posted."""
+    entry = _known.get((agent.name, endpoint))
+    if entry is None or entry[0] not in agent.peer_names or emulated(endpoint):
+        return None
+    landings = Landings(agent, entry[0], endpoint, mine, entry[1], entry[2])
+    return landings if landings.read_early(their_blocks, counts, settle_s) else None
 
 
 @dataclass(slots=True)
@@ -58,13 +87,63 @@ class Landings:
         self._posting_s = agent.post_s  # the agent's posting time when this transfer began
         self.reads = 0  # READs posted
         self.chunks, self.read_s = 0, 0.0
+        self._early: Transfer | None = None  # the READ posted before P's reply (read_early)
+        self._early_blocks: dict[int, tuple[int, ...]] = {}  # chunk index -> P's blocks that READ took
+        self._early_s, self._settle_s = 0.0, 0.0  # perf_counter s it was posted; longest wait for it to settle
+        self.early_taken = 0  # chunks whose reply named the blocks the early READ took
+
+    def matches(self, peer: str, theirs: tuple[RegionSpan, ...], device: int) -> bool:
+        """Whether P's handshake reply describes the same producer memory as these Landings."""
+        return (self.peer, self.theirs, self.device) == (peer, theirs, device)
+
+    def read_early(self, their_blocks: tuple[int, ...], counts: list[int], settle_s: float) -> bool:
+        """Post one READ of every chunk (``counts``: each chunk's blocks, in order) from P's blocks
+        ``their_blocks`` (the first chunk's first on) into this engine's, before P's reply names
+        them; ``settle_s``: how long to wait for it before reusing its blocks. False if none could be posted."""
+        mine: list[int] = []
+        theirs: list[int] = []
+        start = 0
+        for index, count in enumerate(counts):
+            own, named = self.mine.block_ids[index], their_blocks[start : start + count]
+            start += count
+            if own is not None and len(own) == count == len(named):
+                mine.extend(own)
+                theirs.extend(named)
+                self._early_blocks[index] = named
+        if not mine:
+            return False
+        try:
+            local, remote = read_descriptors(self.mine.regions, self.theirs, mine, theirs)
+        except ValueError:
+            return False
+        self._early = self.agent.read(self.peer, local, remote, (self.mine.kind, self.mine.device, self.device))
+        self._early_s, self._settle_s = time.perf_counter(), settle_s
+        self.reads += 1
+        return True
+
+    def settle_early(self, index: int | None = None) -> None:
+        """Wait until the early READ no longer runs (its blocks may take other bytes then; ``index``:
+        only if it READ into chunk ``index``'s) and give its handle back; a READ that never ends is
+        logged (the load fails, its blocks are recomputed)."""
+        early = self._early
+        if early is None or early.released or (index is not None and index not in self._early_blocks):
+            return
+        if early.settle(self._settle_s):
+            early.release()
+        else:
+            logger.warning("kvtier P/D: a READ from %s did not end in %.1f s.", self.endpoint, self._settle_s)
 
     def wants(self, index: int) -> bool:
         """Whether to ask for chunk ``index`` as engine blocks (not where the path was found emulated)."""
         return self.mine.block_ids[index] is not None and not emulated(self.endpoint)
 
     def add(self, arrived: Arrived) -> None:
-        """A reply naming engine blocks: READ by the next :meth:`post`."""
+        """A reply naming engine blocks: read by the early READ where it took those blocks, else by the next :meth:`post`."""
+        index = arrived.reply.index
+        if self._early is not None and self._early_blocks.get(index) == tuple(arrived.reply.blocks):
+            arrived.transfer, arrived.started_s = self._early, self._early_s
+            self.early_taken += 1
+            return
         self._unposted.append(arrived)
 
     def unposted(self, index: int) -> bool:
@@ -77,6 +156,7 @@ class Landings:
         turn comes)."""
         if len(self._unposted) < POST_AT and not self.unposted(needed):
             return
+        self.settle_early()  # a chunk named otherwise: read again once the early READ cannot write there
         batch, self._unposted = sorted(self._unposted, key=lambda a: a.reply.index), []
         mine, theirs, posted = [], [], []
         for arrived in batch:
@@ -134,6 +214,6 @@ class Landings:
         ``handshake_s``: from connecting to P to the first fetch)."""
         if self.chunks:
             logger.debug("kvtier P/D: transfer %s from %s: %d chunks landed by %d READs; ms handshake %.1f, waiting "
-                         "for replies %.1f, posting READs %.1f, waiting for READs %.1f", transfer_id, self.endpoint,
-                         self.chunks, self.reads, handshake_s * 1e3, reply_s * 1e3,
-                         (self.agent.post_s - self._posting_s) * 1e3, self.read_s * 1e3)
+                         "for replies %.1f, posting READs %.1f, waiting for READs %.1f; %d READ before P's reply",
+                         transfer_id, self.endpoint, self.chunks, self.reads, handshake_s * 1e3, reply_s * 1e3,
+                         (self.agent.post_s - self._posting_s) * 1e3, self.read_s * 1e3, self.early_taken)

@@ -3,7 +3,9 @@
 A proxy sends the prefill engine (P) ``{"do_remote_decode": true, ...}`` and copies what P's
 ``request_finished`` returns, unchanged, into the decode engine's (D) request: vLLM's standard
 fields (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
-``remote_port``, ``tp_size``) plus ``kvtier_endpoints``, every P rank's chunk server. A proxy
+``remote_port``, ``tp_size``, and ``remote_block_ids``: P's engine blocks of the prompt, in
+token order, where P lends them HBM to HBM) plus ``kvtier_endpoints``, every P rank's chunk
+server. A proxy
 that sends both legs at once gives both the same ``transfer_id`` (push): P publishes under it,
 and D, which then may arrive before P has computed anything, waits for the chunks.
 """
@@ -18,6 +20,7 @@ from urllib.parse import urlsplit
 logger = logging.getLogger(__name__)
 
 MAX_ID_CHARS = 256
+MAX_BLOCK_IDS = 1 << 20  # a 16M-token prompt in 16-token blocks
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,12 +33,15 @@ class Produce:
 @dataclass(frozen=True, slots=True)
 class Consume:
     """A D request: fetch the prompt's KV published under ``transfer_id`` from ``endpoints``
-    (one per P rank). ``wait``: P may not have computed it yet (both legs were sent at once)."""
+    (one per P rank). ``wait``: P may not have computed it yet (both legs were sent at once).
+    ``remote_blocks``: P's engine blocks of the prompt, in token order, as P named them (empty:
+    not named): D may READ them before P's handshake reply confirms them (:mod:`kvtier.pd.landing`)."""
 
     transfer_id: str
     endpoints: tuple[str, ...]
     tp_size: int
     wait: bool
+    remote_blocks: tuple[int, ...] = ()
 
 
 def parse(params: dict[str, Any] | None) -> Produce | Consume | None:
@@ -60,7 +66,8 @@ def parse(params: dict[str, Any] | None) -> Produce | Consume | None:
         logger.warning("kvtier P/D: kv_transfer_params name no usable producer (remote_request_id %r, "
                        "endpoints %r, tp_size %r); recomputing the prompt.", rid, endpoints, tp_size)
         return None
-    return Consume(rid, tuple(endpoints), tp_size, wait=transfer_id is not None)
+    return Consume(rid, tuple(endpoints), tp_size, wait=transfer_id is not None,
+                   remote_blocks=_block_ids(params.get("remote_block_ids")))
 
 
 def fetched_transfer(params: dict[str, Any] | None) -> str | None:
@@ -70,8 +77,10 @@ def fetched_transfer(params: dict[str, Any] | None) -> str | None:
     return transfer if isinstance(transfer, str) else None
 
 
-def published(transfer_id: str, engine_id: str, endpoints: list[str], tp_size: int) -> dict[str, Any]:
-    """What P's ``request_finished`` returns: D's ``kv_transfer_params``."""
+def published(transfer_id: str, engine_id: str, endpoints: list[str], tp_size: int,
+              block_ids: list[int] | None = None) -> dict[str, Any]:
+    """What P's ``request_finished`` returns: D's ``kv_transfer_params``; ``block_ids``: the
+    request's engine blocks where P lends them (else None)."""
     head = urlsplit(endpoints[0].replace("tcp://", "http://", 1))
     return {
         "do_remote_prefill": True,
@@ -80,7 +89,7 @@ def published(transfer_id: str, engine_id: str, endpoints: list[str], tp_size: i
         "remote_request_id": transfer_id,
         "remote_host": head.hostname,
         "remote_port": head.port,
-        "remote_block_ids": None,
+        "remote_block_ids": list(block_ids) if block_ids else None,
         "tp_size": tp_size,
         "kvtier_endpoints": list(endpoints),
     }
@@ -93,3 +102,14 @@ def _is_id(value: object) -> bool:
 def _are_endpoints(value: object) -> bool:
     return (isinstance(value, list) and 0 < len(value) <= 1024
             and all(isinstance(e, str) and e.startswith("tcp://") and len(e) <= 512 for e in value))
+
+
+def _block_ids(value: object) -> tuple[int, ...]:
+    """Block ids as P named them (a list of ints, or one KV cache group's list in a list); empty
+    where absent or malformed (D then waits for P's reply to name them, as without them)."""
+    if isinstance(value, list) and len(value) == 1 and isinstance(value[0], list):
+        value = value[0]
+    if (isinstance(value, list) and 0 < len(value) <= MAX_BLOCK_IDS
+            and all(type(b) is int and b >= 0 for b in value)):
+        return tuple(value)
+    return ()

@@ -83,6 +83,31 @@ def test_producer_returns_what_the_consumer_needs_when_it_completes(make_side):
     assert params["remote_request_id"] == "shared" and params["remote_engine_id"] == "engine-p"
     assert (params["remote_host"], params["remote_port"], params["tp_size"]) == ("10.0.0.1", 5000, 2)
     assert params["kvtier_endpoints"] == ENDPOINTS
+    assert params["remote_block_ids"] is None  # not lent: D waits for P's reply to name blocks
+
+
+def test_a_producer_that_lends_its_blocks_names_them_and_the_consumer_reads_them_from_its_first_fetched_chunk(make_side):
+    """P's blocks go in the params (vLLM's ``remote_block_ids``) where they are lent, and D's load
+    carries them from the first chunk it fetches from P on (chunk 1 here: chunk 0 is in D's CPU tier)."""
+    p = make_side()
+    produce(p)
+    p.scheduled("p", BLOCKS, True, len(PROMPT))
+    params = p.finished("p", completed=True, lent=BLOCKS)
+    assert params["remote_block_ids"] == BLOCKS
+    d = make_side(tiers=["cpu"])
+    plan = d.matched_tokens("d", PROMPT, None, 0, {**params, "tp_size": 2})
+    d.allocated("d", list(range(200, 217)), plan.external_tokens)
+    (job,) = d.take_plan([]).loads
+    assert job.remote.first_chunk == 1 and job.remote.blocks == tuple(BLOCKS[CHUNK // BS:])
+
+
+@pytest.mark.parametrize("named", [[1, -2], ["3"], [[1], [2]], list(range(3)) * 0, {"0": 1}, [True, 1]])
+def test_block_ids_a_consumer_cannot_use_are_not_named_and_the_transfer_goes_on(make_side, named):
+    d = make_side()
+    plan = d.matched_tokens("d", PROMPT, None, 0, consumer_params(remote_block_ids=named))
+    d.allocated("d", BLOCKS, plan.external_tokens)
+    (job,) = d.take_plan([]).loads
+    assert job.remote is not None and job.remote.blocks == ()
 
 
 class LateClient(StubClient):

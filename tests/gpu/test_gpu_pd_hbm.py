@@ -10,8 +10,11 @@ on the same KV bytes). Cases:
 
 * pull while P's lease runs: D READs P's engine blocks into its own (its log says the chunks
   landed HBM to HBM) and answers exactly as P;
-* pull after the lease ended (P's log says so; P keeps its blocks 300 ms here): D gets the same
-  chunks from P's CPU tier, no recompute, the same answer;
+* the same again, once D knows P: D READs the blocks P's ``kv_transfer_params`` name before
+  P's handshake reply (its log counts them), and answers exactly as P;
+* pull after the lease ended (P's log says so; P keeps its blocks 300 ms here): D's early READ
+  of the blocks named is not used, D gets the same chunks from P's CPU tier, no recompute, the
+  same answer;
 * push (both legs at once): D READs each chunk from P's blocks as P computes it, and (a D with
   ``pd_hbm_push: write``) P WRITEs each from its blocks into those D named; D's log counts them
   landed, and the READs it took; the same answer;
@@ -94,7 +97,16 @@ def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_p
         assert LANDED in _log(d), f"D's chunks did not land HBM to HBM; D's log ends:\n{d.log_tail()}"
         g.assert_strict(_as_output(got), _as_output(_ask(p, pulled)), "HBM pull vs P's own KV")
 
-        # Pull after the lease: P says the lease ended unread, then D asks.
+        # Again, now that D knows P: it READs the blocks P's params name before P's reply comes.
+        again = g.prompt(403, LENGTH)
+        params = p.ask(again, {"do_remote_decode": True})["params"]
+        assert params.get("remote_block_ids"), f"P lent its blocks but did not name them: {params}"
+        got = _ask(d, again, params)
+        early = _wait_for_line(d, r"landed by \d+ READs; [^\n]*; (\d+) READ before P's reply", count=2)
+        assert int(early[-1]) >= 4, f"D READ {early[-1]} chunks before P's reply, expected the 4 it loads"
+        g.assert_strict(_as_output(got), _as_output(_ask(p, again)), "early-READ pull vs P's own KV")
+
+        # Pull after the lease (D READs the blocks named before P's reply, then takes P's CPU tier): P says the lease ended unread, then D asks.
         late = g.prompt(401, LENGTH)
         params = p.ask(late, {"do_remote_decode": True})["params"]
         _wait_for_line(p, rf"lease of transfer {re.escape(params['remote_request_id'])} ended: expired unread")

@@ -74,14 +74,16 @@ def publish(p: Engine, tokens: list[int], blocks: list[int], transfer_id: str, l
 
 
 def remote_job(req_id: str, tokens: list[int], blocks: list[int], transfer_id: str, endpoint: str,
-               wait: bool = False, first_chunk: int = 0, start_chunk: int = 0, block: int = BLOCK) -> LoadJob:
-    """What D's scheduler half plans for a consumer request with no local hit: the whole prompt."""
+               wait: bool = False, first_chunk: int = 0, start_chunk: int = 0, block: int = BLOCK,
+               producer_blocks: tuple[int, ...] = ()) -> LoadJob:
+    """What D's scheduler half plans for a consumer request with no local hit: the whole prompt
+    (``producer_blocks``: P's blocks, as its params named them, from the first fetched chunk on)."""
     keys, tail = prompt_keys(tokens)
     all_keys = keys + ([tail] if tail else [])
     tail_blocks = -(-(len(tokens) - len(keys) * CHUNK) // block) if tail else 0
     skip = start_chunk * CHUNK // block
     return LoadJob(req_id, tuple(all_keys[start_chunk:]), 0, tuple(blocks[skip:]), tail_blocks,
-                   RemoteSource(transfer_id, (endpoint,), first_chunk, wait))
+                   RemoteSource(transfer_id, (endpoint,), first_chunk, wait, tuple(producer_blocks)))
 
 
 def tokens_of(n: int, seed: int = 0) -> list[int]:

@@ -347,7 +347,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return False, None
         completed = request.status in _COMPLETED
         lent = completed and self._lend(request.request_id, block_ids)
-        params = self._scheduler.finished(request.request_id, completed)
+        params = self._scheduler.finished(request.request_id, completed, block_ids if lent else None)
         mark(request.request_id, "finished", params["remote_request_id"] if params else None)
         return lent, params
 

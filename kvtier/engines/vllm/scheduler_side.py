@@ -376,9 +376,9 @@ class SchedulerSide:
             tracked.handoff = tracked.plan = None
             self._advance(req_id, tracked, Event.PREEMPTED)
 
-    def finished(self, req_id: str, completed: bool = True) -> dict | None:
-        """The request stopped (``completed``: on length, EOS or a stop string) or was aborted.
-        Returns the ``kv_transfer_params`` of a completed P/D producer request, for the consumer."""
+    def finished(self, req_id: str, completed: bool = True, lent: list[int] | None = None) -> dict | None:
+        """The request stopped (``completed``: on length, EOS or a stop string) or was aborted. Returns the
+        ``kv_transfer_params`` of a completed P/D producer request, for the consumer (``lent``: its blocks, if lent)."""
         tracked = self._requests.get(req_id)
         if tracked is None:
             return None
@@ -387,7 +387,7 @@ class SchedulerSide:
             self._withdrawn += self.groups.transfers(tracked.transfer_id)  # a consumer waiting stops
         if isinstance(tracked.role, pd.Produce) and completed:
             if self.endpoints():
-                params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size)
+                params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size, lent)
             else:
                 logger.warning("kvtier P/D: request %s finished before this engine's chunk servers were known; "
                                "the decode engine will recompute it.", req_id)
@@ -436,8 +436,8 @@ class SchedulerSide:
         tail_blocks = self._tail_blocks(tracked) if last > len(tracked.keys) else 0
         remote = None
         if isinstance(tracked.role, pd.Consume) and "remote" in tracked.tiers[first:last]:
-            role = tracked.role
-            remote = RemoteSource(role.transfer_id, role.endpoints, tracked.tiers[first:last].index("remote"), role.wait)
+            role, at = tracked.role, tracked.tiers[first:last].index("remote")  # P's blocks: from the first fetched on
+            remote = RemoteSource(role.transfer_id, role.endpoints, at, role.wait, role.remote_blocks[(first + at) * self.chunk_blocks:])
         job = LoadJob(req_id, keys, (start % c) // b, blocks, tail_blocks, remote)
         from_chunk = first + remote.first_chunk if remote is not None else 0
         others = self.groups.loads(req_id, tracked.keys, tracked.tail, tracked.group_blocks, start, end,

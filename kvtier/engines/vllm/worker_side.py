@@ -194,8 +194,7 @@ class WorkerSide:
 
     @property
     def nixl(self) -> Agent | None:
-        """This rank's NIXL agent, once it is up with the CPU pool registered (benches set None to
-        fetch over ZMQ, then set it back)."""
+        """This rank's NIXL agent, once up with the CPU pool registered (benches set None for ZMQ, then set it back)."""
         return self._nixl_start.agent if self._nixl_start is not None else None
 
     @nixl.setter
@@ -218,7 +217,8 @@ class WorkerSide:
                             allocate=lambda n: self.store.allocate(n, wait=False),
                             chunk_bytes=lambda n: chunk_bytes(transfers.layout, n), nixl=self.nixl,
                             block_size=0 if len(self.group_transfers) > 1 else transfers.layout.block_size,
-                            landing=self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None)
+                            landing=self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None,
+                            producer_blocks=remote.blocks if len(self.group_transfers) == 1 else ())
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its

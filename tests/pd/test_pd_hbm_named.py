@@ -1,0 +1,99 @@
+"""A pull whose ``kv_transfer_params`` name P's engine blocks (``remote_block_ids``): D READs them
+before P's handshake reply, through the real worker halves and real NIXL over UCX on loopback,
+with host memory standing in for VRAM (as in ``test_pd_hbm.py``).
+
+D READs early only from a producer it reached before (its agent and regions known). P's replies
+still decide: blocks named wrongly are READ again from those P names, and a transfer P no longer
+lends comes from its CPU tier once the early READ settled, whatever that READ wrote."""
+
+from __future__ import annotations
+
+import logging
+import re
+import time
+
+import pytest
+import torch
+
+from pd_workers import Engine, publish, remote_job
+from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
+from kvtier.pd import nixl
+
+pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
+
+
+@pytest.fixture
+def transport() -> str:
+    return "nixl"
+
+
+def early_reads(caplog) -> list[tuple[int, int]]:
+    """(READs, chunks READ before P's reply) of each transfer D logged, in order."""
+    return [(int(m.group(1)), int(m.group(2))) for m in re.finditer(
+        r"chunks landed by (\d+) READs; .*?; (\d+) READ before P's reply", caplog.text)]
+
+
+def warm(p: Engine, d: Engine, named: tuple[int, ...] = ()) -> None:
+    """A first pull: D learns P's agent and regions from the handshake (nothing READ early)."""
+    publish(p, PROMPT, P_BLOCKS, "t-warm")
+    lend(p, "t-warm")
+    d.side.start_loads((remote_job("d-warm", PROMPT, D_BLOCKS, "t-warm", p.endpoint, producer_blocks=named),))
+    assert d.wait_loaded("d-warm") == set()
+    wait_ended(p, "p-req")
+
+
+def test_named_blocks_are_read_before_the_producers_reply(engines, caplog, monkeypatch):
+    p, d = engines("p", 1), engines("d", 2)
+    times: dict[str, float] = {}
+    hbm, read = p.side.chunk_server._hbm, d.side.nixl.read
+    hello = hbm.hello
+    monkeypatch.setattr(hbm, "hello", lambda *a, **k: (times.setdefault("hello", time.perf_counter()), hello(*a, **k))[1])
+    monkeypatch.setattr(d.side.nixl, "read", lambda *a, **k: (times.setdefault("read", time.perf_counter()), read(*a, **k))[1])
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        warm(p, d, named=tuple(P_BLOCKS))  # named, but P is not known yet: READ once P's replies came
+        times.clear()
+        publish(p, PROMPT, P_BLOCKS, "t1")
+        lend(p, "t1")
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, producer_blocks=tuple(P_BLOCKS)),))
+        assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert early_reads(caplog) == [(1, 0), (1, 4)]  # one READ each; the second's 4 chunks all READ early
+    assert times["read"] < times["hello"]  # posted before P even saw the hello
+    wait_ended(p)  # released as any pull: the blocks go at once
+    assert p.side.engine_kv.held_bytes == 0
+
+
+def test_blocks_named_wrongly_are_read_again_from_those_the_producer_names(engines, caplog):
+    """Chunks 1 and 2 named swapped (a proxy's mistake): their READ lands P's other chunk, P's
+    replies name the right blocks, and D READs those chunks again once the early READ settled."""
+    p, d = engines("p", 1), engines("d", 2)
+    warm(p, d)
+    swapped = tuple(P_BLOCKS[:2] + P_BLOCKS[4:6] + P_BLOCKS[2:4] + P_BLOCKS[6:])
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    lend(p, "t1")
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, producer_blocks=swapped),))
+        assert d.wait_loaded("d-req") == set()  # nothing recomputed
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert early_reads(caplog) == [(2, 2)]  # chunks 0 and 3 from the early READ, 1 and 2 READ again
+
+
+def test_blocks_named_after_the_lease_ended_are_not_used_and_the_cpu_tier_copy_lands(engines, caplog):
+    """P's lease ran out and its blocks took other bytes before D asked: the early READ copies
+    those into D's blocks, P's reply says it lends nothing, and the CPU tier's copy (P's KV as it
+    was computed) replaces them once the READ settled."""
+    p, d = engines("p", 1, pd_hbm_lease_ms=100), engines("d", 2)
+    warm(p, d)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    assert p.side.settle()  # the CPU-tier copies are sealed
+    computed = p.blocks(P_BLOCKS)
+    lend(p, "t1", lease_ms=100)
+    assert wait_ended(p) < 5
+    p.kv[:, P_BLOCKS] += 1.0  # the freed blocks reused by another request
+    landed = d.side.transfers.stats.landed_bytes
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, producer_blocks=tuple(P_BLOCKS)),))
+        assert d.wait_loaded("d-req") == set()  # no recompute
+    assert torch.equal(d.blocks(D_BLOCKS), computed)
+    assert p.side.chunk_server.lent_total == 4 and d.side.transfers.stats.landed_bytes == landed
+    assert early_reads(caplog) == []  # no chunk landed HBM to HBM
