@@ -98,7 +98,7 @@ def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_p
         g.assert_strict(_as_output(got), _as_output(_ask(p, pulled)), "HBM pull vs P's own KV")
 
         # Again, now that D knows P: it READs the blocks P's params name before P's reply comes.
-        again = g.prompt(403, LENGTH)
+        again = g.prompt(405, LENGTH)  # (403 is the never-published prompt below)
         params = p.ask(again, {"do_remote_decode": True})["params"]
         assert params.get("remote_block_ids"), f"P lent its blocks but did not name them: {params}"
         got = _ask(d, again, params)
@@ -106,7 +106,8 @@ def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_p
         assert int(early[-1]) >= 4, f"D READ {early[-1]} chunks before P's reply, expected the 4 it loads"
         g.assert_strict(_as_output(got), _as_output(_ask(p, again)), "early-READ pull vs P's own KV")
 
-        # Pull after the lease (D READs the blocks named before P's reply, then takes P's CPU tier): P says the lease ended unread, then D asks.
+        # Pull after the lease: P says the lease ended unread, then D asks (it READs the blocks
+        # named before P's reply, which says they are not lent: D takes P's CPU tier instead).
         late = g.prompt(401, LENGTH)
         params = p.ask(late, {"do_remote_decode": True})["params"]
         _wait_for_line(p, rf"lease of transfer {re.escape(params['remote_request_id'])} ended: expired unread")
