@@ -5,7 +5,8 @@ A proxy sends the prefill engine (P) ``{"do_remote_decode": true, ...}`` and cop
 fields (``do_remote_prefill``, ``remote_engine_id``, ``remote_request_id``, ``remote_host``,
 ``remote_port``, ``tp_size``, and ``remote_block_ids``: P's engine blocks of the prompt, in
 token order, where P lends them HBM to HBM) plus ``kvtier_endpoints``, every P rank's chunk
-server. A proxy
+server, and with the block ids ``kvtier_lent_until``: when P's lease of them ends at the latest
+(wall clock, s; D that asks later reads P's CPU tier without reading the blocks first). A proxy
 that sends both legs at once gives both the same ``transfer_id`` (push): P publishes under it,
 and D, which then may arrive before P has computed anything, waits for the chunks.
 """
@@ -13,6 +14,7 @@ and D, which then may arrive before P has computed anything, waits for the chunk
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -66,8 +68,10 @@ def parse(params: dict[str, Any] | None) -> Produce | Consume | None:
         logger.warning("kvtier P/D: kv_transfer_params name no usable producer (remote_request_id %r, "
                        "endpoints %r, tp_size %r); recomputing the prompt.", rid, endpoints, tp_size)
         return None
+    until = params.get("kvtier_lent_until")
+    lent = not isinstance(until, (int, float)) or time.time() < until  # not said: lent, as far as D knows
     return Consume(rid, tuple(endpoints), tp_size, wait=transfer_id is not None,
-                   remote_blocks=_block_ids(params.get("remote_block_ids")))
+                   remote_blocks=_block_ids(params.get("remote_block_ids")) if lent else ())
 
 
 def fetched_transfer(params: dict[str, Any] | None) -> str | None:
@@ -78,10 +82,11 @@ def fetched_transfer(params: dict[str, Any] | None) -> str | None:
 
 
 def published(transfer_id: str, engine_id: str, endpoints: list[str], tp_size: int,
-              block_ids: list[int] | None = None) -> dict[str, Any]:
+              block_ids: list[int] | None = None, lease_ms: int = 0) -> dict[str, Any]:
     """What P's ``request_finished`` returns: D's ``kv_transfer_params``; ``block_ids``: the
-    request's engine blocks where P lends them (else None)."""
+    request's engine blocks where P lends them for ``lease_ms`` from now (else None)."""
     head = urlsplit(endpoints[0].replace("tcp://", "http://", 1))
+    lent = {"kvtier_lent_until": round(time.time() + lease_ms / 1000, 3)} if block_ids else {}
     return {
         "do_remote_prefill": True,
         "do_remote_decode": False,
@@ -92,6 +97,7 @@ def published(transfer_id: str, engine_id: str, endpoints: list[str], tp_size: i
         "remote_block_ids": list(block_ids) if block_ids else None,
         "tp_size": tp_size,
         "kvtier_endpoints": list(endpoints),
+        **lent,
     }
 
 

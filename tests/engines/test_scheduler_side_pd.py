@@ -6,6 +6,8 @@ chunk server addresses, as rank 0 would).
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 pytest.importorskip("vllm")
@@ -92,13 +94,26 @@ def test_a_producer_that_lends_its_blocks_names_them_and_the_consumer_reads_them
     p = make_side()
     produce(p)
     p.scheduled("p", BLOCKS, True, len(PROMPT))
+    before = time.time()
     params = p.finished("p", completed=True, lent=BLOCKS)
     assert params["remote_block_ids"] == BLOCKS
+    lease_s = p.config.pd_hbm_lease_ms / 1000
+    assert before + lease_s - 0.01 <= params["kvtier_lent_until"] <= time.time() + lease_s + 0.01
     d = make_side(tiers=["cpu"])
     plan = d.matched_tokens("d", PROMPT, None, 0, {**params, "tp_size": 2})
     d.allocated("d", list(range(200, 217)), plan.external_tokens)
     (job,) = d.take_plan([]).loads
     assert job.remote.first_chunk == 1 and job.remote.blocks == tuple(BLOCKS[CHUNK // BS:])
+
+
+def test_a_consumer_asking_after_the_lease_ended_does_not_read_the_blocks_named(make_side):
+    """P's lease of them has ended (P said until when): D goes to P's CPU tier without reading them first."""
+    d = make_side()
+    params = consumer_params(remote_block_ids=BLOCKS, kvtier_lent_until=time.time() - 0.1)
+    plan = d.matched_tokens("d", PROMPT, None, 0, params)
+    d.allocated("d", BLOCKS, plan.external_tokens)
+    (job,) = d.take_plan([]).loads
+    assert job.remote is not None and job.remote.blocks == ()
 
 
 @pytest.mark.parametrize("named", [[1, -2], ["3"], [[1], [2]], list(range(3)) * 0, {"0": 1}, [True, 1]])

@@ -379,15 +379,15 @@ class SchedulerSide:
     def finished(self, req_id: str, completed: bool = True, lent: list[int] | None = None) -> dict | None:
         """The request stopped (``completed``: on length, EOS or a stop string) or was aborted. Returns the
         ``kv_transfer_params`` of a completed P/D producer request, for the consumer (``lent``: its blocks, if lent)."""
-        tracked = self._requests.get(req_id)
-        if tracked is None:
+        if (tracked := self._requests.get(req_id)) is None:
             return None
         params = None
         if isinstance(tracked.role, pd.Produce) and not completed and not tracked.published:
             self._withdrawn += self.groups.transfers(tracked.transfer_id)  # a consumer waiting stops
         if isinstance(tracked.role, pd.Produce) and completed:
             if self.endpoints():
-                params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size, lent)
+                params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size, lent,
+                                      self.config.pd_hbm_lease_ms)
             else:
                 logger.warning("kvtier P/D: request %s finished before this engine's chunk servers were known; "
                                "the decode engine will recompute it.", req_id)
