@@ -15,12 +15,12 @@ name them and D READs them straight into the engine blocks the caller named (:mo
 once P lends, the rest is asked for at once and all replies read by one READ. A pull's hello
 carries its first fetches (:func:`kvtier.pd.hello.first_fetches`): P answers them at once when
 it lends the transfer, so the chunks' replies follow the handshake's without another round
-trip (and blocks P's params named are READ before the hello goes: :mod:`kvtier.pd.landing`). The caller gets a :class:`Landed` with the KVSUM64 to check the blocks against
-(:mod:`kvtier.pd.landing`). A push (D asked first) is answered a step's chunks at a time, READ
-as one (``pd_hbm_push`` "read"), or WRITTEN by P into the blocks each fetch names ("write"; D's
-NIXL metadata goes in a second hello, once P's reply checked out); one that ends with such
-fetches unanswered waits (up to the timeout) for P's word that none of its WRITEs still runs.
-Fetches and replies travel in batches (:mod:`kvtier.pd.protocol`).
+trip; blocks P's params named are READ before the hello goes. The caller gets a :class:`Landed`
+with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`). A push (D asked first)
+is answered a step's chunks at a time, READ as one (``pd_hbm_push`` "read"), or WRITTEN by P
+into the blocks each fetch names ("write"; D's NIXL metadata goes in a second hello, once P's
+reply checked out); one that ends with such fetches unanswered waits (up to the timeout) for
+P's word that none of its WRITEs still runs. Fetches and replies travel in batches.
 """
 
 from __future__ import annotations
@@ -71,8 +71,8 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
     which picks NIXL or ZMQ (None: ZMQ only). ``block_size``: this engine's, in tokens: each
     chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
-    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only); ``producer_blocks``:
-    P's from the first chunk on, as its params named them. P is told it is done however the generator ends."""
+    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). ``producer_blocks``:
+    P's engine blocks from the first chunk on, as its params named them. P is told it is done however it ends."""
     begin = time.perf_counter()
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)

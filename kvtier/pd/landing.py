@@ -13,7 +13,8 @@ A pull whose ``kv_transfer_params`` named P's blocks, from a producer this engin
 (its agent still known, its regions as its last handshake gave them: :func:`remember`), READs
 them all at once, before P's handshake reply (:meth:`Landings.read_early`): the READ runs while
 the hello and P's replies travel. A reply that names the same blocks takes that READ
-(:meth:`Landings.add`); one naming others is READ again once the early READ settled, and a
+(:meth:`Landings.add`) unless it failed already; one naming others is READ again once the
+early READ settled (as is every chunk whose reply came after it failed), and a
 chunk P answers otherwise (not lent) waits for it to settle too, so nothing else lands in the
 blocks while it may still write there. P's KVSUM64 in each reply is checked on the blocks as
 for any READ: blocks named wrongly cost time, never a wrong answer.
@@ -139,9 +140,9 @@ class Landings:
 
     def add(self, arrived: Arrived) -> None:
         """A reply naming engine blocks: read by the early READ where it took those blocks, else by the next :meth:`post`."""
-        index = arrived.reply.index
-        if self._early is not None and self._early_blocks.get(index) == tuple(arrived.reply.blocks):
-            arrived.transfer, arrived.started_s = self._early, self._early_s
+        index, early = arrived.reply.index, self._early  # (an early READ already failed: READ again)
+        if early is not None and self._early_blocks.get(index) == tuple(arrived.reply.blocks) and early.state() != "ERR":
+            arrived.transfer, arrived.started_s = early, self._early_s
             self.early_taken += 1
             return
         self._unposted.append(arrived)

@@ -97,3 +97,34 @@ def test_blocks_named_after_the_lease_ended_are_not_used_and_the_cpu_tier_copy_l
     assert torch.equal(d.blocks(D_BLOCKS), computed)
     assert p.side.chunk_server.lent_total == 4 and d.side.transfers.stats.landed_bytes == landed
     assert early_reads(caplog) == []  # no chunk landed HBM to HBM
+
+
+def test_blocks_named_outside_the_producers_kv_fail_their_read_and_those_p_names_land(engines, caplog):
+    """Block ids beyond P's engine KV (a malformed or hostile parameter): NIXL refuses that READ
+    (the memory is not registered), and the chunks come by the READ of the blocks P names."""
+    p, d = engines("p", 1), engines("d", 2)
+    warm(p, d)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    lend(p, "t1")
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint,
+                                       producer_blocks=tuple(b + 100_000 for b in P_BLOCKS)),))
+        assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert early_reads(caplog) == [(2, 0)]  # the refused READ, then the one of the blocks P named
+
+
+def test_a_read_that_failed_before_the_replies_came_is_not_taken_and_the_blocks_p_names_land(engines, caplog):
+    """Only the tail's block named beyond P's KV: NIXL refuses the whole early READ, so the chunks
+    whose blocks were named right do not take it (they would fail, and be recomputed): all are READ
+    from the blocks P names."""
+    p, d = engines("p", 1), engines("d", 2)
+    warm(p, d)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    lend(p, "t1")
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint,
+                                       producer_blocks=tuple(P_BLOCKS[:-1]) + (100_000,)),))
+        assert d.wait_loaded("d-req") == set()  # nothing recomputed
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert early_reads(caplog) == [(2, 0)]
