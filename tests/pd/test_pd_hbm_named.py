@@ -63,19 +63,28 @@ def test_named_blocks_are_read_before_the_producers_reply(engines, caplog, monke
     assert p.side.engine_kv.held_bytes == 0
 
 
-def test_blocks_named_wrongly_are_read_again_from_those_the_producer_names(engines, caplog):
-    """Chunks 1 and 2 named swapped (a proxy's mistake): their READ lands P's other chunk, P's
-    replies name the right blocks, and D READs those chunks again once the early READ settled."""
+SWAPPED = tuple(P_BLOCKS[:2] + P_BLOCKS[4:6] + P_BLOCKS[2:4] + P_BLOCKS[6:])  # chunks 1 and 2 named swapped
+BEYOND = tuple(b + 100_000 for b in P_BLOCKS)  # beyond P's engine KV: not registered with NIXL
+TAIL_BEYOND = tuple(P_BLOCKS[:-1]) + (100_000,)  # only the tail's block beyond it
+
+
+@pytest.mark.parametrize("named, reads", [(SWAPPED, [(2, 2)]), (BEYOND, [(2, 0)]), (TAIL_BEYOND, [(2, 0)])],
+                         ids=["swapped", "beyond", "tail-beyond"])
+def test_blocks_named_wrongly_are_read_again_from_those_the_producer_names(engines, caplog, named, reads):
+    """Blocks named wrongly (a proxy's mistake, a malformed or hostile parameter) cost a READ,
+    never a recompute or a wrong answer. Swapped: those chunks land P's other chunk and are READ
+    again, once the early READ settled, from the blocks P's replies name; the rest take the early
+    READ. Beyond P's KV: NIXL refuses the whole early READ, so no chunk takes it (even those named
+    right: they would fail, and be recomputed), and all are READ from the blocks P names."""
     p, d = engines("p", 1), engines("d", 2)
     warm(p, d)
-    swapped = tuple(P_BLOCKS[:2] + P_BLOCKS[4:6] + P_BLOCKS[2:4] + P_BLOCKS[6:])
     publish(p, PROMPT, P_BLOCKS, "t1")
     lend(p, "t1")
     with caplog.at_level(logging.DEBUG, logger="kvtier"):
-        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, producer_blocks=swapped),))
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, producer_blocks=named),))
         assert d.wait_loaded("d-req") == set()  # nothing recomputed
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
-    assert early_reads(caplog) == [(2, 2)]  # chunks 0 and 3 from the early READ, 1 and 2 READ again
+    assert early_reads(caplog) == reads  # (READs, chunks that took the early one)
 
 
 def test_blocks_named_after_the_lease_ended_are_not_used_and_the_cpu_tier_copy_lands(engines, caplog):
@@ -97,34 +106,3 @@ def test_blocks_named_after_the_lease_ended_are_not_used_and_the_cpu_tier_copy_l
     assert torch.equal(d.blocks(D_BLOCKS), computed)
     assert p.side.chunk_server.lent_total == 4 and d.side.transfers.stats.landed_bytes == landed
     assert early_reads(caplog) == []  # no chunk landed HBM to HBM
-
-
-def test_blocks_named_outside_the_producers_kv_fail_their_read_and_those_p_names_land(engines, caplog):
-    """Block ids beyond P's engine KV (a malformed or hostile parameter): NIXL refuses that READ
-    (the memory is not registered), and the chunks come by the READ of the blocks P names."""
-    p, d = engines("p", 1), engines("d", 2)
-    warm(p, d)
-    publish(p, PROMPT, P_BLOCKS, "t1")
-    lend(p, "t1")
-    with caplog.at_level(logging.DEBUG, logger="kvtier"):
-        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint,
-                                       producer_blocks=tuple(b + 100_000 for b in P_BLOCKS)),))
-        assert d.wait_loaded("d-req") == set()
-    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
-    assert early_reads(caplog) == [(2, 0)]  # the refused READ, then the one of the blocks P named
-
-
-def test_a_read_that_failed_before_the_replies_came_is_not_taken_and_the_blocks_p_names_land(engines, caplog):
-    """Only the tail's block named beyond P's KV: NIXL refuses the whole early READ, so the chunks
-    whose blocks were named right do not take it (they would fail, and be recomputed): all are READ
-    from the blocks P names."""
-    p, d = engines("p", 1), engines("d", 2)
-    warm(p, d)
-    publish(p, PROMPT, P_BLOCKS, "t1")
-    lend(p, "t1")
-    with caplog.at_level(logging.DEBUG, logger="kvtier"):
-        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint,
-                                       producer_blocks=tuple(P_BLOCKS[:-1]) + (100_000,)),))
-        assert d.wait_loaded("d-req") == set()  # nothing recomputed
-    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
-    assert early_reads(caplog) == [(2, 0)]
