@@ -15,7 +15,7 @@ name them and D READs them straight into the engine blocks the caller named (:mo
 once P lends, the rest is asked for at once and all replies read by one READ. A pull's hello
 carries its first fetches (:func:`kvtier.pd.hello.first_fetches`): P answers them at once when
 it lends the transfer, so the chunks' replies follow the handshake's without another round
-trip; blocks P's params named are READ before the hello goes. The caller gets a :class:`Landed`
+trip; blocks P's params named are READ while P answers the hello. The caller gets a :class:`Landed`
 with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`). A push (D asked first)
 is answered a step's chunks at a time, READ as one (``pd_hbm_push`` "read"), or WRITTEN by P
 into the blocks each fetch names ("write"; D's NIXL metadata goes in a second hello, once P's
@@ -51,8 +51,7 @@ WINDOW = 4  # fetches in flight per transfer (each holds a CPU-tier buffer)
 HBM_WINDOW = 16  # ... when chunks may land in the engine's blocks: no buffer held, more READs in flight
 LENT_WINDOW = 256  # ... once P answers with its engine blocks (lent): the rest asked at once, few READs
 PUSH_WINDOW = 256  # ... when P writes them into the engine's blocks as it computes them (a 64k prompt)
-_CANCEL_CHECK_S, _PROGRESS_S = 0.05, 0.001  # how often a waiting transfer checks whether its request was
-# aborted; how often one P WRITEs into over NIXL lets NIXL progress while it waits
+_CANCEL_CHECK_S, _PROGRESS_S = 0.05, 0.001  # s: a waiting transfer looks for an abort; lets NIXL progress (P WRITEs)
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
 _QUARANTINE_TIMEOUTS = 3  # a buffer P was told to write into, never answered, is reused after this many timeouts
 
@@ -79,18 +78,18 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     socket.setsockopt(zmq.MAXMSGSIZE, max(chunk_bytes(n) for _, n in items) + (64 << 10))
     socket.connect(endpoint)
     sizes = [chunk_bytes(n) for _, n in items]
-    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size,
-                 (transfer_id, items, wait))
-    early = None  # the READ of the blocks P's params named, posted before the hello (pull)
+    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size, (transfer_id, items, wait))
+    early = None  # the READ of the blocks P's params named, posted while P answers the hello (pull)
     try:
         if nixl is not None:
             hbm = landing is not None and not emulated(endpoint)
             first = first_fetches(peer.plan, landing, block_size) if hbm and not wait else ()
             hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), transfer_id=transfer_id, hbm=hbm,
                                             fetches=first)
-            if hbm and not wait and producer_blocks:
-                early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000)
-        reply = peer.hello(hello)
+        peer.send(hello)  # then, while P answers, this thread posts the READ of the blocks P's params named
+        if nixl is not None and hbm and not wait and producer_blocks:
+            early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000)
+        reply = peer.hello(hello, sent=True)
         writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
         if reply.transport == "nixl" and nixl is not None and writes:  # P may WRITE into our memory (live blocks)
             regions = () if landing is None else tuple((r.base, r.stride, r.block_bytes) for r in landing.regions)
@@ -165,9 +164,10 @@ class _Peer:
             raise PeerError(f"could not reach {self.endpoint} over NIXL: {exc}") from None
         self.nixl, self.nixl_metadata = agent, metadata
 
-    def hello(self, hello: Hello) -> HelloReply:
-        """Send ``hello``; the producer's checked reply (raises :class:`PeerError`)."""
-        self.send(hello)
+    def hello(self, hello: Hello, sent: bool = False) -> HelloReply:
+        """Send ``hello`` (unless ``sent`` already); the producer's checked reply (raises :class:`PeerError`)."""
+        if not sent:
+            self.send(hello)
         reply = self.receive()
         if not isinstance(reply, HelloReply):
             raise PeerError(f"{self.endpoint} answered the handshake with {type(reply).__name__}")

@@ -11,8 +11,8 @@ see it done gives NIXL's handle back and times it (:func:`kvtier.pd.hbm.read_spe
 
 A pull whose ``kv_transfer_params`` named P's blocks, from a producer this engine reached before
 (its agent still known, its regions as its last handshake gave them: :func:`remember`), READs
-them all at once, before P's handshake reply (:meth:`Landings.read_early`): the READ runs while
-the hello and P's replies travel. A reply that names the same blocks takes that READ
+them all at once, before P's handshake reply (:meth:`Landings.read_early`: posted on the
+transfer's thread as soon as the hello went): the READ runs while P answers. A reply that names the same blocks takes that READ
 (:meth:`Landings.add`) unless it failed already; one naming others is READ again once the
 early READ settled (as is every chunk whose reply came after it failed), and a
 chunk P answers otherwise (not lent) waits for it to settle too, so nothing else lands in the
@@ -101,7 +101,8 @@ class Landings:
     def read_early(self, their_blocks: tuple[int, ...], counts: list[int], settle_s: float) -> bool:
         """Post one READ of every chunk (``counts``: each chunk's blocks, in order) from P's blocks
         ``their_blocks`` (the first chunk's first on) into this engine's, before P's reply names
-        them; ``settle_s``: how long to wait for it before reusing its blocks. False if none could be posted."""
+        them, on this thread (it would wait for P's reply meanwhile); ``settle_s``: how long to
+        wait for it before reusing its blocks. False if none could be posted."""
         mine: list[int] = []
         theirs: list[int] = []
         start = 0
@@ -118,7 +119,8 @@ class Landings:
             local, remote = read_descriptors(self.mine.regions, self.theirs, mine, theirs)
         except ValueError:
             return False
-        self._early = self.agent.read(self.peer, local, remote, (self.mine.kind, self.mine.device, self.device))
+        memory = (self.mine.kind, self.mine.device, self.device)  # posted here: the caller waits for P meanwhile
+        self._early = self.agent.read(self.peer, local, remote, memory, here=True)
         self._early_s, self._settle_s = time.perf_counter(), settle_s
         self.reads += 1
         if self.endpoint not in _told_early:

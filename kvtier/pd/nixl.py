@@ -282,28 +282,30 @@ class Agent:
             logger.debug("kvtier NIXL: removing %s: %s", name, exc)
 
     def read(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
-             memory: Memory = ("DRAM", 0, 0)) -> Transfer:
+             memory: Memory = ("DRAM", 0, 0), here: bool = False) -> Transfer:
         """Post a one-sided READ of the peer's ``remote`` ``(address, bytes)`` into ``local``.
-        ``memory``: (kind, this process's device, the peer's device) of both sides' memory."""
-        return self._post("READ", peer, local, remote, memory)
+        ``memory``: (kind, this process's device, the peer's device) of both sides' memory.
+        ``here``: posted on the caller's thread (one with nothing else to do meanwhile: a poster
+        thread would share the interpreter with it), else on a poster thread."""
+        return self._post("READ", peer, local, remote, memory, here)
 
     def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
               memory: Memory = ("DRAM", 0, 0)) -> Transfer:
         """Post a one-sided WRITE of ``local`` into the peer's ``remote``: of host memory on the
         poster threads, as READs (on one host its bytes move while it is posted); of engine blocks
         (``VRAM``) on the caller's thread, which its timing counts. ``memory``: as for :meth:`read`."""
-        if memory[0] == "DRAM":
-            return self._post("WRITE", peer, local, remote, memory)
-        future: Future = Future()
-        try:
-            future.set_result(self._start("WRITE", peer, local, remote, memory))
-        except NixlError as exc:
-            future.set_exception(exc)
-        return Transfer(self, future, peer, sum(n for _, n in local))
+        return self._post("WRITE", peer, local, remote, memory, here=memory[0] != "DRAM")
 
     def _post(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
-              memory: Memory = ("DRAM", 0, 0)) -> Transfer:
-        future = self._poster.submit(self._start, op, peer, local, remote, memory)
+              memory: Memory = ("DRAM", 0, 0), here: bool = False) -> Transfer:
+        if not here:
+            future = self._poster.submit(self._start, op, peer, local, remote, memory)
+        else:
+            future = Future()
+            try:
+                future.set_result(self._start(op, peer, local, remote, memory))
+            except NixlError as exc:
+                future.set_exception(exc)
         return Transfer(self, future, peer, sum(n for _, n in local))
 
     def _start(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],

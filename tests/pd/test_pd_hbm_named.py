@@ -17,7 +17,7 @@ import torch
 
 from pd_workers import Engine, publish, remote_job
 from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
-from kvtier.pd import nixl
+from kvtier.pd import landing, nixl
 
 pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
 
@@ -43,11 +43,12 @@ def warm(p: Engine, d: Engine, named: tuple[int, ...] = ()) -> None:
 
 
 def test_named_blocks_are_read_before_the_producers_reply(engines, caplog, monkeypatch):
+    """The READ is posted by the transfer's thread as soon as the hello went, so before D takes any
+    of P's replies; every chunk's reply then names the blocks it took: one READ for the transfer."""
     p, d = engines("p", 1), engines("d", 2)
     times: dict[str, float] = {}
-    hbm, read = p.side.chunk_server._hbm, d.side.nixl.read
-    hello = hbm.hello
-    monkeypatch.setattr(hbm, "hello", lambda *a, **k: (times.setdefault("hello", time.perf_counter()), hello(*a, **k))[1])
+    add, read = landing.Landings.add, d.side.nixl.read
+    monkeypatch.setattr(landing.Landings, "add", lambda *a: (times.setdefault("reply", time.perf_counter()), add(*a))[1])
     monkeypatch.setattr(d.side.nixl, "read", lambda *a, **k: (times.setdefault("read", time.perf_counter()), read(*a, **k))[1])
     with caplog.at_level(logging.DEBUG, logger="kvtier"):
         warm(p, d, named=tuple(P_BLOCKS))  # named, but P is not known yet: READ once P's replies came
@@ -58,7 +59,7 @@ def test_named_blocks_are_read_before_the_producers_reply(engines, caplog, monke
         assert d.wait_loaded("d-req") == set()
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
     assert early_reads(caplog) == [(1, 0), (1, 4)]  # one READ each; the second's 4 chunks all READ early
-    assert times["read"] < times["hello"]  # posted before P even saw the hello
+    assert times["read"] < times["reply"]  # posted before D took P's first reply
     wait_ended(p)  # released as any pull: the blocks go at once
     assert p.side.engine_kv.held_bytes == 0
 
