@@ -303,6 +303,7 @@ class Agent:
         else:
             future = Future()
             try:
+                self.bind_device()  # as the poster threads are: cuda_ipc needs the thread's device
                 future.set_result(self._start(op, peer, local, remote, memory))
             except NixlError as exc:
                 future.set_exception(exc)
