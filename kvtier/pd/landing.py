@@ -113,16 +113,10 @@ class Landings:
                 mine.extend(own)
                 theirs.extend(named)
                 self._early_blocks[index] = named
-        if not mine:
+        self._early = self._read(mine, theirs, here=True) if mine else None  # here: the caller waits for P meanwhile
+        if self._early is None:
             return False
-        try:
-            local, remote = read_descriptors(self.mine.regions, self.theirs, mine, theirs)
-        except ValueError:
-            return False
-        memory = (self.mine.kind, self.mine.device, self.device)  # posted here: the caller waits for P meanwhile
-        self._early = self.agent.read(self.peer, local, remote, memory, here=True)
         self._early_s, self._settle_s = time.perf_counter(), settle_s
-        self.reads += 1
         if self.endpoint not in _told_early:
             _told_early.add(self.endpoint)
             logger.info("kvtier P/D: reading the blocks %s's parameters name before its reply.", self.endpoint)
@@ -172,17 +166,22 @@ class Landings:
                 mine.extend(own)
                 theirs.extend(arrived.reply.blocks)
                 posted.append(arrived)
-        if not posted:
+        if not posted or (transfer := self._read(mine, theirs)) is None:
             return
-        try:
-            local, remote = read_descriptors(self.mine.regions, self.theirs, mine, theirs)
-            transfer = self.agent.read(self.peer, local, remote, (self.mine.kind, self.mine.device, self.device))
-        except (NixlError, ValueError):
-            return
-        self.reads += 1
         now = time.perf_counter()
         for arrived in posted:
             arrived.transfer, arrived.started_s = transfer, now
+
+    def _read(self, mine: list[int], theirs: list[int], here: bool = False) -> Transfer | None:
+        """One READ of P's blocks ``theirs`` into this engine's ``mine`` (``here``: posted on this
+        thread, see :meth:`Agent.read <kvtier.pd.nixl.Agent.read>`); None if it could not be posted."""
+        try:
+            local, remote = read_descriptors(self.mine.regions, self.theirs, mine, theirs)
+            transfer = self.agent.read(self.peer, local, remote, (self.mine.kind, self.mine.device, self.device), here)
+        except (NixlError, ValueError):
+            return None
+        self.reads += 1
+        return transfer
 
     def finish(self, index: int, arrived: Arrived, timeout_s: float, cancelled: Callable[[], bool],
                after: Arrived | None = None) -> Landed:
