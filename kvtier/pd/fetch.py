@@ -73,11 +73,11 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). ``producer_blocks``:
     P's engine blocks from the first chunk on, as its params named them. P is told it is done however it ends."""
     begin = time.perf_counter()
+    sizes = [chunk_bytes(n) for _, n in items]
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 200)
-    socket.setsockopt(zmq.MAXMSGSIZE, max(chunk_bytes(n) for _, n in items) + (64 << 10))
+    socket.setsockopt(zmq.MAXMSGSIZE, max(sizes) + (64 << 10))
     socket.connect(endpoint)
-    sizes = [chunk_bytes(n) for _, n in items]
     peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size, (transfer_id, items, wait))
     early = None  # the READ of the blocks P's params named, posted while P answers the hello (pull)
     try:
