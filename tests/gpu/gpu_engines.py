@@ -82,6 +82,15 @@ def skip_without_gpus(count: int, what: str) -> None:
         pytest.skip(f"{what} needs {count} GPUs; {torch.cuda.device_count()} visible")
 
 
+def visible_devices(first: int, count: int = 1) -> str:
+    """``CUDA_VISIBLE_DEVICES`` for an engine process on this process's visible GPUs ``first`` ..
+    ``first + count - 1`` (this process's own ``CUDA_VISIBLE_DEVICES`` mapped through, so tests
+    run on a subset of a host's GPUs keep to it)."""
+    seen = [d for d in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if d.strip()]
+    ids = range(first, first + count)
+    return ",".join(seen[i] if i < len(seen) else str(i) for i in ids)
+
+
 def skip_reason() -> str | None:
     """Why these tests cannot run here, or None. Cheapest check first: without an NVIDIA device
     node there is no CUDA, decided without importing torch (unless it is imported already)."""

@@ -48,7 +48,8 @@ LANDED = "land HBM to HBM"
 def _devices() -> tuple[str, str]:
     import torch
 
-    return ("0", "1") if torch.cuda.device_count() >= 2 else ("0", "0")
+    d = 1 if torch.cuda.device_count() >= 2 else 0
+    return g.visible_devices(0), g.visible_devices(d)
 
 
 def _spec(model: str, **kvtier) -> dict:

@@ -52,9 +52,9 @@ def test_pd_tp2_to_tp2_pull_and_push_rank_to_rank(gpu_model, tmp_path, monkeypat
         monkeypatch.setenv(key, value)
     engines = []
     try:
-        p = Engine("P", _spec(gpu_model), str(tmp_path), env={"CUDA_VISIBLE_DEVICES": "0,1", "KVTIER_LOG_LEVEL": "DEBUG"})
+        p = Engine("P", _spec(gpu_model), str(tmp_path), env={"CUDA_VISIBLE_DEVICES": g.visible_devices(0, TP), "KVTIER_LOG_LEVEL": "DEBUG"})
         engines.append(p)
-        d = Engine("D", _spec(gpu_model), str(tmp_path), env={"CUDA_VISIBLE_DEVICES": "2,3", "KVTIER_LOG_LEVEL": "DEBUG"})
+        d = Engine("D", _spec(gpu_model), str(tmp_path), env={"CUDA_VISIBLE_DEVICES": g.visible_devices(TP, TP), "KVTIER_LOG_LEVEL": "DEBUG"})
         engines.append(d)
 
         pulled = g.prompt(500, LENGTH)
