@@ -86,6 +86,19 @@ def describe_backend(name: str) -> str:
     return f"dma (triton kernels; CUDA C++ kernels: {cuda_ops.build_error()})"
 
 
+def warm_kernels(layout: Layout, name: str) -> float:
+    """Compile ahead the Triton kernels that backend ``name`` and the checksum passes launch on
+    this CUDA device when the CUDA C++ kernels are not built (``python -m kvtier.ops.build``), so
+    the first load after start costs what the later ones do. Seconds taken (0: nothing to do)."""
+    if layout.device.type != "cuda":
+        return 0.0
+    from kvtier.ops import cuda_ops, triton_ops
+
+    if not triton_ops.available() or (name != "triton" and cuda_ops.available()):
+        return 0.0
+    return triton_ops.warm(layout.device)
+
+
 def pick_backend(layout: Layout, name: str = "auto") -> tuple[Op, Op]:
     """``(gather, scatter)`` of backend ``name`` (see :func:`resolve_backend`)."""
     return _backends()[resolve_backend(layout, name)]

@@ -13,6 +13,7 @@ Importing this module never compiles anything and works without CUDA or Triton.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -307,6 +308,31 @@ def launch(
         plan.regions.shape[0], plan.blocks.shape[0],
         GATHER=gather, CHECKSUM=sums is not None, TILE=tile_bytes // 4, num_warps=num_warps,
     )
+
+
+_warm: set[torch.device] = set()
+
+
+def warm(device: torch.device) -> float:
+    """Compile and load every variant of the copy kernel (gather or scatter, with or without the
+    checksum) on ``device`` ahead of the first save or load, which would otherwise wait for
+    Triton's compile (~0.25 s a variant, once per machine: Triton keeps them on disk too). Each is
+    launched over an empty plan: one CTA that finds no unit, so nothing is read or written.
+    Once per process and device; returns the seconds it took (0 when done before)."""
+    if triton is None or device in _warm:
+        return 0.0
+    begin = time.perf_counter()
+    with torch.cuda.device(device):
+        empty = CopyPlan(_anchor(device), torch.zeros((0, 4), dtype=torch.int64, device=device),
+                         torch.zeros((0, 5), dtype=torch.int64, device=device),
+                         torch.zeros(0, dtype=torch.int64, device=device), 0)
+        sums = torch.zeros(1, dtype=torch.int64, device=device)
+        for gather in (True, False):
+            for with_sums in (sums, None):
+                launch(empty, gather=gather, sums=with_sums)
+        torch.cuda.synchronize(device)
+    _warm.add(device)
+    return time.perf_counter() - begin
 
 
 def gather(layout: Layout, spans: Sequence[ChunkSpan], checksums_out: torch.Tensor | None = None, *, max_ctas: int | None = None) -> None:

@@ -26,6 +26,7 @@ the store, whose locks guard index updates only.
 
 from __future__ import annotations
 
+import logging
 import queue
 from collections import deque
 from typing import Callable
@@ -37,7 +38,7 @@ from kvtier import codec
 from kvtier.jobs import LoadJob, SaveJob
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
-from kvtier.ops import resolve_backend
+from kvtier.ops import resolve_backend, warm_kernels
 from kvtier.storage import ChunkStore
 from kvtier.transfer.common import Copies, FetchRemote, HeldChanged, TransferStats
 from kvtier.transfer.load import REMOTE_THREADS, LoadSide
@@ -46,6 +47,8 @@ from kvtier.transfer.save import SAVE_NICE, SaveSide
 
 __all__ = ["PIPELINE_BYTES", "REMOTE_THREADS", "SAVE_NICE", "FetchRemote", "HeldChanged", "LoadSide", "ReuseGuard",
            "SaveSide", "TierWorker", "TransferStats"]
+
+logger = logging.getLogger(__name__)
 
 PIPELINE_BYTES = 256 << 20  # with a backend that copies in the background (dma), a save or load is
 # started in batches of about this many bytes, so allocating, sealing and storing chunks (save) or
@@ -98,6 +101,8 @@ class TierWorker:
         # ms per load job and per save batch, appended by the executors, drained by the caller
         self.batch_ms: dict[str, deque[float]] = {"load": deque(), "save": deque()}
         self.backend = resolve_backend(layout, backend)
+        if took := warm_kernels(layout, self.backend):  # not in the first load: see warm_kernels
+            logger.debug("kvtier: the Triton copy kernels were ready in %.2f s", took)
         copies = Copies.of(layout, self.backend)
         on_held = on_held or (lambda keys: None)
         self.defer_reuse = defer_reuse and layout.device.type == "cuda"
