@@ -15,6 +15,7 @@ it (measurements and the full rule: :func:`kvtier.ops.copy_path.choose_path`).
 
 from __future__ import annotations
 
+import logging
 from typing import Callable, Sequence
 
 import torch
@@ -22,6 +23,8 @@ import torch
 from kvtier.layout import Layout
 from kvtier.ops.span import ChunkSpan
 
+
+logger = logging.getLogger(__name__)
 
 Op = Callable[[Layout, Sequence[ChunkSpan]], None]
 
@@ -96,7 +99,12 @@ def warm_kernels(layout: Layout, name: str) -> float:
 
     if not triton_ops.available() or (name != "triton" and cuda_ops.available()):
         return 0.0
-    return triton_ops.warm(layout.device)
+    try:
+        return triton_ops.warm(layout.device)
+    except Exception as exc:  # noqa: BLE001 - the first copy meets the same error, where a load falls back
+        logger.warning("kvtier: compiling the Triton copy kernels at start failed (%s: %s); the first "
+                       "copy compiles them instead.", type(exc).__name__, exc)
+        return 0.0
 
 
 def pick_backend(layout: Layout, name: str = "auto") -> tuple[Op, Op]:

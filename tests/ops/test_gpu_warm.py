@@ -1,7 +1,7 @@
 """The Triton copy kernels compiled at start (``kvtier.ops.warm_kernels``): after the warm-up no
 save, load or checksum pass compiles anything, and the warm-up reads and writes no KV.
 
-GPU tests; on a machine without CUDA only the CPU case runs.
+The GPU test needs CUDA and Triton; the other two run anywhere.
 """
 
 from __future__ import annotations
@@ -27,6 +27,24 @@ def _layout(device: str):
 def test_nothing_to_warm_on_a_cpu():
     _, layout = _layout("cpu")
     assert warm_kernels(layout, "auto") == 0.0
+
+
+def test_a_warm_up_that_fails_leaves_the_engine_starting(monkeypatch, caplog):
+    """No GPU here: the layout's device and the kernel modules are stand-ins; what is tested is
+    that a compile failure at start is one warning, not a failed start."""
+    from types import SimpleNamespace
+
+    from kvtier.ops import cuda_ops
+
+    def broken(device):
+        raise RuntimeError("ptxas not found")
+
+    monkeypatch.setattr(triton_ops, "available", lambda: True)
+    monkeypatch.setattr(cuda_ops, "available", lambda: False)
+    monkeypatch.setattr(triton_ops, "warm", broken)
+    with caplog.at_level("WARNING", logger="kvtier.ops"):
+        assert warm_kernels(SimpleNamespace(device=torch.device("cuda", 0)), "dma") == 0.0
+    assert "compiling the Triton copy kernels at start failed (RuntimeError: ptxas not found)" in caplog.text
 
 
 @pytest.mark.gpu
