@@ -54,8 +54,12 @@ def read_early(agent: Agent, endpoint: str, mine: Landing, their_blocks: tuple[i
     """Landings from the producer at ``endpoint`` as its last handshake described it, their
     :meth:`~Landings.read_early` posted (arguments as there); None where ``agent`` no longer knows
     that producer's agent (it is kept while the producer's chunk server is up) or nothing was posted."""
-    entry = _known.get((agent.name, endpoint))
-    if entry is None or entry[0] not in agent.peer_names or emulated(endpoint):
+    key = (agent.name, endpoint)
+    entry = _known.get(key)
+    if entry is not None and entry[0] not in agent.peer_names:  # that producer stopped: forget what it lent
+        del _known[key]
+        entry = None
+    if entry is None or emulated(endpoint):
         return None
     landings = Landings(agent, entry[0], endpoint, mine, entry[1], entry[2])
     return landings if landings.read_early(their_blocks, counts, settle_s) else None

@@ -107,3 +107,15 @@ def test_blocks_named_after_the_lease_ended_are_not_used_and_the_cpu_tier_copy_l
     assert torch.equal(d.blocks(D_BLOCKS), computed)
     assert p.side.chunk_server.lent_total == 4 and d.side.transfers.stats.landed_bytes == landed
     assert early_reads(caplog) == []  # no chunk landed HBM to HBM
+
+
+def test_a_producer_whose_agent_went_is_forgotten_with_what_it_lent(engines):
+    """Once D's agent no longer knows P's (P's chunk server went away), the early READ has nothing
+    to go on (the next pull waits for P's reply), and D's map of the producers it knows drops P."""
+    p, d = engines("p", 1), engines("d", 2)
+    warm(p, d)
+    key = (d.side.nixl.name, p.endpoint)
+    peer = landing._known[key][0]
+    d.side.nixl.forget(name=peer)  # what D's agent watch does when P's chunk server stops answering
+    assert landing.read_early(d.side.nixl, p.endpoint, None, tuple(P_BLOCKS), [], 1.0) is None
+    assert key not in landing._known
