@@ -316,7 +316,7 @@ _warm: set[torch.device] = set()
 def warm(device: torch.device) -> float:
     """Compile and load every variant of the copy kernel (gather or scatter, with or without the
     checksum) on ``device`` ahead of the first save or load, which would otherwise wait for
-    Triton's compile (~0.25 s a variant, once per machine: Triton keeps them on disk too). Each is
+    Triton's compile (about half a second a variant on an H200; Triton keeps them on disk). Each is
     launched over an empty plan: one CTA that finds no unit, so nothing is read or written.
     Once per process and device; returns the seconds it took (0 when done before)."""
     if triton is None or device in _warm:
