@@ -50,8 +50,11 @@ class BlockSums:
 
             self._read_only = cuda_ops.launch if name == "cuda" else triton_ops.launch
             # The copies run with a bounded grid, so a reload leaves the model's kernels room; a
-            # checksum pass is one short read of the device's own memory: every SM may take part.
-            self._kw = {"max_ctas": torch.cuda.get_device_properties(layout.device).multi_processor_count}
+            # checksum pass is one short read of the device's own memory: every SM may take part,
+            # Triton's kernel twice over (4 GiB on an H200: 1.77 ms with a CTA a SM, 1.19 with two,
+            # bench/checksum_ctas.py; the CUDA C++ kernel's one a SM reads it in 1.0 ms).
+            sms = torch.cuda.get_device_properties(layout.device).multi_processor_count
+            self._kw = {"max_ctas": sms * (2 if name == "triton" else 1)}
         self._scratch: torch.Tensor | None = None
         self._lock = threading.Lock()
         self._tables = torch.cuda.Stream(layout.device) if self._read_only is not None else None  # plans built ahead
