@@ -18,7 +18,6 @@ checks the GPU's free memory as an engine starts.
 
 from __future__ import annotations
 
-import os
 import uuid
 
 import pytest
@@ -60,7 +59,7 @@ def test_pd_pull_push(transport, gpu_model, tmp_path, monkeypatch):
         pytest.skip("NIXL is not installed here (pip install nixl-cu12, or nixl-cu13 beside CUDA 13)")
     for key, value in g.child_env(multiprocess=True).items():
         monkeypatch.setenv(key, value)
-    gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
+    gpu = g.visible_devices(0)
     before = gpu_used_mib(gpu)  # what the GPU holds again once both engines stopped
     engines = []
     try:
