@@ -119,3 +119,64 @@ def test_a_producer_whose_agent_went_is_forgotten_with_what_it_lent(engines):
     d.side.nixl.forget(name=peer)  # what D's agent watch does when P's chunk server stops answering
     assert landing.read_early(d.side.nixl, p.endpoint, None, tuple(P_BLOCKS), [], 1.0) is None
     assert key not in landing._known
+
+
+@pytest.mark.parametrize("count, reads, runs", [(4, 2, [4]), (16, 2, [8, 8]), (17, 2, [9, 8]), (128, 4, [32] * 4),
+                                                (100, 16, [9] * 4 + [8] * 8), (0, 4, [])])
+def test_an_early_read_is_split_into_runs_of_consecutive_chunks(count, reads, runs):
+    """At most ``pd_hbm_reads`` READs, each of at least EARLY_CHUNKS chunks (one READ when fewer), covering every chunk once."""
+    got = landing.pieces(count, reads)
+    assert [len(r) for r in got] == runs
+    assert [i for r in got for i in r] == list(range(count))
+
+
+def split_early(monkeypatch, d) -> list[int]:
+    """Chunks per check pass of D's landed chunks, with every READ ending a pass (CHECK_AT 1) and an early READ of two
+    chunks or more (EARLY_CHUNKS 1)."""
+    from kvtier.transfer import landed, load
+    monkeypatch.setattr(landing, "EARLY_CHUNKS", 1)
+    monkeypatch.setattr(load, "CHECK_AT", 1)
+    passes, loaded = [], landed.LandedCheck.loaded
+    monkeypatch.setattr(landed.LandedCheck, "loaded", lambda self, job, chunks, *a, **k: (
+        passes.append(len(chunks)), loaded(self, job, chunks, *a, **k))[1])
+    return passes
+
+
+def test_a_split_early_read_lands_every_chunk_and_each_read_is_checked_as_it_ends(engines, caplog, monkeypatch):
+    """``pd_hbm_reads: 2``: the early READ goes as two of two chunks each; D checks each READ's chunks
+    in a pass of their own, the first while the second may still run."""
+    p, d = engines("p", 1), engines("d", 2, pd_hbm_reads=2)
+    passes = split_early(monkeypatch, d)
+    with caplog.at_level(logging.DEBUG, logger="kvtier"):
+        warm(p, d)
+        passes.clear()
+        publish(p, PROMPT, P_BLOCKS, "t1")
+        lend(p, "t1")
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, producer_blocks=tuple(P_BLOCKS)),))
+        assert d.wait_loaded("d-req") == set()
+    assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+    assert early_reads(caplog)[-1] == (2, 4)  # two READs, every chunk READ early
+    assert passes == [2, 2]
+    wait_ended(p)
+    assert p.side.engine_kv.held_bytes == 0
+
+
+def test_a_changed_block_in_the_second_early_read_fails_from_its_chunk_and_the_first_reads_chunks_count(
+        engines, caplog, monkeypatch):
+    """Negative control: chunk 2 (in the second of two early READs) no longer holds what P's
+    KVSUM64 says; the first READ's chunks were checked and count, chunk 2 on is recomputed."""
+    p, d = engines("p", 1), engines("d", 2, pd_hbm_reads=2)
+    passes = split_early(monkeypatch, d)
+    warm(p, d)
+    passes.clear()
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    assert p.side.settle()  # the KVSUM64s are taken first
+    p.kv[:, P_BLOCKS[4]] += 1.0  # chunk 2's first block
+    lend(p, "t1")
+    with caplog.at_level(logging.WARNING, logger="kvtier"):
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, producer_blocks=tuple(P_BLOCKS)),))
+        assert d.wait_loaded("d-req") == set(D_BLOCKS[4:])
+    assert torch.equal(d.blocks(D_BLOCKS[:4]), p.blocks(P_BLOCKS[:4]))
+    assert "another KVSUM64" in caplog.text and passes == [2, 2]
+    wait_ended(p)
+    assert p.side.engine_kv.held_bytes == 0
