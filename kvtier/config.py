@@ -68,9 +68,6 @@ class KvtierConfig:
     pd_hbm_push: how a decode engine that asked first (push) gets each chunk HBM to HBM the moment
     the producer's step computed it: ``read`` (it READs the producer's live blocks) or ``write``
     (the producer WRITEs into the blocks the decode engine named). A decode engine's setting.
-    pd_hbm_reads: how many NIXL READs a decode engine splits a pull of the producer's named engine
-    blocks into (1 to 16; each of at least 8 chunks): the first moves bytes while the next are
-    posted, and each is checked as it ends while the later ones run. A decode engine's setting.
 
     Shared tier (a Redis or Valkey server many engines use; named "shared" because "remote" is
     P/D's producer): shared_url: ``redis://[:password@]host:port[/db]`` (``valkey://`` alike;
@@ -108,7 +105,6 @@ class KvtierConfig:
     pd_transport: str = "auto"
     pd_hbm_lease_ms: int = 2000
     pd_hbm_push: str = "read"
-    pd_hbm_reads: int = 4
     shared_url: str | None = None
     shared_timeout_ms: int = 1000
     switch_interval_us: int | None = None
@@ -123,8 +119,6 @@ class KvtierConfig:
             raise ConfigError(f"kvtier setting 'pd_transport' must be 'auto', 'nixl' or 'zmq', got {self.pd_transport!r}.")
         if self.pd_hbm_push not in ("read", "write"):
             raise ConfigError(f"kvtier setting 'pd_hbm_push' must be 'read' or 'write', got {self.pd_hbm_push!r}.")
-        if not 1 <= self.pd_hbm_reads <= 16:
-            raise ConfigError(f"kvtier setting 'pd_hbm_reads' must be 1 to 16, got {self.pd_hbm_reads!r}.")
         for name in ("switch_interval_us", "idle_wait_us"):
             if (us := getattr(self, name)) is not None and not 0 <= us <= 5000:
                 raise ConfigError(f"kvtier setting {name!r} must be 0 to 5000, got {us!r}.")

@@ -22,8 +22,6 @@ def test_defaults_and_values():
         ({"shared_url": "redis://host:6379?socket_timeout=9"}, "'shared_url'.*query"),
         ({"shared_timeout_ms": 0}, "'shared_timeout_ms'"),
         ({"pd_hbm_push": "push"}, "'pd_hbm_push'.*'read' or 'write'"),
-        ({"pd_hbm_reads": 17}, "'pd_hbm_reads'.*1 to 16"),
-        ({"pd_hbm_reads": 0}, "'pd_hbm_reads'"),
         ({"switch_interval_us": 6000}, "'switch_interval_us'.*0 to 5000"),
         ({"switch_interval_us": -1}, "'switch_interval_us'"),
         ({"idle_wait_us": 5001}, "'idle_wait_us'.*0 to 5000"),

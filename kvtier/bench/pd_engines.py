@@ -78,8 +78,6 @@ def add_parser(commands) -> None:
     p.add_argument("--hbm-push", default="read", help="D's pd_hbm_push over NIXL, comma-separated: read, write or "
                    "read,write (a D for each; the first gives every row, the others their push row, e.g. "
                    "'kvtier push nixl write'; default read)")
-    p.add_argument("--hbm-reads", type=int, default=4, help="D's pd_hbm_reads: READs a pull of P's named engine "
-                   "blocks is split into, 1 to 16 (default 4)")
     p.add_argument("--zmq", action=argparse.BooleanOptionalAction, default=True, help="also run a kvtier D over ZMQ "
                    "for the 'kvtier pull zmq' and 'kvtier push zmq' rows (--no-zmq: D over NIXL only, one engine "
                    "start fewer)")
@@ -127,8 +125,6 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         parser.error(f"argument --devices: {exc}")
     if args.tp > 1 and args.devices is None:
         parser.error("argument --tp: needs --devices, P's GPUs then D's")
-    if not 1 <= args.hbm_reads <= 16:
-        parser.error(f"argument --hbm-reads: expected 1 to 16, got {args.hbm_reads}")
     if args.hbm_lease_ms < 0:
         parser.error("argument --hbm-lease-ms: expected 0 or more milliseconds")
     if args.py_spy and py_spy() is None:

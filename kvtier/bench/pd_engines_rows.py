@@ -105,8 +105,6 @@ class Run:
             kvtier["pd_hbm_lease_ms"] = self.args.hbm_lease_ms
         if push:
             kvtier["pd_hbm_push"] = push
-        if role == "D" and connector == "kvtier":
-            kvtier["pd_hbm_reads"] = self.args.hbm_reads
         return {"model": self.model, "connector": connector, "kvtier": kvtier, "load_format": self.args.load_format,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "max_model_len": max(self.lengths) + 64,
                 "engine_args": ({"tensor_parallel_size": self.tp} if self.tp > 1 else {})
@@ -351,7 +349,7 @@ class Run:
                 "d_stages_ms": self.stages,
                 "devices": {"P": devices[0], "D": devices[1]} if devices else None, "tp": self.tp,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
-                "hbm_push": self.args.hbm_push, "hbm_reads": self.args.hbm_reads, "device": _device_name(), "vllm": vllm_version(),
+                "hbm_push": self.args.hbm_push, "device": _device_name(), "vllm": vllm_version(),
                 "cuda_graphs": bool(self.args.cuda_graphs), "py_spy": self.profiles,
                 "ucx_cuda_ipc_cache": os.environ.get("UCX_CUDA_IPC_CACHE", "n (kvtier's default)")}
 

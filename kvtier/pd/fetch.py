@@ -39,8 +39,9 @@ from kvtier.jobs import Landed
 from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated
 from kvtier.pd.landing import Arrived, Landings, read_early, remember
 from kvtier.pd.hello import PeerError, check_layouts, first_fetches, say_transport
-from kvtier.pd.protocol import (VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches,
-                                check_mac, encode, mac, read_reply)
+from kvtier.pd.protocol import (
+    VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
+)
 from kvtier.pd.nixl import Agent, NixlError
 from kvtier.storage import ChunkBuffer
 
@@ -59,7 +60,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
                  wait: bool, timeout_ms: int, secret: bytes | None, allocate: Allocate,
                  chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool, nixl: Agent | None = None,
                  block_size: int = 0, landing: Landing | None = None,
-                 producer_blocks: tuple[int, ...] = (), reads: int = 1) -> Iterator[ChunkBuffer | Landed]:
+                 producer_blocks: tuple[int, ...] = ()) -> Iterator[ChunkBuffer | Landed]:
     """Yield the chunks ``items`` (chain key, block count) of ``transfer_id`` from ``endpoint``, in
     order, each in a fresh buffer from ``allocate`` that the caller owns.
 
@@ -69,9 +70,8 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
     which picks NIXL or ZMQ (None: ZMQ only). ``block_size``: this engine's, in tokens: each
     chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
-    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). ``producer_blocks``: P's
-    engine blocks from the first chunk on, as its params named them, READ before P's reply as up to ``reads``
-    READs (``pd_hbm_reads``). P is told it is done however it ends."""
+    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). ``producer_blocks``:
+    P's engine blocks from the first chunk on, as its params named them. P is told it is done however it ends."""
     begin = time.perf_counter()
     sizes = [chunk_bytes(n) for _, n in items]
     socket = zmq.Context.instance().socket(zmq.DEALER)
@@ -88,7 +88,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
                                             fetches=first)
         peer.send(hello)  # then, while P answers, this thread posts the READ of the blocks P's params named
         if nixl is not None and hbm and not wait and producer_blocks:
-            early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000, reads)
+            early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000)
         reply = peer.hello(hello, sent=True)
         writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
         if reply.transport == "nixl" and nixl is not None and writes:  # P may WRITE into our memory (live blocks)

@@ -11,10 +11,8 @@ see it done gives NIXL's handle back and times it (:func:`kvtier.pd.hbm.read_spe
 
 A pull whose ``kv_transfer_params`` named P's blocks, from a producer this engine reached before
 (its agent still known, its regions as its last handshake gave them: :func:`remember`), READs
-them all before P's handshake reply (:meth:`Landings.read_early`: posted on the transfer's
-thread as soon as the hello went): the READ runs while P answers. It goes as ``pd_hbm_reads``
-READs of consecutive chunks, at least :data:`EARLY_CHUNKS` each: the first moves bytes while the
-next are posted, and each is checked as it ends while the later ones still run. A reply that names the same blocks takes that READ
+them all at once, before P's handshake reply (:meth:`Landings.read_early`: posted on the
+transfer's thread as soon as the hello went): the READ runs while P answers. A reply that names the same blocks takes that READ
 (:meth:`Landings.add`) unless it failed already; one naming others is READ again once the
 early READ settled (as is every chunk whose reply came after it failed), and a
 chunk P answers otherwise (not lent) waits for it to settle too, so nothing else lands in the
@@ -41,7 +39,6 @@ logger = logging.getLogger(__name__)
 _told: set[str] = set()  # producers whose chunks were said to land HBM to HBM
 _told_early: set[str] = set()  # ... whose named blocks were said to be READ before their reply
 POST_AT = 16  # replies gathered before they are posted as one READ, unless one is needed sooner
-EARLY_CHUNKS = 8  # fewest chunks an early READ takes (a READ's posting has a fixed cost)
 _known: dict[tuple[str, str], tuple[str, tuple[RegionSpan, ...], int]] = {}  # (this agent, producer endpoint) ->
 # the producer's NIXL peer name, engine KV regions and CUDA device, as its last handshake gave them
 
@@ -53,7 +50,7 @@ def remember(agent: Agent, endpoint: str, peer: str, theirs: tuple[RegionSpan, .
 
 
 def read_early(agent: Agent, endpoint: str, mine: Landing, their_blocks: tuple[int, ...], counts: list[int],
-               settle_s: float, reads: int = 1) -> Landings | None:
+               settle_s: float) -> Landings | None:
     """Landings from the producer at ``endpoint`` as its last handshake described it, their
     :meth:`~Landings.read_early` posted (arguments as there); None where ``agent`` no longer knows
     that producer's agent (it is kept while the producer's chunk server is up) or nothing was posted."""
@@ -65,16 +62,7 @@ def read_early(agent: Agent, endpoint: str, mine: Landing, their_blocks: tuple[i
     if entry is None or emulated(endpoint):
         return None
     landings = Landings(agent, entry[0], endpoint, mine, entry[1], entry[2])
-    return landings if landings.read_early(their_blocks, counts, settle_s, reads) else None
-
-
-def pieces(count: int, reads: int) -> list[range]:
-    """``count`` chunks as at most ``reads`` runs of consecutive ones, at least :data:`EARLY_CHUNKS`
-    each (one run when there are fewer), the longer first."""
-    n = max(1, min(reads, count // EARLY_CHUNKS))
-    size, extra = divmod(count, n)
-    starts = [k * size + min(k, extra) for k in range(n + 1)]
-    return [range(a, b) for a, b in zip(starts, starts[1:]) if b > a]
+    return landings if landings.read_early(their_blocks, counts, settle_s) else None
 
 
 @dataclass(slots=True)
@@ -105,9 +93,8 @@ class Landings:
         self._posting_s = agent.post_s  # the agent's posting time when this transfer began
         self.reads = 0  # READs posted
         self.chunks, self.read_s = 0, 0.0
-        self._early: list[Transfer] = []  # the READs posted before P's reply (read_early)
-        self._early_blocks: dict[int, tuple[tuple[int, ...], Transfer]] = {}  # chunk index -> (P's blocks, the
-        # early READ that took them)
+        self._early: Transfer | None = None  # the READ posted before P's reply (read_early)
+        self._early_blocks: dict[int, tuple[int, ...]] = {}  # chunk index -> P's blocks that READ took
         self._early_s, self._settle_s = 0.0, 0.0  # perf_counter s it was posted; longest wait for it to settle
         self.early_taken = 0  # chunks whose reply named the blocks the early READ took
 
@@ -115,27 +102,23 @@ class Landings:
         """Whether P's handshake reply describes the same producer memory as these Landings."""
         return (self.peer, self.theirs, self.device) == (peer, theirs, device)
 
-    def read_early(self, their_blocks: tuple[int, ...], counts: list[int], settle_s: float, reads: int = 1) -> bool:
-        """Post the READs of every chunk (``counts``: each chunk's blocks, in order) from P's blocks
+    def read_early(self, their_blocks: tuple[int, ...], counts: list[int], settle_s: float) -> bool:
+        """Post one READ of every chunk (``counts``: each chunk's blocks, in order) from P's blocks
         ``their_blocks`` (the first chunk's first on) into this engine's, before P's reply names
-        them, on this thread (it would wait for P's reply meanwhile): ``reads`` of them at most,
-        over consecutive chunks (:func:`pieces`). ``settle_s``: how long to wait for them before
-        reusing their blocks. False if none could be posted."""
-        chunks: list[tuple[int, tuple[int, ...], tuple[int, ...]]] = []  # (index, this engine's blocks, P's)
+        them, on this thread (it would wait for P's reply meanwhile); ``settle_s``: how long to
+        wait for it before reusing its blocks. False if none could be posted."""
+        mine: list[int] = []
+        theirs: list[int] = []
         start = 0
         for index, count in enumerate(counts):
             own, named = self.mine.block_ids[index], their_blocks[start : start + count]
             start += count
             if own is not None and len(own) == count == len(named):
-                chunks.append((index, tuple(own), tuple(named)))
-        for run in pieces(len(chunks), reads):  # here: the caller waits for P meanwhile
-            piece = chunks[run.start : run.stop]
-            transfer = self._read([b for _, own, _ in piece for b in own], [b for _, _, named in piece for b in named],
-                                  here=True)
-            if transfer is not None:  # (one NIXL refused: its chunks are READ once P names their blocks)
-                self._early.append(transfer)
-                self._early_blocks.update((index, (named, transfer)) for index, _, named in piece)
-        if not self._early:
+                mine.extend(own)
+                theirs.extend(named)
+                self._early_blocks[index] = named
+        self._early = self._read(mine, theirs, here=True) if mine else None  # here: the caller waits for P meanwhile
+        if self._early is None:
             return False
         self._early_s, self._settle_s = time.perf_counter(), settle_s
         if self.endpoint not in _told_early:
@@ -144,21 +127,16 @@ class Landings:
         return True
 
     def settle_early(self, index: int | None = None) -> None:
-        """Wait until the early READs no longer run (their blocks may take other bytes then; ``index``:
-        only the one that READ into chunk ``index``'s, if any) and give their handles back; a READ
-        that never ends is logged (the load fails, its blocks are recomputed)."""
-        if index is not None:
-            taken = self._early_blocks.get(index)
-            early = [taken[1]] if taken is not None else []
+        """Wait until the early READ no longer runs (its blocks may take other bytes then; ``index``:
+        only if it READ into chunk ``index``'s) and give its handle back; a READ that never ends is
+        logged (the load fails, its blocks are recomputed)."""
+        early = self._early
+        if early is None or early.released or (index is not None and index not in self._early_blocks):
+            return
+        if early.settle(self._settle_s):
+            early.release()
         else:
-            early = self._early
-        for transfer in early:
-            if transfer.released:
-                continue
-            if transfer.settle(self._settle_s):
-                transfer.release()
-            else:
-                logger.warning("kvtier P/D: a READ from %s did not end in %.1f s.", self.endpoint, self._settle_s)
+            logger.warning("kvtier P/D: a READ from %s did not end in %.1f s.", self.endpoint, self._settle_s)
 
     def wants(self, index: int) -> bool:
         """Whether to ask for chunk ``index`` as engine blocks (not where the path was found emulated)."""
@@ -166,9 +144,9 @@ class Landings:
 
     def add(self, arrived: Arrived) -> None:
         """A reply naming engine blocks: read by the early READ where it took those blocks, else by the next :meth:`post`."""
-        taken = self._early_blocks.get(arrived.reply.index)  # (an early READ already failed: READ again)
-        if taken is not None and taken[0] == tuple(arrived.reply.blocks) and taken[1].state() != "ERR":
-            arrived.transfer, arrived.started_s = taken[1], self._early_s
+        index, early = arrived.reply.index, self._early  # (an early READ already failed: READ again)
+        if early is not None and self._early_blocks.get(index) == tuple(arrived.reply.blocks) and early.state() != "ERR":
+            arrived.transfer, arrived.started_s = early, self._early_s
             self.early_taken += 1
             return
         self._unposted.append(arrived)

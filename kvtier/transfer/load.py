@@ -48,7 +48,7 @@ from kvtier.transfer.landed import LandedCheck
 logger = logging.getLogger(__name__)
 
 REMOTE_THREADS = 4  # P/D transfers in flight at once
-CHECK_AT = 16  # landed chunks checked as their READs end (a push's as P computes the rest), at least this many a pass
+CHECK_AT = 16  # push: landed chunks checked as they come, at least this many a pass, one READ's in one pass
 
 
 class LoadSide:
@@ -257,7 +257,7 @@ class LoadSide:
                     count = self._span(job, i, done)[1]
                     landed.append((i, done, count, buffer))
                     done, count_chunks = done + count, count_chunks + 1
-                    if len(landed) >= CHECK_AT and not buffer.follows:  # while the rest is READ or computed
+                    if remote.wait and len(landed) >= CHECK_AT and not buffer.follows:  # while P computes the rest
                         checked, landed = self._landed.loaded(job, landed, done, count_chunks, self._ids, ahead), []
                         self.stats.landed_bytes += checked[2]
                         if checked[0] < done:  # a bad chunk: recomputed from there

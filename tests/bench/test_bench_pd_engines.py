@@ -290,8 +290,8 @@ def run(tmp_path, monkeypatch):
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2, tp=1,
-                              hbm_push=["read"], hbm_reads=4, gpu_memory_utilization=0.8, devices=("0", "1"),
-                              json=str(tmp_path / "pd.json"), zmq=True, cuda_graphs=False, py_spy=None)
+                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"),
+                              zmq=True, cuda_graphs=False, py_spy=None)
     r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     r.waits = waits
     return r
@@ -301,7 +301,6 @@ def test_kvtier_pair_rows_lease_wait_and_transports(run, tmp_path):
     run.kvtier_pair(str(tmp_path))
     p, d_nixl, d_zmq = FakeEngine.started
     assert p.spec["kvtier"]["pd_hbm_lease_ms"] == 2000 and "pd_hbm_lease_ms" not in d_nixl.spec["kvtier"]
-    assert d_nixl.spec["kvtier"]["pd_hbm_reads"] == 4 and "pd_hbm_reads" not in p.spec["kvtier"]  # a D's setting
     assert (p.env["CUDA_VISIBLE_DEVICES"], d_nixl.env["CUDA_VISIBLE_DEVICES"]) == ("0", "1")
     assert run.waits == [2.5, 2.5]  # lease + 500 ms, once per repeat
     result = json.loads((tmp_path / "pd.json").read_text())
@@ -447,7 +446,7 @@ def test_at_tp_2_the_devices_are_p_s_two_then_d_s_two_and_each_engine_runs_at_tp
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=1,
-                              hbm_push=["read"], hbm_reads=4, gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2,
+                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2,
                               cuda_graphs=False, py_spy=None)
     run = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     assert run.spec("kvtier")["engine_args"] == {"tensor_parallel_size": 2}

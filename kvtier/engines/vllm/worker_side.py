@@ -41,7 +41,8 @@ from kvtier.pd.nixl import Agent
 from kvtier.pd.nixl_start import NixlStart
 from kvtier.pd.fetch import PeerError, fetch_chunks
 from kvtier.pd.holds import PublishHolds
-from kvtier.pd.protocol import VERSION as PD_VERSION, Hello
+from kvtier.pd.protocol import VERSION as PD_VERSION
+from kvtier.pd.protocol import Hello
 from kvtier.pd.server import ChunkServer, ServedLayout
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker, TransferStats
@@ -217,8 +218,7 @@ class WorkerSide:
                             chunk_bytes=lambda n: chunk_bytes(transfers.layout, n), nixl=self.nixl,
                             block_size=0 if len(self.group_transfers) > 1 else transfers.layout.block_size,
                             landing=self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None,
-                            producer_blocks=remote.blocks if len(self.group_transfers) == 1 else (),
-                            reads=self.config.pd_hbm_reads)
+                            producer_blocks=remote.blocks if len(self.group_transfers) == 1 else ())
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
