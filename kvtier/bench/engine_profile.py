@@ -76,11 +76,16 @@ def _top(totals: dict[str, list[float]], n: int = TOP) -> list[list]:
     return [[name, round(ms, 2), int(calls)] for name, (ms, calls) in ranked]
 
 
-def summarize_trace(path: str) -> dict:
+def summarize_trace(path: str, last_ms: float | None = None) -> dict:
     """One rank's trace: ``span_ms`` (first event to last end), ``gpu_busy_ms`` (kernel and copy
     time summed), ``kvtier`` {hook: [ms, calls]}, and the costliest ``cpu`` / ``python`` /
-    ``gpu`` entries ([[name, ms, calls]], totals over the round)."""
+    ``gpu`` entries ([[name, ms, calls]], totals over the round). ``last_ms``: only the events
+    that start in the trace's last ``last_ms`` ms (a P/D decode engine's step to its first token,
+    after a wait of a second for the KV)."""
     events = _events(path)
+    if events and last_ms is not None:
+        tail = max(e["ts"] + e["dur"] for e in events) - last_ms * 1e3
+        events = [e for e in events if e["ts"] >= tail]
     if not events:
         return {"trace": os.path.basename(path), "span_ms": 0.0}
     begin = min(e["ts"] for e in events)
@@ -125,9 +130,9 @@ def _self_times(thread: list[dict]) -> dict[int, float]:
     return {k: max(v, 0.0) for k, v in own.items()}
 
 
-def summarize(paths: list[str]) -> list[dict]:
+def summarize(paths: list[str], last_ms: float | None = None) -> list[dict]:
     """:func:`summarize_trace` of each worker rank's trace (vLLM names them after the rank)."""
-    return [summarize_trace(p) for p in sorted(paths)]
+    return [summarize_trace(p, last_ms) for p in sorted(paths)]
 
 
 def grew(slow: dict, fast: dict, n: int = 12, min_ms: float = 1.0) -> list[list]:
@@ -155,12 +160,12 @@ COMPARISONS = (
 )
 
 
-def comparisons(profiles: dict[str, dict[str, list[dict]]]) -> list[dict]:
-    """Each of :data:`COMPARISONS` both of whose rounds were profiled, rank by rank:
+def comparisons(profiles: dict[str, dict[str, list[dict]]], compared: tuple = COMPARISONS) -> list[dict]:
+    """Each of ``compared`` (as :data:`COMPARISONS`) both of whose rounds were profiled, rank by rank:
     ``{"what", "ranks": [{"span_ms": [slow, fast], "gpu_busy_ms": [...], "kvtier": hooks of the
     slow round, "grew": grew(slow, fast)}]}``. ``profiles``: engine -> tag -> summaries."""
     out = []
-    for what, (e1, t1), (e2, t2) in COMPARISONS:
+    for what, (e1, t1), (e2, t2) in compared:
         slow, fast = profiles.get(e1, {}).get(t1), profiles.get(e2, {}).get(t2)
         if not slow or not fast:
             continue

@@ -16,8 +16,11 @@ both legs: ``NixlPushConnector`` pairs P's finished request with D's by that nam
 SPEC: ``{"model": dir, "connector": "kvtier" | "nixl" | "nixl-push" | "none", "kvtier": extra
 config, "engine_id": NIXL engine id | null, "load_format": "dummy" | "auto",
 "gpu_memory_utilization": fraction, "max_model_len": tokens, "block_size": tokens | null,
-"engine_args": further LLM(...) keyword arguments}``. The engine runs greedy, with token-id prompts
-only, and eager unless ``engine_args`` sets ``enforce_eager`` false.
+"engine_args": further LLM(...) keyword arguments, "profile_dir": absolute path | absent}``. The
+engine runs greedy, with token-id prompts only, and eager unless ``engine_args`` sets
+``enforce_eager`` false. With ``profile_dir`` the engine has vLLM's torch profiler on, and a
+request line with ``"profile": tag`` runs under it: its traces go to ``profile_dir/tag`` and its
+``OUT`` record lists them (``"traces"``; see :mod:`kvtier.bench.engine_profile`).
 """
 
 from __future__ import annotations
@@ -58,6 +61,10 @@ def build_engine(spec: dict):
     if spec.get("block_size"):
         kw["block_size"] = spec["block_size"]
     kw.update(spec.get("engine_args") or {})  # e.g. {"enable_prefix_caching": True} for a Mamba hybrid
+    if spec.get("profile_dir"):
+        from kvtier.bench.engine_profile import profiler_kwargs
+
+        kw.update(profiler_kwargs(spec["profile_dir"]))
     return LLM(model=spec["model"], load_format=spec.get("load_format", "dummy"), skip_tokenizer_init=True,
                seed=0, max_model_len=spec["max_model_len"],
                gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.35), disable_log_stats=True, **kw)
@@ -86,23 +93,33 @@ def _own_hits(params: dict) -> dict:
     return {k: v for k, v in params.items() if k != "remote_prefill_cached_tokens"}
 
 
-def answer(llm, request: dict) -> dict:
-    """Run one request line; the ``OUT`` record."""
+def answer(llm, request: dict, profile_dir: str | None = None) -> dict:
+    """Run one request line; the ``OUT`` record (``profile_dir``: where the engine's profiler
+    writes, for a line that asks for a profile)."""
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
     extra = {"kv_transfer_params": _own_hits(request["params"])} if request.get("params") else None
     params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 1), ignore_eos=True,
                             detokenize=False, logprobs=request.get("logprobs"), extra_args=extra)
+    tag = request.get("profile") if profile_dir else None
+    if tag:
+        llm.start_profile()
     with request_named(llm, request.get("request_id")):
         start = time.perf_counter()
         out = llm.generate([TokensPrompt(prompt_token_ids=request["prompt"])], params, use_tqdm=False)[0]
         seconds = time.perf_counter() - start
+    traces = None
+    if tag:
+        from kvtier.bench.engine_profile import collect
+
+        llm.stop_profile()  # the workers write their traces before it returns
+        traces = collect(profile_dir, tag)
     logprobs = None
     if out.outputs[0].logprobs is not None:
         logprobs = [{str(t): lp.logprob for t, lp in step.items()} for step in out.outputs[0].logprobs]
     return {"seconds": seconds, "tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens or 0,
-            "params": getattr(out, "kv_transfer_params", None), "logprobs": logprobs}
+            "params": getattr(out, "kv_transfer_params", None), "logprobs": logprobs, "traces": traces}
 
 
 def main(spec_path: str) -> None:
@@ -114,7 +131,7 @@ def main(spec_path: str) -> None:
     for line in sys.stdin:
         if not line.strip():
             break
-        print("OUT " + json.dumps(answer(llm, json.loads(line))), flush=True)
+        print("OUT " + json.dumps(answer(llm, json.loads(line), spec.get("profile_dir"))), flush=True)
 
 
 if __name__ == "__main__":

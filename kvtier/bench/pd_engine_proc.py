@@ -68,20 +68,24 @@ class Engine:
                 return line[len(prefix):]
 
     def send(self, prompt: list[int], params: dict | None = None, max_tokens: int = 1, logprobs: int | None = None,
-             request_id: str | None = None) -> None:
+             request_id: str | None = None, profile: str | None = None) -> None:
         """Start one request (``params``: its ``kv_transfer_params``; ``request_id``: its name in
-        the engine, decimal digits); :meth:`receive` gives the answer."""
+        the engine, decimal digits; ``profile``: run it under the engine's profiler, its traces
+        tagged so, for an engine whose spec has a ``profile_dir``); :meth:`receive` gives the answer."""
         line = {"prompt": prompt, "params": params, "max_tokens": max_tokens, "logprobs": logprobs}
         if request_id is not None:
             line["request_id"] = request_id
+        if profile is not None:
+            line["profile"] = profile
         self.proc.stdin.write(json.dumps(line) + "\n")
         self.proc.stdin.flush()
 
     def receive(self) -> dict:
         return json.loads(self._expect("OUT ", REQUEST_TIMEOUT_S))
 
-    def ask(self, prompt: list[int], params: dict | None = None, request_id: str | None = None) -> dict:
-        self.send(prompt, params, request_id=request_id)
+    def ask(self, prompt: list[int], params: dict | None = None, request_id: str | None = None,
+            profile: str | None = None) -> dict:
+        self.send(prompt, params, request_id=request_id, profile=profile)
         return self.receive()
 
     def log_text(self, start: int = 0) -> str:

@@ -31,7 +31,9 @@ rate is ``KV bytes / (D's leg - local hit)``: the KV moved, over the time D's le
 prefix-cache hit's. Each row names its transport: a kvtier row from D's ``kvtier P/D: fetching
 from`` line, a vLLM connector's from the protocols UCX prints (``UCX_PROTO_INFO=y``, e.g.
 ``cuda_ipc``, ``rc``, ``tcp``); see :mod:`kvtier.bench.pd_engines_report`. ``--py-spy DIR``
-records kvtier's P and D while the longest prompt's repeats run (:mod:`kvtier.bench.pd_spy`).
+records kvtier's P and D while the longest prompt's repeats run (:mod:`kvtier.bench.pd_spy`);
+``--profile DIR`` profiles D's step to its first token after a push and after a pull
+(:mod:`kvtier.bench.pd_profile`).
 """
 
 from __future__ import annotations
@@ -88,6 +90,9 @@ def add_parser(commands) -> None:
     p.add_argument("--py-spy", metavar="DIR", help="record kvtier's P and D with py-spy (pip install py-spy) through "
                    "the longest prompt's repeats: DIR/<engine>.speedscope.json, and DIR/summary.txt on where remote "
                    "loads and chunk serving spent their time")
+    p.add_argument("--profile", metavar="DIR", help="once the longest prompt's repeats are done, one more pull HBM "
+                   "to HBM and one more push (not timed) with kvtier's D under vLLM's torch profiler: its traces in "
+                   "DIR/kvtier-D/, and DIR/summary.txt on what D's last 40 ms took after the push against the pull")
     p.add_argument("--json", metavar="FILE", help="write every sample to FILE (also after each repeat)")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of TTFT per row and length (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)

@@ -198,6 +198,7 @@ def format_table(result: dict) -> str:
             lines.append(f"where {row}'s D leg went at {n} tokens (median ms, kvtier timeline): "
                          + ", ".join(f"{stage} {_med(ms):.1f}" for stage, ms in stages.items()))
     lines += [f"transport: {line}" for line in result["transport_lines"]]
+    lines += (result.get("d_profile") or {}).get("lines", [])
     for pair, protocols in result.get("ucx", {}).items():
         lines += [f"UCX ({pair}): {op}: {', '.join(tls) or '?'}" for op, tls in protocols.items() if _between_engines(op)]
     lines.append("every P/D answer loaded the prompt and matched P's first token: "

@@ -20,6 +20,7 @@ from kvtier import timeline
 from kvtier.bench.common import BenchError, Progress, vllm_version
 from kvtier.bench.pd_engine_proc import RELEASE_SLACK_MIB, Engine, gpu_used_mib, wait_released
 from kvtier.bench.pd_engines_report import ROWS, merge_protocols, row_transport, ucx_protocols, ucx_transport
+from kvtier.bench.pd_profile import profile_d, profile_dir
 from kvtier.bench.pd_spy import Spy, summary
 
 # NIXL side-channel ports of the vLLM connector pairs (each pair runs alone; ports differ anyway).
@@ -88,6 +89,7 @@ class Run:
         self.stages: dict[str, dict[str, dict[str, list[float]]]] = {}  # kvtier row -> tokens -> stage -> ms
         self.lease_missing = hbm_lease_missing()
         self.profiles: dict[str, list[str]] = {}  # engine -> where its threads' time went (--py-spy)
+        self.d_profile: dict = {}  # D's step after a push against after a pull (--profile)
         self._seed = 0
 
     def prompt(self, length: int) -> list[int]:
@@ -140,8 +142,9 @@ class Run:
         for stage, ms, _ in timeline.stages(*timeline.read(lines)):
             self.stages.setdefault(row, {}).setdefault(str(n), {}).setdefault(stage, []).append(ms)
 
-    def pull(self, row: str, p: Engine, d: Engine, n: int, wait_s: float = 0.0) -> None:
-        """P prefills, then (``wait_s`` later, not counted) D answers with P's kv_transfer_params."""
+    def pull(self, row: str, p: Engine, d: Engine, n: int, wait_s: float = 0.0, profile: str | None = None) -> dict:
+        """P prefills, then (``wait_s`` later, not counted) D answers with P's kv_transfer_params;
+        D's answer. ``profile``: D's request runs under its profiler, tagged so, and is not timed."""
         prompt, p_start = self.prompt(n), p.log_size()
         p_out = p.ask(prompt, {"do_remote_decode": True, "do_remote_prefill": False})
         if not p_out["params"]:
@@ -149,23 +152,30 @@ class Run:
         if wait_s:
             time.sleep(wait_s)
         start = d.log_size()
-        d_out = d.ask(prompt, p_out["params"])
+        d_out = d.ask(prompt, p_out["params"], profile=profile)
+        self.check(row, n, p_out, d_out)
+        if profile:
+            return d_out
         if row.startswith("kvtier"):
             self.watch(row, d, start)
             self.timeline(row, n, p, p_start, d, start)
-        self.check(row, n, p_out, d_out)
         self.record(row, n, p_out["seconds"] + d_out["seconds"], d_out["seconds"])
+        return d_out
 
-    def push(self, row: str, p: Engine, d: Engine, n: int, endpoints: list[str]) -> None:
+    def push(self, row: str, p: Engine, d: Engine, n: int, endpoints: list[str], profile: str | None = None) -> dict:
+        """Both legs at once under one ``transfer_id``; D's answer (``profile``: as for :meth:`pull`)."""
         prompt, transfer_id, start, p_start = self.prompt(n), uuid.uuid4().hex, d.log_size(), p.log_size()
-        d.send(prompt, {"do_remote_prefill": True, "transfer_id": transfer_id, "kvtier_endpoints": endpoints,
-                        "tp_size": self.tp})
+        params = {"do_remote_prefill": True, "transfer_id": transfer_id, "kvtier_endpoints": endpoints, "tp_size": self.tp}
+        d.send(prompt, params, profile=profile)
         p.send(prompt, {"do_remote_decode": True, "transfer_id": transfer_id})
         d_out, p_out = d.receive(), p.receive()
+        self.check(row, n, p_out, d_out)
+        if profile:
+            return d_out
         self.watch(row, d, start)
         self.timeline(row, n, p, p_start, d, start)
-        self.check(row, n, p_out, d_out)
         self.record(row, n, d_out["seconds"], d_out["seconds"])
+        return d_out
 
     def spy(self, engines: tuple[Engine, ...]) -> list[tuple[Engine, Spy]]:
         """With ``--py-spy DIR``: py-spy recording each of ``engines`` (its process and children)."""
@@ -215,8 +225,11 @@ class Run:
             for transport, push, label in pushes:
                 before = gpu_used_mib(d_gpu) if d_gpu is not None else None
                 self.progress(f"starting D (kvtier over {transport}{f', pd_hbm_push {push}' if push else ''}) ...")
-                d = self.engine(f"kvtier-D-{label.replace(' ', '-')}", "D", self.spec("kvtier", transport, push=push),
-                                workdir)
+                spec = self.spec("kvtier", transport, push=push)
+                profiled = label == "nixl" and bool(getattr(self.args, "profile", None))  # --profile: this D
+                if profiled:
+                    spec["profile_dir"] = profile_dir(self.args.profile)
+                d = self.engine(f"kvtier-D-{label.replace(' ', '-')}", "D", spec, workdir)
                 engines.append(d)
                 logs.append(d)
                 self.start_s[f"kvtier D {label}"] = d.start_s
@@ -239,6 +252,8 @@ class Run:
                         self.push(f"kvtier push {label}", p, d, n, endpoints)
                         self.checkpoint()
                     self.spied(spies)
+                    if profiled and n == max(self.lengths):
+                        self.d_profile = profile_d(self, p, d, n, endpoints)
                 d.stop()
                 engines.remove(d)
                 if before is not None:  # P may still hold what it wrote into: the next D would not start
@@ -350,7 +365,7 @@ class Run:
                 "devices": {"P": devices[0], "D": devices[1]} if devices else None, "tp": self.tp,
                 "gpu_memory_utilization": self.args.gpu_memory_utilization, "hbm_lease_ms": self.args.hbm_lease_ms,
                 "hbm_push": self.args.hbm_push, "device": _device_name(), "vllm": vllm_version(),
-                "cuda_graphs": bool(self.args.cuda_graphs), "py_spy": self.profiles,
+                "cuda_graphs": bool(self.args.cuda_graphs), "py_spy": self.profiles, "d_profile": self.d_profile,
                 "ucx_cuda_ipc_cache": os.environ.get("UCX_CUDA_IPC_CACHE", "n (kvtier's default)")}
 
 

@@ -7,9 +7,11 @@ tests/gpu/test_gpu_pd.py drives the same engine processes."""
 from __future__ import annotations
 
 import argparse
+import gzip
 import importlib.util
 import itertools
 import json
+import os
 import re
 import subprocess
 import sys
@@ -61,6 +63,23 @@ UCX_IPC = """\
 [1767930430.000001] [gpu-host:4242:0]   | ucp_context_0 intra-node cfg#3 | remote memory read by ucp_get* from cuda memory to cuda |
 [1767930430.000002] [gpu-host:4242:0]   |                          0..inf | zero-copy        | cuda_ipc/cuda      |
 """
+
+
+def _trace_file(directory: str, tag: str) -> str:
+    """A profiled D request's trace (the Chrome format vLLM's torch profiler writes): an early
+    wait, then, in its last 40 ms, a forward kernel that takes 13 ms after a pull and 17 after a
+    push, and a Python step."""
+    kernel_ms = 17.0 if tag == "push" else 13.0
+    events = [{"ph": "X", "cat": "cpu_op", "name": "early wait", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
+              {"ph": "X", "cat": "python_function", "name": "vllm/worker.py(1): execute_model", "pid": 1, "tid": 1,
+               "ts": 1_000_000, "dur": 20_000},
+              {"ph": "X", "cat": "kernel", "name": "flash_fwd", "pid": 0, "tid": 7, "ts": 1_001_000,
+               "dur": kernel_ms * 1000}]
+    os.makedirs(os.path.join(directory, tag), exist_ok=True)
+    path = os.path.join(directory, tag, "rank0.pt.trace.json.gz")
+    with gzip.open(path, "wt") as f:
+        json.dump({"traceEvents": events}, f)
+    return path
 
 
 def _result(failures=()) -> dict:
@@ -230,12 +249,12 @@ class FakeEngine:
         self.queue, self.sent, self.log = [], [], []
         FakeEngine.started.append(self)
 
-    def send(self, prompt, params=None, max_tokens=1, logprobs=None, request_id=None):
-        self.queue.append((prompt, params, request_id))
+    def send(self, prompt, params=None, max_tokens=1, logprobs=None, request_id=None, profile=None):
+        self.queue.append((prompt, params, request_id, profile))
         self.sent.append((params, request_id))
 
     def receive(self):
-        prompt, params, request_id = self.queue.pop(0)
+        prompt, params, request_id, profile = self.queue.pop(0)
         if self.role == "P":
             FakeEngine.waited = False
             return {"seconds": 0.1, "tokens": [7], "cached": 0, "params": self._p_params(params, request_id)}
@@ -244,7 +263,8 @@ class FakeEngine:
                     else CPU_LINE if FakeEngine.waited or "from_p" not in params else HBM_LINE)  # push: CPU tier
             if kind not in self.log:
                 self.log.append(kind)
-        return {"seconds": 0.05, "tokens": [7], "cached": len(prompt) - 1, "params": None}
+        traces = [_trace_file(self.spec["profile_dir"], profile)] if profile else None
+        return {"seconds": 0.05, "tokens": [7], "cached": len(prompt) - 1, "params": None, "traces": traces}
 
     def _p_params(self, params, request_id):
         if not params:
@@ -255,8 +275,8 @@ class FakeEngine:
                 "remote_host": "localhost", "remote_port": 5800, "tp_size": 1,
                 "transfer_mode": "push" if self.spec["connector"] == "nixl-push" else "pull"}
 
-    def ask(self, prompt, params=None, request_id=None):
-        self.send(prompt, params, request_id=request_id)
+    def ask(self, prompt, params=None, request_id=None, profile=None):
+        self.send(prompt, params, request_id=request_id, profile=profile)
         return self.receive()
 
     def log_size(self):
@@ -291,7 +311,7 @@ def run(tmp_path, monkeypatch):
     (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
     args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2, tp=1,
                               hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"),
-                              zmq=True, cuda_graphs=False, py_spy=None)
+                              zmq=True, cuda_graphs=False, py_spy=None, profile=None)
     r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
     r.waits = waits
     return r
@@ -504,6 +524,29 @@ def test_py_spy_records_kvtier_p_and_d_through_the_longest_prompts_repeats(run, 
     text = (tmp_path / "spy" / "summary.txt").read_text()
     assert "== kvtier-P" in text and "== kvtier-D-nixl" in text and "2 remote loads" in text
     assert set(run.result()["py_spy"]) == {"kvtier-P", "kvtier-D-nixl"}
+
+
+def test_profile_runs_one_more_pull_and_push_on_d_untimed_and_says_what_grew(run, tmp_path, capsys):
+    """Stand-in engines write made-up traces (the profiler needs a CUDA vLLM): only the D over NIXL
+    gets a profile_dir; after the longest prompt's repeats it answers one pull and one push under
+    the profiler, neither recorded; the summary says what its last 40 ms took more after the push."""
+    run.args.profile = str(tmp_path / "prof")
+    run.lengths = [300, 600]
+    run.ms = {row: {"300": [], "600": []} for row in run.ms}
+    run.d_leg_ms = {row: {"300": [], "600": []} for row in run.d_leg_ms}
+    run.kvtier_pair(str(tmp_path))
+    p, d_nixl, d_zmq = FakeEngine.started
+    assert d_nixl.spec["profile_dir"] == str(tmp_path / "prof" / "kvtier-D")
+    assert "profile_dir" not in p.spec and "profile_dir" not in d_zmq.spec
+    result = run.result()
+    assert [len(result["ttft_ms"][row]["600"]) for row in ("kvtier pull hbm", "kvtier push nixl")] == [2, 2]
+    assert len(d_nixl.sent) == 1 + 2 * 3 * 2 + 2  # warm-up, 3 rows a repeat at both lengths, then the two profiled
+    profile = result["d_profile"]
+    assert set(profile["traces"]) == {"pull", "push"} and profile["summaries"]["push"][0]["span_ms"] == 20.0
+    text = (tmp_path / "prof" / "summary.txt").read_text()
+    assert "after a push against after a pull HBM" in text and "grew gpu:flash_fwd: 17.0 / 13.0" in text
+    assert "early wait" not in text  # before the last 40 ms
+    assert "grew gpu:flash_fwd" in pd_engines_report.format_table(result)
 
 
 # A recording of two threads, 10 ms a sample: a load thread that ran a pull (3 samples: the
