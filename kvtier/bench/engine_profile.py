@@ -22,6 +22,7 @@ import json
 import os
 import shutil
 from collections import defaultdict
+from typing import Callable
 
 # trace event categories: what runs on the CPU, what on the GPU
 CPU_KINDS = ("user_annotation", "cpu_op", "python_function", "cuda_runtime", "cuda_driver")
@@ -76,16 +77,17 @@ def _top(totals: dict[str, list[float]], n: int = TOP) -> list[list]:
     return [[name, round(ms, 2), int(calls)] for name, (ms, calls) in ranked]
 
 
-def summarize_trace(path: str, last_ms: float | None = None) -> dict:
+def summarize_trace(path: str, since: Callable[[list[dict]], float] | None = None) -> dict:
     """One rank's trace: ``span_ms`` (first event to last end), ``gpu_busy_ms`` (kernel and copy
     time summed), ``kvtier`` {hook: [ms, calls]}, and the costliest ``cpu`` / ``python`` /
-    ``gpu`` entries ([[name, ms, calls]], totals over the round). ``last_ms``: only the events
-    that start in the trace's last ``last_ms`` ms (a P/D decode engine's step to its first token,
-    after a wait of a second for the KV)."""
+    ``gpu`` entries ([[name, ms, calls]], totals over the round). ``since``: given the trace's
+    complete events, the time (us, the trace's clock) from which events count; those starting
+    before it are left out (a P/D decode engine's round from its load's end on, after a wait of a
+    second for the KV)."""
     events = _events(path)
-    if events and last_ms is not None:
-        tail = max(e["ts"] + e["dur"] for e in events) - last_ms * 1e3
-        events = [e for e in events if e["ts"] >= tail]
+    if events and since is not None:
+        start = since(events)
+        events = [e for e in events if e["ts"] >= start]
     if not events:
         return {"trace": os.path.basename(path), "span_ms": 0.0}
     begin = min(e["ts"] for e in events)
@@ -130,9 +132,9 @@ def _self_times(thread: list[dict]) -> dict[int, float]:
     return {k: max(v, 0.0) for k, v in own.items()}
 
 
-def summarize(paths: list[str], last_ms: float | None = None) -> list[dict]:
+def summarize(paths: list[str], since: Callable[[list[dict]], float] | None = None) -> list[dict]:
     """:func:`summarize_trace` of each worker rank's trace (vLLM names them after the rank)."""
-    return [summarize_trace(p, last_ms) for p in sorted(paths)]
+    return [summarize_trace(p, since) for p in sorted(paths)]
 
 
 def grew(slow: dict, fast: dict, n: int = 12, min_ms: float = 1.0) -> list[list]:

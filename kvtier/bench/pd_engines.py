@@ -92,7 +92,8 @@ def add_parser(commands) -> None:
                    "loads and chunk serving spent their time")
     p.add_argument("--profile", metavar="DIR", help="once the longest prompt's repeats are done, one more pull HBM "
                    "to HBM and one more push (not timed) with kvtier's D under vLLM's torch profiler: its traces in "
-                   "DIR/kvtier-D/, and DIR/summary.txt on what D's last 40 ms took after the push against the pull")
+                   "DIR/kvtier-D/, and DIR/summary.txt on what D did from the load's end to its first token after the push "
+                   "against the pull")
     p.add_argument("--json", metavar="FILE", help="write every sample to FILE (also after each repeat)")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart of TTFT per row and length (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)

@@ -46,11 +46,12 @@ def test_a_trace_summary_gives_the_loops_own_time_the_hooks_and_the_kernels(tmp_
     assert ["gemm", 1.5, 1] in s["gpu"]
 
 
-def test_a_trace_summary_of_its_last_ms_leaves_out_what_started_before(tmp_path):
+def test_a_trace_summary_since_a_moment_leaves_out_what_started_before(tmp_path):
     path = _trace(tmp_path / "rank0.json.gz", step_ms=10, compile_ms=90)  # the step: 0-100 ms, the server: 0-500
-    tail = engine_profile.summarize_trace(path, last_ms=1.0)
-    assert tail["span_ms"] == 0.0  # nothing starts in the last ms
-    tail = engine_profile.summarize_trace(path, last_ms=499.7)  # from 0.3 ms on: the mm, the compile, the kernel
+    seen = []
+    late = engine_profile.summarize_trace(path, since=lambda events: seen.append(len(events)) or 499_000.0)
+    assert late["span_ms"] == 0.0 and seen == [6]  # given every complete event; none starts after 499 ms
+    tail = engine_profile.summarize_trace(path, since=lambda events: 300.0)  # from 0.3 ms on: the mm, the compile, the kernel
     assert {n for n, _, _ in tail["gpu"]} == {"gemm"} and tail["kvtier"] == {}
     assert "triton/compiler.py(5): compile" in {n for n, _, _ in tail["python"]}
 

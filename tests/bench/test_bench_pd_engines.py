@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import pd_child, pd_engines, pd_engines_report, pd_engines_rows
+from kvtier.bench import pd_child, pd_engines, pd_engines_report, pd_engines_rows, pd_profile
 from kvtier.bench.common import Progress
 from kvtier.bench.engine_model import LLAMA3_8B
 
@@ -66,15 +66,19 @@ UCX_IPC = """\
 
 
 def _trace_file(directory: str, tag: str) -> str:
-    """A profiled D request's trace (the Chrome format vLLM's torch profiler writes): an early
-    wait, then, in its last 40 ms, a forward kernel that takes 13 ms after a pull and 17 after a
-    push, and a Python step."""
+    """A profiled D request's trace (the Chrome format vLLM's torch profiler writes): idle steps
+    while the KV comes, the scheduler hook that hears the load ended, then the step that computes
+    the first token, whose kernel takes 13 ms after a pull and 17 after a push."""
     kernel_ms = 17.0 if tag == "push" else 13.0
-    events = [{"ph": "X", "cat": "cpu_op", "name": "early wait", "pid": 1, "tid": 1, "ts": 0, "dur": 1000},
-              {"ph": "X", "cat": "python_function", "name": "vllm/worker.py(1): execute_model", "pid": 1, "tid": 1,
-               "ts": 1_000_000, "dur": 20_000},
+    x = {"ph": "X", "pid": 1, "tid": 1}
+    events = [{**x, "cat": "cpu_op", "name": "execute_context_0(0)_generation_0(0)", "ts": 0, "dur": 1000},
+              {**x, "cat": "user_annotation", "name": "kvtier.update_connector_output", "ts": 2000, "dur": 100},
+              {**x, "cat": "cpu_op", "name": "early wait", "ts": 3000, "dur": 1000},
+              {**x, "cat": "user_annotation", "name": "kvtier.update_connector_output", "ts": 990_000, "dur": 300},
+              {**x, "cat": "cpu_op", "name": "execute_context_1(1)_generation_0(0)", "ts": 1_000_000, "dur": 20_000},
               {"ph": "X", "cat": "kernel", "name": "flash_fwd", "pid": 0, "tid": 7, "ts": 1_001_000,
-               "dur": kernel_ms * 1000}]
+               "dur": kernel_ms * 1000},
+              {**x, "cat": "user_annotation", "name": "kvtier.update_connector_output", "ts": 1_030_000, "dur": 100}]
     os.makedirs(os.path.join(directory, tag), exist_ok=True)
     path = os.path.join(directory, tag, "rank0.pt.trace.json.gz")
     with gzip.open(path, "wt") as f:
@@ -542,11 +546,20 @@ def test_profile_runs_one_more_pull_and_push_on_d_untimed_and_says_what_grew(run
     assert [len(result["ttft_ms"][row]["600"]) for row in ("kvtier pull hbm", "kvtier push nixl")] == [2, 2]
     assert len(d_nixl.sent) == 1 + 2 * 3 * 2 + 2  # warm-up, 3 rows a repeat at both lengths, then the two profiled
     profile = result["d_profile"]
-    assert set(profile["traces"]) == {"pull", "push"} and profile["summaries"]["push"][0]["span_ms"] == 20.0
+    assert set(profile["traces"]) == {"pull", "push"} and profile["summaries"]["push"][0]["span_ms"] == 40.1
     text = (tmp_path / "prof" / "summary.txt").read_text()
     assert "after a push against after a pull HBM" in text and "grew gpu:flash_fwd: 17.0 / 13.0" in text
-    assert "early wait" not in text  # before the last 40 ms
+    assert "early wait" not in text  # before the load was seen
     assert "grew gpu:flash_fwd" in pd_engines_report.format_table(result)
+
+
+def test_a_profile_counts_from_the_load_seen_before_the_first_working_step_else_its_last_40_ms():
+    x = {"ph": "X", "dur": 10}
+    events = [{**x, "name": "kvtier.update_connector_output", "ts": 100}, {**x, "name": "kvtier.update_connector_output", "ts": 500},
+              {**x, "name": pd_profile.IDLE_STEP, "ts": 600}, {**x, "name": "execute_context_1(1)_generation_0(0)", "ts": 900},
+              {**x, "name": "kvtier.update_connector_output", "ts": 80_000}]
+    assert pd_profile.from_load_seen(events) == 500  # not the one after the step
+    assert pd_profile.from_load_seen(events[:3] + events[4:]) == 80_010 - 40_000  # no working step: the last 40 ms
 
 
 # A recording of two threads, 10 ms a sample: a load thread that ran a pull (3 samples: the
