@@ -54,6 +54,7 @@ def profile_d(run, p, d, n: int, endpoints: list[str]) -> dict:
         for rank, s in enumerate(ranks):
             top = ", ".join(f"{name} {ms:.1f}" for name, ms, _ in s.get("gpu", [])[:4])
             lines.append(f"  {tag}, rank {rank}: costliest GPU work from the load seen on: {top or 'none'}")
+    os.makedirs(run.args.profile, exist_ok=True)  # also where no trace was written
     path = os.path.join(run.args.profile, "summary.txt")
     with open(path, "w") as f:
         f.writelines(f"{line}\n" for line in lines)

@@ -562,6 +562,16 @@ def test_a_profile_counts_from_the_load_seen_before_the_first_working_step_else_
     assert pd_profile.from_load_seen(events[:3] + events[4:]) == 80_010 - 40_000  # no working step: the last 40 ms
 
 
+def test_a_profile_without_traces_says_so_in_a_summary_of_its_own(tmp_path):
+    """vLLM wrote no trace (e.g. a profiler that failed to start): the summary says so, no error."""
+    answer = {"tokens": [7], "traces": None}
+    run = types.SimpleNamespace(args=argparse.Namespace(profile=str(tmp_path / "none")), progress=lambda msg: None,
+                                pull=lambda *a, **k: answer, push=lambda *a, **k: answer)
+    profile = pd_profile.profile_d(run, None, None, 600, [])
+    assert profile["traces"] == {"pull": [], "push": []}
+    assert (tmp_path / "none" / "summary.txt").read_text().startswith("profile of D: no traces")
+
+
 # A recording of two threads, 10 ms a sample: a load thread that ran a pull (3 samples: the
 # handshake, the READ twice) and a push (25 samples waiting for replies), and a chunk server idle
 # but for 2 samples answering a fetch.
