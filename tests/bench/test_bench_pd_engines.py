@@ -500,6 +500,13 @@ def test_cuda_graphs_turn_eager_off_in_every_engine_and_the_table_says_so(run, m
 
 
 # ---- --py-spy --------------------------------------------------------------------------------------
+def _two_lengths(run) -> None:
+    """``run`` at 300 and 600 tokens (the longest prompt's repeats come last)."""
+    run.lengths = [300, 600]
+    run.ms = {row: {"300": [], "600": []} for row in run.ms}
+    run.d_leg_ms = {row: {"300": [], "600": []} for row in run.d_leg_ms}
+
+
 def test_py_spy_records_kvtier_p_and_d_through_the_longest_prompts_repeats(run, tmp_path, monkeypatch):
     """A stand-in for py-spy (which samples real processes): recording starts before the longest
     length's first repeat and stops after its last, on P and the first D only; the summaries go in
@@ -517,9 +524,7 @@ def test_py_spy_records_kvtier_p_and_d_through_the_longest_prompts_repeats(run, 
 
     monkeypatch.setattr(pd_engines_rows, "Spy", FakeSpy)
     run.args.py_spy = str(tmp_path / "spy")
-    run.lengths = [300, 600]
-    run.ms = {row: {"300": [], "600": []} for row in run.ms}
-    run.d_leg_ms = {row: {"300": [], "600": []} for row in run.d_leg_ms}
+    _two_lengths(run)
     run.kvtier_pair(str(tmp_path))
     p, d_nixl, _ = FakeEngine.started
     assert [(pid, name) for pid, name, _ in spied] == [(p.proc.pid, "kvtier-P.speedscope.json"),
@@ -530,14 +535,13 @@ def test_py_spy_records_kvtier_p_and_d_through_the_longest_prompts_repeats(run, 
     assert set(run.result()["py_spy"]) == {"kvtier-P", "kvtier-D-nixl"}
 
 
-def test_profile_runs_one_more_pull_and_push_on_d_untimed_and_says_what_grew(run, tmp_path, capsys):
+def test_profile_runs_one_more_pull_and_push_on_d_untimed_and_says_what_grew(run, tmp_path):
     """Stand-in engines write made-up traces (the profiler needs a CUDA vLLM): only the D over NIXL
     gets a profile_dir; after the longest prompt's repeats it answers one pull and one push under
-    the profiler, neither recorded; the summary says what its last 40 ms took more after the push."""
+    the profiler, neither recorded; the summary says what took longer from the load seen on after
+    the push."""
     run.args.profile = str(tmp_path / "prof")
-    run.lengths = [300, 600]
-    run.ms = {row: {"300": [], "600": []} for row in run.ms}
-    run.d_leg_ms = {row: {"300": [], "600": []} for row in run.d_leg_ms}
+    _two_lengths(run)
     run.kvtier_pair(str(tmp_path))
     p, d_nixl, d_zmq = FakeEngine.started
     assert d_nixl.spec["profile_dir"] == str(tmp_path / "prof" / "kvtier-D")
