@@ -31,6 +31,8 @@ import os
 import sys
 import time
 
+from kvtier.bench.engine_profile import collect, profiler_kwargs  # stdlib only: vLLM is imported where used
+
 NIXL_CONNECTORS = {"nixl": "NixlConnector", "nixl-push": "NixlPushConnector"}
 
 
@@ -62,8 +64,6 @@ def build_engine(spec: dict):
         kw["block_size"] = spec["block_size"]
     kw.update(spec.get("engine_args") or {})  # e.g. {"enable_prefix_caching": True} for a Mamba hybrid
     if spec.get("profile_dir"):
-        from kvtier.bench.engine_profile import profiler_kwargs
-
         kw.update(profiler_kwargs(spec["profile_dir"]))
     return LLM(model=spec["model"], load_format=spec.get("load_format", "dummy"), skip_tokenizer_init=True,
                seed=0, max_model_len=spec["max_model_len"],
@@ -111,8 +111,6 @@ def answer(llm, request: dict, profile_dir: str | None = None) -> dict:
         seconds = time.perf_counter() - start
     traces = None
     if tag:
-        from kvtier.bench.engine_profile import collect
-
         llm.stop_profile()  # the workers write their traces before it returns
         traces = collect(profile_dir, tag)
     logprobs = None
