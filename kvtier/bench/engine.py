@@ -41,7 +41,7 @@ from kvtier.bench import engine_profile
 from kvtier.bench.common import (Progress, add_cuda_graphs_flag, names_from, parse_tokens, positive, token_lengths,
                                  vllm_version)
 from kvtier.bench.engine_model import FAMILIES, KvShape, read_kv_shape, write_model_dir
-from kvtier.bench.engine_report import MiB, format_table, reload_bytes, write_plot
+from kvtier.bench.engine_report import MiB, format_table, loaded_bytes, reload_bytes, write_plot
 from kvtier.bench.ttft import spawn
 from kvtier.bench.ttft_tiers import drop_page_cache
 
@@ -216,7 +216,7 @@ def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], 
 def run(args, lengths: list[int], engines: list[str], progress) -> dict:
     result = {"benchmark": "engine", "lengths": lengths, "repeats": args.repeats,
               "args": {k: v for k, v in vars(args).items() if k not in ("run", "parser")},
-              "ttft_ms": {}, "start_s": {}, "prefill_tok_s": {}, "chat_s": {}, "checks": {}, "chat_tokens": {},
+              "ttft_ms": {}, "start_s": {}, "prefill_tok_s": {}, "chat_s": {}, "checks": {}, "chat_tokens": {}, "chat_reuse": {},
               "reload_transfers": {}, "hybrid": {}}
     profiles: dict[str, dict[str, list[dict]]] = {}  # engine -> profiled round -> per-rank summaries
     import torch
@@ -248,6 +248,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             if name == "kvtier":
                 result["kvtier_load_ms"] = load_times(log)
                 result["kvtier_stages_ms"], result["kvtier_first_load_stages_ms"] = load_stages(log, _reloads(rounds))
+                result["kvtier_chat_stages_ms"] = chat_load_stages(log, _reloads(rounds))
                 result["kvtier_start_lines"] = [m[0] for m in _STARTED.finditer(log)]  # what its start-up cost
             progress(f"engine {name}: started in {out['start_s']:.1f} s; " + _summary(result, name))
         if "disk" in engines:
@@ -303,6 +304,8 @@ def _collect(result: dict, name: str, rounds: list[dict], out: dict) -> None:
             chat = [next(got) for _ in rnd["turns"]]
             result["chat_s"][name] = [c["seconds"] for c in chat]
             result["chat_tokens"][name] = [[o["tokens"] for o in c["outputs"]] for c in chat]
+            result["chat_reuse"][name] = [{"prompt": c.get("prompt_tokens"), "cached": sum(o["cached"] for o in c["outputs"]),
+                                           "loaded_bytes": loaded_bytes(c.get("transfers"))} for c in chat]
             continue
         one = next(got)
         if tag[0] in ("recompute", "local", "reload", "disk"):
@@ -333,6 +336,15 @@ def load_stages(log: str, reloads: int | None = None) -> tuple[dict[str, float],
         return {stage: round(v, 2) for stage, v, _ in timeline.stages(marks, {})}
 
     return ms(loaded), ms(dict(list(loaded.items())[:1]))
+
+
+def chat_load_stages(log: str, reloads: int) -> dict[str, float]:
+    """The median ms of each stage over the loads that came after the first ``reloads`` (those of
+    the chat: the prefill rounds' new prompts load nothing), and how many there were (``loads``)."""
+    loaded = [m for m in timeline.read(log.splitlines())[0].values() if "load seen" in m][reloads:]
+    if not loaded:
+        return {}
+    return {"loads": len(loaded), **{stage: round(v, 2) for stage, v, _ in timeline.stages(dict(enumerate(loaded)), {})}}
 
 
 def _identical(result: dict) -> bool:

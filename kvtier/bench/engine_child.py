@@ -16,7 +16,8 @@ prompt, the tokens it got back and the new user turn).
 
 RESULT: ``{"start_s": seconds to build the engine, "hybrid": whether vLLM kept its hybrid KV cache
 manager on (None: this vLLM does not say), "rounds": [{"seconds", "outputs": [{"tokens", "cached"}],
-"transfers"}], "profiles": {tag: [trace paths]}}``; a multi-turn round gives one entry per chat round.
+"transfers"}], "profiles": {tag: [trace paths]}}``; a multi-turn round gives one entry per chat round,
+with its ``prompt_tokens`` (summed over the sessions).
 
 ``count_transfers``: the engine keeps stats (``disable_log_stats=False``) and each round's
 ``transfers`` is what the connector reported during the round, reduced as vLLM logs it ("KV
@@ -135,9 +136,10 @@ def run_child(spec: dict) -> dict:
                 contexts = [c + t for c, t in zip(contexts, turn)]
                 seconds, outs, moved = generate(contexts, rnd["max_tokens"])
                 replies = [list(o.outputs[0].token_ids) for o in outs]
+                result["rounds"].append({"seconds": seconds, "transfers": moved, "prompt_tokens": sum(map(len, contexts)),
+                                         "outputs": [{"tokens": r, "cached": o.num_cached_tokens or 0}
+                                                     for r, o in zip(replies, outs)]})
                 contexts = [c + r for c, r in zip(contexts, replies)]
-                result["rounds"].append({"seconds": seconds, "transfers": moved, "outputs": [
-                    {"tokens": r, "cached": o.num_cached_tokens or 0} for r, o in zip(replies, outs)]})
             continue
         if rnd.get("profile"):
             llm.start_profile()

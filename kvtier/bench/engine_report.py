@@ -96,6 +96,7 @@ def format_table(result: dict) -> str:
     if result["chat_s"]:
         lines.append("multi-turn chat, rounds 2+ (s): " + ", ".join(
             f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))
+    lines += chat_lines(result)
     if result["prefill_tok_s"]:
         base = result["prefill_tok_s"].get("none")
         lines.append("prefill tok/s (median of 3 batches): " + ", ".join(
@@ -114,6 +115,30 @@ def format_table(result: dict) -> str:
                  "pinned H2D); local hit <= none's + 2 ms; chat rounds 2+ <= vLLM's; prefill >= 0.99 x none; "
                  "start <= vLLM's + 5 s")
     return "\n".join(lines)
+
+
+def chat_lines(result: dict) -> list[str]:
+    """Per engine, the chat's rounds 2+ summed: prompt tokens, those it computed (not found in its
+    own prefix cache or loaded) and those the connector loaded; kvtier's load stages in the chat."""
+    reuse = result.get("chat_reuse") or {}
+    token_bytes = kv_shape_of(result).token_bytes
+    parts = []
+    for engine, rounds in reuse.items():
+        later = rounds[1:]
+        if not later or any(r["prompt"] is None for r in later):
+            continue
+        prompt = sum(r["prompt"] for r in later)
+        text = f"{engine} {prompt - sum(r['cached'] for r in later)} of {prompt}"
+        if all(r["loaded_bytes"] is not None for r in later):
+            text += f", {sum(r['loaded_bytes'] for r in later) // token_bytes} loaded"
+        parts.append(text)
+    lines = ["multi-turn chat, rounds 2+, prompt tokens computed (of all; loaded by the connector): "
+             + ", ".join(parts)] if parts else []
+    if stages := result.get("kvtier_chat_stages_ms"):
+        loads = stages.get("loads")
+        lines.append(f"kvtier's loads in the chat ({loads}; median ms, kvtier timeline): " + ", ".join(
+            f"{s} {ms:.1f}" for s, ms in stages.items() if s != "loads"))
+    return lines
 
 
 def local_lines(result: dict) -> list[str]:

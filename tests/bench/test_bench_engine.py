@@ -130,3 +130,32 @@ def test_cuda_graphs_reach_every_engine_and_the_table_says_so(monkeypatch):
     graphs = {**made_up(), "identical": True, "args": {"cuda_graphs": True}}
     assert "; CUDA graphs; TTFT ms" in engine.format_table(graphs)
     assert "; eager; TTFT ms" in engine.format_table({**made_up(), "identical": True})  # results before the flag
+
+
+def test_chat_rounds_give_the_tokens_each_engine_computed_and_loaded():
+    result = {"start_s": {}, "ttft_ms": {}, "checks": {}, "prefill_tok_s": {}, "chat_s": {}, "chat_tokens": {},
+              "chat_reuse": {}, "reload_transfers": {}, "hybrid": {}}
+    rounds = [{"tag": ["chat"], "turns": [[[1]], [[2]], [[3]]]}]
+    chat = [{"seconds": 3.0, "transfers": {}, "prompt_tokens": 6000, "outputs": [{"tokens": [5], "cached": 0}]},
+            {"seconds": 1.0, "transfers": {"loaded_bytes": 4000 * (128 << 10)}, "prompt_tokens": 6200,
+             "outputs": [{"tokens": [5], "cached": 5900}]},
+            {"seconds": 1.0, "transfers": {}, "prompt_tokens": 6400, "outputs": [{"tokens": [6], "cached": 6100}]}]
+    engine._collect(result, "kvtier", rounds, {"start_s": 1.0, "rounds": chat})
+    assert result["chat_reuse"]["kvtier"][1] == {"prompt": 6200, "cached": 5900, "loaded_bytes": 4000 * (128 << 10)}
+    report = made_up()
+    report["identical"] = True
+    report["chat_reuse"] = result["chat_reuse"]
+    report["kvtier_chat_stages_ms"] = {"loads": 12, "load began -> load ended": 9.5}
+    table = engine.format_table(report)
+    assert ("multi-turn chat, rounds 2+, prompt tokens computed (of all; loaded by the connector): "
+            "kvtier 600 of 12600, 4000 loaded") in table
+    assert "kvtier's loads in the chat (12; median ms, kvtier timeline): load began -> load ended 9.5" in table
+
+
+def test_chat_load_stages_leave_out_the_ttft_reloads():
+    log = "\n".join(f"DEBUG kvtier timeline: {req} {event} {at:.6f}" for req, base in (("ttft", 1.0), ("chat", 2.0))
+                    for event, at in (("arrived", base), ("load began", base + 0.001), ("load ended", base + 0.011),
+                                      ("load seen", base + 0.02)))
+    stages = engine.chat_load_stages(log, reloads=1)
+    assert stages["loads"] == 1 and stages["load began -> load ended"] == 10.0
+    assert engine.chat_load_stages(log, reloads=2) == {}
