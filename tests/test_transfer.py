@@ -504,6 +504,40 @@ def test_an_inline_load_runs_on_the_callers_thread_and_is_finished_when_submit_r
         worker.close()
 
 
+def test_a_busy_steps_load_goes_to_the_load_thread_and_later_ones_queue_behind_it(stores):
+    """load_inline, but the step computes other requests (busy): their tokens must not wait for
+    the load, so it runs on the load thread; an idle step's load while that one still runs
+    queues behind it (loads run in order, never two at once)."""
+    alloc, layout = engine_kv()
+    worker = TierWorker(layout, stores(), CHUNK_BLOCKS, load_inline=True)
+    ks = keys(2)
+    threads, release = [], threading.Event()
+    load = worker.load
+
+    def spy(job):
+        threads.append(threading.get_ident())
+        if job.req_id == "busy":
+            assert release.wait(5)
+        return load(job)
+
+    worker.load = spy
+    try:
+        worker.save([save_job(ks)])
+        worker.drain()
+        busy = worker.submit_load(LoadJob("busy", tuple(ks), 0, tuple(range(40, 44))), busy=True)
+        idle = worker.submit_load(LoadJob("idle", tuple(ks), 0, tuple(range(50, 54))))
+        assert not busy.done() and not idle.done()  # the idle step's load waits its turn on the thread
+        release.set()
+        idle.result(timeout=5)
+        assert threading.get_ident() not in threads and len(threads) == 2
+        assert worker.take_finished() == ({"busy", "idle"}, set())
+        inline = worker.submit_load(LoadJob("later", tuple(ks), 0, tuple(range(40, 44))))  # the thread is free again
+        assert inline.done() and threads[-1] == threading.get_ident()
+        assert torch.equal(blocks(alloc, range(50, 54)), blocks(alloc, range(4)))
+    finally:
+        worker.close()
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_deferred_save_reads_are_guarded_when_their_blocks_are_given_out_again(stores, monkeypatch):

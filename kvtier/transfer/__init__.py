@@ -74,10 +74,13 @@ class TierWorker:
     allocated blocks before that step's kernels (without it, a freed block could be overwritten
     while a save still reads it). Else the engine's stream waits for every save's reads.
     ``load_inline``: run loads from the local tiers on the caller's thread inside
-    :meth:`submit_load` (finished before it returns) instead of the load thread. For a worker
-    that shares its interpreter with the engine's loop: there the load thread waits for the GIL
-    behind the loop at every hand-over (up to one switch interval, 5 ms by default, each time),
-    while the loop has nothing better to do than wait for the load anyway.
+    :meth:`submit_load` (finished before it returns) instead of the load thread, in a step that
+    computes nothing else. For a worker that shares its interpreter with the engine's loop: there
+    the load thread waits for the GIL behind the loop at every hand-over (up to one switch
+    interval, 5 ms by default, each time), while a loop with nothing else to compute can only wait
+    for the load anyway. A step that computes other requests loads on the load thread: inline,
+    their tokens waited for every load (a 16-session chat beyond HBM at TP=1, whose 16 loads a
+    round held up the others' decoding, took 1.4 x as long as vLLM's connector).
     ``reuse``: another worker's :class:`ReuseGuard` to share (workers over KV cache groups of one
     block pool: a block one group's save reads may be given to another group); None: its own.
     ``loads_running``: how many loads run now, that this worker's saves yield to (workers over
@@ -142,11 +145,11 @@ class TierWorker:
         self.saves.wait_saved()
 
     # ---- load ---------------------------------------------------------------------------------
-    def submit_load(self, job: LoadJob) -> Future:
-        """Load in the background (with ``load_inline``, a local-tier load runs now); the outcome
-        is reported by :meth:`take_finished`."""
+    def submit_load(self, job: LoadJob, busy: bool = False) -> Future:
+        """Load in the background (with ``load_inline``, a local-tier load runs now unless ``busy``:
+        the step computes other requests too); the outcome is reported by :meth:`take_finished`."""
         self._loads_out.add(job.req_id)
-        return self.loads.submit(job)
+        return self.loads.submit(job, busy)
 
     def wait_finished(self, timeout_s: float) -> bool:
         """With loads not reported yet, wait up to ``timeout_s`` for one to end, the interpreter

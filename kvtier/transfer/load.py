@@ -3,7 +3,7 @@
 Threads:
 
 * One load thread (``kvtier-load``) runs loads from the local tiers, one job at a time, and reports
-  each request finished (with ``load_inline``: on the caller's thread, in :meth:`LoadSide.submit`).
+  each request finished (``load_inline``: on the caller's thread, in a step computing nothing else).
 * :data:`REMOTE_THREADS` threads (``kvtier-remote``) run loads with chunks a P/D producer serves
   (``LoadJob.remote``): a transfer may wait for the producer's prefill; a reload must not wait
   behind it. Their producer chunks are scattered one by one as they arrive while the next ones are
@@ -30,6 +30,7 @@ import logging
 import queue
 import threading
 from collections import deque
+from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
@@ -58,8 +59,7 @@ class LoadSide:
     scatters). ``stats``: counters shared with the save side. ``batch_ms``: ms per load job,
     appended here. ``on_held``: called with storage keys promoted into the CPU tier or kept from a
     producer. ``fetch_remote``: how chunks of a P/D producer are fetched (None: never any).
-    ``load_inline``: local-tier loads run on the caller's thread inside :meth:`submit` (see
-    :class:`~kvtier.transfer.TierWorker`). ``pipeline_bytes``: with a backend that copies in the
+    ``load_inline``: see :meth:`submit`. ``pipeline_bytes``: with a backend that copies in the
     background, scatters start in batches of about this many bytes. ``reuse_after``: the CUDA
     event after which blocks a save reads are free (None: none pending); a load waits for it.
     """
@@ -82,6 +82,7 @@ class LoadSide:
         self._reuse_after = reuse_after
         self._load_stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load", initializer=on_device(layout.device))
+        self._last_local = self._load_pool.submit(lambda: None)  # the load thread's latest local load
         self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote",
                                                initializer=on_device(layout.device))
         self._remote_barrier = threading.Barrier(REMOTE_THREADS + 1)
@@ -105,16 +106,17 @@ class LoadSide:
         """Local loads running now (remote ones wait on their producer: saves need not yield to them)."""
         return self._loads_running
 
-    def submit(self, job: LoadJob) -> Future:
-        """Load in the background (with ``load_inline``, a local-tier load runs now); the outcome
-        is reported by :meth:`take_finished`."""
-        if self.load_inline and job.remote is None:
-            done: Future = Future()
+    def submit(self, job: LoadJob, busy: bool = False) -> Future:
+        """Load in the background, reported by :meth:`take_finished`; with ``load_inline`` a local-tier
+        load runs now, on this thread, unless the step computes other requests (``busy``: they would
+        wait for it) or the load thread has one (they run in order; see :class:`~kvtier.transfer.TierWorker`)."""
+        local = job.remote is None
+        if local and self.load_inline and not busy and self._last_local.done():
             self._load_and_report(job)
-            done.set_result(None)
-            return done
-        pool = self._load_pool if job.remote is None else self._remote_pool
-        return pool.submit(self._load_and_report, job)
+            return self._last_local
+        future = (self._load_pool if local else self._remote_pool).submit(self._load_and_report, job)
+        self._last_local = future if local else self._last_local
+        return future
 
     @torch.inference_mode()
     def _load_and_report(self, job: LoadJob) -> None:
@@ -213,10 +215,8 @@ class LoadSide:
         stats = self.stats
         stats.loaded_chunks += loaded
         stats.loaded_bytes += done * self.layout.bytes_per_block
-        stats.cpu_hit_tokens += tokens["cpu"]
-        stats.disk_hit_tokens += tokens["disk"]
-        stats.remote_hit_tokens += tokens["remote"]
-        stats.shared_hit_tokens += tokens["shared"]
+        for tier, count in tokens.items():  # cpu_hit_tokens, disk_hit_tokens, ...
+            setattr(stats, f"{tier}_hit_tokens", getattr(stats, f"{tier}_hit_tokens") + count)
         elapsed = now_ms() - start
         stats.load_ms += elapsed
         self.batch_ms.append(elapsed)
@@ -390,11 +390,11 @@ class LoadSide:
         self._remote_pool.shutdown(wait=True)
 
 
+@dataclass(frozen=True, slots=True)
 class _Copied:
     """A scatter that already ran: ``wait()`` gives its ``ok`` per span."""
 
-    def __init__(self, ok: list[bool]):
-        self.ok = ok
+    ok: list[bool]
 
     def wait(self) -> list[bool]:
         return self.ok

@@ -231,7 +231,7 @@ class WorkerSide:
         (saves no longer hold the engine's stream; see :meth:`TierWorker.guard_reuse`)."""
         self.transfers.guard_reuse(allocated)
 
-    def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = ()) -> None:
+    def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = (), busy: bool = False) -> None:
         for req_id, transfers in itertools.product(cancels, self.group_transfers):
             transfers.cancel(req_id)
         if len(self.group_transfers) > 1:
@@ -239,7 +239,7 @@ class WorkerSide:
                 part = self._parts.setdefault(job.req_id, [0, False, {}])
                 part[0], part[2][job.group] = part[0] + 1, frozenset(job.block_ids)
         for job in jobs:
-            self.group_transfers[job.group].submit_load(job)
+            self.group_transfers[job.group].submit_load(job, busy)
 
     def announce(self, jobs: tuple[SaveJob, ...], withdrawn: tuple[str, ...] = ()) -> None:
         """Before the forward: published requests this step computes are alive (a waiting decode
