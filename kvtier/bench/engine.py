@@ -216,8 +216,8 @@ def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], 
 def run(args, lengths: list[int], engines: list[str], progress) -> dict:
     result = {"benchmark": "engine", "lengths": lengths, "repeats": args.repeats,
               "args": {k: v for k, v in vars(args).items() if k not in ("run", "parser")},
-              "ttft_ms": {}, "start_s": {}, "prefill_tok_s": {}, "chat_s": {}, "checks": {}, "chat_tokens": {}, "chat_reuse": {},
-              "reload_transfers": {}, "hybrid": {}}
+              "ttft_ms": {}, "start_s": {}, "prefill_tok_s": {}, "chat_s": {}, "checks": {}, "chat_tokens": {},
+              "chat_reuse": {}, "reload_transfers": {}, "hybrid": {}}
     profiles: dict[str, dict[str, list[dict]]] = {}  # engine -> profiled round -> per-rank summaries
     import torch
 
@@ -304,7 +304,8 @@ def _collect(result: dict, name: str, rounds: list[dict], out: dict) -> None:
             chat = [next(got) for _ in rnd["turns"]]
             result["chat_s"][name] = [c["seconds"] for c in chat]
             result["chat_tokens"][name] = [[o["tokens"] for o in c["outputs"]] for c in chat]
-            result["chat_reuse"][name] = [{"prompt": c.get("prompt_tokens"), "cached": sum(o["cached"] for o in c["outputs"]),
+            result["chat_reuse"][name] = [{"prompt": c.get("prompt_tokens"),
+                                           "cached": sum(o["cached"] for o in c["outputs"]),
                                            "loaded_bytes": loaded_bytes(c.get("transfers"))} for c in chat]
             continue
         one = next(got)
@@ -344,7 +345,8 @@ def chat_load_stages(log: str, reloads: int) -> dict[str, float]:
     loaded = [m for m in timeline.read(log.splitlines())[0].values() if "load seen" in m][reloads:]
     if not loaded:
         return {}
-    return {"loads": len(loaded), **{stage: round(v, 2) for stage, v, _ in timeline.stages(dict(enumerate(loaded)), {})}}
+    stages = timeline.stages(dict(enumerate(loaded)), {})
+    return {"loads": len(loaded), **{stage: round(v, 2) for stage, v, _ in stages}}
 
 
 def _identical(result: dict) -> bool:

@@ -136,7 +136,8 @@ def run_child(spec: dict) -> dict:
                 contexts = [c + t for c, t in zip(contexts, turn)]
                 seconds, outs, moved = generate(contexts, rnd["max_tokens"])
                 replies = [list(o.outputs[0].token_ids) for o in outs]
-                result["rounds"].append({"seconds": seconds, "transfers": moved, "prompt_tokens": sum(map(len, contexts)),
+                result["rounds"].append({"seconds": seconds, "transfers": moved,
+                                         "prompt_tokens": sum(map(len, contexts)),
                                          "outputs": [{"tokens": r, "cached": o.num_cached_tokens or 0}
                                                      for r, o in zip(replies, outs)]})
                 contexts = [c + r for c, r in zip(contexts, replies)]

@@ -30,8 +30,8 @@ import logging
 import queue
 import threading
 from collections import deque
-from dataclasses import dataclass
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
