@@ -220,8 +220,8 @@ class LoadSide:
         elapsed = now_ms() - start
         stats.load_ms += elapsed
         self.batch_ms.append(elapsed)
-        logger.debug("kvtier: request %s loaded %d of %d blocks (%s) in %.1f ms", job.req_id, done,
-                     len(job.block_ids), ", ".join(f"{n} tokens from {t}" for t, n in tokens.items() if n), elapsed)
+        logger.debug("kvtier: request %s loaded %d of %d blocks (%s) in %.1f ms on %s", job.req_id, done, len(job.block_ids),
+                     ", ".join(f"{n} tokens from {t}" for t, n in tokens.items() if n), elapsed, threading.current_thread().name)
         if done < len(job.block_ids):
             stats.failed_chunks += 1
         return set(job.block_ids[done:])

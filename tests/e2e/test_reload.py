@@ -6,6 +6,7 @@ same engine without it, and ``num_cached_tokens`` on a cold engine shows what kv
 
 from __future__ import annotations
 
+import re
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -20,6 +21,7 @@ CHUNK = 64  # tokens; two 32-token engine blocks
 P = prompt(1, 4 * CHUNK + 40)  # four full chunks and a tail
 SUFFIXED = P[: 2 * CHUNK + 20] + prompt(2, 90)  # shares two chunks and a bit with P
 SHORT = P[:40]  # one engine block of P, no full chunk
+NEW = prompt(3, CHUNK - 10)  # computed in the step that P's reload starts in (no chunk of its own to save)
 
 
 def kvtier_config(disk: Path) -> dict:
@@ -34,13 +36,15 @@ def runs(tiny_llama, tmp_path_factory):
     disk = tmp / "disk"
     with ThreadPoolExecutor(1) as pool:
         baseline = pool.submit(run_engine, {"model": tiny_llama, "kvtier": None,
-                                            "rounds": [{"prompts": [P]}, {"prompts": [SUFFIXED]}]}, tmp, "baseline")
+                                            "rounds": [{"prompts": [P]}, {"prompts": [SUFFIXED]}, {"prompts": [NEW]}]},
+                               tmp, "baseline")
         first, first_log = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [
             {"prompts": [P]},                    # computes and saves 4 chunks
             {"prompts": [P], "reset": True},     # local prefix cache cold, CPU tier warm
             {"prompts": [SHORT], "reset": True},  # leaves block 0 of P in the local prefix cache
             {"prompts": [P]},                    # local hit mid-chunk: load the rest block by block
-        ]}, tmp, "first")
+            {"prompts": [P, NEW], "reset": True},  # P reloads in a step that computes NEW: a busy step
+        ]}, tmp, "first", env={"KVTIER_LOG_LEVEL": "DEBUG"})
         base, _ = baseline.result()
     pristine = tmp / "pristine"
     shutil.copytree(disk, pristine)
@@ -71,6 +75,18 @@ def test_reload_from_cpu_tier_is_token_identical(runs):
 def test_partial_chunk_load_after_a_local_block_hit_is_token_identical(runs):
     assert cached(runs["first"], 3) == 4 * CHUNK  # 32 local + 224 loaded block by block
     assert tokens(runs["first"], 3) == tokens(runs["base"], 0)
+
+
+def test_a_reload_in_a_step_that_computes_another_prompt_runs_on_the_load_thread(runs):
+    """A lone reload's step computes nothing else: its load runs on the engine thread. A step that
+    also computes NEW hands P's load to the load thread (NEW's tokens do not wait for it); both
+    answers are the recompute's."""
+    both = runs["first"][4]
+    assert both[0]["tokens"] == tokens(runs["base"], 0) and both[0]["cached"] == 4 * CHUNK
+    assert both[1]["tokens"] == tokens(runs["base"], 2)
+    threads = re.findall(r"loaded \d+ of \d+ blocks \(.*\) in [\d.]+ ms on (\S+)", runs["first_log"])
+    assert len(threads) >= 3 and threads[-1].startswith("kvtier-load"), threads
+    assert "kvtier-load" not in threads[0], threads  # round 1's lone reload: inline
 
 
 def test_fresh_engine_reloads_from_the_disk_tier(runs):
