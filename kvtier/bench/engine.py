@@ -326,27 +326,29 @@ def _reloads(rounds: list[dict]) -> int:
     return sum(1 for r in rounds if r.get("reset") and len(r.get("prompts", ())) == 1)
 
 
+def _loads(log: str) -> list[dict]:
+    """The timeline marks of each request that loaded something, in log order."""
+    return [m for m in timeline.read(log.splitlines())[0].values() if "load seen" in m]
+
+
+def _stage_ms(loads: list[dict]) -> dict[str, float]:
+    """The median ms of each stage over ``loads`` (timeline marks per request)."""
+    return {stage: round(v, 2) for stage, v, _ in timeline.stages(dict(enumerate(loads)), {})}
+
+
 def load_stages(log: str, reloads: int | None = None) -> tuple[dict[str, float], dict[str, float]]:
     """From an engine log's timeline marks: the median ms of each stage over the requests that
     loaded something (the first ``reloads`` of them, if given), and the same for the first of
     them (the first load after start)."""
-    loaded = {r: m for r, m in timeline.read(log.splitlines())[0].items() if "load seen" in m}  # in log order
-    loaded = dict(list(loaded.items())[:reloads])
-
-    def ms(marks: dict[str, dict]) -> dict[str, float]:
-        return {stage: round(v, 2) for stage, v, _ in timeline.stages(marks, {})}
-
-    return ms(loaded), ms(dict(list(loaded.items())[:1]))
+    loaded = _loads(log)[:reloads]
+    return _stage_ms(loaded), _stage_ms(loaded[:1])
 
 
 def chat_load_stages(log: str, reloads: int) -> dict[str, float]:
     """The median ms of each stage over the loads that came after the first ``reloads`` (those of
     the chat: the prefill rounds' new prompts load nothing), and how many there were (``loads``)."""
-    loaded = [m for m in timeline.read(log.splitlines())[0].values() if "load seen" in m][reloads:]
-    if not loaded:
-        return {}
-    stages = timeline.stages(dict(enumerate(loaded)), {})
-    return {"loads": len(loaded), **{stage: round(v, 2) for stage, v, _ in stages}}
+    loaded = _loads(log)[reloads:]
+    return {"loads": len(loaded), **_stage_ms(loaded)} if loaded else {}
 
 
 def _identical(result: dict) -> bool:

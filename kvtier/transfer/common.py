@@ -54,6 +54,13 @@ class TransferStats:
     skipped_saves: int = 0
     dropped_saves: int = 0
 
+    def hit(self, tokens: dict[str, int]) -> None:
+        """Count a load's tokens per tier (``cpu``, ``disk``, ``remote``, ``shared``)."""
+        self.cpu_hit_tokens += tokens["cpu"]
+        self.disk_hit_tokens += tokens["disk"]
+        self.remote_hit_tokens += tokens["remote"]
+        self.shared_hit_tokens += tokens["shared"]
+
 
 @dataclass(slots=True)
 class Copies:

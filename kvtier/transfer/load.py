@@ -115,7 +115,8 @@ class LoadSide:
             self._load_and_report(job)
             return self._last_local
         future = (self._load_pool if local else self._remote_pool).submit(self._load_and_report, job)
-        self._last_local = future if local else self._last_local
+        if local:
+            self._last_local = future
         return future
 
     @torch.inference_mode()
@@ -215,8 +216,7 @@ class LoadSide:
         stats = self.stats
         stats.loaded_chunks += loaded
         stats.loaded_bytes += done * self.layout.bytes_per_block
-        for tier, count in tokens.items():  # cpu_hit_tokens, disk_hit_tokens, ...
-            setattr(stats, f"{tier}_hit_tokens", getattr(stats, f"{tier}_hit_tokens") + count)
+        stats.hit(tokens)
         elapsed = now_ms() - start
         stats.load_ms += elapsed
         self.batch_ms.append(elapsed)
