@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from kvtier import codec, transfer
-from kvtier.jobs import LoadJob, SaveJob
+from kvtier.jobs import LoadJob, RemoteSource, SaveJob
 from kvtier.keys import chunk_keys, namespace, storage_key
 from kvtier.layout import build_layout
 from kvtier.ops import backend_names
@@ -561,5 +561,44 @@ def test_deferred_save_reads_are_guarded_when_their_blocks_are_given_out_again(s
         assert torch.equal(alloc[:, :, 32:48], expected)
         worker.guard_reuse((3,))  # every read has passed: the record of it is dropped
         assert not worker._unread
+    finally:
+        worker.close()
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_a_pd_load_waits_on_the_host_for_a_deferred_save_reading_its_blocks(stores, monkeypatch):
+    """Regression: NIXL writes a P/D load's blocks from the host, on no CUDA stream. A deferred save
+    still reading those blocks (they were freed and given to the P/D request) must have read them
+    before the transfer starts, else the chunk it stores holds the new request's KV under the old
+    key, with a valid checksum. The transfer here is a copy on a stream of its own."""
+    if "dma" not in backend_names():
+        pytest.skip("ops backend dma is not available on this machine")
+    monkeypatch.setattr(transfer, "PIPELINE_BYTES", 1)  # one small staging slot: the reads stay in flight a while
+    alloc, layout = cuda_kv()
+    landed_early = []
+
+    def fetch_remote(job, items, targets):  # a generator, as fetch_chunks
+        reads = worker.reuse.reuse_after
+        landed_early.append(reads is not None and not reads.query())
+        other = torch.cuda.Stream()
+        with torch.cuda.stream(other):
+            alloc[:, :, :16].zero_()
+        other.synchronize()
+        yield from ()
+
+    worker = TierWorker(layout, stores(cpu_bytes=64 << 20), CHUNK_BLOCKS, "dma", defer_reuse=True,
+                        fetch_remote=fetch_remote)
+    ks = keys(8)
+    try:
+        expected = alloc[:, :, :16].clone()
+        assert worker.save([save_job(ks)]) == 8
+        worker.guard_reuse(tuple(range(16)))  # the step that parks the P/D request gives it the blocks
+        remote = RemoteSource("t", ("tcp://127.0.0.1:1",), 0, False, ())
+        worker.submit_load(LoadJob("pd", tuple(ks), 0, tuple(range(16)), 0, remote)).result(timeout=30)
+        worker.drain()
+        assert landed_early == [False]
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(32, 48)))) == set()
+        assert torch.equal(alloc[:, :, 32:48], expected)
     finally:
         worker.close()

@@ -11,7 +11,9 @@ Threads:
 
 On CUDA every load runs on the load stream (made here, one for all those threads), which first
 waits for the event after which blocks a save reads are free (``reuse_after``, from the save
-side), and the load is synchronized before it is reported finished. With ``dma`` each batch's
+side), and the load is synchronized before it is reported finished. A P/D load also waits for
+that event on the host before anything else: a NIXL READ or WRITE into its blocks is posted from
+the host and waits for no stream. With ``dma`` each batch's
 copies start as soon as its chunks are fetched, so fetching overlaps copying.
 
 Buffers: a local chunk's buffer comes from ``store.get`` and is released here once every copy
@@ -132,6 +134,8 @@ class LoadSide:
                 reuse_after = self._reuse_after()
                 if reuse_after is not None:
                     self._load_stream.wait_event(reuse_after)
+                    if not local:  # NIXL may write these blocks from the host, on no stream: wait here
+                        reuse_after.synchronize()
                 with torch.cuda.stream(self._load_stream):
                     failed = self.load(job)
                 self._load_stream.synchronize()  # the blocks are whole before the request resumes

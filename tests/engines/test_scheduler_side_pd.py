@@ -385,3 +385,15 @@ def test_mamba_hybrid_producer_publishes_the_state_vllm_names_inside_its_last_st
         assert (job.publish, job.final, job.keys, job.block_ids) == ("p/1", True, (group_key(keys[3], 1),), (777,))
     finally:
         side.close()
+
+
+def test_a_parked_requests_blocks_are_among_the_steps_given_out_blocks(make_side):
+    """Regression: a request parked for its transfer is not among the step's scheduled requests, yet
+    its blocks are written from this step on (NIXL, or the load stream): the workers' reuse guard
+    must see them, else a deferred save still reading them saves the new request's KV."""
+    d = make_side()
+    plan = d.matched_tokens("d", PROMPT, None, 0, consumer_params())
+    d.allocated("d", BLOCKS, plan.external_tokens)
+    step = d.take_plan([], allocated=(7,))
+    (job,) = step.loads
+    assert set(job.block_ids) and set(job.block_ids) <= set(step.allocated) and 7 in step.allocated

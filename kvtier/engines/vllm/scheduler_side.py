@@ -3,11 +3,9 @@
 Decisions are :mod:`kvtier.scheduler_hooks`' pure functions; this module feeds them what vLLM
 knows and turns their plans into :class:`LoadJob` / :class:`SaveJob`. Calls come from the
 connector (admission, allocation, metadata, worker output, finish) and, when it is installed,
-from :class:`kvtier.engines.vllm.scheduler.KvtierScheduler` (handoff boundary, step times).
-
-The module is one piece: each of those calls reads and advances the same per-request records
-(:class:`~kvtier.engines.vllm.records.Tracked`) and step counters, which nothing else may change, and every decision in it
-is already a pure function in :mod:`kvtier.scheduler_hooks`.
+from :class:`kvtier.engines.vllm.scheduler.KvtierScheduler` (handoff boundary, step times). The module is one piece: each of those calls reads and advances the same per-request records
+(:class:`~kvtier.engines.vllm.records.Tracked`) and step counters, which nothing else may change, and every decision
+in it is already a pure function in :mod:`kvtier.scheduler_hooks`.
 
 Hybrid models (several served KV cache groups, :mod:`.groups`): lookups, plans and states run on
 the anchor group's chunks; how far the other groups hold a hit, and their loads and saves beside
@@ -287,7 +285,8 @@ class SchedulerSide:
                        lease=self.lends_blocks)
 
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
-        """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks."""
+        """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks, to
+        which the plan adds its loads' (their requests are parked, not scheduled, yet written now)."""
         # Without kvtier's scheduler nobody reports step completions; vLLM keeps at most one
         # step in flight while it plans the next, so every step before that one has run.
         self._complete_through(self._step - 1)
@@ -303,7 +302,8 @@ class SchedulerSide:
         if reset:
             self._reset_step = self._step
         self._step += 1
-        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset, allocated)
+        loaded = tuple(b for job in loads for b in job.block_ids)
+        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset, allocated + loaded)
 
     def reset(self) -> None:
         """Empty the tiers (vLLM's ``reset_cache``) with the next step; lookups offer nothing until it ran."""
