@@ -11,10 +11,9 @@ Threads:
 
 On CUDA every load runs on the load stream (made here, one for all those threads), which first
 waits for the event after which blocks a save reads are free (``reuse_after``, from the save
-side), and the load is synchronized before it is reported finished. A P/D load also waits for
-that event on the host before anything else: a NIXL READ or WRITE into its blocks is posted from
-the host and waits for no stream. With ``dma`` each batch's
-copies start as soon as its chunks are fetched, so fetching overlaps copying.
+side; a P/D load waits for it on the host: NIXL waits for no stream), and the load is
+synchronized before it is reported finished. With ``dma`` each batch's copies start as soon as
+its chunks are fetched, so fetching overlaps copying.
 
 Buffers: a local chunk's buffer comes from ``store.get`` and is released here once every copy
 that reads it has finished. A producer's chunk comes in a buffer :data:`FetchRemote` hands over:
@@ -33,7 +32,6 @@ import queue
 import threading
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -45,7 +43,7 @@ from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 from kvtier.timeline import mark
-from kvtier.transfer.common import Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms, on_device
+from kvtier.transfer.common import Copied, Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms, on_device
 from kvtier.transfer.landed import LandedCheck
 
 logger = logging.getLogger(__name__)
@@ -131,10 +129,9 @@ class LoadSide:
             if self._load_stream is None:
                 failed = self.load(job)
             else:
-                reuse_after = self._reuse_after()
-                if reuse_after is not None:
+                if (reuse_after := self._reuse_after()) is not None:
                     self._load_stream.wait_event(reuse_after)
-                    if not local:  # NIXL may write these blocks from the host, on no stream: wait here
+                    if not local:
                         reuse_after.synchronize()
                 with torch.cuda.stream(self._load_stream):
                     failed = self.load(job)
@@ -326,7 +323,7 @@ class LoadSide:
         if self._scatter_async is not None:
             return self._scatter_async(self.layout, spans, expected)
         ok = self._scatter(self.layout, spans, expected) if expected is not None else self._scatter(self.layout, spans)
-        return _Copied(ok if expected is not None else [True] * len(spans))
+        return Copied(ok if expected is not None else [True] * len(spans))
 
     def _first_bad(self, job: LoadJob, spans: list[ChunkSpan], ok: list[bool]) -> int:
         """Blocks loaded intact before the first chunk the copy found corrupt, which is removed.
@@ -393,12 +390,3 @@ class LoadSide:
         self._load_pool.shutdown(wait=True)
         self._remote_pool.shutdown(wait=True)
 
-
-@dataclass(frozen=True, slots=True)
-class _Copied:
-    """A scatter that already ran: ``wait()`` gives its ``ok`` per span."""
-
-    ok: list[bool]
-
-    def wait(self) -> list[bool]:
-        return self.ok
