@@ -124,3 +124,4 @@ class StepPlan:
     withdrawn: tuple[str, ...] = ()  # transfer ids of aborted producer requests: nothing more comes
     reset: bool = False  # empty the tiers before anything else
     allocated: tuple[int, ...] = ()  # engine block ids given to requests this step (saves may still read some)
+    stopped: tuple[str, ...] = ()  # transfer ids of producer requests aborted or preempted: lend none of their blocks

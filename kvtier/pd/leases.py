@@ -18,6 +18,10 @@ blocks (the worker reports the request in ``finished_sending``):
   or stalled. A READ that still lands after the free reads reused blocks; D's checksum of the
   blocks it received catches that and recomputes.
 
+A running request that is aborted or preempted gives its blocks back to vLLM at once: from the
+step that learns of it on (before that step's kernels), none of them is handed to a D
+(:meth:`BlockLeases.stopped`).
+
 Thread-safe: the engine thread lends and takes what ended, the chunk server thread hands out
 blocks and releases.
 """
@@ -111,6 +115,15 @@ class BlockLeases:
                 del self._expected[transfer_id]
             for transfer_id in [t for t, live in self._live.items() if live.req_id in req_ids]:
                 del self._live[transfer_id]
+
+    def stopped(self, transfer_ids: tuple[str, ...]) -> None:
+        """These transfers' running requests were aborted or preempted: vLLM has their blocks back,
+        so no decode engine is given them from now on (a READ or WRITE already posted from them
+        lands what the blocks hold then, which fails the decode engine's KVSUM64 check)."""
+        with self._lock:
+            for transfer_id in transfer_ids:
+                self._live.pop(transfer_id, None)
+                self._expected.pop(transfer_id, None)
 
     def lend(self, transfer_id: str, req_id: str, block_ids: tuple[int, ...], keys: tuple[bytes, ...],
              lease_s: float) -> None:

@@ -74,6 +74,17 @@ def parse(params: dict[str, Any] | None) -> Produce | Consume | None:
                    remote_blocks=_block_ids(params.get("remote_block_ids")) if lent else ())
 
 
+def role_in(params: dict[str, Any] | None, tp_size: int, req_id: str) -> Produce | Consume | None:
+    """:func:`parse`'s role for a request of an engine of ``tp_size`` TP ranks: None for a consumer
+    whose producer has another count (one line: the prompt is recomputed)."""
+    role = parse(params)
+    if isinstance(role, Consume) and role.tp_size != tp_size:
+        logger.warning("kvtier P/D: request %s comes from a producer with %d TP ranks, this engine has %d; "
+                       "recomputing its prompt.", req_id, role.tp_size, tp_size)
+        return None
+    return role
+
+
 def fetched_transfer(params: dict[str, Any] | None) -> str | None:
     """The producer's transfer a consumer request's ``params`` name, as given (for the timeline), else None."""
     params = params if isinstance(params, dict) else {}

@@ -397,3 +397,20 @@ def test_a_parked_requests_blocks_are_among_the_steps_given_out_blocks(make_side
     step = d.take_plan([], allocated=(7,))
     (job,) = step.loads
     assert set(job.block_ids) and set(job.block_ids) <= set(step.allocated) and 7 in step.allocated
+
+
+@pytest.mark.parametrize("how", ["preempted", "aborted"])
+def test_a_producer_request_preempted_or_aborted_stops_lending_its_blocks_with_the_next_step(make_side, how):
+    """Its blocks go back to vLLM: the workers must hear of it before that step's kernels (plan.stopped)."""
+    p = make_side()
+    produce(p)
+    p.scheduled("p", BLOCKS, True, 2 * CHUNK)
+    p.take_plan([])
+    if how == "preempted":
+        p.preempted("p")
+    else:
+        p.finished("p", completed=False)
+    plan = p.take_plan([])
+    assert plan.stopped == ("p",)
+    assert plan.withdrawn == (("p",) if how == "aborted" else ())  # preempted: it computes again, publishes again
+    assert p.take_plan([]).stopped == ()

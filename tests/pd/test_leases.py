@@ -132,6 +132,21 @@ def test_a_second_lease_under_one_transfer_id_ends_the_first():
     assert lease.end_all() == {"r2"}
 
 
+def test_a_running_request_aborted_or_preempted_hands_out_none_of_its_blocks():
+    """Regression: its blocks go back to vLLM at once, so a D asking from then on must not be given
+    them (they may hold another request's KV by the time it READs or is written into)."""
+    clock = Clock()
+    lease = leases(clock)
+    lease.live("t", "r", (7, 8, 9, 10), KEYS[:2])
+    lease.expect("t", "r")
+    assert lease.blocks("t", KEYS[0], 2) == (7, 8)
+    lease.stopped(("t",))
+    assert lease.blocks("t", KEYS[0], 2) is None and lease.blocks("t", KEYS[1], 2) is None
+    assert not lease.expected("t")
+    lease.live("t", "r", (20, 21), KEYS[:1])  # computed again after the preemption: its new blocks
+    assert lease.blocks("t", KEYS[0], 2) == (20, 21)
+
+
 def test_block_runs_pair_consecutive_blocks_on_both_sides():
     assert block_runs([4, 5, 6, 9], [10, 11, 12, 13]) == [(4, 10, 3), (9, 13, 1)]
     assert block_runs([1, 2, 3], [7, 9, 10]) == [(1, 7, 1), (2, 9, 2)]

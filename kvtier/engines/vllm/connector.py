@@ -1,29 +1,28 @@
 """``KvtierConnector``: vLLM's ``KVConnectorBase_V1`` over kvtier's scheduler and worker halves.
 
-Scheduler half (:mod:`.scheduler_side`): asks the lookup server how much of a prompt is stored
-beyond the engine's own prefix cache, parks the request in ``WAITING_FOR_REMOTE_KVS`` while the
-workers load it, and plans saves of every new full prompt chunk. Worker half (:mod:`.worker_side`):
-builds the layout from the registered KV tensors, runs the loads and saves, serves lookups.
+Scheduler half (:mod:`.scheduler_side`): asks the lookup server how much of a prompt is stored beyond the engine's
+own prefix cache, parks the request in ``WAITING_FOR_REMOTE_KVS`` while the workers load it, and plans saves of
+every new full prompt chunk. Worker half (:mod:`.worker_side`): builds the layout from the registered KV tensors,
+runs the loads and saves, serves lookups.
 
-P/D speaks vLLM's standard ``kv_transfer_params`` (:mod:`kvtier.pd.params`): a request with
-``do_remote_decode`` publishes its prompt and returns the parameters a decode engine needs from
-``request_finished``; a request with ``do_remote_prefill`` loads the prompt from the producer
-through the same plan, waiting state and load executor as a reload.
+P/D speaks vLLM's standard ``kv_transfer_params`` (:mod:`kvtier.pd.params`): a request with ``do_remote_decode``
+publishes its prompt and returns the parameters a decode engine needs from ``request_finished``; a request with
+``do_remote_prefill`` loads the prompt from the producer through the same plan, waiting state and load executor as a
+reload.
 
-Hybrid models (vLLM's hybrid KV cache manager): the connector is ``SupportsHMA`` where vLLM has it, so the
-manager stays on. kvtier serves a config whose transferred KV cache groups it can all serve (:mod:`.groups`:
-full attention, sliding window, chunked local attention, Mamba state cached by block), each group's blocks
-under keys of its own, a windowed group only within its window, Mamba state at chunk ends; any other config
-runs with kvtier idle: no hits (the engine recomputes), no saves, one start-up line naming the groups it
-does not serve. vLLM takes no block-level load failures from a model of several groups, so there the workers
-report a failed load per request and the engine recomputes its whole prompt: through
-``get_transfer_results`` (``failed_recving``) where vLLM has it, else
+Hybrid models (vLLM's hybrid KV cache manager): the connector is ``SupportsHMA`` where vLLM has it, so the manager
+stays on. kvtier serves a config whose transferred KV cache groups it can all serve (:mod:`.groups`: full attention,
+sliding window, chunked local attention, Mamba state cached by block), each group's blocks under keys of its own, a
+windowed group only within its window, Mamba state at chunk ends; any other config runs with kvtier idle: no hits
+(the engine recomputes), no saves, one start-up line naming the groups it does not serve. vLLM takes no block-level
+load failures from a model of several groups, so there the workers report a failed load per request and the engine
+recomputes its whole prompt: through ``get_transfer_results`` (``failed_recving``) where vLLM has it, else
 :func:`~kvtier.engines.vllm.compat.recompute_failed_loads`.
 
-Hook order: blocks given out in a step wait for saves still reading them before the step's
-kernels are launched (``bind_connector_metadata``, which every release calls before the forward;
-vLLM >= 0.32 calls ``start_load_kv`` after the forward's launch when no load of the step is
-synchronous, and kvtier's loads never are: their requests wait).
+Hook order: blocks given out in a step wait for saves still reading them before the step's kernels are launched
+(``bind_connector_metadata``, which every release calls before the forward; vLLM >= 0.32 calls ``start_load_kv``
+after the forward's launch when no load of the step is synchronous, and kvtier's loads never are: their requests
+wait).
 """
 
 from __future__ import annotations
@@ -168,7 +167,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
     def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
         super().bind_connector_metadata(connector_metadata)
         if self._worker is not None and isinstance(connector_metadata, KvtierMetadata):
-            self._worker.guard_reuse(connector_metadata.plan.allocated)  # before this step's kernels are launched
+            self._worker.guard_reuse(connector_metadata.plan)  # before this step's kernels are launched
 
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         meta = self._get_connector_metadata()
@@ -294,6 +293,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return KvtierMetadata(StepPlan((), ()))
         scheduler, saves, allocated, g, others = self._scheduler, [], [], self.group, self.other_groups
         states = boundary_states(scheduler_output)
+        for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():  # also vLLM's own scheduler's
+            scheduler.preempted(req_id)
         for new in scheduler_output.scheduled_new_reqs:
             before = new.num_computed_tokens
             computed = before + scheduler_output.num_scheduled_tokens[new.req_id]

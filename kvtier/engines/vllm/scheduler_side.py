@@ -1,15 +1,15 @@
 """Scheduler half of the vLLM connector: look up stored prefixes, plan loads and saves, track states.
 
-Decisions are :mod:`kvtier.scheduler_hooks`' pure functions; this module feeds them what vLLM
-knows and turns their plans into :class:`LoadJob` / :class:`SaveJob`. Calls come from the
-connector (admission, allocation, metadata, worker output, finish) and, when it is installed,
-from :class:`kvtier.engines.vllm.scheduler.KvtierScheduler` (handoff boundary, step times). The module is one piece: each of those calls reads and advances the same per-request records
-(:class:`~kvtier.engines.vllm.records.Tracked`) and step counters, which nothing else may change, and every decision
-in it is already a pure function in :mod:`kvtier.scheduler_hooks`.
+Decisions are :mod:`kvtier.scheduler_hooks`' pure functions; this module feeds them what vLLM knows and turns their
+plans into :class:`LoadJob` / :class:`SaveJob`. Calls come from the connector (admission, allocation, metadata,
+worker output, finish) and, when it is installed, from :class:`kvtier.engines.vllm.scheduler.KvtierScheduler`
+(handoff boundary, step times). The module is one piece: each of those calls reads and advances the same per-request
+records (:class:`~kvtier.engines.vllm.records.Tracked`) and step counters, which nothing else may change, and every
+decision in it is already a pure function in :mod:`kvtier.scheduler_hooks`.
 
-Hybrid models (several served KV cache groups, :mod:`.groups`): lookups, plans and states run on
-the anchor group's chunks; how far the other groups hold a hit, and their loads and saves beside
-the anchor's, are :class:`~kvtier.engines.vllm.group_jobs.GroupJobs`' (:mod:`.group_jobs`).
+Hybrid models (several served KV cache groups, :mod:`.groups`): lookups, plans and states run on the anchor group's
+chunks; how far the other groups hold a hit, and their loads and saves beside the anchor's, are
+:class:`~kvtier.engines.vllm.group_jobs.GroupJobs`' (:mod:`.group_jobs`).
 """
 
 from __future__ import annotations
@@ -66,8 +66,8 @@ class SchedulerSide:
         self._loads: list[PlannedLoad] = []  # planned this step, not yet in a StepPlan
         self._group_save_jobs: list[SaveJob] = []  # other served groups' saves planned this step
         self._load_failures: set[str] = set()  # hybrid: requests whose load failed, until reported finished
-        self._cancels: list[str] = []
-        self._withdrawn: list[str] = []
+        # loads to stop; transfers whose producer request was aborted; ... or whose blocks vLLM took back
+        self._cancels, self._withdrawn, self._stopped = [], [], []  # (aborted or preempted: none may be lent)
         self._distrusted = Distrusted()
         self._step = 0  # steps planned (StepPlans taken)
         self._completed = 0  # steps whose output came back
@@ -96,11 +96,7 @@ class SchedulerSide:
             root = namespace(self.model, cache_salt)
             keys = chunk_keys(prompt, self.chunk_tokens, root)
             tracked = self._requests[req_id] = Tracked(keys, len(prompt))
-            role = pd.parse(transfer_params)
-            if isinstance(role, pd.Consume) and role.tp_size != self.tp_size:
-                logger.warning("kvtier P/D: request %s comes from a producer with %d TP ranks, this engine has %d; "
-                               "recomputing its prompt.", req_id, role.tp_size, self.tp_size)
-                role = None
+            role = pd.role_in(transfer_params, self.tp_size, req_id)
             if role is not None:
                 tracked.role, tracked.tail = role, tail_key(prompt, self.chunk_tokens, root, keys)
                 tracked.transfer_id = role.transfer_id or req_id
@@ -285,8 +281,8 @@ class SchedulerSide:
                        lease=self.lends_blocks)
 
     def take_plan(self, saves: list[SaveJob], allocated: tuple[int, ...] = ()) -> StepPlan:
-        """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks, to
-        which the plan adds its loads' (their requests are parked, not scheduled, yet written now)."""
+        """This step's jobs; loads count as issued from now. ``allocated``: the step's new blocks (the plan adds its
+        loads': their requests are parked, not scheduled, yet their blocks are written now)."""
         # Without kvtier's scheduler nobody reports step completions; vLLM keeps at most one
         # step in flight while it plans the next, so every step before that one has run.
         self._complete_through(self._step - 1)
@@ -296,14 +292,14 @@ class SchedulerSide:
         loads, self._loads = tuple(job for load in self._loads for job in (load.job, *load.others)), []
         # other groups' first: a P/D producer's last anchor job says the transfer is all announced
         saves, self._group_save_jobs = [*self._group_save_jobs, *saves], []
-        cancels, self._cancels = tuple(self._cancels), []
-        withdrawn, self._withdrawn = tuple(self._withdrawn), []
+        cancels, withdrawn, stopped = tuple(self._cancels), tuple(self._withdrawn), tuple(self._stopped)
+        self._cancels, self._withdrawn, self._stopped = [], [], []
         reset = self.reset_pending and self._reset_step is None
         if reset:
             self._reset_step = self._step
         self._step += 1
         loaded = tuple(b for job in loads for b in job.block_ids)
-        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset, allocated + loaded)
+        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset, allocated + loaded, stopped)
 
     def reset(self) -> None:
         """Empty the tiers (vLLM's ``reset_cache``) with the next step; lookups offer nothing until it ran."""
@@ -372,6 +368,8 @@ class SchedulerSide:
 
     def preempted(self, req_id: str) -> None:
         tracked = self._requests.get(req_id)
+        if tracked is not None and isinstance(tracked.role, pd.Produce):  # its blocks go back to vLLM now
+            self._stopped.append(tracked.transfer_id)
         if tracked is not None and tracked.state in (ReqState.RUNNING, ReqState.PREFILL_TO_BOUNDARY):
             tracked.handoff = tracked.plan = None
             self._advance(req_id, tracked, Event.PREEMPTED)
@@ -382,8 +380,10 @@ class SchedulerSide:
         if (tracked := self._requests.get(req_id)) is None:
             return None
         params = None
-        if isinstance(tracked.role, pd.Produce) and not completed and not tracked.published:
-            self._withdrawn += self.groups.transfers(tracked.transfer_id)  # a consumer waiting stops
+        if isinstance(tracked.role, pd.Produce) and not completed:
+            self._stopped.append(tracked.transfer_id)
+            if not tracked.published:
+                self._withdrawn += self.groups.transfers(tracked.transfer_id)  # a consumer waiting stops
         if isinstance(tracked.role, pd.Produce) and completed:
             if self.endpoints():
                 params = pd.published(tracked.transfer_id, self.engine_id, self.peer_endpoints, self.tp_size, lent,

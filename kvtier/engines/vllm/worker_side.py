@@ -1,20 +1,19 @@
-"""Worker half of the vLLM connector: per worker process a store, a :class:`TierWorker` and a
-hold reporter; on rank 0 also the lookup server that answers for every rank.
+"""Worker half of the vLLM connector: per worker process a store, a :class:`TierWorker` and a hold reporter; on rank 0
+also the lookup server that answers for every rank.
 
-Commit protocol: each rank reports to rank 0 the storage keys it holds, whenever that changes (a
-save landed, a chunk was found already stored, evicted, removed, written to or dropped from
-disk, promoted from disk) and, at start, everything its disk tier kept from a previous run.
-Rank 0 shows a chunk to lookups only while every rank holds it (:mod:`kvtier.lookup.index`).
+Commit protocol: each rank reports to rank 0 the storage keys it holds, whenever that changes (a save landed, a
+chunk was found already stored, evicted, removed, written to or dropped from disk, promoted from disk) and, at
+start, everything its disk tier kept from a previous run. Rank 0 shows a chunk to lookups only while every rank
+holds it (:mod:`kvtier.lookup.index`).
 
-P/D: an engine that may prefill for others (``kv_both`` / ``kv_producer``) runs a chunk server
-per rank, pins what its requests publish, and tells rank 0 its address (the scheduler hands it
-to decode engines). Any engine fetches a producer's chunks when a load job says so.
+P/D: an engine that may prefill for others (``kv_both`` / ``kv_producer``) runs a chunk server per rank, pins what
+its requests publish, and tells rank 0 its address (the scheduler hands it to decode engines). Any engine fetches a
+producer's chunks when a load job says so.
 
-Hybrid models: one layout and one :class:`TierWorker` per served KV cache group (its layers'
-tensors, its block ids), over one store; jobs name their group. The groups' layouts share one
-fingerprint and one reuse guard (their blocks come from one pool). A request's load ends when
-every group's job has; a failure is reported per request. P/D serves and fetches every group's
-chunks, Mamba state too, between engines of one block size.
+Hybrid models: one layout and one :class:`TierWorker` per served KV cache group (its layers' tensors, its block
+ids), over one store; jobs name their group. The groups' layouts share one fingerprint and one reuse guard (their
+blocks come from one pool). A request's load ends when every group's job has; a failure is reported per request. P/D
+serves and fetches every group's chunks, Mamba state too, between engines of one block size.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.groups import blocks_per_chunk, group_layouts
 from kvtier.engines.vllm.stats import FAILED_REQUESTS
-from kvtier.jobs import LoadJob, Lend, SaveJob
+from kvtier.jobs import LoadJob, Lend, SaveJob, StepPlan
 from kvtier.codec import chunk_bytes
 from kvtier.lookup import HoldReporter, LookupServer
 from kvtier.ops import describe_backend
@@ -87,12 +86,10 @@ class WorkerSide:
         self.endpoint = endpoint
         self.produce = produce
         self.load_inline = load_inline  # local-tier loads on the engine thread (see TierWorker)
-        # (kind, window, layers) of each served KV cache group, the anchor first; none: the engine's
-        # one group, every registered tensor
+        # (kind, window, layers) of each served KV cache group, the anchor first; none: the engine's one, every tensor
         self.groups = groups or (("full_attention", 0, ()),)
         self.group_transfers: list[TierWorker] = []  # one per served group, the anchor's first
         self._parts: dict[str, list] = {}  # hybrid: request -> [jobs not finished, failed, {group: block ids}]
-        self._failed_requests: list[str] = []
         self.holds: PublishHolds | None = None
         self.chunk_server: ChunkServer | None = None
         self._hello: Hello | None = None
@@ -100,6 +97,7 @@ class WorkerSide:
         self.store: ChunkStore | None = None
         self.server: LookupServer | None = None
         self.reporter: HoldReporter | None = None
+        self._failed_requests: list[str] = []
         self._failed: set[int] = set()  # failed block ids, reported with the same step's finished loads
         self._reported = TransferStats()
         self._held_reported: dict[str, int] = {}  # held_bytes_<tier> as last reported
@@ -226,10 +224,12 @@ class WorkerSide:
         timeout_ms = min(self.config.shared_timeout_ms, self.config.lookup_timeout_ms // 2)
         return self.store.shared_prefix(chunks, tuple(fp.hex() for fp in fingerprints), timeout_ms)
 
-    def guard_reuse(self, allocated: tuple[int, ...]) -> None:
-        """Before a step's kernels: blocks given out this step wait for saves still reading them
-        (saves no longer hold the engine's stream; see :meth:`TierWorker.guard_reuse`)."""
-        self.transfers.guard_reuse(allocated)
+    def guard_reuse(self, plan: StepPlan) -> None:
+        """Before a step's kernels: its given-out blocks wait for saves still reading them (see
+        :meth:`TierWorker.guard_reuse`); aborted or preempted producers (``plan.stopped``) lend none."""
+        self.transfers.guard_reuse(plan.allocated)
+        if plan.stopped and self.engine_kv is not None and self.engine_kv.leases is not None:
+            self.engine_kv.leases.stopped(plan.stopped)
 
     def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = (), busy: bool = False) -> None:
         for req_id, transfers in itertools.product(cancels, self.group_transfers):
