@@ -76,7 +76,7 @@ class EngineKv:
         for job in jobs:
             if job.publish is not None and job.lease and job.group == 0:
                 self.leases.live(job.publish, job.req_id, job.block_ids, job.keys)
-                after = self.sums.take(job.keys, job.block_ids) or after
+                after = self.sums.take(job.publish, job.keys, job.block_ids) or after
                 if job.final:
                     self.leases.expect(job.publish, job.req_id)
         return after

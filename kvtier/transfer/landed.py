@@ -174,7 +174,7 @@ class LandedCheck:
             i, done, _, _ = landed[bad]
             chunks = i - job.remote.first_chunk
             logger.warning("kvtier P/D: chunk %d of transfer %s from %s arrived in the engine's blocks with another "
-                           "KVSUM64 than the producer saved; recomputing from there.", i, job.remote.transfer_id,
+                           "KVSUM64 than the producer saved; fetching it and those after from the producer's CPU tier.", i, job.remote.transfer_id,
                            job.remote.endpoints[0])
         return done, chunks, sum(x.nbytes for _, b, _, x in landed if b < done)
 

@@ -9,20 +9,18 @@ Threads:
   behind it. Their producer chunks are scattered one by one as they arrive while the next ones are
   on the wire (:meth:`LoadSide._load_remote`), then kept in the CPU tier.
 
-On CUDA every load runs on the load stream (made here, one for all those threads), which first
-waits for the event after which blocks a save reads are free (``reuse_after``, from the save
-side; a P/D load waits for it on the host: NIXL waits for no stream), and the load is
-synchronized before it is reported finished. With ``dma`` each batch's copies start as soon as
-its chunks are fetched, so fetching overlaps copying.
+On CUDA every load runs on the load stream (made here, one for all those threads), which first waits for the
+event after which blocks a save reads are free (``reuse_after``, from the save side; a P/D load waits for it
+on the host: NIXL waits for no stream), and the load is synchronized before it is reported finished. With
+``dma`` each batch's copies start as soon as its chunks are fetched, so fetching overlaps copying.
 
-Buffers: a local chunk's buffer comes from ``store.get`` and is released here once every copy
-that reads it has finished. A producer's chunk comes in a buffer :data:`FetchRemote` hands over:
-it goes to ``store.put`` (which takes it) or is released here. A load's block-id tensor lives
-until its copies have been waited for.
+Buffers: a local chunk's buffer comes from ``store.get`` and is released here once every copy that reads it
+has finished. A producer's chunk comes in a buffer :data:`FetchRemote` hands over: it goes to ``store.put``
+(which takes it) or is released here. A load's block-id tensor lives until its copies have been waited for.
 
 Locks: the load side takes none of kvtier's. It bumps a counter the save thread reads
-(:meth:`LoadSide.running`) and reports finished requests through a queue the engine thread
-drains. The store's own locks guard its index updates only.
+(:meth:`LoadSide.running`) and reports finished requests through a queue the engine thread drains. The store's
+own locks guard its index updates only.
 """
 
 from __future__ import annotations
@@ -236,17 +234,24 @@ class LoadSide:
         return job.tail_blocks if job.tail_blocks and i == len(job.keys) - 1 else self.chunk_blocks
 
     def _load_remote(self, job: LoadJob, done: int) -> tuple[int, int]:
-        """Fetch ``job``'s producer chunks and scatter each as it arrives (the next ones are on the
-        wire meanwhile); full chunks then stay in this worker's CPU tier for the next turn.
-        Returns (blocks loaded in all, chunks loaded from the producer). Verified on the host:
-        a producer's chunk may carry either checksum kind."""
-        remote = job.remote
-        first = remote.first_chunk
+        """Fetch ``job``'s producer chunks, scatter each as it comes (the next on the wire meanwhile), keep full
+        ones in the CPU tier; (blocks loaded in all, chunks from the producer). One that landed in the engine's
+        blocks failing its KVSUM64 comes again, with those after it, from the producer's CPU tier."""
+        first = job.remote.first_chunk
+        done, count_chunks, mismatch = self._remote_pass(job, done, first, land=self._landed is not None)
+        if mismatch and done < len(job.block_ids):
+            done, more, _ = self._remote_pass(job, done, first + count_chunks, land=False)
+            count_chunks += more
+        return done, count_chunks
+
+    def _remote_pass(self, job: LoadJob, done: int, first: int, land: bool) -> tuple[int, int, bool]:
+        """:meth:`_load_remote` from chunk ``first`` (``land``: into engine blocks); and whether one landed bad."""
         items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
-        held, count_chunks, chunks, targets = [], 0, None, self._targets(job, done)
+        remote, mismatch, held, count_chunks, chunks = job.remote, False, [], 0, None
+        targets = self._targets(job, done, first, land)
         landed: list[tuple[int, int, int, Landed]] = []  # (chunk, blocks loaded before it, its blocks, what came)
-        ahead = self._landed.prepare(targets) if self._landed is not None else None  # the check, built while
-        try:  # the chunks are on their way
+        ahead = self._landed.prepare(targets) if land else None  # the check, built while they are on their way
+        try:
             chunks = self._fetch_remote(job, items, targets)
             for i, buffer in enumerate(chunks, start=first):
                 if done == len(job.block_ids):
@@ -261,8 +266,8 @@ class LoadSide:
                     if remote.wait and len(landed) >= CHECK_AT and not buffer.follows:  # while P computes the rest
                         checked, landed = self._landed.loaded(job, landed, done, count_chunks, self._ids, ahead), []
                         self.stats.landed_bytes += checked[2]
-                        if checked[0] < done:  # a bad chunk: recomputed from there
-                            done, count_chunks = checked[:2]
+                        if checked[0] < done:  # a bad chunk: fetched again from there
+                            done, count_chunks, mismatch = *checked[:2], True
                             break
                     continue
                 try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)
@@ -299,19 +304,21 @@ class LoadSide:
             if chunks is not None:
                 chunks.close()
         if landed:
-            done, count_chunks, nbytes = self._landed.loaded(job, landed, done, count_chunks, self._ids, ahead)
+            checked = self._landed.loaded(job, landed, done, count_chunks, self._ids, ahead)
+            mismatch = mismatch or checked[0] < done
+            done, count_chunks, nbytes = checked
             self.stats.landed_bytes += nbytes
         if held:
             self._on_held(held)
-        return done, count_chunks
+        return done, count_chunks, mismatch
 
-    def _targets(self, job: LoadJob, done: int) -> list[tuple[int, ...] | None]:
-        """Per producer chunk of ``job`` (``done`` blocks loaded before them): the engine blocks it may be
-        written into directly, if all of it goes there (its checksum covers the whole chunk)."""
+    def _targets(self, job: LoadJob, done: int, first: int, land: bool) -> list[tuple[int, ...] | None]:
+        """Per producer chunk of ``job`` from chunk ``first`` (``done`` blocks loaded before them): the engine
+        blocks it may be written into directly (``land``), if all of it goes there (its checksum covers it all)."""
         targets: list[tuple[int, ...] | None] = []
-        for i in range(job.remote.first_chunk, len(job.keys)):
+        for i in range(first, len(job.keys)):
             block, count = self._span(job, i, done)
-            whole = block == 0 and count == self._num_blocks(job, i) and self._landed is not None
+            whole = block == 0 and count == self._num_blocks(job, i) and land
             targets.append(tuple(job.block_ids[done : done + count]) if whole else None)
             done += count
         return targets

@@ -37,7 +37,7 @@ def test_a_steps_checksums_come_before_its_copy_out_lands():
     try:
         torch.cuda.synchronize()
         torch.cuda._sleep(100_000_000)  # the step's forward, still running when its sums and copy-out are queued
-        after = sums.take(keys, ids)
+        after = sums.take("t", keys, ids)
         worker.save([SaveJob("r", keys, ids)], after=after)
         copies = [item.ready for item in list(worker.saves._backlog)]  # each chunk's copy-out
         assert after is not None and len(copies) == CHUNKS
@@ -51,7 +51,7 @@ def test_a_steps_checksums_come_before_its_copy_out_lands():
         for key in keys:  # the save's own checksums agree with the early ones
             buffer = store.get(worker.skey(key))
             assert buffer is not None
-            assert codec.read_header(buffer.data).checksum == sums.get(key, CHUNK_BLOCKS)
+            assert codec.read_header(buffer.data).checksum == sums.get("t", key, CHUNK_BLOCKS)
             buffer.release()
     finally:
         worker.close()

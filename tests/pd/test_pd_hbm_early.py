@@ -52,8 +52,8 @@ def misreport_chunk_1(p: Engine, monkeypatch) -> None:
     or torn between its step and its copy into D)."""
     sums = p.side.engine_kv.sums
     get = sums.get
-    monkeypatch.setattr(sums, "get", lambda key, n: get(key, n) if key != FULL[1] or get(key, n) is None
-                        else get(key, n) ^ 1)
+    monkeypatch.setattr(sums, "get", lambda t, key, n: get(t, key, n) if key != FULL[1] or get(t, key, n) is None
+                        else get(t, key, n) ^ 1)
 
 
 def stored(engine: Engine) -> int:
@@ -75,7 +75,7 @@ def test_push_copies_each_chunk_before_its_cpu_tier_copy_is_stored(engines, held
     sums = p.side.engine_kv.sums
     for key, n in [(k, 2) for k in FULL] + [(TAIL, 1)]:  # the same KVSUM64 as the save's copy
         copy = p.side.store.get(p.side.transfers.skey(key))
-        assert codec.read_header(copy.data).checksum == sums.get(key, n)
+        assert codec.read_header(copy.data).checksum == sums.get("t1", key, n)
         copy.release()
     finish(p)
 
@@ -195,7 +195,7 @@ def test_a_steps_copy_out_waits_for_its_checksum_pass(engines, monkeypatch):
     p = engines("p", 1)
     sums, event = p.side.engine_kv.sums, object()
     take = sums.take
-    monkeypatch.setattr(sums, "take", lambda keys, ids: (take(keys, ids), event)[1])
+    monkeypatch.setattr(sums, "take", lambda t, keys, ids: (take(t, keys, ids), event)[1])
     transfers, waits = p.side.group_transfers[0], []
     save = transfers.save
     monkeypatch.setattr(transfers, "save", lambda jobs, wait_forward=False, after=None: (
@@ -225,3 +225,16 @@ def test_a_producers_idle_step_waits_for_the_decode_engine_to_release_its_lease(
     start = time.monotonic()
     p.side.wait_idle(5.0)
     assert time.monotonic() - start < 1.0  # nothing lent, nothing loading: no wait
+
+
+def test_two_transfers_computing_the_same_chunk_keep_their_own_checksums(engines):
+    """Regression: keyed by chain key alone, a later batch's sum of the same chunk replaced the
+    earlier one's, and the earlier transfer's blocks (another batch: other bytes) failed their check."""
+    p = engines("p", 1)
+    sums = p.side.engine_kv.sums
+    p.kv[:, 30:32] = p.kv[:, 10:12] + 1.0  # the same chunk computed in another batch, not bit for bit
+    sums.take("t1", (FULL[0],), (10, 11))
+    sums.take("t2", (FULL[0],), (30, 31))
+    first, second = sums.get("t1", FULL[0], 2), sums.get("t2", FULL[0], 2)
+    assert None not in (first, second) and first != second
+    assert sums.get("t3", FULL[0], 2) is None
