@@ -36,7 +36,7 @@ import numpy as np
 import zmq
 
 from kvtier.jobs import Landed
-from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated
+from kvtier.pd.hbm import Landing, RegionSpan, direct_path, emulated
 from kvtier.pd.landing import Arrived, Landings, read_early, remember
 from kvtier.pd.hello import PeerError, check_layouts, first_fetches, say_transport
 from kvtier.pd.protocol import (
@@ -83,7 +83,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     try:
         if nixl is not None:
             hbm = landing is not None and not emulated(endpoint)
-            first = first_fetches(peer.plan, landing, block_size) if hbm and not wait else ()
+            first = first_fetches(peer.plan, landing, block_size, endpoint) if hbm and not wait else ()
             hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), transfer_id=transfer_id, hbm=hbm,
                                             fetches=first)
         peer.send(hello)  # then, while P answers, this thread posts the READ of the blocks P's params named
@@ -100,7 +100,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             peer.use_nixl(nixl, reply.nixl)
             peer.landing_enabled = writes
             remote = tuple(RegionSpan(*r) for r in reply.regions)
-            if landing is not None and remote and compatible(landing.regions, remote):
+            if landing and remote and direct_path(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device, timeout_ms):
                 same = early is not None and reply.lending and early.matches(peer.nixl_peer, remote, reply.device)
                 peer.hbm = early if same else Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
                 remember(nixl, endpoint, peer.nixl_peer, remote, reply.device)

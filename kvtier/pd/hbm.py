@@ -10,20 +10,28 @@ chunk when the blocks are consecutive, not 512.
 
 Whether UCX reaches the peer's GPU memory directly (``cuda_ipc`` between GPUs of one host,
 GPUDirect RDMA across hosts) or emulates it through the host shows only in how fast a READ
-goes: the consumer times its first READs from each producer (:func:`read_speed`) and one line
-says which it is; an emulated path (a VM without ``cuda_ipc`` moved 0.4 GB/s) is turned off for
-that producer, whose chunks then come from its CPU tier.
+goes (two engines on one GPU, a VM or PCIe host without peer-to-peer: ~0.4 GB/s, so a 32k
+prompt's 4 GiB would take 10 s against the CPU-tier path's ~1.7 s). So the first time a
+consumer reaches a producer HBM to HBM, before it asks for any chunk, it times one READ of the
+producer's first blocks (any bytes do: none is used) into the engine blocks of the transfer at
+hand (the request's own, about to be written anyway: READ again, scattered from the CPU tier,
+or recomputed when the transfer fails), after a one-block READ that pays the connection's
+wire-up (:func:`direct_path`). One line says which it is; an emulated path is turned off for
+that producer, whose chunks then come from its CPU tier. Later READs and a producer's WRITEs are
+timed too (:func:`read_speed`).
 """
 
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.layout import Layout
 from kvtier.pd.leases import BlockLeases
+from kvtier.pd.nixl import Agent, NixlError
 
 if TYPE_CHECKING:
     from kvtier.pd.sums import EarlySums
@@ -33,6 +41,8 @@ logger = logging.getLogger(__name__)
 EMULATED_GBPS = 2.0  # the fastest of a producer's first READs slower than this, GB/s: emulated
 TIMED_READS = 3  # READs timed per producer before judging
 TIMED_MIN_BYTES = 4 << 20  # smaller READs time their latency, not the path's bandwidth
+PROBE_BYTES = 32 << 20  # bytes the timed READ of a probe moves, at most (a whole chunk of an 8B model: 32 MiB)
+JUDGED_KINDS = ("VRAM",)  # memory whose path is judged (host memory always moves at host speed)
 _lock = threading.Lock()
 _timed: dict[str, list[float]] = {}  # producer endpoint -> GB/s of its first READs
 _emulated: set[str] = set()
@@ -80,8 +90,9 @@ class Landing:
 def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float, op: str = "READ") -> None:
     """Time one of the first READs of GPU memory (``kind`` VRAM) from producer ``endpoint`` (or,
     ``op`` "WRITE", a producer's WRITEs into the consumer ``endpoint``); after
-    :data:`TIMED_READS` of them say how fast its HBM path is, and turn it off if emulated."""
-    if kind != "VRAM" or nbytes < TIMED_MIN_BYTES:
+    :data:`TIMED_READS` of them say how fast its HBM path is, and turn it off if emulated. (A
+    consumer probes a producer's path before its first request: :mod:`kvtier.pd.probe`.)"""
+    if kind not in JUDGED_KINDS or nbytes < TIMED_MIN_BYTES:
         return
     with _lock:
         rates = _timed.setdefault(endpoint, [])
@@ -90,12 +101,32 @@ def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float, op: str = 
         rates.append(nbytes / max(seconds, 1e-9) / 1e9)
         if len(rates) < TIMED_READS:
             return
-        best = max(rates)
+    _verdict(endpoint, op)
+
+
+def judge(endpoint: str, gbps: float) -> None:
+    """The path to ``endpoint`` moved ``gbps`` GB/s in a probe: judged now, as after :data:`TIMED_READS` READs."""
+    with _lock:
+        _timed[endpoint] = [gbps] * TIMED_READS
+    _verdict(endpoint, "test READ")
+
+
+def judged(endpoint: str, kind: str = "VRAM") -> bool:
+    """Whether the path to ``endpoint`` for memory ``kind`` needs no probe: judged already (probed,
+    or timed over its first READs), or memory that is not judged."""
+    with _lock:
+        return kind not in JUDGED_KINDS or len(_timed.get(endpoint, ())) >= TIMED_READS
+
+
+def _verdict(endpoint: str, op: str) -> None:
+    """Say how fast the path to ``endpoint`` is, and turn it off if emulated (its rates are all in)."""
+    with _lock:
+        best = max(_timed[endpoint])
         if best < EMULATED_GBPS:
             _emulated.add(endpoint)
     if best < EMULATED_GBPS:
         logger.warning("kvtier P/D: HBM to HBM %ss with %s moved at most %.2f GB/s: UCX has no direct GPU path "
-                       "here (no cuda_ipc, no GPUDirect RDMA); later transfers with it go through the CPU tiers.",
+                       "here (no cuda_ipc, no GPUDirect RDMA); its transfers go through the CPU tiers.",
                        op, endpoint, best)
     else:
         logger.info("kvtier P/D: HBM to HBM with %s at %.1f GB/s per %s (a direct path: cuda_ipc or "
@@ -165,3 +196,55 @@ def read_descriptors(local: tuple[RegionSpan, ...], remote: tuple[RegionSpan, ..
                     theirs.append((rr.base + (src + i) * rr.stride, n))
                     mine.append((lr.base + (dst + i) * lr.stride, n))
     return mine, theirs
+
+
+def direct_path(agent: Agent, peer: str, endpoint: str, mine: Landing, theirs: tuple[RegionSpan, ...],
+                device: int, timeout_ms: int) -> bool:
+    """Whether chunks from the producer at ``endpoint`` (NIXL peer ``peer``, its engine KV
+    ``theirs`` on its CUDA device ``device``) may land HBM to HBM: the regions match, and the path
+    is direct, probed on the first call per producer before any of its chunks is asked for (see
+    the module docstring). ``mine``: this transfer's landing, whose first chunk's blocks the probe
+    READs into. A probe that fails or times out (``timeout_ms``) says no."""
+    timeout_s = timeout_ms / 1000
+    if not compatible(mine.regions, theirs):
+        return False
+    if judged(endpoint, mine.kind):
+        return not emulated(endpoint)
+    target = next((ids for ids in mine.block_ids if ids), None)
+    if target is None:
+        return True  # nothing to probe into now: the first READs are timed instead
+    block_bytes = sum(r.block_bytes for r in mine.regions)
+    blocks = list(target[: max(1, min(len(target), PROBE_BYTES // max(1, block_bytes)))])
+    memory = (mine.kind, mine.device, device)
+    try:
+        for count in (1, len(blocks)):  # the first pays UCX's wire-up to the peer, the second is timed
+            local, remote = read_descriptors(mine.regions, theirs, blocks[:count], list(range(count)))
+            begin = time.perf_counter()
+            transfer = agent.read(peer, local, remote, memory, here=True)
+            try:
+                transfer.wait(timeout_s)
+            finally:
+                _settle(agent, peer, transfer, timeout_s)
+        seconds = time.perf_counter() - begin
+    except (NixlError, ValueError) as exc:
+        logger.warning("kvtier P/D: a test READ from %s failed (%s); its chunks come through the CPU tiers.",
+                       endpoint, exc)
+        judge(endpoint, 0.0)
+        return False
+    judge(endpoint, len(blocks) * block_bytes / max(seconds, 1e-9) / 1e9)
+    return not emulated(endpoint)
+
+
+def _settle(agent: Agent, peer: str, transfer, timeout_s: float) -> None:
+    """Give the probe's handle back once it no longer runs. One still running after ``timeout_s``
+    must not land in the blocks later: the peer's agent is torn down (UCX ends what it had in
+    flight), and if even that does not end it, the transfer's blocks are not to be used (raises)."""
+    if not transfer.settle(timeout_s):
+        agent.forget(name=peer)
+        if not transfer.settle(timeout_s):
+            raise _Unsettled(f"a test READ from {peer} still runs after its agent was removed")
+    transfer.release()
+
+
+class _Unsettled(RuntimeError):
+    """A READ into engine blocks that could not be ended: the load must fail without touching them."""

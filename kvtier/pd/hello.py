@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import logging
 
-from kvtier.pd.hbm import Landing
+from kvtier.pd.hbm import Landing, judged
 from kvtier.pd.protocol import BATCH_BYTES, MAX_HELLO_FETCHES, VERSION, Fetch, Hello, HelloReply, encode, layout_problem
 
 logger = logging.getLogger(__name__)
@@ -17,13 +17,16 @@ class PeerError(RuntimeError):
     """The producer could not deliver: unreachable, timed out, refused, mismatched or missing."""
 
 
-def first_fetches(plan: tuple[str, list[tuple[bytes, int]], bool], landing: Landing,
-                  block_size: int) -> tuple[Fetch, ...]:
+def first_fetches(plan: tuple[str, list[tuple[bytes, int]], bool], landing: Landing, block_size: int,
+                  endpoint: str) -> tuple[Fetch, ...]:
     """A pull's first fetches, to go with its hello: those of ``plan`` (transfer id, the chunks'
     ``(chain key, block count)``, wait) that fit :data:`~kvtier.pd.protocol.BATCH_BYTES`, each
     asking for P's engine blocks where the chunk lands in this engine's (``landing``);
-    ``block_size``: this engine's, in tokens."""
+    ``block_size``: this engine's, in tokens. None before the HBM path to the producer at
+    ``endpoint`` was judged (the first transfer probes it before it asks for anything)."""
     transfer_id, items, _ = plan
+    if not judged(endpoint, landing.kind):
+        return ()
     fetches, size = [], 0
     for i, (key, n) in enumerate(items[:MAX_HELLO_FETCHES]):
         fetch = Fetch(VERSION, transfer_id, i, key, n, tokens=n * block_size, hbm=landing.block_ids[i] is not None)
