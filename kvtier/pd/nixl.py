@@ -277,7 +277,11 @@ class Agent:
 
     def forget(self, metadata: bytes | None = None, name: str | None = None) -> None:
         """Drop a peer, by its metadata or its name: one that failed (a restarted peer comes back
-        under a new name), or whose chunk server went away."""
+        under a new name), whose chunk server went away, or with which a transfer ran past its
+        deadline (:mod:`kvtier.pd.fence`, :mod:`kvtier.pd.writes`). NIXL's ``remove_remote_agent``:
+        no transfer with it can be posted from then on, and one still running reports ``ERR``
+        (NIXL 1.5.1: "remote agent was invalidated ... during transfer"); a later :meth:`connect`
+        adds it afresh."""
         with self._lock:
             if metadata is None:
                 metadata = next((m for m, n in self._peers.items() if n == name), None)
@@ -296,7 +300,7 @@ class Agent:
             self._nixl.remove_remote_agent(name)
         except Exception as exc:  # a peer already gone on NIXL's side
             logger.debug("kvtier NIXL: removing %s: %s", name, exc)
-        removed(self.name, name)
+        removed(self, name)
 
     def read(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
              memory: Memory = ("DRAM", 0, 0), here: bool = False) -> Transfer:

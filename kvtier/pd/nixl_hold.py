@@ -59,7 +59,7 @@ def held(op: str, peer: str, local: list[tuple[int, int]]) -> Hold | None:
     return next((h for h in reversed(_HOLDS) if h.match(op, peer, local)), None) if _HOLDS else None
 
 
-def removed(agent: str, peer: str) -> None:
-    """Agent ``agent`` removed NIXL peer ``peer``."""
+def removed(agent, peer: str) -> None:
+    """``agent`` (a :class:`~kvtier.pd.nixl.Agent`) removed NIXL peer ``peer``."""
     for hold in _HOLDS:
-        hold.removed.add((agent, peer))
+        hold.removed.add((agent.name, peer))
