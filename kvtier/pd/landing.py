@@ -212,7 +212,7 @@ class Landings:
     def _read(self, mine: list[int], theirs: list[int], here: bool = False) -> Transfer | None:
         """One READ of P's blocks ``theirs`` into this engine's ``mine`` (``here``: posted on this
         thread, see :meth:`Agent.read <kvtier.pd.nixl.Agent.read>`), tracked by the fence; None if
-        no descriptors pair them (one NIXL could not post fails: its state is ``ERR``)."""
+        no descriptors pair them. One NIXL refuses is returned all the same, its state ``ERR``."""
         try:
             local, remote = read_descriptors(self.mine.regions, self.theirs, mine, theirs)
         except ValueError:
