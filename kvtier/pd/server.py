@@ -17,7 +17,7 @@ HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with
 :mod:`kvtier.pd.hbm_serve`. A pull fetch for a transfer whose lease should begin any moment
 (its request finished computing) waits for it up to :data:`EXPECT_S`; without a lease the chunk
 is lent or sent from the CPU tier as above. A release that asks for an answer gets it once no
-WRITE of its transfer runs.
+WRITE of its transfer runs; each WRITE is abandoned ``timeout_ms`` after its posting (:mod:`kvtier.pd.writes`).
 """
 
 from __future__ import annotations
@@ -82,9 +82,8 @@ class ChunkServer:
         self._lease_wait = False  # a fetch waits for a lease: look again at the next turn of the loop
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
-        self._writes = PeerWrites(self._send, self._retry)  # WRITEs not done yet (being posted, or RDMA)
+        self._writes = PeerWrites(self._send, self._retry, timeout_ms / 1000)  # WRITEs not done yet, releases to answer
         self._hbm = HbmServing(self._send, self._writes)
-        self._answer_releases: list[tuple[bytes, str]] = []  # (identity, transfer id): answer once no WRITE runs
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
         self._lend_s = 2 * timeout_ms / 1000
         self._lent = LentBuffers(self._send, self._lend_s)  # CPU-tier buffers lent to NIXL peers
@@ -137,8 +136,6 @@ class ChunkServer:
                 if self._writes:
                     self._writes.poll()
                 came = self._hbm.sums_came()  # chunks just computed: their waiting fetches may be answered now
-                if self._answer_releases:
-                    self._answer_released()
                 now = time.monotonic()
                 self._serve_waiting(now, came)
                 self._hbm.flush(self.nixl)  # one WRITE per peer for what this turn's fetches found stored
@@ -188,8 +185,7 @@ class ChunkServer:
             self.holds.release(message.transfer_id)
             self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
             if message.answer:
-                self._answer_releases.append((identity, message.transfer_id))
-                self._answer_released()
+                self._writes.answer_release(identity, message.transfer_id)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         mine = self.layout
@@ -292,13 +288,6 @@ class ChunkServer:
             self.nixl.forget_idle(PEER_IDLE_S)
         self._lent.expire(now)
 
-    def _answer_released(self) -> None:
-        """Answer the releases whose transfer has no WRITE running any more."""
-        done = [(i, t) for i, t in self._answer_releases if not self._writes.busy(t)]
-        self._answer_releases = [r for r in self._answer_releases if r not in done]
-        for identity, _ in done:
-            self._send(identity, ChunkReply(VERSION, -1, "released"))
-
     @property
     def engine(self) -> EngineBlocks | None:
         """This rank's engine KV as NIXL has it (set once registered; None: no HBM to HBM)."""
@@ -332,6 +321,11 @@ class ChunkServer:
     def writes_failed_total(self) -> int:
         """Chunks whose WRITE into a NIXL peer failed since start (each sent from its stored copy)."""
         return self._writes.failed_total
+
+    @property
+    def writes_abandoned_total(self) -> int:
+        """Chunks whose WRITE into a NIXL peer ran past its deadline since start (each sent as for a failed one)."""
+        return self._writes.abandoned_total
 
     @property
     def lent_total(self) -> int:

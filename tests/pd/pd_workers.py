@@ -4,6 +4,7 @@ laid out as vLLM-CPU lays it out. What vLLM's scheduler would send them is built
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -96,3 +97,13 @@ def wait_for(predicate, timeout_s: float = 10.0) -> None:
     while not predicate():
         assert time.monotonic() < deadline, "never happened"
         time.sleep(0.005)
+
+
+def advertise_shifted_regions(d: Engine, monkeypatch, shift: int = 1 << 46) -> None:
+    """What ``d`` sends a producer (its second hello, push "write") names its engine KV regions
+    ``shift`` bytes past where they are and were registered with NIXL: the producer's WRITEs into
+    the blocks ``d`` names point outside ``d``'s registration, and NIXL refuses them."""
+    kv = d.side.engine_kv
+    landing = kv.landing
+    monkeypatch.setattr(kv, "landing", lambda targets: (made := landing(targets)) and dataclasses.replace(
+        made, regions=tuple(dataclasses.replace(r, base=r.base + shift) for r in made.regions)))

@@ -15,7 +15,7 @@ import time
 import pytest
 import torch
 
-from pd_workers import Engine, remote_job
+from pd_workers import Engine, advertise_shifted_regions, remote_job
 from test_pd_hbm_push import D_BLOCKS, FULL, P_BLOCKS, PROMPT, TAIL, copied, finish, step, wait_for
 from kvtier import codec
 from kvtier.jobs import SaveJob
@@ -118,11 +118,11 @@ def test_a_block_that_changed_after_its_step_fails_its_chunk_and_those_after(eng
 
 
 def test_a_failed_write_before_the_copy_is_stored_sends_that_copy_once_stored(engines, held_store, monkeypatch):
+    """D's second hello names engine KV regions outside what it registered: NIXL refuses P's WRITE."""
     p, d = engines("p", 1), engines("d", 2, pd_timeout_ms=20000, pd_hbm_push="write")
+    advertise_shifted_regions(d, monkeypatch)
     gate = held_store(p)
     server = p.side.chunk_server
-    monkeypatch.setattr(server.nixl, "write",
-                        lambda peer, *a, **k: nixl.Transfer.failed(server.nixl, peer, RuntimeError("refused")))
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     step(p, 0, 3, final=True)
     wait_for(lambda: server.writes_failed_total == 4)  # each chunk waits for its copy now
@@ -131,6 +131,7 @@ def test_a_failed_write_before_the_copy_is_stored_sends_that_copy_once_stored(en
     gate.set()
     assert d.wait_loaded("d-req", timeout_s=30) == set()  # not a recompute: the CPU-tier copies
     assert torch.equal(d.blocks(D_BLOCKS), expected) and server.blocks_written_total == 0
+    assert not server._writes.busy("t1")
     finish(p)
 
 
@@ -190,20 +191,26 @@ def test_a_push_consumer_checks_the_chunks_of_one_step_in_one_pass(engines, held
 def test_a_steps_copy_out_waits_for_its_checksum_pass(engines, monkeypatch):
     """On a GPU the checksum pass's sums reach the host through the copy engines, and queued
     behind the step's copy-out they came when the stored copies did: the copy-out is given the
-    pass's event to wait for (the order itself: ``tests/ops/test_gpu_early_sums.py``, on a GPU).
-    Host memory here: the pass is done at once, a stand-in event is passed through."""
+    pass's event to wait for (the order on a GPU: ``tests/ops/test_gpu_early_sums.py``). Host
+    memory here: the pass runs at once, so each copy-out of a published step finds its chunks'
+    sums in, and is given what the pass returned (no event); one not published takes no sums."""
     p = engines("p", 1)
-    sums, event = p.side.engine_kv.sums, object()
-    take = sums.take
-    monkeypatch.setattr(sums, "take", lambda t, keys, ids: (take(t, keys, ids), event)[1])
-    transfers, waits = p.side.group_transfers[0], []
-    save = transfers.save
+    sums, transfers = p.side.engine_kv.sums, p.side.group_transfers[0]
+    took, take = [], sums.take
+    monkeypatch.setattr(sums, "take", lambda t, keys, ids: (took.append(event := take(t, keys, ids)), event)[1])
+    waits, save = [], transfers.save
     monkeypatch.setattr(transfers, "save", lambda jobs, wait_forward=False, after=None: (
-        waits.append(after), save(jobs, wait_forward))[1])
+        waits.append((after, [sums.get(j.publish, k, len(j.block_ids) // len(j.keys)) is not None
+                             for j in jobs for k in j.keys])),
+        save(jobs, wait_forward, after))[1])
     step(p, 0, 2)
     p.side.save((SaveJob("other", (FULL[2],), tuple(P_BLOCKS[4:6])),))  # not published: no pass, no wait
-    assert waits == [event, None]
+    assert took == [None] and waits == [(None, [True, True]), (None, [False])]
     assert p.side.settle()
+    for key in FULL[:2]:  # the stored copy's KVSUM64 is the one the pass took
+        copy = p.side.store.get(p.side.transfers.skey(key))
+        assert codec.read_header(copy.data).checksum == sums.get("t1", key, 2)
+        copy.release()
     finish(p)
 
 

@@ -6,8 +6,8 @@ pair runs.
 The consumer (D) asks first; the moment the step that computed a chunk is saved, while the request
 still runs, the producer (P) answers with the chunk's blocks and D READs them (``pd_hbm_push``
 "read"), or D named its engine blocks and P WRITEs the chunk there ("write"). A block that
-changed before the copy, a WRITE that cannot be posted, a producer that dies and a consumer that
-gives up with chunks to come each end in a recompute or the CPU-tier copy, and nothing is held."""
+changed before the copy, a WRITE NIXL refuses, a producer that dies and a consumer that gives up
+with chunks to come each end in a recompute or the CPU-tier copy, and nothing is held."""
 
 from __future__ import annotations
 
@@ -17,10 +17,11 @@ import time
 import pytest
 import torch
 
-from pd_workers import CHUNK, Engine, prompt_keys, remote_job, tokens_of, wait_for
+from pd_workers import CHUNK, Engine, advertise_shifted_regions, prompt_keys, remote_job, tokens_of, wait_for
 from kvtier.jobs import Lend, SaveJob
 from kvtier import timeline
 from kvtier.pd import nixl, server as chunk_server
+from kvtier.pd.nixl_hold import Hold
 
 PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
 P_BLOCKS = [10, 11, 12, 13, 20, 21, 22]
@@ -129,20 +130,22 @@ def test_a_block_that_changed_before_the_copy_takes_that_chunk_and_those_after_f
     assert "another KVSUM64" in caplog.text
 
 
-def test_a_write_that_cannot_be_posted_sends_the_cpu_tier_copy_at_once(engines, monkeypatch):
+def test_a_write_nixl_refuses_sends_the_cpu_tier_copy_at_once(engines, monkeypatch):
+    """D's second hello names engine KV regions outside what it registered: NIXL refuses P's WRITE."""
     p, d = engines("p", 1), engines("d", 2, pd_timeout_ms=20000, pd_hbm_push="write")
+    advertise_shifted_regions(d, monkeypatch)
     step(p, 0, 3, final=True)
     assert p.side.settle()
     expected = p.blocks(P_BLOCKS)
     p.kv[:, P_BLOCKS] = 0.0  # had a WRITE run, D would hold zeros
-    agent = p.side.chunk_server.nixl
-    monkeypatch.setattr(agent, "write", lambda peer, *a, **k: nixl.Transfer.failed(agent, peer, RuntimeError("refused")))
     start = time.monotonic()
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     assert d.wait_loaded("d-req", timeout_s=30) == set()
     assert time.monotonic() - start < 10  # not D's 20 s timeout (vLLM #50754)
     assert torch.equal(d.blocks(D_BLOCKS), expected)
-    assert p.side.chunk_server.blocks_written_total == 0
+    server = p.side.chunk_server
+    assert (server.writes_failed_total, server.blocks_written_total) == (4, 0)
+    assert not server._writes.busy("t1") and not server._writes
 
 
 def test_a_consumer_that_gives_up_is_never_written_into_afterwards(engines, push):
@@ -161,20 +164,41 @@ def test_a_consumer_that_gives_up_is_never_written_into_afterwards(engines, push
     assert torch.equal(d.blocks(D_BLOCKS[2:]), before)
 
 
-def test_a_producer_killed_mid_transfer_costs_one_timeout_and_keeps_what_landed(engines, push):
+def test_a_producer_killed_mid_transfer_costs_one_timeout_and_keeps_what_landed(engines, push, monkeypatch):
     p, d = engines("p", 1), engines("d", 2, pd_hbm_push=push)  # pd_timeout_ms=1000
+    reads, read = [], d.side.nixl.read
+    monkeypatch.setattr(d.side.nixl, "read", lambda *a, **k: reads.append(t := read(*a, **k)) or t)
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
     step(p, 0, 1)
     wait_for(lambda: copied(p, push) == 1)
+    if push == "read":  # its end needs P's progress (UCX's host transports): P must still run then
+        wait_for(lambda: reads and reads[0].state() == "DONE")
     start = time.monotonic()
     p.side.chunk_server.close()  # P dies before computing the rest: no heartbeat, no answer to a release
     failed = d.wait_loaded("d-req")
-    # one timeout, not a second one waiting for P's word; a READ that made no progress is settled
-    assert time.monotonic() - start < (2.9 if push == "read" else 1.9)  # ... for one more: it lands nowhere late
-    if push == "read" and failed == set(D_BLOCKS):  # over UCX's host transports (not cuda_ipc) a READ of
-        return  # P's memory needs P's progress, which stopped with its server: chunk 0 failed too
+    assert time.monotonic() - start < 1.9  # one timeout, not a second one waiting for P's word
     assert failed == set(D_BLOCKS[2:])
     assert torch.equal(d.blocks(D_BLOCKS[:2]), p.blocks(P_BLOCKS[:2]))
+
+
+def test_a_producer_killed_while_its_block_read_runs_fails_that_chunk_once_its_agent_is_dropped(engines, caplog):
+    """Over UCX's host transports (not cuda_ipc) a first READ of P's memory needs P's progress,
+    which stops with P's chunk server: the READ runs on (held here until P's agent is dropped).
+    D's watch of P's chunk server drops P's agent as it goes, NIXL fails the READ then, and the
+    load reports chunk 0 failed too, before the READ's deadline."""
+    p, d = engines("p", 1), engines("d", 2, pd_hbm_push="read")  # pd_timeout_ms=1000
+    kv = (d.kv.data_ptr(), d.kv.data_ptr() + d.kv.numel() * d.kv.element_size())
+    with Hold(lambda op, peer, local: op == "READ" and kv[0] <= local[0][0] < kv[1], teardown=True) as hold:
+        d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint, wait=True),))
+        step(p, 0, 1)
+        wait_for(lambda: hold.transfers)  # D READs chunk 0 from P's blocks
+        start = time.monotonic()
+        p.side.chunk_server.close()
+        with caplog.at_level(logging.WARNING, logger="kvtier"):
+            assert d.wait_loaded("d-req") == set(D_BLOCKS)
+    assert time.monotonic() - start < 1.0  # before the READ's deadline
+    assert p.side.nixl.name not in d.side.nixl.peer_names and hold.transfers[0].state() == "ERR"
+    assert not [r for r in caplog.records if r.name == "kvtier.pd.fence"]  # it ended: nothing fenced
 
 
 def test_a_consumer_written_into_is_forgotten_once_idle_and_reached_again_for_the_next_transfer(engines, monkeypatch):
