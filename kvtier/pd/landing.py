@@ -148,6 +148,8 @@ class Landings:
         if self._early is None:
             return False
         self._early_s, self._settle_s = time.perf_counter(), settle_s
+        logger.debug("kvtier P/D: %d blocks READ from %s before its reply, as its parameters named them", len(mine),
+                     self.endpoint)
         if self.endpoint not in _told_early:
             _told_early.add(self.endpoint)
             logger.info("kvtier P/D: reading the blocks %s's parameters name before its reply.", self.endpoint)

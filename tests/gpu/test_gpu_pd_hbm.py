@@ -107,12 +107,16 @@ def test_pd_hbm_to_hbm_pull_lease_end_push_and_negative_control(gpu_model, tmp_p
         assert int(early[-1]) >= 4, f"D READ {early[-1]} chunks before P's reply, expected the 4 it loads"
         g.assert_strict(_as_output(got), _as_output(_ask(p, again)), "early-READ pull vs P's own KV")
 
-        # Pull after the lease: P says the lease ended unread, then D asks (it READs the blocks
-        # named before P's reply, which says they are not lent: D takes P's CPU tier instead).
+        # Pull after the lease: P says the lease ended unread, then D asks. Told nothing of when the
+        # lease ends (no kvtier_lent_until), D READs the blocks named before P's reply, which says
+        # they are not lent: that READ goes unused and D takes P's CPU tier instead.
         late = g.prompt(401, LENGTH)
         params = p.ask(late, {"do_remote_decode": True})["params"]
         _wait_for_line(p, rf"lease of transfer {re.escape(params['remote_request_id'])} ended: expired unread")
+        early_reads = len(re.findall(r"blocks READ from \S+ before its reply", _log(d)))
+        params = {k: v for k, v in params.items() if k != "kvtier_lent_until"}
         got = _ask(d, late, params)
+        _wait_for_line(d, r"blocks READ from \S+ before its reply", count=early_reads + 1)
         assert got["cached"] >= LOADED, f"after the lease: D loaded {got['cached']} tokens (a recompute?)"
         g.assert_strict(_as_output(got), _as_output(_ask(p, late)), "pull after the lease vs P's own KV")
 
