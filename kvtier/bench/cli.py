@@ -62,13 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
-    from kvtier.bench import engine, executors, lookup, overhead, pd, pd_engines, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
+    from kvtier.bench import engine, executors, lookup, overhead, pd, pd_engines, pd_soak, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
 
     engine.add_parser(commands)
     executors.add_parser(commands)
     lookup.add_parser(commands)
     pd.add_parser(commands)
     pd_engines.add_parser(commands)
+    pd_soak.add_parser(commands)
     pd_transfer.add_parser(commands)
     soak.add_parser(commands)
     ttft_tiers.add_parser(commands)
