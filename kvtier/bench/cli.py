@@ -7,8 +7,9 @@ of the same prompts recomputed, hit in the engine's prefix cache, and served P/D
 kvtier-proxy (pull and push). ``kvtier-bench ttft`` times the first token recomputed, hit
 locally and reloaded from the CPU and disk tiers; ``kvtier-bench engine`` does that and more in a
 real CUDA vLLM beside vLLM's own ``OffloadingConnector``; ``kvtier-bench overhead`` compares a mixed
-batch's throughput with and without kvtier when nothing hits. Exit status: 0 measured and verified, 1 the bench failed
-(verification included), 2 bad arguments.
+batch's throughput with and without kvtier when nothing hits; ``kvtier-bench pd-soak`` sends P/D
+requests while faults strike at random and checks every answer against a recompute. Exit status: 0
+measured and verified, 1 the bench failed (verification included), 2 bad arguments.
 """
 
 from __future__ import annotations
