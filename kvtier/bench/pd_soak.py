@@ -192,6 +192,14 @@ def _drive(fleet, plan, references, args, secret: bytes, timeout_s: float, progr
 
     def one(client, req) -> client_mod.Outcome:
         out = client_mod.Outcome(req.index, req.kind, fleet.now())
+        try:
+            send(client, req, out)
+        except Exception as exc:  # noqa: BLE001 - a failure of the harness itself fails the soak, visibly
+            out.status, out.error = "failed", f"harness: {type(exc).__name__}: {exc}"[:300]
+        out.end_s = fleet.now()
+        return out
+
+    def send(client, req, out) -> None:
         ref, p_url, d_url = references[req.index], fleet.url("p"), fleet.url("d")
         if req.kind == "none":
             client_mod.proxied(client, fleet.url("proxy"), req, SERVED_NAME, ref, timeout_s, out)
@@ -212,8 +220,6 @@ def _drive(fleet, plan, references, args, secret: bytes, timeout_s: float, progr
                 time.sleep(req.delay_s)  # the injected delay itself
                 fleet.kill(role, READY_TIMEOUT_S)
             client_mod.legs(client, p_url, d_url, req, SERVED_NAME, ref, timeout_s, out, during_d=during_d)
-        out.end_s = fleet.now()
-        return out
 
     def worker() -> None:
         with httpx.Client(trust_env=False) as client:

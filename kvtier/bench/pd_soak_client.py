@@ -20,8 +20,6 @@ from typing import Callable
 
 from kvtier.bench.pd_soak_plan import Request, check_answer
 
-STATUSES = ("ok", "wrong", "failed", "hung")
-
 
 @dataclass
 class Outcome:
@@ -50,7 +48,7 @@ def body(req: Request, model: str) -> dict:
             "ignore_eos": True, "return_token_ids": True}
 
 
-def _judge(out: Outcome, call: Callable, reference: list[int]) -> dict | None:
+def _judge(out: Outcome, call: Callable) -> dict | None:
     """Run ``call()`` (an httpx response) into ``out``; the JSON answer of a 200, else None."""
     import httpx
 
@@ -84,8 +82,7 @@ def _tokens(answer: dict) -> list[int] | None:
 def proxied(client, proxy_url: str, req: Request, model: str, reference: list[int], timeout_s: float,
             out: Outcome) -> None:
     """``req`` through the proxy, judged into ``out``."""
-    answer = _judge(out, lambda: client.post(proxy_url + "/v1/completions", json=body(req, model), timeout=timeout_s),
-                    reference)
+    answer = _judge(out, lambda: client.post(proxy_url + "/v1/completions", json=body(req, model), timeout=timeout_s))
     if answer is not None:
         out.tokens = _tokens(answer)
         out.status = check_answer(out.tokens, reference)
@@ -103,7 +100,7 @@ def legs(client, p_url: str, d_url: str, req: Request, model: str, reference: li
     client_body = body(req, model)
     p_body = routing.prefill_body(client_body, routing.PULL_PREFILL_PARAMS)
     answer = _judge(out, lambda: client.post(p_url + "/v1/completions", json=p_body, headers=headers,
-                                             timeout=timeout_s), reference)
+                                             timeout=timeout_s))
     if answer is None:
         return None
     params = answer.get("kv_transfer_params")
@@ -114,7 +111,7 @@ def legs(client, p_url: str, d_url: str, req: Request, model: str, reference: li
 
     def decode() -> None:
         got["answer"] = _judge(out, lambda: client.post(d_url + "/v1/completions", json=d_body, headers=headers,
-                                                        timeout=timeout_s), reference)
+                                                        timeout=timeout_s))
 
     worker = threading.Thread(target=decode, name=f"pd-soak-d-{req.index}", daemon=True)
     worker.start()

@@ -69,6 +69,7 @@ class Fleet:
         self.kills: list[Kill] = []
         self.samples: list[Sample] = []
         self._down = 0  # restarts under way
+        self._restarting: set[str] = set()  # their roles
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._sampler: threading.Thread | None = None
@@ -129,10 +130,14 @@ class Fleet:
             self.servers.pop(role).stop()
 
     # ---- kills --------------------------------------------------------------------------------------
-    def kill(self, role: str, ready_timeout_s: float) -> Kill:
+    def kill(self, role: str, ready_timeout_s: float) -> Kill | None:
         """SIGKILL ``role``'s process group now, reap it, and start it again on a thread of its own
-        (no request starts until it answers /health)."""
+        (no request starts until it answers /health). None, and nothing done, while that server
+        is still being restarted (two kill requests were in flight at once)."""
         with self._cond:
+            if role in self._restarting:
+                return None
+            self._restarting.add(role)
             self._down += 1
         server = self.servers[role]
         if role == "d":
@@ -163,6 +168,7 @@ class Fleet:
         finally:
             with self._cond:
                 self._down -= 1
+                self._restarting.discard(kill.role)
                 self._cond.notify_all()
 
     def wait_up(self) -> bool:
