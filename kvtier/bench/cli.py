@@ -7,8 +7,9 @@ of the same prompts recomputed, hit in the engine's prefix cache, and served P/D
 kvtier-proxy (pull and push). ``kvtier-bench ttft`` times the first token recomputed, hit
 locally and reloaded from the CPU and disk tiers; ``kvtier-bench engine`` does that and more in a
 real CUDA vLLM beside vLLM's own ``OffloadingConnector``; ``kvtier-bench overhead`` compares a mixed
-batch's throughput with and without kvtier when nothing hits. Exit status: 0 measured and verified, 1 the bench failed
-(verification included), 2 bad arguments.
+batch's throughput with and without kvtier when nothing hits; ``kvtier-bench pd-soak`` sends P/D
+requests while faults strike at random and checks every answer against a recompute. Exit status: 0
+measured and verified, 1 the bench failed (verification included), 2 bad arguments.
 """
 
 from __future__ import annotations
@@ -62,13 +63,14 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
-    from kvtier.bench import engine, executors, lookup, overhead, pd, pd_engines, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
+    from kvtier.bench import engine, executors, lookup, overhead, pd, pd_engines, pd_soak, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
 
     engine.add_parser(commands)
     executors.add_parser(commands)
     lookup.add_parser(commands)
     pd.add_parser(commands)
     pd_engines.add_parser(commands)
+    pd_soak.add_parser(commands)
     pd_transfer.add_parser(commands)
     soak.add_parser(commands)
     ttft_tiers.add_parser(commands)
