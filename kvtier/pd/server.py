@@ -25,7 +25,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
@@ -38,6 +37,7 @@ from kvtier.pd.holds import PublishHolds
 from kvtier.pd.lending import LentBuffers
 from kvtier.pd.nixl import Agent
 from kvtier.pd.recut import recut
+from kvtier.pd.waiting import WaitingFetches
 from kvtier.pd.writes import PeerWrites
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, ServedLayout,
@@ -47,7 +47,6 @@ from kvtier.storage import ChunkBuffer, ChunkStore
 
 logger = logging.getLogger(__name__)
 
-MAX_WAITING = 4096  # fetches parked for chunks still being computed, over all peers
 # A published request is alive this long after a step began computing it: one prefill step may
 # outlast pd_timeout_ms by far, and the waiting consumer must not give up meanwhile. An aborted
 # producer request therefore keeps its consumer waiting this long, at most.
@@ -56,14 +55,6 @@ _SEND_HWM = 1024  # replies queued per peer: above any consumer's fetches in fli
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
 PEER_IDLE_S = 5.0  # a peer's NIXL agent (a consumer written into, a producer read from) unused this long is dropped
-
-
-@dataclass(slots=True)
-class _Waiting:
-    identity: bytes
-    fetch: Fetch
-    since_s: float
-    skey: bytes  # the chunk's storage key
 
 
 class ChunkServer:
@@ -96,7 +87,7 @@ class ChunkServer:
         self._active_s = max(ACTIVE_S, timeout_ms / 1000)
         self.rejected = self.received_total = self.sent_total = 0  # messages refused, taken (a Fetches is one), sent
         self.dropped = 0  # replies not sent: the peer's queue was full
-        self._waiting: list[_Waiting] = []
+        self._waiting = WaitingFetches()
         self.pushing = False  # WRITEs into a consumer run or wait for chunks (read by the engine thread)
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
@@ -142,7 +133,7 @@ class ChunkServer:
                 now = time.monotonic()
                 self._serve_waiting(now, came)
                 self._hbm.flush(self.nixl)  # one WRITE per peer for what this turn's fetches found stored
-                self.pushing = bool(self._writes) or any(w.fetch.blocks for w in self._waiting)
+                self.pushing = bool(self._writes) or self._waiting.pushing
                 if now - last_beat >= self._heartbeat_s:
                     self._heartbeat()
                     last_beat = now
@@ -186,7 +177,7 @@ class ChunkServer:
                 self.engine.leases.release(message.transfer_id)
             self._lent.give_back(message.transfer_id)
             self.holds.release(message.transfer_id)
-            self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
+            self._waiting.drop(message.transfer_id)
             if message.answer:
                 self._answer_releases.append((identity, message.transfer_id))
                 self._answer_released()
@@ -246,12 +237,10 @@ class ChunkServer:
 
     def _park(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Keep ``fetch`` to answer later (False), or refuse it when too many wait (True)."""
-        if not any(w.identity == identity and w.fetch == fetch for w in self._waiting):
-            if len(self._waiting) >= MAX_WAITING:
-                self._send(identity, ChunkReply(VERSION, fetch.index, "refused", "too many waiting fetches"))
-                return True
-            self._waiting.append(_Waiting(identity, fetch, now, storage_key(fetch.key, self.layout.fingerprint)))
-        return False
+        if self._waiting.park(identity, fetch, now, storage_key(fetch.key, self.layout.fingerprint)):
+            return False
+        self._send(identity, ChunkReply(VERSION, fetch.index, "refused", "too many waiting fetches"))
+        return True
 
     def _answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
         """Serve a stored chunk: WRITE it into the peer's buffer, lend it, or send it (takes ``buffer``)."""
@@ -345,26 +334,19 @@ class ChunkServer:
 
     def _serve_waiting(self, now: float, came: set[bytes]) -> None:
         """Answer waiting fetches that may be answerable now: all once anything else changed (an
-        announcement, a lease, once a second), else only those whose chunk was stored or given
-        up, or whose checksum ``came`` (chain keys): a prompt's chunks come one by one, and
-        looking at every waiting fetch for each is quadratic Python on the engine's GIL."""
+        announcement, a lease, once a second), else those :meth:`WaitingFetches.take` picks."""
         stored, everything = self.holds.take_stored(), self.holds.changed.is_set()
         if not self._waiting or not (everything or stored or came):
             return
         if everything:  # cleared only when seen: a change after is_set() is looked at next turn
             self.holds.changed.clear()
-        waiting, self._waiting, again = self._waiting, [], []
-        for w in waiting:
-            (again if everything or w.skey in stored or w.fetch.key in came else self._waiting).append(w)
-        for w in again:
+        for w in self._waiting.take(everything, stored, came):
             self._fetch(w.identity, w.fetch, w.since_s)  # parks it again if still not there
-        # Peers that stopped asking (timed out, died) must not pin waiting entries forever.
-        horizon = 10 * self._active_s
-        self._waiting = [w for w in self._waiting if now - w.since_s <= horizon]
+        self._waiting.expire(now, 10 * self._active_s)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        for identity in {w.identity for w in self._waiting if self.holds.active(w.fetch.transfer_id, self._active_s)}:
+        for identity in self._waiting.peers(lambda transfer_id: self.holds.active(transfer_id, self._active_s)):
             self._send(identity, ChunkReply(VERSION, -1, "pending"))
             if identity in self._nixl_peers:  # waiting through a long prefill is not going quiet
                 self._nixl_peers[identity] = now
