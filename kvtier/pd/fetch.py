@@ -1,9 +1,9 @@
 """A decode engine's side of a transfer: fetch chunks from one producer rank's chunk server.
 
-One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next), a
-handshake that compares layouts, then a window of fetches in flight: while the caller verifies and
-scatters chunk ``i``, chunks ``i+1 …`` are on the wire. Any failure raises :class:`PeerError` after
-the chunks that did arrive were yielded.
+One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next;
+CURVE with a secret, :mod:`kvtier.pd.channel`), a handshake that compares layouts, then a window
+of fetches in flight: while the caller verifies and scatters chunk ``i``, chunks ``i+1 …`` are
+on the wire. Any failure raises :class:`PeerError` after the chunks that did arrive were yielded.
 
 Over NIXL the replies carry addresses instead of payloads: as each arrives, a buffer of this
 engine's CPU tier (registered with NIXL) is allocated and a READ posted into it; a chunk is yielded
@@ -36,9 +36,10 @@ import numpy as np
 import zmq
 
 from kvtier.jobs import Landed
+from kvtier.pd.channel import connect_dealer
 from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated
 from kvtier.pd.landing import Arrived, Landings, read_early, remember
-from kvtier.pd.hello import PeerError, check_layouts, first_fetches, say_transport
+from kvtier.pd.hello import PeerError, check_layouts, first_fetches, say_transport, silence
 from kvtier.pd.protocol import (
     VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
 )
@@ -74,10 +75,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     P's engine blocks from the first chunk on, as its params named them. P is told it is done however it ends."""
     begin = time.perf_counter()
     sizes = [chunk_bytes(n) for _, n in items]
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 200)
-    socket.setsockopt(zmq.MAXMSGSIZE, max(sizes) + (64 << 10))
-    socket.connect(endpoint)
+    socket = connect_dealer(endpoint, secret, max(sizes) + (64 << 10))
     peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size, (transfer_id, items, wait))
     early = None  # the READ of the blocks P's params named, posted while P answers the hello (pull)
     try:
@@ -196,7 +194,7 @@ class _Peer:
             left = deadline - time.monotonic()
             if left <= 0 and not self.socket.poll(0, zmq.POLLIN):  # a thread woken late still takes what came
                 self.silent = True
-                raise PeerError(f"{self.endpoint} sent nothing for {self.timeout_ms} ms")
+                raise PeerError(silence(self.endpoint, self.timeout_ms, bool(self.secret) and not self.handshake_s))
             if self.landing_enabled:  # P WRITEs into our buffers: NIXL needs this side's progress too
                 self.nixl.progress()
             if not block and not self.socket.poll(0, zmq.POLLIN):

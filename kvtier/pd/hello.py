@@ -44,6 +44,15 @@ def check_layouts(endpoint: str, hello: Hello, reply: HelloReply) -> None:
         raise PeerError(problem)
 
 
+def silence(endpoint: str, timeout_ms: int, unanswered_secure_hello: bool) -> str:
+    """Why a producer is given up after ``timeout_ms`` of silence, in words; with
+    ``unanswered_secure_hello`` (a secret is set and no handshake reply came) with what it may be:
+    a chunk server of another secret never finishes ZMQ's CURVE handshake, and says nothing."""
+    why = f"{endpoint} sent nothing for {timeout_ms} ms"
+    maybe = " (its pd_secret may differ: its encrypted channel then never opens)" if unanswered_secure_hello else ""
+    return why + maybe
+
+
 def say_transport(endpoint: str, hbm: bool, nixl: bool) -> None:
     """One line per producer and transport: how its chunks come (``hbm``: HBM to HBM where it
     lends; ``nixl``: NIXL, else ZMQ)."""

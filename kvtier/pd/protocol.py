@@ -45,6 +45,11 @@ blocks the chunk goes into (``Fetch.blocks``). P WRITEs the chunk from its own e
 as a payload instead. A transfer that D gives up with such fetches unanswered is released and
 D waits for P's ``released`` answer, which P sends once no WRITE of the transfer is in flight:
 no late WRITE lands in blocks D recomputes.
+
+Encryption: with a secret the side channel (these messages and the ZMQ payload frames, not
+NIXL's data plane) is encrypted by ZMQ CURVE (:mod:`kvtier.pd.channel`): the chunk server's key
+pair is derived from the secret, so D knows P's public key without another setting, and each
+D socket makes a fresh key pair of its own.
 """
 
 from __future__ import annotations

@@ -5,6 +5,7 @@ yet but coming (its save is queued, or its transfer is still being computed: pus
 moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
 while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed,
 oversized, unauthenticated or wrong-version message is refused and logged; the server keeps serving.
+With a secret the socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
 
 Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
 the reply carries its address in the registered CPU pool, and the server keeps the chunk's buffer
@@ -31,6 +32,7 @@ import msgspec
 import zmq
 
 from kvtier.keys import storage_key
+from kvtier.pd.channel import HandshakeFailures, bind_router
 from kvtier.pd.hbm import EngineBlocks
 from kvtier.pd.hbm_serve import HbmServing
 from kvtier.pd.holds import PublishHolds
@@ -89,17 +91,8 @@ class ChunkServer:
         self.dropped = 0  # replies not sent: the peer's queue was full
         self._waiting = WaitingFetches()
         self.pushing = False  # WRITEs into a consumer run or wait for chunks (read by the engine thread)
-        self._ctx = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer fails, not blocks
-        self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        if bind.endswith(":0"):
-            self.port = self._socket.bind_to_random_port(bind[: bind.rindex(":")])
-        else:
-            self._socket.bind(bind)
-            self.port = int(bind.rsplit(":", 1)[1])
+        self._socket, self.port = bind_router(bind, secret, MAX_REQUEST_BYTES, _SEND_HWM)
+        self._curve_failures = HandshakeFailures(self._socket, _LOG_EVERY)  # peers of another secret (CURVE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvtier-pd-server", daemon=True)
         self._thread.start()
@@ -123,6 +116,7 @@ class ChunkServer:
                         except zmq.Again:
                             break
                         self._handle(frames)
+                self.rejected += self._curve_failures.take()
                 if self._nixl_peers:
                     self.nixl.progress()
                 if self._writes:
@@ -147,6 +141,7 @@ class ChunkServer:
                 logger.exception("kvtier P/D chunk server: unexpected error; still serving")
         self._lent.close()
         self._writes.settle(self._lend_s)
+        self._curve_failures.close()
         self._socket.close()
 
     def _handle(self, frames: list[bytes]) -> None:

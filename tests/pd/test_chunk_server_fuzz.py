@@ -36,7 +36,7 @@ def signed(message: msgspec.Struct, secret: bytes | None = SECRET) -> list[bytes
 
 
 def still_serves(endpoint: str) -> None:
-    reply = ask(endpoint, signed(hello()), timeout_ms=2000)
+    reply = ask(endpoint, signed(hello()), timeout_ms=2000, secret=SECRET)
     assert reply is not None, "the chunk server stopped answering"
     assert isinstance(decode_reply(reply[1]), HelloReply)
 
@@ -58,7 +58,7 @@ raw_frames = st.lists(st.binary(max_size=200), min_size=0, max_size=4)
 def test_any_struct_signed_or_not_is_answered_or_refused(producer, message, authenticated):
     frames = signed(message, SECRET if authenticated else None)
     before = producer.side.chunk_server.rejected
-    ask(producer.endpoint, frames, timeout_ms=300)
+    ask(producer.endpoint, frames, timeout_ms=300, secret=SECRET)
     if not authenticated:
         assert producer.side.chunk_server.rejected == before + 1
     still_serves(producer.endpoint)
@@ -69,13 +69,13 @@ def test_any_struct_signed_or_not_is_answered_or_refused(producer, message, auth
 def test_garbage_frames_are_refused(producer, frames):
     before = producer.side.chunk_server.rejected
     if frames:
-        ask(producer.endpoint, frames, timeout_ms=300)
+        ask(producer.endpoint, frames, timeout_ms=300, secret=SECRET)
         assert producer.side.chunk_server.rejected == before + 1
     still_serves(producer.endpoint)
 
 
 def test_oversized_message_is_dropped_unread(producer):
-    ask(producer.endpoint, [b"", b"x" * (1 << 20)], timeout_ms=300)
+    ask(producer.endpoint, [b"", b"x" * (1 << 20)], timeout_ms=300, secret=SECRET)
     still_serves(producer.endpoint)
 
 
@@ -83,7 +83,7 @@ def test_tampered_body_fails_its_mac(producer):
     frames = signed(Release(VERSION, "t"))
     frames[1] = frames[1][:-1] + b"u"
     before = producer.side.chunk_server.rejected
-    reply = ask(producer.endpoint, frames, timeout_ms=2000)
+    reply = ask(producer.endpoint, frames, timeout_ms=2000, secret=SECRET)
     assert producer.side.chunk_server.rejected == before + 1
     assert decode_reply(reply[1]).status == "refused"
 

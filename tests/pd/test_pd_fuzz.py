@@ -26,6 +26,7 @@ from hypothesis import strategies as st
 
 from fuzzing import ask, mutated
 from kvtier.pd import params as pd
+from kvtier.pd.channel import bind_router
 from kvtier.pd.fetch import PeerError, fetch_chunks
 from kvtier.pd.protocol import (
     VERSION, ChunkReplies, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, decode_request, encode,
@@ -89,12 +90,11 @@ def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving
 
 class HostileProducer:
     """A ROUTER that answers each message with the next queued list of frames (a batch of fetches
-    with as many as it holds; a hello with one more per fetch it carries, when ``hello_fetches``)."""
+    with as many as it holds; a hello with one more per fetch it carries, when ``hello_fetches``);
+    with ``secret`` a CURVE server, as a chunk server with it is."""
 
-    def __init__(self):
-        self.socket = zmq.Context.instance().socket(zmq.ROUTER)
-        self.socket.setsockopt(zmq.LINGER, 0)
-        self.port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+    def __init__(self, secret: bytes | None = None):
+        self.socket, self.port = bind_router("tcp://127.0.0.1:0", secret, 1 << 20, 1000)
         self.replies: list[list[bytes]] = []
         self.hello_fetches = False  # a hello's fetches take replies too (P lends the transfer)
         self.lock = threading.Lock()
@@ -117,7 +117,8 @@ class HostileProducer:
                     count += len(message.fetches)
                 replies, self.replies[:count] = self.replies[:count], []
             for reply in replies:
-                self.socket.send_multipart([identity, *reply])
+                with contextlib.suppress(zmq.ZMQError):  # D gave up and went: its replies go nowhere
+                    self.socket.send_multipart([identity, *reply])
 
     def close(self) -> None:
         self.stop.set()
@@ -304,7 +305,7 @@ def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_
     from kvtier.pd.protocol import mac
 
     _, store, p_agent, d_agent, base = hostile_nixl
-    producer = HostileProducer()  # its own: a late message of an earlier test would take a reply queued here
+    producer = HostileProducer(b"pd-secret")  # its own: a late message of an earlier test would take a reply queued here
     producer.hello_fetches = lending  # lending: the batch answers the fetches D's hello carried
     kv = torch.zeros(8 * ENGINE_BLOCK, dtype=torch.uint8)  # D's engine KV: 8 blocks, one region
     d_agent.register([(kv.data_ptr(), kv.numel())])
