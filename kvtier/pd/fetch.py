@@ -1,7 +1,8 @@
 """A decode engine's side of a transfer: fetch chunks from one producer rank's chunk server.
 
 One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next;
-CURVE with a secret, :mod:`kvtier.pd.channel`), a handshake that compares layouts, then a window
+CURVE with a secret, :mod:`kvtier.pd.channel`), a handshake that compares layouts (each hello
+with a fresh nonce, which P's reply must echo and every later message carries), then a window
 of fetches in flight: while the caller verifies and scatters chunk ``i``, chunks ``i+1 …`` are
 on the wire. Any failure raises :class:`PeerError` after the chunks that did arrive were yielded.
 
@@ -39,7 +40,7 @@ from kvtier.jobs import Landed
 from kvtier.pd.channel import connect_dealer
 from kvtier.pd.hbm import Landing, RegionSpan, compatible, emulated
 from kvtier.pd.landing import Arrived, Landings, read_early, remember
-from kvtier.pd.hello import PeerError, check_layouts, first_fetches, say_transport, silence
+from kvtier.pd.hello import PeerError, check_reply, first_fetches, introduce, new_nonce, push_hello, say_transport, silence
 from kvtier.pd.protocol import (
     VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
 )
@@ -79,20 +80,18 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size, (transfer_id, items, wait))
     early = None  # the READ of the blocks P's params named, posted while P answers the hello (pull)
     try:
-        if nixl is not None:
-            hbm = landing is not None and not emulated(endpoint)
-            first = first_fetches(peer.plan, landing, block_size) if hbm and not wait else ()
-            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), transfer_id=transfer_id, hbm=hbm,
-                                            fetches=first)
+        peer.nonce, hbm = new_nonce(), nixl is not None and landing is not None and not emulated(endpoint)
+        first = first_fetches(peer.plan, landing, block_size, peer.nonce) if hbm and not wait else ()
+        transports = ("nixl", "zmq") if nixl is not None else hello.transports
+        hello = introduce(hello, nonce=peer.nonce, transports=transports, hbm=hbm, transfer_id=transfer_id,
+                          fetches=first)
         peer.send(hello)  # then, while P answers, this thread posts the READ of the blocks P's params named
-        if nixl is not None and hbm and not wait and producer_blocks:
+        if hbm and not wait and producer_blocks:
             early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000)
         reply = peer.hello(hello, sent=True)
         writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
         if reply.transport == "nixl" and nixl is not None and writes:  # P may WRITE into our memory (live blocks)
-            regions = () if landing is None else tuple((r.base, r.stride, r.block_bytes) for r in landing.regions)
-            hello = msgspec.structs.replace(hello, nixl=nixl.metadata(), regions=regions,
-                                            device=landing.device if landing is not None else 0)
+            hello = push_hello(hello, nixl.metadata(), landing)  # a fresh nonce: every later message carries it
             reply = peer.hello(hello)  # P passed the handshake: only now does it learn how to reach us
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
@@ -123,7 +122,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             peer.hbm.log(transfer_id, peer.reply_s, peer.handshake_s)
         try:
             answer = bool(peer.named) and not peer.silent  # a producer silent for the timeout is gone
-            peer.send(Release(VERSION, transfer_id, answer=answer))
+            peer.send(Release(VERSION, transfer_id, answer=answer, nonce=peer.nonce))
             if answer:  # P might still WRITE into blocks this engine will now recompute: wait for its word
                 peer.settle_writes()
         except zmq.ZMQError:
@@ -154,6 +153,7 @@ class _Peer:
         self.sent = 0  # fetches sent
         self.reply_s, self.read_s, self.reads = 0.0, 0.0, 0  # s waiting for replies and for READs into the CPU tier; READs
         self.handshake_s = 0.0  # s from connecting to the first fetch (hello, adding P's NIXL agent)
+        self.nonce = b""  # of the latest hello sent: every later message carries it
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
@@ -165,11 +165,12 @@ class _Peer:
     def hello(self, hello: Hello, sent: bool = False) -> HelloReply:
         """Send ``hello`` (unless ``sent`` already); the producer's checked reply (raises :class:`PeerError`)."""
         if not sent:
+            self.nonce = hello.nonce
             self.send(hello)
         reply = self.receive()
         if not isinstance(reply, HelloReply):
             raise PeerError(f"{self.endpoint} answered the handshake with {type(reply).__name__}")
-        check_layouts(self.endpoint, hello, reply)
+        check_reply(self.endpoint, hello, reply)
         return reply
 
     def settle_writes(self) -> None:
@@ -278,7 +279,7 @@ class _Peer:
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
         self.asked.add(index)
         return Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
-                     num_blocks * self.block_size, hbm, blocks)
+                     num_blocks * self.block_size, hbm, blocks, self.nonce)
 
     def _take(self, got: HelloReply | Arrived) -> None:
         if isinstance(got, HelloReply):

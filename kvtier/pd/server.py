@@ -5,7 +5,10 @@ yet but coming (its save is queued, or its transfer is still being computed: pus
 moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
 while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed,
 oversized, unauthenticated or wrong-version message is refused and logged; the server keeps serving.
-With a secret the socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
+So is a replayed or unbound one (:mod:`kvtier.pd.handshakes`): a hello whose nonce was seen or
+that was sent outside the window gets no metadata, and a fetch or release from a connection
+other than the one its hello (or its transfer) is bound to changes nothing. With a secret the
+socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
 
 Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
 the reply carries its address in the registered CPU pool, and the server keeps the chunk's buffer
@@ -33,6 +36,7 @@ import zmq
 
 from kvtier.keys import storage_key
 from kvtier.pd.channel import HandshakeFailures, bind_router
+from kvtier.pd.handshakes import Handshakes
 from kvtier.pd.hbm import EngineBlocks
 from kvtier.pd.hbm_serve import HbmServing
 from kvtier.pd.holds import PublishHolds
@@ -91,6 +95,8 @@ class ChunkServer:
         self.dropped = 0  # replies not sent: the peer's queue was full
         self._waiting = WaitingFetches()
         self.pushing = False  # WRITEs into a consumer run or wait for chunks (read by the engine thread)
+        self._handshakes = Handshakes(10 * self._active_s)  # nonces seen, connections bound to their hello
+        self._from = ""  # the address of the peer whose message is being handled (log lines)
         self._socket, self.port = bind_router(bind, secret, MAX_REQUEST_BYTES, _SEND_HWM)
         self._curve_failures = HandshakeFailures(self._socket, _LOG_EVERY)  # peers of another secret (CURVE)
         self._stop = threading.Event()
@@ -112,10 +118,11 @@ class ChunkServer:
                 if events:
                     for _ in range(64):  # bounded, so waiting fetches and expiry still run
                         try:
-                            frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                            frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._handle(frames)
+                        self._from = frames[-1].get("Peer-Address") or "?"
+                        self._handle([f.bytes for f in frames])
                 self.rejected += self._curve_failures.take()
                 if self._nixl_peers:
                     self.nixl.progress()
@@ -136,6 +143,7 @@ class ChunkServer:
                         self.holds.changed.set()  # look again, once a second, whether it is still coming
                     self.holds.expire()
                     self._expire_lent(now)
+                    self._handshakes.expire(now)
                     last_expire = now
             except Exception:  # the server must outlive any one message
                 logger.exception("kvtier P/D chunk server: unexpected error; still serving")
@@ -157,13 +165,21 @@ class ChunkServer:
         inner = message.fetches if isinstance(message, Fetches) else ()
         if versions := {message.version, *(f.version for f in getattr(message, "fetches", ()))} - {VERSION}:
             return self._reject(identity, f"protocol version {min(versions)} != {VERSION}")
+        problem = (self._handshakes.hello(identity, message) if isinstance(message, Hello) else
+                   self._handshakes.release(identity, message) if isinstance(message, Release) else
+                   self._handshakes.message(identity, message.nonce))
+        if problem:  # a replay, or a hello that cannot be: no metadata, nothing changed
+            return self._reject(identity, problem)
         self.received_total += 1
         if isinstance(message, Hello):
             self._hello(identity, message)
         elif isinstance(message, (Fetch, Fetches)):
             now = time.monotonic()
             for fetch in inner or (message,):  # a batch: each answered as if it came alone
-                self._fetch(identity, fetch, now)
+                if problem := self._handshakes.fetch(identity, fetch):
+                    self._reject(identity, problem, fetch.index)
+                else:
+                    self._fetch(identity, fetch, now)
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
             self._forget_writer(identity)
@@ -198,8 +214,8 @@ class ChunkServer:
         else:
             self._nixl_peers.pop(identity, None)
             self._hbm.forget(identity)
-        self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
-                                        mine.tp_size, error, transport, metadata, regions, device, lending))
+        self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens, mine.tp_size,
+                                        error, transport, metadata, regions, device, lending, nonce=hello.nonce))
         for fetch in self._hbm.carried(hello) if lending else ():  # a pull's first fetches: answered now
             self._fetch(identity, fetch, time.monotonic())  # (not lending: dropped, D sends them again)
 
@@ -365,11 +381,13 @@ class ChunkServer:
         except zmq.ZMQError:
             pass  # the peer is gone: it times out and recomputes
 
-    def _reject(self, identity: bytes, why: str) -> None:
+    def _reject(self, identity: bytes, why: str, index: int = -1) -> None:
+        """Refuse a message (``index``: the chunk a refused fetch asked for, else -1)."""
         self.rejected += 1
         if self.rejected % _LOG_EVERY == 1:
-            logger.warning("kvtier P/D chunk server: rejected a message (%s); %d rejected so far.", why, self.rejected)
-        self._send(identity, ChunkReply(VERSION, -1, "refused", why[:200]))
+            logger.warning("kvtier P/D chunk server: rejected a message from %s (%s); %d rejected so far.",
+                           self._from, why, self.rejected)
+        self._send(identity, ChunkReply(VERSION, index, "refused", why[:200]))
 
     def close(self) -> None:
         """Stop serving and release the socket (idempotent)."""

@@ -11,6 +11,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import ask
+from kvtier.pd.hello import introduce
 from kvtier.pd.protocol import MAX_BATCH, VERSION, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, encode, mac
 
 SECRET = b"fuzz-secret"
@@ -27,7 +28,8 @@ def producer(tmp_path_factory):
 
 
 def hello() -> Hello:
-    return Hello(VERSION, 0, 1, b"f" * 16, "fuzz", 32)
+    """A hello the server takes: a fresh nonce, sent now."""
+    return introduce(Hello(VERSION, 0, 1, b"f" * 16, "fuzz", 32))
 
 
 def signed(message: msgspec.Struct, secret: bytes | None = SECRET) -> list[bytes]:

@@ -28,8 +28,10 @@ from fuzzing import ask, mutated
 from kvtier.pd import params as pd
 from kvtier.pd.channel import bind_router
 from kvtier.pd.fetch import PeerError, fetch_chunks
+from kvtier.pd.hello import introduce
 from kvtier.pd.protocol import (
     VERSION, ChunkReplies, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, decode_request, encode,
+    mac,
 )
 from kvtier.jobs import Landed
 from kvtier.pd.hbm import Landing, RegionSpan
@@ -84,17 +86,20 @@ def test_mutated_requests_are_refused_clearly_and_the_chunk_server_keeps_serving
         answer = decode_reply(reply[1])
         assert isinstance(answer, ChunkReply) and answer.status == "refused" and answer.error
         assert open_producer.side.chunk_server.rejected == before + 1
-    hello = ask(endpoint, [b"", encode(Hello(VERSION, 0, 1, FP, "fuzz", 32))], timeout_ms=5000)
+    hello = ask(endpoint, [b"", encode(introduce(Hello(VERSION, 0, 1, FP, "fuzz", 32)))], timeout_ms=5000)
     assert hello is not None and isinstance(decode_reply(hello[1]), HelloReply), "the chunk server stopped answering"
 
 
 class HostileProducer:
     """A ROUTER that answers each message with the next queued list of frames (a batch of fetches
-    with as many as it holds; a hello with one more per fetch it carries, when ``hello_fetches``);
-    with ``secret`` a CURVE server, as a chunk server with it is."""
+    with as many as it holds; a hello with one more per fetch it carries, when ``hello_fetches``).
+    A queued handshake reply answering a hello gets that hello's nonce (``echo``), signed again
+    with ``secret`` (which also makes the ROUTER a CURVE server, as a chunk server with it is)."""
 
     def __init__(self, secret: bytes | None = None):
         self.socket, self.port = bind_router("tcp://127.0.0.1:0", secret, 1 << 20, 1000)
+        self.secret = secret
+        self.echo = True
         self.replies: list[list[bytes]] = []
         self.hello_fetches = False  # a hello's fetches take replies too (P lends the transfer)
         self.lock = threading.Lock()
@@ -116,9 +121,22 @@ class HostileProducer:
                 if isinstance(message, Hello) and self.hello_fetches:  # answered with it, as a lending P does
                     count += len(message.fetches)
                 replies, self.replies[:count] = self.replies[:count], []
+            if isinstance(message, Hello) and replies and self.echo:
+                replies[0] = self.echoed(replies[0], message.nonce)
             for reply in replies:
                 with contextlib.suppress(zmq.ZMQError):  # D gave up and went: its replies go nowhere
                     self.socket.send_multipart([identity, *reply])
+
+    def echoed(self, frames: list[bytes], nonce: bytes) -> list[bytes]:
+        """``frames`` (a handshake reply, if they decode as one) answering the hello of ``nonce``."""
+        try:
+            reply = decode_reply(frames[1]) if len(frames) == 2 else None
+        except (msgspec.DecodeError, ValueError):
+            reply = None
+        if not isinstance(reply, HelloReply):
+            return frames
+        body = encode(msgspec.structs.replace(reply, nonce=nonce))
+        return [mac(self.secret, body) if self.secret is not None else frames[0], body]
 
     def close(self) -> None:
         self.stop.set()
@@ -301,8 +319,6 @@ def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_
     the same batch signed with the secret lands both chunks (the control); alike whether P's
     hello reply said it lends the transfer (D asks for every chunk at once) or not."""
     import torch
-
-    from kvtier.pd.protocol import mac
 
     _, store, p_agent, d_agent, base = hostile_nixl
     producer = HostileProducer(b"pd-secret")  # its own: a late message of an earlier test would take a reply queued here
