@@ -84,7 +84,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         first = first_fetches(peer.plan, landing, block_size, peer.nonce) if hbm and not wait else ()
         transports = ("nixl", "zmq") if nixl is not None else hello.transports
         hello = introduce(hello, nonce=peer.nonce, transports=transports, hbm=hbm, transfer_id=transfer_id,
-                          fetches=first)
+                          fetches=first, num_blocks=landing.num_blocks if landing is not None else 0)
         peer.send(hello)  # then, while P answers, this thread posts the READ of the blocks P's params named
         if hbm and not wait and producer_blocks:
             early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000)
@@ -96,11 +96,12 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
             peer.landing_enabled = writes
-            remote = tuple(RegionSpan(*r) for r in reply.regions)
+            remote = tuple(RegionSpan(*r) for r in reply.regions)  # checked: they can be (check_reply)
             if landing is not None and remote and compatible(landing.regions, remote):
-                same = early is not None and reply.lending and early.matches(peer.nixl_peer, remote, reply.device)
-                peer.hbm = early if same else Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
-                remember(nixl, endpoint, peer.nixl_peer, remote, reply.device)
+                known = (peer.nixl_peer, remote, reply.device, reply.num_blocks)
+                same = early is not None and reply.lending and early.matches(*known)
+                peer.hbm = early if same else Landings(nixl, endpoint, landing, *known)
+                remember(nixl, endpoint, *known)
                 peer.lent = reply.lending and not wait  # P lends the transfer's blocks: ask for them all at once
         if early is not None and peer.hbm is not early:
             early.settle_early()  # P does not lend them now, or changed: what that READ wrote goes unused

@@ -5,7 +5,8 @@ paragraph of :mod:`kvtier.pd.protocol`).
 A hello is taken once: its nonce is kept for twice :data:`~kvtier.pd.protocol.HELLO_WINDOW_S`
 (a hello sent later than that from this host's clock is refused anyway), at most
 :data:`MAX_NONCES` of them; past that, hellos are refused until old nonces age out. A connection
-(a ZMQ routing identity) is bound to its latest hello's nonce until it releases the transfers it began or stays quiet for ``idle_s``; past
+(a ZMQ routing identity) is bound to its latest hello's nonce and the engine ``num_blocks`` that
+hello gave, until it releases the transfers it began or stays quiet for ``idle_s``; past
 :data:`MAX_CONNECTIONS` bound, the quietest is forgotten (its later messages are refused, and its
 consumer recomputes). Each check returns why a message is refused, in words ("" if it is not),
 and records nothing for a refused one.
@@ -20,6 +21,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+from kvtier.pd.hbm import RegionSpan, blocks_problem, region_problem
 from kvtier.pd.protocol import HELLO_WINDOW_S, NONCE_BYTES, Fetch, Hello, Release
 
 MAX_NONCES = 1 << 16  # hello nonces kept (each for 2 × HELLO_WINDOW_S): ~550 hellos a second, sustained
@@ -29,10 +31,11 @@ MAX_BEGUN = 8  # transfers one connection may begin (a decode engine's connectio
 
 @dataclass(slots=True)
 class _Bound:
-    """A connection's latest hello: its ``nonce``, the transfers the connection began, its last
-    message (monotonic s)."""
+    """A connection's latest hello: its ``nonce``, the consumer's engine ``num_blocks``, the
+    transfers the connection began, its last message (monotonic s)."""
 
     nonce: bytes
+    num_blocks: int
     last_s: float
     began: set[str] = field(default_factory=set)
 
@@ -47,7 +50,7 @@ class Handshakes:
         self._began: dict[str, bytes] = {}  # transfer id -> the identity whose hello or fetch named it first
 
     def hello(self, identity: bytes, hello: Hello) -> str:
-        """Check ``hello`` (a fresh nonce, sent within the window) and bind
+        """Check ``hello`` (a fresh nonce, sent within the window, regions that can be) and bind
         ``identity``'s later messages to it."""
         if len(hello.nonce) != NONCE_BYTES:
             return "a hello without a nonce"
@@ -61,9 +64,11 @@ class Handshakes:
             return "a replayed hello (its nonce was seen already)"
         if len(self._nonces) >= MAX_NONCES:
             return f"more than {MAX_NONCES} hellos within {2 * HELLO_WINDOW_S:.0f} s"
+        if problem := region_problem(tuple(RegionSpan(*r) for r in hello.regions), hello.num_blocks):
+            return f"a hello whose {problem}"
         self._nonces[hello.nonce] = now
-        bound = self._bound.pop(identity, None) or _Bound(hello.nonce, now)
-        bound.nonce, bound.last_s = hello.nonce, now
+        bound = self._bound.pop(identity, None) or _Bound(hello.nonce, hello.num_blocks, now)
+        bound.nonce, bound.num_blocks, bound.last_s = hello.nonce, hello.num_blocks, now
         self._bound[identity] = bound
         if hello.transfer_id:
             self._begin(identity, bound, hello.transfer_id)
@@ -83,11 +88,18 @@ class Handshakes:
         return ""
 
     def fetch(self, identity: bytes, fetch: Fetch) -> str:
-        """Check a fetch of a connection whose message passed :meth:`message`: its nonce; the first
-        naming its transfer begins it."""
+        """Check a fetch of a connection whose message passed :meth:`message`: its nonce, and the
+        consumer's engine blocks it names (as many as its chunk's blocks, each one of the
+        consumer's); the first naming its transfer begins it."""
         bound = self._bound[identity]
         if not hmac.compare_digest(fetch.nonce, bound.nonce):
             return f"a fetch of chunk {fetch.index} bound to another hello than its connection's latest (a replay)"
+        if fetch.blocks and len(fetch.blocks) != fetch.num_blocks:
+            return (f"chunk {fetch.index} of transfer {fetch.transfer_id} names {len(fetch.blocks)} engine blocks "
+                    f"to write for a chunk of {fetch.num_blocks}")
+        if fetch.blocks and (problem := blocks_problem(fetch.blocks, bound.num_blocks)):
+            return (f"chunk {fetch.index} of transfer {fetch.transfer_id} names an engine block to write that "
+                    f"cannot be: {problem}")
         self._begin(identity, bound, fetch.transfer_id)
         return ""
 

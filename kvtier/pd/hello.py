@@ -1,7 +1,7 @@
 """A decode engine's side of the handshake with a producer's chunk server: each hello it sends
 (a fresh nonce and send time, :func:`introduce`), the fetches a pull's hello carries, and the
-reply it accepts (:func:`check_reply`: the nonce of the hello it answers, the same layout;
-:mod:`kvtier.pd.protocol`)."""
+reply it accepts (:func:`check_reply`: the nonce of the hello it answers, the same layout, engine
+KV regions that can be; :mod:`kvtier.pd.protocol`)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import time
 
 import msgspec
 
-from kvtier.pd.hbm import Landing
+from kvtier.pd.hbm import Landing, RegionSpan, region_problem
 from kvtier.pd.protocol import (
     BATCH_BYTES, MAX_HELLO_FETCHES, NONCE_BYTES, VERSION, Fetch, Hello, HelloReply, encode, layout_problem,
 )
@@ -63,9 +63,12 @@ def first_fetches(plan: tuple[str, list[tuple[bytes, int]], bool], landing: Land
 
 def check_reply(endpoint: str, hello: Hello, reply: HelloReply) -> None:
     """Refuse (:class:`PeerError`) a handshake reply to another hello than ``hello`` (a replay),
-    or a producer whose chunks mean other bytes than this engine's (one line per producer)."""
+    engine KV regions that cannot be, or a producer whose chunks mean other bytes than this
+    engine's (one line per producer)."""
     if reply.nonce != hello.nonce:
         raise PeerError(f"{endpoint} answered another hello than this engine's (a replayed or stale reply)")
+    if problem := region_problem(tuple(RegionSpan(*r) for r in reply.regions), reply.num_blocks):
+        raise PeerError(f"{endpoint} lends engine KV that cannot be: {problem}")
     problem = reply.error or layout_problem(hello, reply)
     if problem:
         if endpoint not in _warned:

@@ -55,6 +55,11 @@ latest hello, and P takes it only from the ZMQ connection that sent that hello; 
 from the connection that began its transfer (whose hello or first fetch named it). A captured
 message replayed on another connection is refused and changes nothing.
 
+Engine blocks: each hello and its reply carry the sender's engine ``num_blocks`` (0: no engine
+KV). Block ids naming blocks beyond the other side's count, and regions whose span cannot be
+(:func:`kvtier.pd.hbm.region_problem`), are refused before any NIXL descriptor is built: the
+registration of interleaved regions is merged, so an id past the end would land in a neighbour.
+
 Encryption: with a secret the side channel (these messages and the ZMQ payload frames, not
 NIXL's data plane) is encrypted by ZMQ CURVE (:mod:`kvtier.pd.channel`): the chunk server's key
 pair is derived from the secret, so D knows P's public key without another setting, and each
@@ -127,6 +132,7 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     transfer_id: MaybeTransferId = ""  # the transfer D is about to fetch (P says whether it lends its blocks)
     fetches: Annotated[tuple[Fetch, ...], msgspec.Meta(max_length=MAX_HELLO_FETCHES)] = ()  # a pull's first
     # fetches of that transfer, answered at once if P lends its engine blocks now, else dropped
+    num_blocks: Count = 0  # blocks of D's engine KV (0: none registered)
     nonce: Nonce = b""  # fresh for every hello (NONCE_BYTES random bytes)
     sent_ms: WallMs = 0  # D's wall clock when it sent this hello
 
@@ -183,6 +189,7 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     regions: tuple[RegionAddress, ...] = ()  # P's engine KV, when it may lend engine blocks (hbm)
     device: Device = 0  # the CUDA device of those regions in P's process
     lending: bool = False  # P holds the hello's transfer's engine blocks under a lease: ask for every chunk
+    num_blocks: int = 0  # blocks of P's engine KV (0: none lent)
     nonce: bytes = b""  # the nonce of the hello this answers
 
 

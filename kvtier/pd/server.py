@@ -21,7 +21,8 @@ HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with
 :mod:`kvtier.pd.hbm_serve`. A pull fetch for a transfer whose lease should begin any moment
 (its request finished computing) waits for it up to :data:`EXPECT_S`; without a lease the chunk
 is lent or sent from the CPU tier as above. A release that asks for an answer gets it once no
-WRITE of its transfer runs.
+WRITE of its transfer runs. A fetch naming engine blocks beyond the consumer's (its hello's
+``num_blocks``), or not as many as its chunk's, is refused before any WRITE is built.
 """
 
 from __future__ import annotations
@@ -214,8 +215,9 @@ class ChunkServer:
         else:
             self._nixl_peers.pop(identity, None)
             self._hbm.forget(identity)
+        num_blocks = self.engine.num_blocks if self.engine is not None else 0
         self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens, mine.tp_size,
-                                        error, transport, metadata, regions, device, lending, nonce=hello.nonce))
+                                        error, transport, metadata, regions, device, lending, num_blocks, hello.nonce))
         for fetch in self._hbm.carried(hello) if lending else ():  # a pull's first fetches: answered now
             self._fetch(identity, fetch, time.monotonic())  # (not lending: dropped, D sends them again)
 

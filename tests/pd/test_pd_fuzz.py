@@ -43,6 +43,7 @@ FUZZ = settings(max_examples=EXAMPLES, deadline=None, database=None,
 FP = b"f" * 16
 CHUNK_BYTES = 4096 + 64  # what the fetch below expects per chunk
 ENGINE_BLOCK = 4096  # bytes of one engine block in the HBM-to-HBM fuzz (one region)
+P_BLOCKS = 4  # the hostile producer's engine blocks: its lent buffer holds 4 (and a bit)
 
 
 fetches = st.builds(Fetch, st.just(VERSION), st.text(min_size=1, max_size=20), st.integers(0, 9),
@@ -293,7 +294,8 @@ def test_a_decode_engine_reads_any_engine_block_reply_as_landed_chunks_or_a_peer
     try:
         landing = Landing((RegionSpan(kv.data_ptr(), ENGINE_BLOCK, ENGINE_BLOCK),), "DRAM", 0, [(2,), (5,)])
         hello = [b"", encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=p_agent.metadata(),
-                                        regions=tuple((max(0, base + o), st_, bb) for o, st_, bb in regions)))]
+                                        regions=tuple((max(0, base + o), st_, bb) for o, st_, bb in regions),
+                                        num_blocks=P_BLOCKS))]
         replies = [ChunkReply(VERSION, index, "ok", blocks=tuple(blocks), checksum=checksum, written=push, more=more)
                    for index, blocks, checksum, more in chunks]
         replies = ([[b"", encode(ChunkReplies(VERSION, tuple(replies)))]] if batched and replies
@@ -328,7 +330,7 @@ def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_
     try:
         landing = Landing((RegionSpan(kv.data_ptr(), ENGINE_BLOCK, ENGINE_BLOCK),), "DRAM", 0, [(2,), (5,)])
         hello = encode(HelloReply(VERSION, FP, "fuzz", 32, 1, transport="nixl", nixl=p_agent.metadata(),
-                                  regions=((base, ENGINE_BLOCK, ENGINE_BLOCK),), lending=lending))
+                                  regions=((base, ENGINE_BLOCK, ENGINE_BLOCK),), lending=lending, num_blocks=P_BLOCKS))
         batch = encode(ChunkReplies(VERSION, (ChunkReply(VERSION, 0, "ok", blocks=(0,), more=1),
                                               ChunkReply(VERSION, 1, "ok", blocks=(1,)))))
         with producer.lock:
