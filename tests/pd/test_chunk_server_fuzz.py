@@ -25,7 +25,7 @@ from kvtier.jobs import Lend, SaveJob
 from kvtier.pd.channel import connect_dealer
 from kvtier.pd.hello import introduce
 from kvtier.pd.protocol import (
-    MAX_BATCH, VERSION, ChunkReplies, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, encode, mac,
+    MAX_BATCH, VERSION, ChunkReplies, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, encode, mac,
 )
 
 SECRET = b"fuzz-secret"

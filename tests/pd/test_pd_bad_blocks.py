@@ -35,8 +35,12 @@ def transport() -> str:
 def spy_descriptors(module, monkeypatch) -> list[list[int]]:
     """The peer's block ids of every READ or WRITE ``module`` builds descriptors for."""
     built, build = [], module.read_descriptors
-    monkeypatch.setattr(module, "read_descriptors", lambda local, remote, mine, theirs: (
-        built.append(list(theirs)), build(local, remote, mine, theirs))[1])
+
+    def spy(local, remote, mine, theirs):
+        built.append(list(theirs))
+        return build(local, remote, mine, theirs)
+
+    monkeypatch.setattr(module, "read_descriptors", spy)
     return built
 
 
@@ -75,16 +79,12 @@ def test_a_push_naming_blocks_beyond_the_consumers_is_refused_before_any_write(e
 
 
 def test_a_reply_naming_blocks_beyond_the_producers_is_refused_before_any_read(engines, monkeypatch, caplog):
-    """P lends chunk 1 as blocks 64 and 65 of its 64 (past the end of each layer's region: the
-    next layer's first blocks, registered): D refuses the reply before building a READ of them
-    and recomputes from where it stopped; what it loaded is P's."""
+    """P lends chunk 1 as blocks 64 and 65 of its 64 (:func:`lend_beyond`): D refuses the reply
+    before building a READ of them and recomputes from where it stopped; what it loaded is P's."""
     p, d = engines("p", 1), engines("d", 2)
     publish(p, PROMPT, P_BLOCKS, "t1")
     lend(p, "t1")
-    leases = p.side.engine_kv.leases
-    blocks = leases.blocks
-    monkeypatch.setattr(leases, "blocks", lambda t, key, n: (NUM_BLOCKS, NUM_BLOCKS + 1) if key == FULL[1]
-                        else blocks(t, key, n))
+    lend_beyond(p, monkeypatch)
     built = spy_descriptors(landing, monkeypatch)
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
@@ -105,16 +105,34 @@ def bad_spans(spans: tuple[RegionSpan, ...], how: str) -> tuple[RegionSpan, ...]
     return (bad, *spans[1:])
 
 
+def lend_bad_regions(p, patch, how: str) -> None:
+    """P's handshake replies give its engine KV regions as :func:`bad_spans` makes them."""
+    hbm = p.side.chunk_server._hbm
+    hello = hbm.hello
+
+    def bad(*args):
+        regions, *rest = hello(*args)
+        spans = bad_spans(tuple(RegionSpan(*r) for r in regions), how) if regions else ()
+        return (tuple((s.base, s.stride, s.block_bytes) for s in spans), *rest)
+
+    patch.setattr(hbm, "hello", bad)
+
+
+def lend_beyond(p, patch) -> None:
+    """P lends chunk 1 of its prompt as blocks 64 and 65 of its 64 (one past the end of each
+    layer's region: the next layer's first blocks, registered)."""
+    leases = p.side.engine_kv.leases
+    blocks = leases.blocks
+    patch.setattr(leases, "blocks", lambda t, key, n: (NUM_BLOCKS, NUM_BLOCKS + 1) if key == FULL[1]
+                  else blocks(t, key, n))
+
+
 @pytest.mark.parametrize("how, why", [("stride", "has a stride of"), ("overflow", "overflows the address space")])
 def test_a_producer_lending_regions_that_cannot_be_is_refused_at_the_handshake(engines, monkeypatch, caplog, how, why):
     p, d = engines("p", 1), engines("d", 2)
     publish(p, PROMPT, P_BLOCKS, "t1")
     lend(p, "t1")
-    hbm = p.side.chunk_server._hbm
-    hello = hbm.hello
-    monkeypatch.setattr(hbm, "hello", lambda *a: (lambda r: (tuple(
-        (s.base, s.stride, s.block_bytes) for s in bad_spans(tuple(RegionSpan(*x) for x in r[0]), how)), *r[1:]))(
-        hello(*a)))
+    lend_bad_regions(p, monkeypatch, how)
     with caplog.at_level(logging.WARNING, logger="kvtier"):
         d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
         assert d.wait_loaded("d-req") == set(D_BLOCKS)  # recomputed
@@ -142,17 +160,11 @@ def test_after_a_bad_reply_the_next_good_transfer_still_reads_early(engines, mon
     handshake told D: the next good transfer READs P's named blocks before P's reply, as before."""
     p, d = engines("p", 1), engines("d", 2)
     warm(p, d)  # D learns P's agent and regions
-    hbm, leases = p.side.chunk_server._hbm, p.side.engine_kv.leases
     with monkeypatch.context() as patch:
         if bad == "regions":
-            hello = hbm.hello
-            patch.setattr(hbm, "hello", lambda *a: (lambda r: (tuple(
-                (s.base, s.stride, s.block_bytes) for s in bad_spans(tuple(RegionSpan(*x) for x in r[0]), "stride")),
-                *r[1:]))(hello(*a)))
+            lend_bad_regions(p, patch, "stride")
         else:
-            blocks = leases.blocks
-            patch.setattr(leases, "blocks", lambda t, key, n: (NUM_BLOCKS, NUM_BLOCKS + 1) if key == FULL[1]
-                          else blocks(t, key, n))
+            lend_beyond(p, patch)
         publish(p, PROMPT, P_BLOCKS, "t-bad")
         lend(p, "t-bad")
         d.side.start_loads((remote_job("d-bad", PROMPT, D_BLOCKS, "t-bad", p.endpoint,
