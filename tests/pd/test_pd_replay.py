@@ -327,3 +327,28 @@ def test_the_side_channels_key_is_derived_from_the_secret():
     public, secret_key = server_keys(KEY)
     assert server_keys(KEY) == (public, secret_key) and len(public) == len(secret_key) == 40
     assert zmq.curve_public(secret_key) == public and server_keys(b"another")[0] != public
+
+
+def test_the_nonces_and_connections_a_chunk_server_keeps_are_bounded(monkeypatch):
+    """Nonces are kept twice the window (a hello sent within it can come no later), at most
+    ``MAX_NONCES`` (hellos past that are refused, not taken unremembered); a connection quiet for
+    ``idle_s`` is forgotten, as are the transfers it began."""
+    from kvtier.pd import handshakes
+    from kvtier.pd.protocol import HELLO_WINDOW_S
+
+    clock = [1000.0]
+    monkeypatch.setattr(handshakes.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(handshakes, "MAX_NONCES", 3)
+    seen = handshakes.Handshakes(idle_s=600.0)
+    base = Hello(VERSION, 0, 1, b"f" * 16, "fuzz", 32)
+    hellos = [introduce(base, transfer_id=f"t{i}") for i in range(4)]
+    assert [seen.hello(bytes([i]), h) for i, h in enumerate(hellos[:3])] == ["", "", ""]
+    assert "more than 3 hellos" in seen.hello(b"\3", hellos[3])
+    assert "replayed" in seen.hello(b"\4", hellos[0])
+    clock[0] += 2 * HELLO_WINDOW_S + 1  # the first three nonces age out; their connections stay bound
+    assert seen.hello(b"\3", introduce(hellos[3])) == "" and seen.bound == 4
+    assert seen.release(b"\0", Release(VERSION, "t0", nonce=hellos[0].nonce)) == ""  # began it: taken, unbound
+    assert seen.bound == 3
+    clock[0] += 601  # every connection quiet past idle_s
+    seen.expire()
+    assert seen.bound == 0 and "sent no hello" in seen.release(b"\1", Release(VERSION, "t1", nonce=hellos[1].nonce))
