@@ -56,7 +56,8 @@ class KvtierConfig:
     other address needs pd_secret). pd_host: address advertised to decode engines (default: the
     bind address, or this host's name when binding all interfaces). pd_port: port of rank 0's
     chunk server, rank r uses pd_port + r (default 0: a free port per rank). pd_secret: shared
-    secret that authenticates every peer message (default: env ``KVTIER_PD_SECRET``).
+    secret that authenticates every peer message and encrypts the side channel (ZMQ CURVE; default:
+    env ``KVTIER_PD_SECRET``).
     pd_timeout_ms: a transfer that makes no progress for this long fails and is recomputed.
     pd_hold_bytes: most bytes of published chunks a prefill engine pins for decode engines
     (default: a quarter of cpu_bytes). pd_hold_s: how long a published request's chunks stay

@@ -1,5 +1,5 @@
 """What the fuzz tests share: a strategy that damages valid encodings, and one request over a
-real ZMQ DEALER socket."""
+real ZMQ DEALER socket (CURVE to a chunk server with a secret)."""
 
 from __future__ import annotations
 
@@ -23,10 +23,14 @@ def mutated(draw, base) -> bytes:
     return bytes(data)
 
 
-def ask(endpoint: str, frames: list[bytes], timeout_ms: int) -> list[bytes] | None:
-    """Send ``frames`` from a fresh DEALER socket; the reply, or None after ``timeout_ms``."""
+def ask(endpoint: str, frames: list[bytes], timeout_ms: int, secret: bytes | None = None) -> list[bytes] | None:
+    """Send ``frames`` from a fresh DEALER socket (a CURVE client of a chunk server of ``secret``);
+    the reply, or None after ``timeout_ms``."""
+    from kvtier.pd.channel import secure_client
+
     socket = zmq.Context.instance().socket(zmq.DEALER)
     socket.setsockopt(zmq.LINGER, 0)
+    secure_client(socket, secret)
     socket.connect(endpoint)
     try:
         socket.send_multipart(frames)

@@ -56,13 +56,14 @@ class EngineKv:
         """What the chunk server lends (None: no leases here, or not registered)."""
         if self.agent is None or self.leases is None:
             return None
-        return EngineBlocks(self.spans, self.device, self.leases, self.layout.bytes_per_block, self.kind, self.sums)
+        return EngineBlocks(self.spans, self.device, self.leases, self.layout.bytes_per_block, self.kind, self.sums,
+                            self.layout.num_blocks)
 
     def landing(self, targets: list[tuple[int, ...] | None]) -> Landing | None:
         """Where a fetch's chunks may land in the engine (None: not registered, or no chunk may)."""
         if self.agent is None or not any(targets):
             return None
-        return Landing(self.spans, self.kind, self.device, list(targets), writes=self.push == "write")
+        return Landing(self.spans, self.kind, self.device, list(targets), self.push == "write", self.layout.num_blocks)
 
     def saving(self, jobs: tuple[SaveJob, ...]) -> torch.cuda.Event | None:
         """Published requests whose blocks will be lent when they finish (the scheduler half says

@@ -1,9 +1,10 @@
 """A decode engine's side of a transfer: fetch chunks from one producer rank's chunk server.
 
-One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next), a
-handshake that compares layouts, then a window of fetches in flight: while the caller verifies and
-scatters chunk ``i``, chunks ``i+1 …`` are on the wire. Any failure raises :class:`PeerError` after
-the chunks that did arrive were yielded.
+One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next;
+CURVE with a secret, :mod:`kvtier.pd.channel`), a handshake that compares layouts (each hello
+with a fresh nonce, which P's reply must echo and every later message carries), then a window
+of fetches in flight: while the caller verifies and scatters chunk ``i``, chunks ``i+1 …`` are
+on the wire. Any failure raises :class:`PeerError` after the chunks that did arrive were yielded.
 
 Over NIXL the replies carry addresses instead of payloads: as each arrives, a buffer of this
 engine's CPU tier (registered with NIXL) is allocated and a READ posted into it; a chunk is yielded
@@ -36,9 +37,10 @@ import numpy as np
 import zmq
 
 from kvtier.jobs import Landed
+from kvtier.pd.channel import connect_dealer
 from kvtier.pd.hbm import Landing, RegionSpan, direct_path, emulated
 from kvtier.pd.landing import Arrived, Landings, discard, read_early, remember
-from kvtier.pd.hello import PeerError, check_layouts, first_fetches, say_transport
+from kvtier.pd.hello import PeerError, check_reply, first_fetches, introduce, new_nonce, push_hello, say_transport, silence
 from kvtier.pd.protocol import (
     VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
 )
@@ -74,36 +76,32 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
     P's engine blocks from the first chunk on, as its params named them. P is told it is done however it ends."""
     begin = time.perf_counter()
     sizes = [chunk_bytes(n) for _, n in items]
-    socket = zmq.Context.instance().socket(zmq.DEALER)
-    socket.setsockopt(zmq.LINGER, 200)
-    socket.setsockopt(zmq.MAXMSGSIZE, max(sizes) + (64 << 10))
-    socket.connect(endpoint)
+    socket = connect_dealer(endpoint, secret, max(sizes) + (64 << 10))
     peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size, (transfer_id, items, wait))
     early = None  # the READ of the blocks P's params named, posted while P answers the hello (pull)
     try:
-        if nixl is not None:
-            hbm = landing is not None and not emulated(endpoint)
-            first = first_fetches(peer.plan, landing, block_size, endpoint) if hbm and not wait else ()
-            hello = msgspec.structs.replace(hello, transports=("nixl", "zmq"), transfer_id=transfer_id, hbm=hbm,
-                                            fetches=first)
+        peer.nonce, hbm = new_nonce(), nixl is not None and landing is not None and not emulated(endpoint)
+        first = first_fetches(peer.plan, landing, block_size, peer.nonce, endpoint) if hbm and not wait else ()
+        transports = ("nixl", "zmq") if nixl is not None else hello.transports
+        hello = introduce(hello, nonce=peer.nonce, transports=transports, hbm=hbm, transfer_id=transfer_id,
+                          fetches=first, num_blocks=landing.num_blocks if landing is not None else 0)
         peer.send(hello)  # then, while P answers, this thread posts the READ of the blocks P's params named
-        if nixl is not None and hbm and not wait and producer_blocks:
+        if hbm and not wait and producer_blocks:
             early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000)
         reply = peer.hello(hello, sent=True)
         writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
         if reply.transport == "nixl" and nixl is not None and writes:  # P may WRITE into our memory (live blocks)
-            regions = () if landing is None else tuple((r.base, r.stride, r.block_bytes) for r in landing.regions)
-            hello = msgspec.structs.replace(hello, nixl=nixl.metadata(), regions=regions,
-                                            device=landing.device if landing is not None else 0)
+            hello = push_hello(hello, nixl.metadata(), landing)  # a fresh nonce: every later message carries it
             reply = peer.hello(hello)  # P passed the handshake: only now does it learn how to reach us
         if reply.transport == "nixl" and nixl is not None:
             peer.use_nixl(nixl, reply.nixl)
             peer.landing_enabled = writes
-            remote = tuple(RegionSpan(*r) for r in reply.regions)
+            remote = tuple(RegionSpan(*r) for r in reply.regions)  # checked: they can be (check_reply)
             if landing and remote and direct_path(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device, timeout_ms):
-                same = early is not None and reply.lending and early.matches(peer.nixl_peer, remote, reply.device)
-                peer.hbm = early if same else Landings(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device)
-                remember(nixl, endpoint, peer.nixl_peer, remote, reply.device)
+                known = (peer.nixl_peer, remote, reply.device, reply.num_blocks)
+                same = early is not None and reply.lending and early.matches(*known)
+                peer.hbm = early if same else Landings(nixl, endpoint, landing, *known)
+                remember(nixl, endpoint, *known)
                 peer.lent = reply.lending and not wait  # P lends the transfer's blocks: ask for them all at once
         if early is not None and peer.hbm is not early:
             early.settle_early()  # P does not lend them now, or changed: what that READ wrote goes unused
@@ -125,7 +123,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             peer.hbm.log(transfer_id, peer.reply_s, peer.handshake_s)
         try:
             answer = bool(peer.named) and not peer.silent  # a producer silent for the timeout is gone
-            peer.send(Release(VERSION, transfer_id, answer=answer))
+            peer.send(Release(VERSION, transfer_id, answer=answer, nonce=peer.nonce))
             if answer:  # P might still WRITE into blocks this engine will now recompute: wait for its word
                 peer.settle_writes()
         except zmq.ZMQError:
@@ -156,6 +154,7 @@ class _Peer:
         self.sent = 0  # fetches sent
         self.reply_s, self.read_s, self.reads = 0.0, 0.0, 0  # s waiting for replies and for READs into the CPU tier; READs
         self.handshake_s = 0.0  # s from connecting to the first fetch (hello, adding P's NIXL agent)
+        self.nonce = b""  # of the latest hello sent: every later message carries it
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
@@ -167,11 +166,12 @@ class _Peer:
     def hello(self, hello: Hello, sent: bool = False) -> HelloReply:
         """Send ``hello`` (unless ``sent`` already); the producer's checked reply (raises :class:`PeerError`)."""
         if not sent:
+            self.nonce = hello.nonce
             self.send(hello)
         reply = self.receive()
         if not isinstance(reply, HelloReply):
             raise PeerError(f"{self.endpoint} answered the handshake with {type(reply).__name__}")
-        check_layouts(self.endpoint, hello, reply)
+        check_reply(self.endpoint, hello, reply)
         return reply
 
     def settle_writes(self) -> None:
@@ -204,7 +204,7 @@ class _Peer:
             left = deadline - time.monotonic()
             if left <= 0 and not self.socket.poll(0, zmq.POLLIN):  # a thread woken late still takes what came
                 self.silent = True
-                raise PeerError(f"{self.endpoint} sent nothing for {self.timeout_ms} ms")
+                raise PeerError(silence(self.endpoint, self.timeout_ms, bool(self.secret) and not self.handshake_s))
             if self.landing_enabled:  # P WRITEs into our buffers: NIXL needs this side's progress too
                 self.nixl.progress()
             if not block and not self.socket.poll(0, zmq.POLLIN):
@@ -288,7 +288,7 @@ class _Peer:
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
         self.asked.add(index)
         return Fetch(VERSION, transfer_id, index, key, num_blocks, wait, address, capacity,
-                     num_blocks * self.block_size, hbm, blocks)
+                     num_blocks * self.block_size, hbm, blocks, self.nonce)
 
     def _take(self, got: HelloReply | Arrived) -> None:
         if isinstance(got, HelloReply):

@@ -19,6 +19,11 @@ or recomputed when the transfer fails), after a one-block READ that pays the con
 wire-up (:func:`direct_path`). One line says which it is; an emulated path is turned off for
 that producer, whose chunks then come from its CPU tier. Later READs and a producer's WRITEs are
 timed too (:func:`read_speed`).
+
+Block ids and regions a peer gives are checked before any descriptor is built
+(:func:`blocks_problem`, :func:`region_problem`): the registration merges the spans of
+interleaved regions, so NIXL would take a block id past the end of one region as bytes of its
+neighbour's.
 """
 
 from __future__ import annotations
@@ -47,6 +52,7 @@ JUDGED_KINDS = ("VRAM",)  # memory whose path is judged (host memory always move
 _lock = threading.Lock()
 _timed: dict[str, list[float]] = {}  # producer endpoint -> GB/s of its first READs
 _emulated: set[str] = set()
+ADDRESS_SPACE = 1 << 63  # bytes: no region of a peer's engine KV ends beyond this
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,7 +69,8 @@ class EngineBlocks:
     """What a producer rank lends HBM to HBM: its engine KV ``regions`` on CUDA device ``device``
     (this process's index), registered as ``kind`` ("VRAM" or "DRAM"), the ``leases`` of its
     requests' blocks, ``bytes_per_block`` over all regions, and the ``sums`` of its published
-    chunks taken as each step ends (None: only a stored chunk's checksum is known)."""
+    chunks taken as each step ends (None: only a stored chunk's checksum is known).
+    ``num_blocks``: blocks of each region (told to consumers, which check the ids lent)."""
 
     regions: tuple[RegionSpan, ...]
     device: int
@@ -71,6 +78,7 @@ class EngineBlocks:
     bytes_per_block: int
     kind: str = "VRAM"
     sums: EarlySums | None = None
+    num_blocks: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,13 +87,15 @@ class Landing:
     NIXL as ``kind`` ("VRAM" of CUDA device ``device``, this process's index, or "DRAM"), and per
     item of a fetch the engine blocks that chunk may be written into (None: not that one).
     ``writes``: a producer still computing the chunks WRITEs them there (``pd_hbm_push`` "write");
-    else this engine READs each from the producer's blocks once computed."""
+    else this engine READs each from the producer's blocks once computed. ``num_blocks``: blocks
+    of each region (told to producers, which check the ids a push names)."""
 
     regions: tuple[RegionSpan, ...]
     kind: str
     device: int
     block_ids: list[tuple[int, ...] | None]
     writes: bool = False
+    num_blocks: int = 0
 
 
 def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float, op: str = "READ") -> None:
@@ -156,6 +166,28 @@ def registration(spans: tuple[RegionSpan, ...], num_blocks: int) -> list[tuple[i
         else:
             merged.append([start, end])
     return [(start, end - start) for start, end in merged]
+
+
+def region_problem(spans: tuple[RegionSpan, ...], num_blocks: int) -> str:
+    """Why a peer's engine KV regions ``spans`` of ``num_blocks`` blocks each cannot be (a stride
+    under its block's bytes, a span past :data:`ADDRESS_SPACE`, regions without blocks), in
+    words; "" if they can (none given included)."""
+    if not spans:
+        return ""
+    if num_blocks < 1:
+        return f"{len(spans)} engine KV regions of {num_blocks} blocks"
+    for i, s in enumerate(spans):
+        if s.block_bytes < 1 or s.stride < s.block_bytes:
+            return f"engine KV region {i} has a stride of {s.stride} B for blocks of {s.block_bytes} B"
+        if s.base + (num_blocks - 1) * s.stride + s.block_bytes > ADDRESS_SPACE:
+            return f"engine KV region {i} of {num_blocks} blocks of stride {s.stride} B overflows the address space"
+    return ""
+
+
+def blocks_problem(ids: tuple[int, ...] | list[int], num_blocks: int) -> str:
+    """Why block ids ``ids`` do not all name one of ``num_blocks`` engine blocks, in words ("" if they do)."""
+    beyond = [b for b in ids if not 0 <= b < num_blocks]
+    return f"block {beyond[0]} is beyond its engine's {num_blocks} blocks" if beyond else ""
 
 
 def block_runs(src: tuple[int, ...] | list[int], dst: tuple[int, ...] | list[int]) -> list[tuple[int, int, int]]:

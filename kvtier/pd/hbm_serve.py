@@ -68,9 +68,10 @@ class HbmServing:
 
     @staticmethod
     def carried(hello: Hello) -> list[Fetch]:
-        """The pull fetches a hello carries, of the transfer it names (answered at once, each as if
-        it came alone, when the reply says P lends that transfer's blocks)."""
-        return [f for f in hello.fetches if f.transfer_id == hello.transfer_id and not f.wait and not f.blocks]
+        """The pull fetches a hello carries, of the transfer it names and bound to its nonce
+        (answered at once, each as if it came alone, when the reply says P lends that transfer's blocks)."""
+        return [f for f in hello.fetches
+                if f.transfer_id == hello.transfer_id and f.nonce == hello.nonce and not f.wait and not f.blocks]
 
     def forget(self, identity: bytes) -> None:
         """The peer's connection ended (released, or gone quiet)."""

@@ -23,6 +23,12 @@ Every READ into engine blocks, early or batched, has a deadline (:mod:`kvtier.pd
 that misses it fails the transfer, the producer's agent is torn down, and nothing more of the
 transfer is READ or copied into its blocks (:meth:`Landings.settle_early` and :meth:`Landings.post`
 raise); the fetch settles every READ before it returns (:meth:`Landings.settle`, :func:`discard`).
+
+Block ids beyond the producer's engine KV (its handshake's ``num_blocks``) are never READ: a
+reply naming one ends the transfer (:class:`~kvtier.pd.hello.PeerError`), parameters naming one
+are not READ early. Only a handshake whose regions could be is remembered (the caller checks
+them), and a READ with remembered regions that fails forgets them: the producer's next handshake
+gives them again, and one bad reply leaves what an earlier good one gave in place.
 """
 
 from __future__ import annotations
@@ -36,7 +42,7 @@ import zmq
 
 from kvtier.jobs import Landed
 from kvtier.pd.fence import Fence
-from kvtier.pd.hbm import Landing, RegionSpan, emulated, read_descriptors, read_speed
+from kvtier.pd.hbm import Landing, RegionSpan, blocks_problem, emulated, read_descriptors, read_speed
 from kvtier.pd.hello import PeerError
 from kvtier.pd.nixl import Agent, NixlError, Transfer
 from kvtier.pd.protocol import ChunkReply
@@ -46,29 +52,40 @@ logger = logging.getLogger(__name__)
 _told: set[str] = set()  # producers whose chunks were said to land HBM to HBM
 _told_early: set[str] = set()  # ... whose named blocks were said to be READ before their reply
 POST_AT = 16  # replies gathered before they are posted as one READ, unless one is needed sooner
-_known: dict[tuple[str, str], tuple[str, tuple[RegionSpan, ...], int]] = {}  # (this agent, producer endpoint) ->
-# the producer's NIXL peer name, engine KV regions and CUDA device, as its last handshake gave them
+Known = tuple[str, tuple[RegionSpan, ...], int, int]  # a producer's NIXL peer name, engine KV regions, CUDA device
+# and blocks per region
+_known: dict[tuple[str, str], Known] = {}  # (this agent, producer endpoint) -> as its last good handshake gave them
 
 
-def remember(agent: Agent, endpoint: str, peer: str, theirs: tuple[RegionSpan, ...], device: int) -> None:
+def remember(agent: Agent, endpoint: str, peer: str, theirs: tuple[RegionSpan, ...], device: int,
+             num_blocks: int) -> None:
     """The producer at ``endpoint`` passed a handshake lending engine blocks: its agent is ``peer``
-    and its engine KV ``theirs`` on CUDA device ``device`` (what :meth:`Landings.read_early` uses)."""
-    _known[(agent.name, endpoint)] = (peer, theirs, device)
+    and its engine KV ``theirs`` (regions that can be, of ``num_blocks`` blocks) on CUDA device
+    ``device`` (what :meth:`Landings.read_early` uses)."""
+    _known[(agent.name, endpoint)] = (peer, theirs, device, num_blocks)
+
+
+def forget(agent: Agent, endpoint: str, known: Known) -> None:
+    """A READ from the producer at ``endpoint`` with what it lent, ``known``, failed: forget that
+    (not what a later handshake may have given since)."""
+    if _known.get((agent.name, endpoint)) == known:
+        del _known[(agent.name, endpoint)]
 
 
 def read_early(agent: Agent, endpoint: str, mine: Landing, their_blocks: tuple[int, ...], counts: list[int],
                settle_s: float) -> Landings | None:
     """Landings from the producer at ``endpoint`` as its last handshake described it, their
     :meth:`~Landings.read_early` posted (arguments as there); None where ``agent`` no longer knows
-    that producer's agent (it is kept while the producer's chunk server is up) or nothing was posted."""
+    that producer's agent (it is kept while the producer's chunk server is up), ``their_blocks`` name
+    blocks beyond its engine KV, or nothing was posted."""
     key = (agent.name, endpoint)
     entry = _known.get(key)
     if entry is not None and entry[0] not in agent.peer_names:  # that producer stopped: forget what it lent
         del _known[key]
         entry = None
-    if entry is None or emulated(endpoint):
+    if entry is None or emulated(endpoint) or blocks_problem(their_blocks, entry[3]):
         return None
-    landings = Landings(agent, entry[0], endpoint, mine, entry[1], entry[2])
+    landings = Landings(agent, endpoint, mine, *entry)
     return landings if landings.read_early(their_blocks, counts, settle_s) else None
 
 
@@ -108,12 +125,13 @@ class Arrived:
 
 class Landings:
     """``agent`` reaches NIXL peer ``peer`` (the producer at ``endpoint``): its engine KV is
-    ``theirs`` on its CUDA device ``device``; this engine's is ``mine`` (with each chunk's blocks)."""
+    ``theirs``, ``num_blocks`` blocks a region, on its CUDA device ``device``; this engine's is
+    ``mine`` (with each chunk's blocks)."""
 
-    def __init__(self, agent: Agent, peer: str, endpoint: str, mine: Landing, theirs: tuple[RegionSpan, ...],
-                 device: int):
+    def __init__(self, agent: Agent, endpoint: str, mine: Landing, peer: str, theirs: tuple[RegionSpan, ...],
+                 device: int, num_blocks: int):
         self.agent, self.peer, self.endpoint = agent, peer, endpoint
-        self.mine, self.theirs, self.device = mine, theirs, device
+        self.mine, self.theirs, self.device, self.num_blocks = mine, theirs, device, num_blocks
         self.block_bytes = sum(r.block_bytes for r in mine.regions)
         self.fence = Fence(agent, peer, endpoint)  # every READ posted here, with its deadline
         self._unposted: list[Arrived] = []
@@ -125,9 +143,14 @@ class Landings:
         self._early_s, self._settle_s = 0.0, 0.0  # perf_counter s it was posted; longest wait for it to settle
         self.early_taken = 0  # chunks whose reply named the blocks the early READ took
 
-    def matches(self, peer: str, theirs: tuple[RegionSpan, ...], device: int) -> bool:
+    def matches(self, peer: str, theirs: tuple[RegionSpan, ...], device: int, num_blocks: int) -> bool:
         """Whether P's handshake reply describes the same producer memory as these Landings."""
-        return (self.peer, self.theirs, self.device) == (peer, theirs, device)
+        return self.known == (peer, theirs, device, num_blocks)
+
+    @property
+    def known(self) -> Known:
+        """The producer's memory as these Landings READ it."""
+        return self.peer, self.theirs, self.device, self.num_blocks
 
     def read_early(self, their_blocks: tuple[int, ...], counts: list[int], settle_s: float) -> bool:
         """Post one READ of every chunk (``counts``: each chunk's blocks, in order) from P's blocks
@@ -176,9 +199,15 @@ class Landings:
         return self.mine.block_ids[index] is not None and not emulated(self.endpoint)
 
     def add(self, arrived: Arrived) -> None:
-        """A reply naming engine blocks: read by the early READ where it took those blocks, else by the next :meth:`post`."""
+        """A reply naming engine blocks: read by the early READ where it took those blocks, else by
+        the next :meth:`post`. Raises :class:`PeerError` if it names blocks beyond P's engine KV."""
+        if problem := blocks_problem(arrived.reply.blocks, self.num_blocks):
+            raise PeerError(f"{self.endpoint} named chunk {arrived.reply.index}'s engine blocks wrongly: {problem}")
         index, early = arrived.reply.index, self._early  # (an early READ already failed: READ again)
-        if early is not None and self._early_blocks.get(index) == tuple(arrived.reply.blocks) and early.state() != "ERR":
+        state = early.state() if early is not None and self._early_blocks.get(index) == tuple(arrived.reply.blocks) else ""
+        if state == "ERR":
+            forget(self.agent, self.endpoint, self.known)
+        if state not in ("", "ERR"):
             arrived.transfer, arrived.started_s = early, self._early_s
             self.early_taken += 1
             return
@@ -242,7 +271,12 @@ class Landings:
         if transfer is None:
             raise NixlError(f"{len(arrived.reply.blocks)} engine blocks named could not be read into this engine's")
         begin = time.perf_counter()
-        self.fence.wait(transfer, timeout_s, cancelled)
+        try:
+            self.fence.wait(transfer, timeout_s, cancelled)
+        except NixlError:
+            if transfer.state() == "ERR":  # not a timeout or an abort: the next handshake gives P's memory again
+                forget(self.agent, self.endpoint, self.known)
+            raise
         self.read_s += time.perf_counter() - begin
         self.chunks += 1
         if not transfer.released:  # the first of the chunks sharing this READ

@@ -22,15 +22,17 @@ class NixlStart:
     """Starts the agent for rank ``rank``. ``pool``: ``(address, bytes)`` of the CPU tier's pool.
     ``engine_kv``: this rank's engine KV (None: a hybrid model's; it stays unregistered).
     ``chunk_server``: this rank's (None on a consumer). ``on_landing``: called once consumers
-    may READ into the engine KV."""
+    may READ into the engine KV. ``secret``: the P/D secret (the watch of producers' chunk servers
+    speaks CURVE with it)."""
 
     def __init__(self, rank: int, pool: tuple[int, int], engine_kv: EngineKv | None,
-                 chunk_server: ChunkServer | None, on_landing: Callable[[], None]):
+                 chunk_server: ChunkServer | None, on_landing: Callable[[], None], secret: bytes | None = None):
         self.rank = rank
         self.pool = pool
         self.engine_kv = engine_kv
         self.chunk_server = chunk_server
         self.on_landing = on_landing
+        self.secret = secret
         self.agent: nixl.Agent | None = None
         self.watch: PeerWatch | None = None  # the chunk servers of the producers this rank fetched from
         self._thread: threading.Thread | None = None
@@ -67,7 +69,7 @@ class NixlStart:
                 self.on_landing()
             except Exception as exc:  # e.g. a UCX without CUDA support: the CPU-tier path stays
                 hbm = f"engine KV not registered ({exc}): P/D chunks go through the CPU tiers"
-        self.watch = PeerWatch(agent)
+        self.watch = PeerWatch(agent, secret=self.secret)
         self.agent = agent
         if self.chunk_server is not None:
             self.chunk_server.engine = engine_kv.engine_blocks() if engine_kv is not None else None

@@ -10,7 +10,8 @@ READ 31 ms instead of 0.2; more where P registers more regions).
 
 So an agent a fetch reached (:meth:`Agent.connect` with the producer's chunk server endpoint) is
 kept however idle, and watched here instead: one idle ZMQ connection to that server, with ZMQ
-heartbeats, on this module's thread. When it ends (the producer exited or stopped answering
+heartbeats, on this module's thread (CURVE with a secret, as every connection to a chunk
+server: :mod:`kvtier.pd.channel`). When it ends (the producer exited or stopped answering
 heartbeats) or cannot be made, the agent is dropped at once (:meth:`Agent.forget`).
 """
 
@@ -22,6 +23,7 @@ import threading
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
+from kvtier.pd.channel import secure_client
 from kvtier.pd.nixl import Agent
 
 logger = logging.getLogger(__name__)
@@ -33,13 +35,14 @@ _EVENTS = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRI
 
 class _Watched:
     """One producer's watch connection: its socket, the socket's monitor, the producer's chunk
-    server, whether the connection came up."""
+    server, whether the connection came up (``secret``: the P/D secret, for CURVE)."""
 
-    def __init__(self, context: zmq.Context, endpoint: str):
+    def __init__(self, context: zmq.Context, endpoint: str, secret: bytes | None):
         self.socket = context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.HEARTBEAT_IVL, HEARTBEAT_MS)
         self.socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, HEARTBEAT_TIMEOUT_MS)
+        secure_client(self.socket, secret)
         self.monitor = self.socket.get_monitor_socket(_EVENTS)
         self.socket.connect(endpoint)
         self.endpoint = endpoint
@@ -52,10 +55,12 @@ class _Watched:
 
 
 class PeerWatch:
-    """Watches the chunk servers of ``agent``'s peers, looking every ``interval_s`` for new ones."""
+    """Watches the chunk servers of ``agent``'s peers, looking every ``interval_s`` for new ones
+    (``secret``: the P/D secret those servers share, None: none)."""
 
-    def __init__(self, agent: Agent, interval_s: float = 0.1):
+    def __init__(self, agent: Agent, interval_s: float = 0.1, secret: bytes | None = None):
         self._agent = agent
+        self._secret = secret
         self._interval_ms = max(1, int(interval_s * 1000))
         self._stop = threading.Event()
         self.dropped = 0  # peers dropped because their chunk server went away
@@ -78,7 +83,7 @@ class PeerWatch:
                     watched.pop(name).close()
                 for name, endpoint in endpoints.items():
                     if name not in watched:
-                        watched[name] = _Watched(context, endpoint)
+                        watched[name] = _Watched(context, endpoint, self._secret)
                         poller.register(watched[name].monitor, zmq.POLLIN)
                 if not watched:  # (an empty poll might not wait)
                     self._stop.wait(self._interval_ms / 1000)

@@ -45,6 +45,25 @@ blocks the chunk goes into (``Fetch.blocks``). P WRITEs the chunk from its own e
 as a payload instead. A transfer that D gives up with such fetches unanswered is released and
 D waits for P's ``released`` answer, which P sends once no WRITE of the transfer is in flight:
 no late WRITE lands in blocks D recomputes.
+
+Replay: every :class:`Hello` carries a fresh random ``nonce`` and D's wall-clock send time
+(``sent_ms``). P refuses a hello whose nonce it saw already, or sent more than
+:data:`HELLO_WINDOW_S` away from its own clock (:mod:`kvtier.pd.handshakes`), and echoes the nonce in
+its :class:`HelloReply`, under its MAC: D refuses a reply to any other hello. Every later message
+of the connection (:class:`Fetch`, :class:`Fetches`, :class:`Release`) carries the nonce of its
+latest hello, and P takes it only from the ZMQ connection that sent that hello; a release only
+from the connection that began its transfer (whose hello or first fetch named it). A captured
+message replayed on another connection is refused and changes nothing.
+
+Engine blocks: each hello and its reply carry the sender's engine ``num_blocks`` (0: no engine
+KV). Block ids naming blocks beyond the other side's count, and regions whose span cannot be
+(:func:`kvtier.pd.hbm.region_problem`), are refused before any NIXL descriptor is built: the
+registration of interleaved regions is merged, so an id past the end would land in a neighbour.
+
+Encryption: with a secret the side channel (these messages and the ZMQ payload frames, not
+NIXL's data plane) is encrypted by ZMQ CURVE (:mod:`kvtier.pd.channel`): the chunk server's key
+pair is derived from the secret, so D knows P's public key without another setting, and each
+D socket makes a fresh key pair of its own.
 """
 
 from __future__ import annotations
@@ -59,13 +78,15 @@ import msgspec
 from kvtier.codec import HEADER_BYTES
 from kvtier.codec.chunk import CHECKSUM_BLAKE3, read_header
 
-VERSION = 7
+VERSION = 8
 MAX_REQUEST_BYTES = 64 << 10  # any D → P message; a chunk server refuses larger ones unread
 KEY_BYTES = 16
 MAC_BYTES = 32
 MAX_BATCH = 64  # fetches in one Fetches, replies in one ChunkReplies
 BATCH_BYTES = 32 << 10  # a Fetches (or a hello's fetches) stays under this many bytes: half of MAX_REQUEST_BYTES
 MAX_HELLO_FETCHES = 256  # fetches a pull's hello may carry
+NONCE_BYTES = 16
+HELLO_WINDOW_S = 60.0  # a hello sent further than this from P's clock (either way) is refused
 
 Key = Annotated[bytes, msgspec.Meta(min_length=KEY_BYTES, max_length=KEY_BYTES)]
 TransferId = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
@@ -77,6 +98,8 @@ Text = Annotated[str, msgspec.Meta(max_length=4096)]
 Checksum = int  # unsigned 64 bits; msgspec bounds stop at int64, so D compares it as it came
 Device = Annotated[int, msgspec.Meta(ge=0, le=1 << 10)]
 RegionAddress = tuple[Address, Size, Size]  # (base address, stride between blocks, bytes per block)
+Nonce = Annotated[bytes, msgspec.Meta(max_length=NONCE_BYTES)]  # a hello's (b"": none; refused where one is due)
+WallMs = Annotated[int, msgspec.Meta(ge=0, le=1 << 53)]  # wall-clock ms since the epoch
 
 
 @dataclass(frozen=True, slots=True)
@@ -109,6 +132,9 @@ class Hello(msgspec.Struct, frozen=True, tag="hello"):
     transfer_id: MaybeTransferId = ""  # the transfer D is about to fetch (P says whether it lends its blocks)
     fetches: Annotated[tuple[Fetch, ...], msgspec.Meta(max_length=MAX_HELLO_FETCHES)] = ()  # a pull's first
     # fetches of that transfer, answered at once if P lends its engine blocks now, else dropped
+    num_blocks: Count = 0  # blocks of D's engine KV (0: none registered)
+    nonce: Nonce = b""  # fresh for every hello (NONCE_BYTES random bytes)
+    sent_ms: WallMs = 0  # D's wall clock when it sent this hello
 
 
 class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
@@ -129,6 +155,7 @@ class Fetch(msgspec.Struct, frozen=True, tag="fetch"):
     tokens: Count = 0
     hbm: bool = False  # answer with P's engine blocks of the chunk, if P still holds them
     blocks: tuple[Size, ...] = ()  # HBM push: D's engine blocks P may WRITE the chunk into
+    nonce: Nonce = b""  # of the connection's latest hello
 
 
 class Fetches(msgspec.Struct, frozen=True, tag="fetches"):
@@ -137,6 +164,7 @@ class Fetches(msgspec.Struct, frozen=True, tag="fetches"):
 
     version: int
     fetches: Annotated[tuple[Fetch, ...], msgspec.Meta(min_length=1, max_length=MAX_BATCH)]
+    nonce: Nonce = b""  # of the connection's latest hello (each fetch carries it too)
 
 
 class Release(msgspec.Struct, frozen=True, tag="release"):
@@ -146,6 +174,7 @@ class Release(msgspec.Struct, frozen=True, tag="release"):
     version: int
     transfer_id: TransferId
     answer: bool = False
+    nonce: Nonce = b""  # of the connection's latest hello
 
 
 class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
@@ -160,6 +189,8 @@ class HelloReply(msgspec.Struct, frozen=True, tag="hello_reply"):
     regions: tuple[RegionAddress, ...] = ()  # P's engine KV, when it may lend engine blocks (hbm)
     device: Device = 0  # the CUDA device of those regions in P's process
     lending: bool = False  # P holds the hello's transfer's engine blocks under a lease: ask for every chunk
+    num_blocks: int = 0  # blocks of P's engine KV (0: none lent)
+    nonce: bytes = b""  # the nonce of the hello this answers
 
 
 ChunkStatus = Literal["ok", "missing", "pending", "refused", "released"]
@@ -197,8 +228,8 @@ decode_reply = msgspec.msgpack.Decoder(Union[HelloReply, ChunkReply, ChunkReplie
 
 
 def batches(fetches: list[Fetch]) -> list[Fetch | Fetches]:
-    """``fetches`` as few messages as :data:`MAX_BATCH` and :data:`BATCH_BYTES` allow (one alone
-    goes as itself)."""
+    """``fetches`` (of one connection: one nonce) as few messages as :data:`MAX_BATCH` and
+    :data:`BATCH_BYTES` allow (one alone goes as itself)."""
     messages, batch, size = [], [], 0
     for fetch in fetches:
         nbytes = len(encode(fetch))
@@ -209,7 +240,7 @@ def batches(fetches: list[Fetch]) -> list[Fetch | Fetches]:
         size += nbytes
     if batch:
         messages.append(batch)
-    return [b[0] if len(b) == 1 else Fetches(VERSION, tuple(b)) for b in messages]
+    return [b[0] if len(b) == 1 else Fetches(VERSION, tuple(b), b[0].nonce) for b in messages]
 
 
 def reply_batches(replies: list[ChunkReply]) -> list[ChunkReplies]:

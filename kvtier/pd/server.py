@@ -5,6 +5,10 @@ yet but coming (its save is queued, or its transfer is still being computed: pus
 moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
 while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed,
 oversized, unauthenticated or wrong-version message is refused and logged; the server keeps serving.
+So is a replayed or unbound one (:mod:`kvtier.pd.handshakes`): a hello whose nonce was seen or
+that was sent outside the window gets no metadata, and a fetch or release from a connection
+other than the one its hello (or its transfer) is bound to changes nothing. With a secret the
+socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
 
 Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
 the reply carries its address in the registered CPU pool, and the server keeps the chunk's buffer
@@ -18,6 +22,8 @@ HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with
 (its request finished computing) waits for it up to :data:`EXPECT_S`; without a lease the chunk
 is lent or sent from the CPU tier as above. A release that asks for an answer gets it once no
 WRITE of its transfer runs; each WRITE is abandoned ``timeout_ms`` after its posting (:mod:`kvtier.pd.writes`).
+A fetch naming engine blocks beyond the consumer's (its hello's ``num_blocks``), or not as many as its chunk's,
+is refused before any WRITE is built.
 """
 
 from __future__ import annotations
@@ -25,19 +31,21 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
 from typing import Callable
 
 import msgspec
 import zmq
 
 from kvtier.keys import storage_key
+from kvtier.pd.channel import HandshakeFailures, bind_router
+from kvtier.pd.handshakes import Handshakes
 from kvtier.pd.hbm import EngineBlocks
 from kvtier.pd.hbm_serve import HbmServing
 from kvtier.pd.holds import PublishHolds
 from kvtier.pd.lending import LentBuffers
 from kvtier.pd.nixl import Agent
 from kvtier.pd.recut import recut
+from kvtier.pd.waiting import WaitingFetches
 from kvtier.pd.writes import PeerWrites
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, ServedLayout,
@@ -47,7 +55,6 @@ from kvtier.storage import ChunkBuffer, ChunkStore
 
 logger = logging.getLogger(__name__)
 
-MAX_WAITING = 4096  # fetches parked for chunks still being computed, over all peers
 # A published request is alive this long after a step began computing it: one prefill step may
 # outlast pd_timeout_ms by far, and the waiting consumer must not give up meanwhile. An aborted
 # producer request therefore keeps its consumer waiting this long, at most.
@@ -56,14 +63,6 @@ _SEND_HWM = 1024  # replies queued per peer: above any consumer's fetches in fli
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
 PEER_IDLE_S = 5.0  # a peer's NIXL agent (a consumer written into, a producer read from) unused this long is dropped
-
-
-@dataclass(slots=True)
-class _Waiting:
-    identity: bytes
-    fetch: Fetch
-    since_s: float
-    skey: bytes  # the chunk's storage key
 
 
 class ChunkServer:
@@ -95,19 +94,12 @@ class ChunkServer:
         self._active_s = max(ACTIVE_S, timeout_ms / 1000)
         self.rejected = self.received_total = self.sent_total = 0  # messages refused, taken (a Fetches is one), sent
         self.dropped = 0  # replies not sent: the peer's queue was full
-        self._waiting: list[_Waiting] = []
+        self._waiting = WaitingFetches()
         self.pushing = False  # WRITEs into a consumer run or wait for chunks (read by the engine thread)
-        self._ctx = zmq.Context.instance()
-        self._socket = self._ctx.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.LINGER, 0)
-        self._socket.setsockopt(zmq.MAXMSGSIZE, MAX_REQUEST_BYTES)
-        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a reply to a vanished peer fails, not blocks
-        self._socket.setsockopt(zmq.SNDHWM, _SEND_HWM)
-        if bind.endswith(":0"):
-            self.port = self._socket.bind_to_random_port(bind[: bind.rindex(":")])
-        else:
-            self._socket.bind(bind)
-            self.port = int(bind.rsplit(":", 1)[1])
+        self._handshakes = Handshakes(10 * self._active_s)  # nonces seen, connections bound to their hello
+        self._from = ""  # the address of the peer whose message is being handled (log lines)
+        self._socket, self.port = bind_router(bind, secret, MAX_REQUEST_BYTES, _SEND_HWM)
+        self._curve_failures = HandshakeFailures(self._socket, _LOG_EVERY)  # peers of another secret (CURVE)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._serve, name="kvtier-pd-server", daemon=True)
         self._thread.start()
@@ -127,10 +119,12 @@ class ChunkServer:
                 if events:
                     for _ in range(64):  # bounded, so waiting fetches and expiry still run
                         try:
-                            frames = self._socket.recv_multipart(zmq.NOBLOCK)
+                            frames = self._socket.recv_multipart(zmq.NOBLOCK, copy=False)
                         except zmq.Again:
                             break
-                        self._handle(frames)
+                        self._from = frames[-1].get("Peer-Address") or "?"
+                        self._handle([f.bytes for f in frames])
+                self.rejected += self._curve_failures.take()
                 if self._nixl_peers:
                     self.nixl.progress()
                 if self._writes:
@@ -139,7 +133,7 @@ class ChunkServer:
                 now = time.monotonic()
                 self._serve_waiting(now, came)
                 self._hbm.flush(self.nixl)  # one WRITE per peer for what this turn's fetches found stored
-                self.pushing = bool(self._writes) or any(w.fetch.blocks for w in self._waiting)
+                self.pushing = bool(self._writes) or self._waiting.pushing
                 if now - last_beat >= self._heartbeat_s:
                     self._heartbeat()
                     last_beat = now
@@ -148,11 +142,13 @@ class ChunkServer:
                         self.holds.changed.set()  # look again, once a second, whether it is still coming
                     self.holds.expire()
                     self._expire_lent(now)
+                    self._handshakes.expire(now)
                     last_expire = now
             except Exception:  # the server must outlive any one message
                 logger.exception("kvtier P/D chunk server: unexpected error; still serving")
         self._lent.close()
         self._writes.settle(self._lend_s)
+        self._curve_failures.close()
         self._socket.close()
 
     def _handle(self, frames: list[bytes]) -> None:
@@ -168,13 +164,21 @@ class ChunkServer:
         inner = message.fetches if isinstance(message, Fetches) else ()
         if versions := {message.version, *(f.version for f in getattr(message, "fetches", ()))} - {VERSION}:
             return self._reject(identity, f"protocol version {min(versions)} != {VERSION}")
+        problem = (self._handshakes.hello(identity, message) if isinstance(message, Hello) else
+                   self._handshakes.release(identity, message) if isinstance(message, Release) else
+                   self._handshakes.message(identity, message.nonce))
+        if problem:  # a replay, or a hello that cannot be: no metadata, nothing changed
+            return self._reject(identity, problem)
         self.received_total += 1
         if isinstance(message, Hello):
             self._hello(identity, message)
         elif isinstance(message, (Fetch, Fetches)):
             now = time.monotonic()
             for fetch in inner or (message,):  # a batch: each answered as if it came alone
-                self._fetch(identity, fetch, now)
+                if problem := self._handshakes.fetch(identity, fetch):
+                    self._reject(identity, problem, fetch.index)
+                else:
+                    self._fetch(identity, fetch, now)
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
             self._forget_writer(identity)
@@ -183,7 +187,7 @@ class ChunkServer:
                 self.engine.leases.release(message.transfer_id)
             self._lent.give_back(message.transfer_id)
             self.holds.release(message.transfer_id)
-            self._waiting = [w for w in self._waiting if w.fetch.transfer_id != message.transfer_id]
+            self._waiting.drop(message.transfer_id)
             if message.answer:
                 self._writes.answer_release(identity, message.transfer_id)
 
@@ -208,8 +212,9 @@ class ChunkServer:
         else:
             self._nixl_peers.pop(identity, None)
             self._hbm.forget(identity)
-        self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens,
-                                        mine.tp_size, error, transport, metadata, regions, device, lending))
+        num_blocks = self.engine.num_blocks if self.engine is not None else 0
+        self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens, mine.tp_size,
+                                        error, transport, metadata, regions, device, lending, num_blocks, hello.nonce))
         for fetch in self._hbm.carried(hello) if lending else ():  # a pull's first fetches: answered now
             self._fetch(identity, fetch, time.monotonic())  # (not lending: dropped, D sends them again)
 
@@ -242,12 +247,10 @@ class ChunkServer:
 
     def _park(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Keep ``fetch`` to answer later (False), or refuse it when too many wait (True)."""
-        if not any(w.identity == identity and w.fetch == fetch for w in self._waiting):
-            if len(self._waiting) >= MAX_WAITING:
-                self._send(identity, ChunkReply(VERSION, fetch.index, "refused", "too many waiting fetches"))
-                return True
-            self._waiting.append(_Waiting(identity, fetch, now, storage_key(fetch.key, self.layout.fingerprint)))
-        return False
+        if self._waiting.park(identity, fetch, now, storage_key(fetch.key, self.layout.fingerprint)):
+            return False
+        self._send(identity, ChunkReply(VERSION, fetch.index, "refused", "too many waiting fetches"))
+        return True
 
     def _answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
         """Serve a stored chunk: WRITE it into the peer's buffer, lend it, or send it (takes ``buffer``)."""
@@ -339,26 +342,19 @@ class ChunkServer:
 
     def _serve_waiting(self, now: float, came: set[bytes]) -> None:
         """Answer waiting fetches that may be answerable now: all once anything else changed (an
-        announcement, a lease, once a second), else only those whose chunk was stored or given
-        up, or whose checksum ``came`` (chain keys): a prompt's chunks come one by one, and
-        looking at every waiting fetch for each is quadratic Python on the engine's GIL."""
+        announcement, a lease, once a second), else those :meth:`WaitingFetches.take` picks."""
         stored, everything = self.holds.take_stored(), self.holds.changed.is_set()
         if not self._waiting or not (everything or stored or came):
             return
         if everything:  # cleared only when seen: a change after is_set() is looked at next turn
             self.holds.changed.clear()
-        waiting, self._waiting, again = self._waiting, [], []
-        for w in waiting:
-            (again if everything or w.skey in stored or w.fetch.key in came else self._waiting).append(w)
-        for w in again:
+        for w in self._waiting.take(everything, stored, came):
             self._fetch(w.identity, w.fetch, w.since_s)  # parks it again if still not there
-        # Peers that stopped asking (timed out, died) must not pin waiting entries forever.
-        horizon = 10 * self._active_s
-        self._waiting = [w for w in self._waiting if now - w.since_s <= horizon]
+        self._waiting.expire(now, 10 * self._active_s)
 
     def _heartbeat(self) -> None:
         now = time.monotonic()
-        for identity in {w.identity for w in self._waiting if self.holds.active(w.fetch.transfer_id, self._active_s)}:
+        for identity in self._waiting.peers(lambda transfer_id: self.holds.active(transfer_id, self._active_s)):
             self._send(identity, ChunkReply(VERSION, -1, "pending"))
             if identity in self._nixl_peers:  # waiting through a long prefill is not going quiet
                 self._nixl_peers[identity] = now
@@ -382,11 +378,13 @@ class ChunkServer:
         except zmq.ZMQError:
             pass  # the peer is gone: it times out and recomputes
 
-    def _reject(self, identity: bytes, why: str) -> None:
+    def _reject(self, identity: bytes, why: str, index: int = -1) -> None:
+        """Refuse a message (``index``: the chunk a refused fetch asked for, else -1)."""
         self.rejected += 1
         if self.rejected % _LOG_EVERY == 1:
-            logger.warning("kvtier P/D chunk server: rejected a message (%s); %d rejected so far.", why, self.rejected)
-        self._send(identity, ChunkReply(VERSION, -1, "refused", why[:200]))
+            logger.warning("kvtier P/D chunk server: rejected a message from %s (%s); %d rejected so far.",
+                           self._from, why, self.rejected)
+        self._send(identity, ChunkReply(VERSION, index, "refused", why[:200]))
 
     def close(self) -> None:
         """Stop serving and release the socket (idempotent)."""

@@ -67,16 +67,19 @@ def test_named_blocks_are_read_before_the_producers_reply(engines, caplog, monke
 SWAPPED = tuple(P_BLOCKS[:2] + P_BLOCKS[4:6] + P_BLOCKS[2:4] + P_BLOCKS[6:])  # chunks 1 and 2 named swapped
 BEYOND = tuple(b + 100_000 for b in P_BLOCKS)  # beyond P's engine KV: not registered with NIXL
 TAIL_BEYOND = tuple(P_BLOCKS[:-1]) + (100_000,)  # only the tail's block beyond it
+NEIGHBOUR = tuple(P_BLOCKS[:-1]) + (64,)  # one past P's last block: but in the last layer, the next one's first
 
 
-@pytest.mark.parametrize("named, reads", [(SWAPPED, [(2, 2)]), (BEYOND, [(2, 0)]), (TAIL_BEYOND, [(2, 0)])],
-                         ids=["swapped", "beyond", "tail-beyond"])
+@pytest.mark.parametrize("named, reads", [(SWAPPED, [(2, 2)]), (BEYOND, [(1, 0)]), (TAIL_BEYOND, [(1, 0)]),
+                                          (NEIGHBOUR, [(1, 0)])],
+                         ids=["swapped", "beyond", "tail-beyond", "neighbour"])
 def test_blocks_named_wrongly_are_read_again_from_those_the_producer_names(engines, caplog, named, reads):
     """Blocks named wrongly (a proxy's mistake, a malformed or hostile parameter) cost a READ,
     never a recompute or a wrong answer. Swapped: those chunks land P's other chunk and are READ
     again, once the early READ settled, from the blocks P's replies name; the rest take the early
-    READ. Beyond P's KV: NIXL refuses the whole early READ, so no chunk takes it (even those named
-    right: they would fail, and be recomputed), and all are READ from the blocks P names."""
+    READ. Any block beyond P's engine KV (its handshake's ``num_blocks``), be it far beyond (NIXL
+    would refuse it) or just past the end (NIXL would read the next region's bytes: registration
+    merges interleaved regions): nothing is READ early, and all are READ from the blocks P names."""
     p, d = engines("p", 1), engines("d", 2)
     warm(p, d)
     publish(p, PROMPT, P_BLOCKS, "t1")

@@ -176,7 +176,7 @@ class WorkerSide:
             lease_ms = config.pd_hbm_lease_ms if self.produce else 0
             self.engine_kv = EngineKv(layout, cb, lease_ms, config.pd_timeout_ms / 1000, config.pd_hbm_push)
         self._nixl_start = NixlStart(self.rank, store.pool_memory(), self.engine_kv, self.chunk_server,
-                                     self.transfers.loads.accept_landings)
+                                     self.transfers.loads.accept_landings, config.secret)
         pd += self._nixl_start.start(config.pd_transport)
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
