@@ -37,6 +37,7 @@ import numpy as np
 import zmq
 
 from kvtier.jobs import Landed
+from kvtier.pd import faults
 from kvtier.pd.channel import connect_dealer
 from kvtier.pd.hbm import Landing, RegionSpan, direct_path, emulated
 from kvtier.pd.landing import Arrived, Landings, discard, read_early, remember
@@ -51,8 +52,7 @@ logger = logging.getLogger(__name__)
 
 WINDOW = 4  # fetches in flight per transfer (each holds a CPU-tier buffer)
 HBM_WINDOW = 16  # ... when chunks may land in the engine's blocks: no buffer held, more READs in flight
-LENT_WINDOW = 256  # ... once P answers with its engine blocks (lent): the rest asked at once, few READs
-PUSH_WINDOW = 256  # ... when P writes them into the engine's blocks as it computes them (a 64k prompt)
+LENT_WINDOW = PUSH_WINDOW = 256  # ... once P lends its blocks or writes into ours: the rest asked at once (64k)
 _CANCEL_CHECK_S, _PROGRESS_S = 0.05, 0.001  # s: a waiting transfer looks for an abort; lets NIXL progress (P WRITEs)
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
 _QUARANTINE_TIMEOUTS = 3  # a buffer P was told to write into, never answered, is reused after this many timeouts
@@ -114,7 +114,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
         for index in range(len(items)):
             window = (PUSH_WINDOW if wait else LENT_WINDOW if peer.lent else HBM_WINDOW) if peer.hbm else WINDOW
             peer.fetch_until(index + window)
-            yield peer.chunk(index)
+            yield faults.corrupt(peer.chunk(index), landing, index)  # (KVTIER_PD_FAULTS, in fault soaks)
     finally:  # no READ into engine blocks runs past here (kvtier.pd.fence): P may reuse its blocks, vLLM ours
         for landings in {early, peer.hbm} - {None}:
             landings.settle(timeout_ms / 1000)

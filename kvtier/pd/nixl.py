@@ -38,6 +38,7 @@ from typing import Callable
 
 import numpy as np
 
+from kvtier.pd import faults
 from kvtier.pd.nixl_hold import Hold, held, removed
 
 logger = logging.getLogger(__name__)
@@ -308,6 +309,7 @@ class Agent:
         ``memory``: (kind, this process's device, the peer's device) of both sides' memory.
         ``here``: posted on the caller's thread (one with nothing else to do meanwhile: a poster
         thread would share the interpreter with it), else on a poster thread."""
+        faults.delay_read()  # (KVTIER_PD_FAULTS, in fault soaks: a READ that races its deadlines)
         return self._post("READ", peer, local, remote, memory, here)
 
     def write(self, peer: str, local: list[tuple[int, int]], remote: list[tuple[int, int]],
