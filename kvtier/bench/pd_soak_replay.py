@@ -3,7 +3,7 @@ in no transfer can send a producer's chunk server (its address: P's ``kvtier_end
 
 Nothing is captured: every message is built here with :mod:`kvtier.pd.protocol`'s structs and
 MAC, so it follows that protocol as it changes, and each goes out on a DEALER connection of its
-own, as a new peer would send it. Per forged transfer:
+own (:func:`kvtier.pd.channel.connect_dealer`: CURVE with the secret), as a new peer would send it. Per forged transfer:
 
 - a ``Release`` of a transfer still in flight (another connection's), asking for an answer;
 - a ``Hello`` as a decode engine sends it (the producer's own layout fingerprint, learnt from a
@@ -26,11 +26,11 @@ def _exchange(endpoint: str, frames: list[bytes], secret: bytes | None, wait_s: 
     import zmq
 
     from kvtier.pd import protocol
+    from kvtier.pd.channel import connect_dealer
 
-    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock = connect_dealer(endpoint, secret, 1 << 20)  # CURVE with the secret, as a decode engine's
     sock.setsockopt(zmq.LINGER, 0)
     try:
-        sock.connect(endpoint)
         sock.send_multipart(frames)
         if not sock.poll(int(wait_s * 1000), zmq.POLLIN):
             return "silent", None
@@ -53,11 +53,13 @@ def _frames(message, secret: bytes | None) -> list[bytes]:
 
 
 def _hello(fingerprint: bytes, chunk_tokens: int, transfer_id: str):
+    """A hello as a decode engine sends it: a fresh nonce, sent now."""
     from kvtier.pd import protocol
+    from kvtier.pd.hello import introduce
 
-    return protocol.Hello(version=protocol.VERSION, rank=0, tp_size=1, fingerprint=fingerprint,
-                          layout="kvtier-bench pd-soak forged hello", chunk_tokens=chunk_tokens,
-                          transports=("nixl", "zmq"), hbm=True, transfer_id=transfer_id)
+    return introduce(protocol.Hello(version=protocol.VERSION, rank=0, tp_size=1, fingerprint=fingerprint,
+                                    layout="kvtier-bench pd-soak forged hello", chunk_tokens=chunk_tokens,
+                                    transports=("nixl", "zmq"), hbm=True, transfer_id=transfer_id))
 
 
 def fingerprint(endpoint: str, secret: bytes | None, chunk_tokens: int, wait_s: float) -> bytes:

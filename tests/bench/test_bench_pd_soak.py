@@ -140,5 +140,7 @@ def test_pd_soak_meets_every_pass_criterion(tmp_path):
     assert all(k["ready_s"] is not None for k in data["kills"])
     rows = {r["fault"]: r for r in data["rows"]}
     assert rows["lease race (D's leg held back)"]["injected"] > 0 and rows["replayed Hello"]["injected"] > 0
+    forged = (rows["replayed Hello"], rows["forged Release of a transfer in flight"])
+    assert all(r["refused"] > 0 and r["note"].startswith("answered 0,") for r in forged), forged  # none obeyed
     assert data["d_totals"]["d_external"] > 0  # D loaded prompts from P, not only recomputed them
     assert png.stat().st_size > 0
