@@ -66,8 +66,8 @@ class SchedulerSide:
         self._loads: list[PlannedLoad] = []  # planned this step, not yet in a StepPlan
         self._group_save_jobs: list[SaveJob] = []  # other served groups' saves planned this step
         self._load_failures: set[str] = set()  # hybrid: requests whose load failed, until reported finished
-        # loads to stop; transfers whose producer request was aborted; ... or whose blocks vLLM took back
-        self._cancels, self._withdrawn, self._stopped = [], [], []  # (aborted or preempted: none may be lent)
+        # for the next plan: P/D loads to stop; transfers of producer requests aborted before publishing all;
+        self._cancels, self._withdrawn, self._stopped = [], [], []  # ... and of those aborted or preempted
         self._distrusted = Distrusted()
         self._step = 0  # steps planned (StepPlans taken)
         self._completed = 0  # steps whose output came back
