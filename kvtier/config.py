@@ -50,7 +50,9 @@ class KvtierConfig:
     copied-out chunks waiting to be stored; where it could not take another save of the same size
     a save waits for its step's forward, beyond it the oldest are dropped and counted (default:
     half of cpu_bytes). disk_io:
-    ``buffered`` or ``direct`` (O_DIRECT reads of disk chunks).
+    ``buffered`` or ``direct`` (O_DIRECT reads of disk chunks). save_replies: also save the chunks
+    a request's generated tokens fill (true, the default: a conversation's next turn loads the
+    previous reply too), or only its prompt's (false).
 
     P/D (:mod:`kvtier.pd`): pd_bind: address the chunk server binds (loopback by default; any
     other address needs pd_secret). pd_host: address advertised to decode engines (default: the
@@ -96,6 +98,7 @@ class KvtierConfig:
     prefill_tokens_per_s: int | None = None
     save_backlog_bytes: int | None = None
     disk_io: str = "buffered"
+    save_replies: bool = True
     pd_bind: str = "127.0.0.1"
     pd_host: str | None = None
     pd_port: int | None = None
@@ -159,7 +162,9 @@ class KvtierConfig:
         values: dict[str, Any] = {}
         for name, value in raw.items():
             kind = known[name].type
-            if "int" in kind:
+            if kind == "bool":
+                value = _boolean(name, value)
+            elif "int" in kind:
                 if isinstance(value, bool) or not isinstance(value, (int, str)):
                     raise ConfigError(f"kvtier setting {name!r} must be an integer, got {value!r}.")
                 try:
@@ -192,6 +197,15 @@ class KvtierConfig:
         host = self.pd_host or (socket.gethostname() if self.pd_bind in ("0.0.0.0", "::", "*") else self.pd_bind)
         bind = "*" if self.pd_bind in ("0.0.0.0", "*") else self.pd_bind
         return f"tcp://{_bracket(bind)}:{port}", f"tcp://{_bracket(host)}:{port}"
+
+
+def _boolean(name: str, value: Any) -> bool:
+    """A boolean setting: true or false, as JSON or as a string."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, str) and value.lower() in ("true", "false"):
+        return value.lower() == "true"
+    raise ConfigError(f"kvtier setting {name!r} must be true or false, got {value!r}.")
 
 
 def _micros(us: int | None, env: str, default: int) -> float:

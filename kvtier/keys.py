@@ -21,10 +21,14 @@ def namespace(model: str, cache_salt: str | None = None) -> bytes:
     return blake3.blake3(text.encode()).digest(KEY_BYTES)
 
 
-def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, root: bytes) -> list[bytes]:
-    """One key per *full* chunk of ``token_ids`` (a trailing partial chunk gets none)."""
-    tokens = np.asarray(token_ids, dtype="<i8")
-    keys, prev = [], root
+def chunk_keys(token_ids: Sequence[int], chunk_tokens: int, root: bytes, known: Sequence[bytes] = ()) -> list[bytes]:
+    """One key per *full* chunk of ``token_ids`` (a trailing partial chunk gets none).
+
+    ``known``: the keys of the first chunks, already made: only the chunks after them are hashed
+    (a request's reply extends its prompt's chain a chunk at a time)."""
+    first = len(known) * chunk_tokens
+    tokens = np.asarray(token_ids[first:], dtype="<i8")
+    keys, prev = list(known), (known[-1] if known else root)
     for start in range(0, len(tokens) - chunk_tokens + 1, chunk_tokens):
         prev = blake3.blake3(prev + tokens[start : start + chunk_tokens].tobytes()).digest(KEY_BYTES)
         keys.append(prev)

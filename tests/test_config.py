@@ -71,3 +71,10 @@ def test_the_idle_wait_comes_from_the_setting_else_the_environment_else_2_ms(mon
     monkeypatch.setenv("KVTIER_IDLE_WAIT_US", "2ms")
     with pytest.raises(ConfigError, match="KVTIER_IDLE_WAIT_US"):
         KvtierConfig.from_dict({}).idle_wait_s
+
+
+def test_a_boolean_setting_takes_true_or_false_and_names_its_key_otherwise():
+    assert KvtierConfig.from_dict({"save_replies": False}).save_replies is False
+    assert KvtierConfig.from_dict({"save_replies": "true"}).save_replies is True
+    with pytest.raises(ConfigError, match="'save_replies' must be true or false"):
+        KvtierConfig.from_dict({"save_replies": 1})

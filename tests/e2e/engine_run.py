@@ -3,6 +3,8 @@
 Each engine runs in its own process, as a user's would: ``python engine_run.py SPEC_JSON``.
 SPEC: {"model": dir, "kvtier": extra_config or null,
        "rounds": [{"prompts": [[ids]], "salts": [cache_salt or null] (optional),
+                   "continue": [[ids]] (instead of prompts: each of the previous round's prompts, its
+                                reply, then these tokens: a conversation's next turn),
                    "reset": bool (after kvtier's saves so far are stored),
                    "kill_group": process group to SIGKILL before the round (optional),
                    "max_tokens": int (optional, else the spec's)}],
@@ -12,6 +14,7 @@ Prints one line ``RESULT {"rounds": [[{"tokens": [...], "cached": int, "seconds"
 with ``log_stats`` the connector stats vLLM's stat logger received (summed) are in it.
 """
 
+import faulthandler
 import json
 import os
 import signal
@@ -35,6 +38,8 @@ def settle_saves() -> None:
 
 
 def main() -> None:
+    # A hang prints every thread's stack and ends the engine before the test's 300 s timeout.
+    faulthandler.dump_traceback_later(float(os.environ.get("KVTIER_E2E_HANG_S", "270")), exit=True)
     spec = json.loads(open(sys.argv[1]).read())
     from vllm import LLM, SamplingParams
     from vllm.config import KVTransferConfig
@@ -63,8 +68,11 @@ def main() -> None:
               max_model_len=4096, max_num_seqs=4, kv_transfer_config=kv, seed=0,
               tensor_parallel_size=spec.get("tp", 1), disable_log_stats=not spec.get("log_stats", False))
     params = SamplingParams(temperature=0.0, max_tokens=spec.get("max_tokens", 12), detokenize=False)
-    rounds = []
+    rounds, sent = [], []
     for rnd in spec["rounds"]:
+        if "continue" in rnd:
+            rnd = {**rnd, "prompts": [p + out["tokens"] + new for p, out, new in zip(sent, rounds[-1], rnd["continue"])]}
+        sent = rnd["prompts"]
         if rnd.get("reset"):
             if kv is not None:
                 settle_saves()

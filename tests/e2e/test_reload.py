@@ -21,7 +21,9 @@ CHUNK = 64  # tokens; two 32-token engine blocks
 P = prompt(1, 4 * CHUNK + 40)  # four full chunks and a tail
 SUFFIXED = P[: 2 * CHUNK + 20] + prompt(2, 90)  # shares two chunks and a bit with P
 SHORT = P[:40]  # one engine block of P, no full chunk
-NEW = prompt(3, CHUNK - 10)  # computed in the step that P's reload starts in (no chunk of its own to save)
+NEW = prompt(3, CHUNK - 20)  # computed in the step that P's reload starts in (no chunk of its own to save, reply too)
+TALK, REPLY = prompt(4, 2 * CHUNK + 20), 60  # the reply fills the prompt's third chunk
+TURN = [{"prompts": [TALK], "max_tokens": REPLY}, {"continue": [prompt(5, 10)], "reset": True}]  # a next turn
 
 
 def kvtier_config(disk: Path) -> dict:
@@ -36,7 +38,7 @@ def runs(tiny_llama, tmp_path_factory):
     disk = tmp / "disk"
     with ThreadPoolExecutor(1) as pool:
         baseline = pool.submit(run_engine, {"model": tiny_llama, "kvtier": None,
-                                            "rounds": [{"prompts": [P]}, {"prompts": [SUFFIXED]}, {"prompts": [NEW]}]},
+                                            "rounds": [{"prompts": [P]}, {"prompts": [SUFFIXED]}, {"prompts": [NEW]}, *TURN]},
                                tmp, "baseline")
         first, first_log = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [
             {"prompts": [P]},                    # computes and saves 4 chunks
@@ -49,7 +51,7 @@ def runs(tiny_llama, tmp_path_factory):
     pristine = tmp / "pristine"
     shutil.copytree(disk, pristine)
     second, _ = run_engine({"model": tiny_llama, "kvtier": kvtier_config(disk), "rounds": [
-        {"prompts": [P]}, {"prompts": [SUFFIXED], "reset": True}]}, tmp, "second")
+        {"prompts": [P]}, {"prompts": [SUFFIXED], "reset": True}, *TURN]}, tmp, "second")
     return {"base": base, "first": first, "second": second, "first_log": first_log,
             "pristine": pristine, "tmp": tmp, "model": tiny_llama}
 
@@ -97,6 +99,14 @@ def test_fresh_engine_reloads_from_the_disk_tier(runs):
 def test_shared_prefix_with_a_new_suffix_is_token_identical(runs):
     assert cached(runs["second"], 1) == 2 * CHUNK
     assert tokens(runs["second"], 1) == tokens(runs["base"], 1)
+
+
+def test_a_conversations_next_turn_loads_the_previous_reply_too(runs):
+    """The reply's tokens fill a third chunk, saved as it filled; the next turn (prompt, reply, new
+    tokens) loads all three, not only the two of the first turn's prompt."""
+    assert tokens(runs["second"], 2) == tokens(runs["base"], 3) and len(tokens(runs["base"], 3)) == REPLY
+    assert cached(runs["second"], 3) == 3 * CHUNK
+    assert tokens(runs["second"], 3) == tokens(runs["base"], 4)
 
 
 def test_corrupt_chunk_file_is_detected_and_recomputed(runs):

@@ -296,7 +296,14 @@ class Harness:
         return self.sched.kv_cache_manager.get_block_ids(req_id)[group]
 
     def _keys(self, req_id: str, group: int = 0) -> list[bytes]:
-        return [group_key(k, group) for k in self.keys[req_id]] if group else self.keys[req_id]
+        """The request's chain keys: its prompt's (P/D: and its tail's), then those its reply filled
+        (``save_replies``: the anchor group of a request with no role saves them too)."""
+        keys = self.keys[req_id]
+        if group:
+            return [group_key(k, group) for k in keys]
+        if self.requests[req_id].kv_transfer_params is None:
+            keys = chunk_keys(self.requests[req_id].all_token_ids, self.chunk_tokens, self._root, keys)
+        return keys
 
     def _window_start(self, computed: int) -> int:
         """First block the sliding group's attention reads once ``computed`` tokens are computed."""

@@ -145,3 +145,37 @@ def test_a_local_hit_that_leaves_no_load_asks_no_lookup(side):
     assert side.client.asked == 0
     assert admit(side, "one chunk short", local=3 * CHUNK).kind is PlanKind.LOAD
     assert side.client.asked == 1
+
+
+def replied(side, req_id, reply_tokens):
+    """A request with no hit computes its prompt, then decodes ``reply_tokens`` one step each;
+    returns the chain keys its steps saved, in order."""
+    side.client = StubClient([])
+    plan = side.matched_tokens(req_id, PROMPT, None, 0)
+    blocks = list(range(100, 100 + (len(PROMPT) + len(reply_tokens)) // BS + 1))
+    side.allocated(req_id, blocks, plan.external_tokens)
+    tokens = list(PROMPT)
+    saved = list(side.scheduled(req_id, blocks, True, len(PROMPT), tokens=tokens).keys)
+    for token in reply_tokens[:-1]:  # the last one sampled is never fed back: no KV
+        tokens.append(token)  # sampled by the step before: this step computes its KV
+        job = side.scheduled(req_id, None, False, len(tokens), tokens=tokens)
+        saved += job.keys if job is not None else ()
+    return saved
+
+
+def test_a_reply_is_saved_chunk_by_chunk_under_the_keys_of_the_next_turns_prompt(side):
+    from kvtier.keys import chunk_keys, namespace
+
+    reply = list(range(7, 7 + 2 * CHUNK))  # fills the prompt's tail chunk and one more
+    saved = replied(side, "a", reply)
+    assert saved == chunk_keys(PROMPT + reply, CHUNK, namespace("model"))[:6]
+    assert len(saved) == 6  # 4 of the prompt, 2 filled by the reply (its last token has no KV yet: 5 + 1)
+
+
+def test_with_save_replies_off_only_the_prompt_is_saved():
+    s = SchedulerSide(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24, save_replies=False), "model", BS,
+                      "ipc:///nonexistent")
+    try:
+        assert len(replied(s, "a", list(range(7, 7 + 2 * CHUNK)))) == 4
+    finally:
+        s.close()

@@ -132,7 +132,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         self._agreed_hits: AgreedHits | None = None
         parallel, events_config = vllm_config.parallel_config, vllm_config.kv_events_config
         kv_events = events_config is not None and events_config.enable_kv_cache_events
-        self._live: dict[str, Request] = {}  # with KV events: live requests, whose saved chunks are named
+        self._live: dict[str, Request] = {}  # live requests: their reply's tokens, their saved chunks' names
         self._lends: list[Lend] = []  # producer requests whose blocks to keep, for the next step's workers
         self._lent: set[str] = set()  # ... kept now: vLLM frees them once the workers say so (finished_sending)
         self._events = KvtierKVEvents(num_workers=0)  # from the workers, until vLLM takes them
@@ -241,8 +241,6 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
     def on_new_request(self, request: Request) -> None:
         if not self.active:
             return
-        if self._scheduler.name_chunk is not None:
-            self._live[request.request_id] = request
         mark(request.request_id, "arrived", fetched_transfer(request.kv_transfer_params))
         self._scheduler.track(request.request_id, request.prompt_token_ids or [], request.cache_salt,
                               request.kv_transfer_params)
@@ -271,6 +269,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if self.active:
+            self._live[request.request_id] = request  # every release calls this before the request's first step
             if num_external_tokens:
                 mark(request.request_id, "planned")
             ids = blocks.get_block_ids()
@@ -292,6 +291,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if not self.active:
             return KvtierMetadata(StepPlan((), ()))
         scheduler, saves, allocated, g, others = self._scheduler, [], [], self.group, self.other_groups
+        tokens = lambda req_id: getattr(self._live.get(req_id), "all_token_ids", None)  # noqa: E731 prompt, output
         states = boundary_states(scheduler_output)
         for req_id in getattr(scheduler_output, "preempted_req_ids", None) or ():  # also vLLM's own scheduler's
             scheduler.preempted(req_id)
@@ -300,7 +300,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             computed = before + scheduler_output.num_scheduled_tokens[new.req_id]
             saves.append(scheduler.scheduled(new.req_id, new.block_ids[g], True, computed,
                                              tuple(new.block_ids[o] for o in others), before,
-                                             states.get(new.req_id, ())))
+                                             states.get(new.req_id, ()), tokens(new.req_id)))
             allocated += [b for ids in new.block_ids for b in ids]  # every group's: blocks are one pool
         cached = scheduler_output.scheduled_cached_reqs
         for i, req_id in enumerate(cached.req_ids):
@@ -313,7 +313,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
                 scheduler.scheduled(
                     req_id, new_blocks[g] if new_blocks else None, req_id in cached.resumed_req_ids, computed,
                     tuple(new_blocks[o] for o in others) if new_blocks else (), before, states.get(req_id, ()),
-                )
+                    tokens(req_id))
             )
         lends, self._lends = tuple(self._lends), []
         return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)), lends,

@@ -5,8 +5,10 @@ reads and changes them; they live in its table of requests and nowhere else."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from kvtier.jobs import LoadJob
+from kvtier.keys import chunk_keys
 from kvtier.pd import params as pd
 from kvtier.scheduler_hooks import LoadPlan, ReqState
 
@@ -26,8 +28,10 @@ class PlannedLoad:
 class Tracked:
     """What the scheduler half remembers of a live request."""
 
-    keys: list[bytes]  # chain keys of the prompt's full chunks
+    keys: list[bytes]  # chain keys of the prompt's full chunks, then of those its reply filled (``replies``)
     prompt_tokens: int
+    root: bytes = b""  # the chain's namespace digest (model, cache salt)
+    replies: bool = False  # the chunks its generated tokens fill are saved too
     tail: bytes | None = None  # key of the prompt's trailing partial chunk (P/D requests only)
     role: pd.Produce | pd.Consume | None = None
     transfer_id: str | None = None  # what a producer request publishes under
@@ -44,3 +48,18 @@ class Tracked:
     load: PlannedLoad | None = None  # in flight
     last_save_step: int = -1
     save_after_first_token: bool = False  # a consumer's loaded prompt is saved only after its first token
+
+    def full_chunks(self, computed: int, tokens: Sequence[int] | None, chunk_tokens: int) -> int:
+        """Full chunks once ``computed`` tokens have KV: the prompt's, and where ``replies`` and
+        ``tokens`` (prompt and output so far, the engine's list) are given, those the reply filled,
+        whose chain keys :attr:`keys` gains here."""
+        if not self.replies or tokens is None or computed <= self.prompt_tokens:
+            return min(computed, self.prompt_tokens) // chunk_tokens
+        full = min(computed, len(tokens)) // chunk_tokens
+        if full > len(self.keys):
+            self.keys = chunk_keys(tokens[: full * chunk_tokens], chunk_tokens, self.root, self.keys)
+        return full
+
+    def tail_blocks(self, chunk_tokens: int, block_size: int) -> int:
+        """Blocks of the prompt's trailing partial chunk, as its producer stored it (P/D: ``keys`` are the prompt's)."""
+        return -(-(self.prompt_tokens - len(self.keys) * chunk_tokens) // block_size)

@@ -17,7 +17,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.group_jobs import GroupJobs
@@ -95,8 +95,9 @@ class SchedulerSide:
         if tracked is None:
             root = namespace(self.model, cache_salt)
             keys = chunk_keys(prompt, self.chunk_tokens, root)
-            tracked = self._requests[req_id] = Tracked(keys, len(prompt))
             role = pd.role_in(transfer_params, self.tp_size, req_id)
+            replies = self.config.save_replies and role is None and not self.groups.others
+            tracked = self._requests[req_id] = Tracked(keys, len(prompt), root, replies)
             if role is not None:
                 tracked.role, tracked.tail = role, tail_key(prompt, self.chunk_tokens, root, keys)
                 tracked.transfer_id = role.transfer_id or req_id
@@ -233,12 +234,13 @@ class SchedulerSide:
 
     # ---- steps --------------------------------------------------------------------------------
     def scheduled(self, req_id: str, block_ids: list[int] | None, replace: bool, computed_after: int,
-                  others: tuple[list[int], ...] = (), computed_before: int = 0, states=()) -> SaveJob | None:
-        """A request runs this step and will have ``computed_after`` tokens computed (``computed_before``
-        before it); new full prompt chunks are saved. ``block_ids``: blocks added this step (all of
-        them if ``replace``); ``others``: the same for each other served group (hybrid models), whose
-        save jobs join the step's plan (:meth:`take_plan`) beside the anchor's returned here;
-        ``states``: the Mamba states this step writes (``compat.boundary_states``)."""
+                  others: tuple[list[int], ...] = (), computed_before: int = 0, states=(),
+                  tokens: Sequence[int] | None = None) -> SaveJob | None:
+        """A request runs this step and will have ``computed_after`` tokens computed (``computed_before`` before it);
+        new full chunks are saved: the prompt's, and with ``tokens`` (prompt and output so far) its reply's. ``block_ids``:
+        blocks added this step (all of them if ``replace``); ``others``: the same for each other served group (hybrid
+        models), whose save jobs join the step's plan (:meth:`take_plan`) beside the anchor's returned here; ``states``:
+        the Mamba states this step writes (``compat.boundary_states``)."""
         tracked = self._requests.get(req_id)
         if tracked is None:
             return None
@@ -252,7 +254,7 @@ class SchedulerSide:
         if tracked.save_after_first_token:  # a consumer's step after its load: its first token goes out
             tracked.save_after_first_token = False  # before the landed prompt's copy-out (4 GiB at 32k tokens)
             return None
-        full = min(computed_after, tracked.prompt_tokens) // self.chunk_tokens
+        full = tracked.full_chunks(computed_after, tokens, self.chunk_tokens)
         full = min(full, len(tracked.keys), len(tracked.block_ids) // self.chunk_blocks)
         publish = isinstance(tracked.role, pd.Produce) and not tracked.published \
             and (tracked.prompt_tokens - 1) // self.block_size > 0  # else no consumer would fetch any of it
@@ -433,7 +435,7 @@ class SchedulerSide:
         first, last = start // c, -(-end // c)
         all_keys = tracked.keys + ([tracked.tail] if tracked.tail is not None else [])
         keys, blocks = tuple(all_keys[first:last]), tuple(block_ids[start // b : -(-end // b)])
-        tail_blocks = self._tail_blocks(tracked) if last > len(tracked.keys) else 0
+        tail_blocks = tracked.tail_blocks(self.chunk_tokens, self.block_size) if last > len(tracked.keys) else 0
         remote = None
         if isinstance(tracked.role, pd.Consume) and "remote" in tracked.tiers[first:last]:
             role, at = tracked.role, tracked.tiers[first:last].index("remote")  # P's blocks: from the first fetched on
@@ -441,10 +443,6 @@ class SchedulerSide:
         job = LoadJob(req_id, keys, (start % c) // b, blocks, tail_blocks, remote)
         from_chunk = first + remote.first_chunk if remote is not None else 0
         others = self.groups.loads(req_id, tracked.keys, tracked.tail, tracked.group_blocks, start, end,
-                                   self._tail_blocks(tracked), remote, from_chunk)
+                                   tracked.tail_blocks(self.chunk_tokens, self.block_size), remote, from_chunk)
         tracked.load = PlannedLoad(job, tracked.tiers[first:last], start, others=others)
         self._loads.append(tracked.load)
-
-    def _tail_blocks(self, tracked: Tracked) -> int:
-        """Blocks of the prompt's trailing partial chunk, as its producer stored it."""
-        return -(-(tracked.prompt_tokens - len(tracked.keys) * self.chunk_tokens) // self.block_size)
