@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from kvtier.engines.vllm.events import TierEvents
     from kvtier.pd.nixl import Agent
     from kvtier.storage import ChunkStore
+    from kvtier.transfer import TierWorker
 
 # TransferStats field -> name in the connector stats vLLM logs (see kvtier.engines.vllm.stats).
 STATS_FIELDS = {
@@ -110,7 +111,7 @@ class WorkerSide:
     _nixl_start = _node_part("nixl_start")
 
     @property
-    def group_transfers(self) -> list:
+    def group_transfers(self) -> list[TierWorker]:
         """The node's transfer workers, one per served group, the anchor's first ([] until registered)."""
         return self.node.group_transfers if self.node is not None else []
 
