@@ -1,5 +1,6 @@
-"""kvtier's modules import each other without circles, and no file grows past ~400 lines unless its
-docstring says why it is one piece.
+"""kvtier's modules import each other without circles, no file grows past ~400 lines unless its
+docstring says why it is one piece, and only vLLM's adapter and the benches import vLLM, directly or through
+another kvtier module (everything else runs beside any engine: a second engine's adapter reuses it).
 
 Every ``import`` in ``kvtier/`` counts, at module level or inside a function (a lazy import is
 still a dependency). ``from pkg import name`` is an edge to ``pkg.name`` when that is a module,
@@ -16,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "kvtier"
 MAX_LINES = 400
 ONE_PIECE = "one piece"  # a longer file's docstring says why it must be one piece, in these words
+VLLM_OWNERS = ("kvtier.engines.vllm", "kvtier.bench")  # vLLM's adapter; the benches that start engines
 
 
 def module_name(path: Path) -> str:
@@ -104,6 +106,34 @@ def long_files() -> list[str]:
     return out
 
 
+def imports_vllm(path: Path) -> bool:
+    """Whether the file imports vLLM itself, anywhere in it."""
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        names = [a.name for a in node.names] if isinstance(node, ast.Import) else (
+            [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level else [])
+        if any(name.split(".")[0] == "vllm" for name in names):
+            return True
+    return False
+
+
+def vllm_paths(edges: dict[str, set[str]], direct: set[str]) -> dict[str, list[str]]:
+    """For each module that imports vLLM, itself or through kvtier modules: one chain of imports
+    from it to a module in ``direct`` (those that import vLLM themselves)."""
+    found: dict[str, list[str]] = {}
+    for start in sorted(edges):
+        seen, todo = {start}, [[start]]
+        while todo:
+            chain = todo.pop()
+            if chain[-1] in direct:
+                found[start] = chain
+                break
+            for nxt in sorted(edges.get(chain[-1], ())):
+                if nxt not in seen:
+                    seen.add(nxt)
+                    todo.append(chain + [nxt])
+    return found
+
+
 def test_the_checker_finds_a_circle():
     assert circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
     assert circles({"a": {"b"}, "b": set()}) == []
@@ -119,6 +149,19 @@ def test_the_checker_reads_relative_and_from_imports(tmp_path):
 def test_no_import_circles_in_kvtier():
     found = circles(graph())
     assert not found, "import circles: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_the_checker_follows_imports_to_vllm():
+    edges = {"a": {"b"}, "b": {"c"}, "c": set(), "d": set()}
+    assert vllm_paths(edges, {"c"}) == {"a": ["a", "b", "c"], "b": ["b", "c"], "c": ["c"]}
+
+
+def test_only_the_vllm_adapter_and_the_benches_import_vllm():
+    direct = {name for name, path in modules().items() if imports_vllm(path)}
+    outside = {name: chain for name, chain in vllm_paths(graph(), direct).items()
+               if not name.startswith(VLLM_OWNERS)}
+    assert not outside, "import vLLM outside its adapter: " + "; ".join(" -> ".join(c) for c in outside.values())
+    assert "kvtier.worker_node" in modules()  # the engine-neutral worker half is among those checked
 
 
 def test_no_long_file_without_a_reason():

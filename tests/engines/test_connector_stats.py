@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import pickle
 from collections import deque
+from types import SimpleNamespace
 
 import msgspec
 import pytest
 
 pytest.importorskip("vllm")
 
+from kvtier.config import KvtierConfig  # noqa: E402
 from kvtier.engines.vllm.connector import KvtierConnector  # noqa: E402
 from kvtier.engines.vllm.stats import KvtierStats  # noqa: E402
 from kvtier.engines.vllm.worker_side import STATS_FIELDS  # noqa: E402
@@ -102,11 +104,10 @@ def test_shared_tier_write_counters_are_reported_as_deltas():
         stats = TransferStats()
         batch_ms = {"load": deque(), "save": deque()}
 
-    side = WorkerSide.__new__(WorkerSide)
-    side.rank, side.store, side.transfers = 1, Store(), Transfers()
-    side.group_transfers, side._failed_requests = [side.transfers], []
-    side._reported, side._shared_reported, side._held_reported = TransferStats(), {}, {}
-    side.engine_kv = None
+    transfers = Transfers()
+    side = WorkerSide(KvtierConfig(), "m", 16, 4, "ipc://unused", 1, 2)
+    side.node = SimpleNamespace(store=Store(), transfers=transfers, group_transfers=[transfers], engine_kv=None,
+                                take_failed_loads=set)  # what take_stats reads of a registered worker node
     side.take_stats()  # the held-bytes gauges' first report
     Store.counters["writes"] += 3
     Store.counters["dropped_writes"] += 1

@@ -2,8 +2,8 @@
 
 Scheduler half (:mod:`.scheduler_side`): asks the lookup server how much of a prompt is stored beyond the engine's
 own prefix cache, parks the request in ``WAITING_FOR_REMOTE_KVS`` while the workers load it, and plans saves of
-every new full prompt chunk. Worker half (:mod:`.worker_side`): builds the layout from the registered KV tensors,
-runs the loads and saves, serves lookups.
+every new full prompt chunk. Worker half (:mod:`.worker_side`): builds the layouts from the registered KV tensors
+and starts a :mod:`kvtier.worker_node` over them, which runs the loads and saves and serves lookups.
 
 P/D speaks vLLM's standard ``kv_transfer_params`` (:mod:`kvtier.pd.params`): a request with ``do_remote_decode``
 publishes its prompt and returns the parameters a decode engine needs from ``request_finished``; a request with

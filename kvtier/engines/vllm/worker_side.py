@@ -1,27 +1,15 @@
-"""Worker half of the vLLM connector: per worker process a store, a :class:`TierWorker` and a hold reporter; on rank 0
-also the lookup server that answers for every rank.
-
-Commit protocol: each rank reports to rank 0 the storage keys it holds, whenever that changes (a save landed, a
-chunk was found already stored, evicted, removed, written to or dropped from disk, promoted from disk) and, at
-start, everything its disk tier kept from a previous run. Rank 0 shows a chunk to lookups only while every rank
-holds it (:mod:`kvtier.lookup.index`).
-
-P/D: an engine that may prefill for others (``kv_both`` / ``kv_producer``) runs a chunk server per rank, pins what
-its requests publish, and tells rank 0 its address (the scheduler hands it to decode engines). Any engine fetches a
-producer's chunks when a load job says so.
-
-Hybrid models: one layout and one :class:`TierWorker` per served KV cache group (its layers' tensors, its block
-ids), over one store; jobs name their group. The groups' layouts share one fingerprint and one reuse guard (their
-blocks come from one pool). A request's load ends when every group's job has; a failure is reported per request. P/D
-serves and fetches every group's chunks, Mamba state too, between engines of one block size.
+"""Worker half of the vLLM connector: derives one layout per served KV cache group from the tensors vLLM registers
+and starts a :class:`~kvtier.worker_node.WorkerNode` over them (store, transfers, hold reporter, rank 0's lookup
+server, P/D pieces: see that module for the commit protocol, P/D and hybrid models). What stays here is vLLM's:
+the KV cache events vLLM announces (:mod:`kvtier.engines.vllm.events`, rank 0 only) and the connector stats vLLM
+logs and exports (:data:`STATS_FIELDS`). The hooks the connector calls go to the node; its parts are reachable
+here under the same names (``store``, ``transfers``, ``chunk_server``, ...) for tests and benches.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-import itertools
-import logging
 import sys
 import time
 from typing import TYPE_CHECKING
@@ -32,24 +20,14 @@ from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.groups import blocks_per_chunk, group_layouts
 from kvtier.engines.vllm.stats import FAILED_REQUESTS
 from kvtier.jobs import LoadJob, Lend, SaveJob, StepPlan
-from kvtier.codec import chunk_bytes
-from kvtier.lookup import HoldReporter, LookupServer
-from kvtier.ops import describe_backend
-from kvtier.pd.engine_kv import EngineKv
-from kvtier.pd.nixl import Agent
-from kvtier.pd.nixl_start import NixlStart
-from kvtier.pd.fetch import PeerError, fetch_chunks
-from kvtier.pd.holds import PublishHolds
-from kvtier.pd.protocol import VERSION as PD_VERSION
-from kvtier.pd.protocol import Hello
-from kvtier.pd.server import ChunkServer, ServedLayout
-from kvtier.storage import ChunkStore, StoreConfig
-from kvtier.transfer import TierWorker, TransferStats
+from kvtier.transfer import TransferStats
+from kvtier.worker_node import Listener, WorkerNode
 
 if TYPE_CHECKING:
     from kvtier.engines.vllm.events import TierEvents
-
-logger = logging.getLogger(__name__)
+    from kvtier.pd.nixl import Agent
+    from kvtier.storage import ChunkStore
+    from kvtier.transfer import TierWorker
 
 # TransferStats field -> name in the connector stats vLLM logs (see kvtier.engines.vllm.stats).
 STATS_FIELDS = {
@@ -71,8 +49,15 @@ SHARED_STATS_FIELDS = {"writes": "shared_writes", "dropped_writes": "shared_drop
 _RANK0_ONLY = ("cpu_hit_tokens", "disk_hit_tokens", "remote_hit_tokens", "shared_hit_tokens")  # every rank loads the same tokens
 
 
+def _node_part(name: str) -> property:
+    """``WorkerSide.<name>``: the node's part of that name; None before :meth:`WorkerSide.register`."""
+    return property(lambda self: getattr(self.node, name, None),
+                    doc=f"The worker node's ``{name}`` (None until registered; see :class:`WorkerNode`).")
+
+
 class WorkerSide:
-    """Owns this worker's store, transfer worker, reporter and (rank 0) lookup server; closes all."""
+    """vLLM's worker half on one rank: owns the :class:`WorkerNode` (from :meth:`register` on) and, on rank 0 with
+    KV cache events on, the :class:`TierEvents`; closes both."""
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, num_blocks: int, endpoint: str,
                  rank: int, world_size: int, produce: bool = True, kv_events: bool = False, load_inline: bool = False,
@@ -88,250 +73,108 @@ class WorkerSide:
         self.load_inline = load_inline  # local-tier loads on the engine thread (see TierWorker)
         # (kind, window, layers) of each served KV cache group, the anchor first; none: the engine's one, every tensor
         self.groups = groups or (("full_attention", 0, ()),)
-        self.group_transfers: list[TierWorker] = []  # one per served group, the anchor's first
-        self._parts: dict[str, list] = {}  # hybrid: request -> [jobs not finished, failed, {group: block ids}]
-        self.holds: PublishHolds | None = None
-        self.chunk_server: ChunkServer | None = None
-        self._hello: Hello | None = None
-        self.transfers: TierWorker | None = None
-        self.store: ChunkStore | None = None
-        self.server: LookupServer | None = None
-        self.reporter: HoldReporter | None = None
-        self._failed_requests: list[str] = []
-        self._failed: set[int] = set()  # failed block ids, reported with the same step's finished loads
-        self._reported = TransferStats()
-        self._held_reported: dict[str, int] = {}  # held_bytes_<tier> as last reported
+        self.node: WorkerNode | None = None
         self.events: TierEvents | None = None
         self._kv_events = kv_events and rank == 0  # one rank announces: every rank holds the same chunks
+        self._reported = TransferStats()
+        self._held_reported: dict[str, int] = {}  # held_bytes_<tier> as last reported
         self._shared_reported: dict[str, int] = {}
-        self._nixl_start: NixlStart | None = None
-        self.engine_kv: EngineKv | None = None  # P/D HBM to HBM (one KV cache group only)
-        self._unkept: set[str] = set()  # lends this rank cannot keep: their blocks go at once
 
     def register(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Start kvtier on this rank over vLLM's KV tensors (layer name -> tensor, or a list of them for a Mamba
+        layer on vLLM 0.26); they stay vLLM's."""
         begin = time.perf_counter()
         layouts = group_layouts(kv_caches, self.groups, self.block_size, self.num_blocks, model=self.model,
                                 tp_rank=self.rank, tp_size=self.world_size)
-        layout = layouts[0]
-        config = self.config
-        disk_path = config.disk_path
-        if disk_path and self.world_size > 1:
-            disk_path = f"{disk_path}/rank{self.rank}"
-        self.store = store = ChunkStore(StoreConfig(
-            cpu_bytes=config.cpu_bytes, disk_path=disk_path, disk_bytes=config.disk_bytes,
-            namespace=layout.fingerprint.hex(), worker_id=self.rank, world_size=self.world_size,
-            o_direct=config.disk_io == "direct", shared_url=config.shared_url,
-            shared_timeout_ms=config.shared_timeout_ms,
-        ))
-        tier_s = time.perf_counter() - begin  # LMCache's StorageManager: its CPU pool pinned
-        if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
-            shared = None if config.shared_url is None else self._shared_prefix
-            load_ms = lambda: {} if self.transfers is None else self.transfers.chunk_load_ms()  # noqa: E731
-            self.server = LookupServer(self.endpoint, self.world_size, load_ms, shared)
+        cb = self.config.chunk_tokens // self.block_size
+        chunk_blocks = (cb, *(blocks_per_chunk(kind, cb) for kind, _, _ in self.groups[1:]))
+        self.node = WorkerNode(self.config, layouts, chunk_blocks, rank=self.rank, world_size=self.world_size,
+                               endpoint=self.endpoint, produce=self.produce, load_inline=self.load_inline,
+                               engine=f"vLLM {_vllm_version()}", listen=self._listen if self._kv_events else None,
+                               began=begin)
 
-        def tier_of(key: bytes) -> str | None:
-            tier = store.contains(key)
-            return None if tier is None else tier.value
+    def _listen(self, store: ChunkStore) -> Listener:
+        """Rank 0 with KV cache events on: the events hear every change of the chunks this rank holds."""
+        from kvtier.engines.vllm.events import TierEvents  # imports vLLM: only where vLLM runs
 
-        self.reporter = HoldReporter(self.endpoint, self.rank, self.world_size, layout.fingerprint, tier_of)
-        if self._kv_events:
-            from kvtier.engines.vllm.events import TierEvents  # imports vLLM: only where vLLM runs
+        self.events = TierEvents(store.residency)
+        return self.events.changed
 
-            self.events = TierEvents(store.residency)
-        store.watch(self._changed)
-        backlog = config.save_backlog_bytes or config.cpu_bytes // 2
-        self._hello = Hello(PD_VERSION, self.rank, self.world_size, layout.fingerprint, layout.description,
-                            config.chunk_tokens)
-        self.holds = PublishHolds(store.get, config.pd_hold_bytes or config.cpu_bytes // 4, config.pd_hold_s)
+    store = _node_part("store")
+    server = _node_part("server")
+    reporter = _node_part("reporter")
+    holds = _node_part("holds")
+    transfers = _node_part("transfers")
+    chunk_server = _node_part("chunk_server")
+    engine_kv = _node_part("engine_kv")
+    _hello = _node_part("hello")
+    _nixl_start = _node_part("nixl_start")
 
-        def held(keys: list[bytes]) -> None:
-            self._changed(keys)
-            self.holds.stored(keys)
-
-        if layout.device.type == "cuda":  # nothing compiles while an engine starts (Triton until a build exists)
-            from kvtier.ops import cuda_ops
-
-            cuda_ops.allow_build(False)
-        hybrid = len(layouts) > 1  # then every group's saves yield to any group's loads
-        loads_running = (lambda: sum(t.loads.running() for t in self.group_transfers)) if hybrid else None
-        cb = config.chunk_tokens // self.block_size
-        self.transfers = TierWorker(layout, store, cb, save_backlog_bytes=backlog, on_held=held,
-                                    fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
-                                    on_lost=self.holds.lost, loads_running=loads_running)
-        self.group_transfers = [self.transfers, *(
-            TierWorker(other, store, blocks_per_chunk(kind, cb), save_backlog_bytes=backlog, on_held=held,
-                       fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
-                       on_lost=self.holds.lost, reuse=self.transfers.reuse, loads_running=loads_running)
-            for other, (kind, _, _) in zip(layouts[1:], self.groups[1:]))]
-        pd = "no P/D chunk server (kv_consumer)"
-        if self.produce:
-            bind, advertised = config.pd_endpoints(self.rank)
-            served = ServedLayout(layout.fingerprint, layout.description, config.chunk_tokens, self.world_size,
-                                  () if hybrid else layout.token_bytes)  # hybrid: one block size, no re-cut
-            self.chunk_server = ChunkServer(bind, store, self.holds, served, self.transfers.saving, config.secret,
-                                            config.pd_timeout_ms)
-            pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"
-            self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
-        if not hybrid:
-            lease_ms = config.pd_hbm_lease_ms if self.produce else 0
-            self.engine_kv = EngineKv(layout, cb, lease_ms, config.pd_timeout_ms / 1000, config.pd_hbm_push)
-        self._nixl_start = NixlStart(self.rank, store.pool_memory(), self.engine_kv, self.chunk_server,
-                                     self.transfers.loads.accept_landings, config.secret)
-        pd += self._nixl_start.start(config.pd_transport)
-        kept = store.keys()  # what a previous run left in the disk tier
-        self.reporter.changed(kept)
-        logger.info("kvtier rank %d/%d on vLLM %s: %d regions in %d KV cache group(s), %d B per block, chunk of %d "
-                    "tokens, copies by %s, %d chunks kept on disk; lookup at %s; %s; started in %.1f s (CPU tier "
-                    "%.1f s)", self.rank, self.world_size, _vllm_version(), sum(len(x.regions) for x in layouts),
-                    len(layouts), sum(x.bytes_per_block for x in layouts), config.chunk_tokens, describe_backend(
-                        self.transfers.backend), len(kept), self.endpoint, pd, time.perf_counter() - begin, tier_s)
-
-    def nixl_ready(self, timeout_s: float = 30.0) -> bool:
-        """Wait until NIXL is up (True), or is not to be used here (False)."""
-        return self._nixl_start is not None and self._nixl_start.ready(timeout_s)
+    @property
+    def group_transfers(self) -> list[TierWorker]:
+        """The node's transfer workers, one per served group, the anchor's first ([] until registered)."""
+        return self.node.group_transfers if self.node is not None else []
 
     @property
     def nixl(self) -> Agent | None:
-        """This rank's NIXL agent, once up with the CPU pool registered (benches set None for ZMQ, then set it back)."""
-        return self._nixl_start.agent if self._nixl_start is not None else None
+        """This rank's NIXL agent (see :attr:`WorkerNode.nixl`; benches set None for ZMQ, then set it back)."""
+        return self.node.nixl if self.node is not None else None
 
     @nixl.setter
     def nixl(self, agent: Agent | None) -> None:
-        self._nixl_start.agent = agent
+        self.node.nixl = agent
 
-    def _changed(self, keys: list[bytes]) -> None:
-        self.reporter.changed(keys)
-        if self.events is not None:
-            self.events.changed(keys)
-
-    def _fetch_remote(self, job: LoadJob, items: list[tuple[bytes, int]], targets: list[tuple[int, ...] | None]):
-        remote = job.remote
-        if len(remote.endpoints) != self.world_size:
-            raise PeerError(f"the producer has {len(remote.endpoints)} TP ranks, this engine {self.world_size}")
-        transfers = self.group_transfers[job.group]  # a hybrid's engines share one block size: chunks as stored
-        return fetch_chunks(remote.endpoints[self.rank], self._hello, remote.transfer_id, items, wait=remote.wait,
-                            timeout_ms=self.config.pd_timeout_ms, secret=self.config.secret,
-                            cancelled=lambda: transfers.cancelled(job.req_id),
-                            allocate=lambda n: self.store.allocate(n, wait=False),
-                            chunk_bytes=lambda n: chunk_bytes(transfers.layout, n), nixl=self.nixl,
-                            block_size=0 if len(self.group_transfers) > 1 else transfers.layout.block_size,
-                            landing=self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None,
-                            producer_blocks=remote.blocks if len(self.group_transfers) == 1 else ())
-
-    def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
-        """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
-        layout fingerprint), asked within half the scheduler's lookup timeout."""
-        timeout_ms = min(self.config.shared_timeout_ms, self.config.lookup_timeout_ms // 2)
-        return self.store.shared_prefix(chunks, tuple(fp.hex() for fp in fingerprints), timeout_ms)
+    def nixl_ready(self, timeout_s: float = 30.0) -> bool:
+        """Wait until NIXL is up (True), or is not to be used here (False)."""
+        return self.node is not None and self.node.nixl_ready(timeout_s)
 
     def guard_reuse(self, plan: StepPlan) -> None:
-        """Before a step's kernels: its given-out blocks wait for saves still reading them (see
-        :meth:`TierWorker.guard_reuse`); aborted or preempted producers (``plan.stopped``) lend none."""
-        self.transfers.guard_reuse(plan.allocated)
-        if plan.stopped and self.engine_kv is not None and self.engine_kv.leases is not None:
-            self.engine_kv.leases.stopped(plan.stopped)
+        self.node.guard_reuse(plan)
 
     def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = (), busy: bool = False) -> None:
-        for req_id, transfers in itertools.product(cancels, self.group_transfers):
-            transfers.cancel(req_id)
-        if len(self.group_transfers) > 1:
-            for job in jobs:  # counted first: an inline load reports before submit_load returns
-                part = self._parts.setdefault(job.req_id, [0, False, {}])
-                part[0], part[2][job.group] = part[0] + 1, frozenset(job.block_ids)
-        for job in jobs:
-            self.group_transfers[job.group].submit_load(job, busy)
+        self.node.start_loads(jobs, cancels, busy)
 
     def announce(self, jobs: tuple[SaveJob, ...], withdrawn: tuple[str, ...] = ()) -> None:
-        """Before the forward: published requests this step computes are alive (a waiting decode
-        engine gets heartbeats through a long prefill step) and their chunks are coming; those
-        ``withdrawn`` were aborted (what was published stays, the rest is missing at once)."""
-        for transfer_id in withdrawn:
-            self.holds.withdraw(transfer_id)
-        for job in jobs:
-            if job.publish is not None:
-                self.holds.announce(job.publish, [self.transfers.skey(k) for k in job.keys], False)
+        self.node.announce(jobs, withdrawn)
 
     def lend(self, lends: tuple[Lend, ...]) -> None:
-        """Keep finished producer requests' blocks for decode engines (see :mod:`kvtier.pd.engine_kv`)."""
-        if lends and self.engine_kv is not None and self.engine_kv.lend(lends):
-            self.holds.changed.set()  # a fetch waiting for its lease looks again
-        elif lends:
-            self._unkept.update(lend.req_id for lend in lends)
+        self.node.lend(lends)
 
     def wait_idle(self, timeout_s: float) -> None:
-        """A step that computes nothing: wait up to ``timeout_s`` for a load, else a lease, to end,
-        the interpreter left to the transfer threads (vLLM's loop would spin through such steps)."""
-        if not (self.transfers is not None and self.transfers.wait_finished(timeout_s)) and self.engine_kv is not None:
-            self.engine_kv.wait_ended(timeout_s)
+        self.node.wait_idle(timeout_s)
 
     def finished_sends(self, finished_req_ids: set[str]) -> set[str]:
-        """Requests whose blocks vLLM may free now (their lease ended)."""
-        unkept, self._unkept = self._unkept, set()
-        return unkept | (self.engine_kv.ended(finished_req_ids) if self.engine_kv is not None else set())
+        return self.node.finished_sends(finished_req_ids)
 
     def save(self, jobs: tuple[SaveJob, ...]) -> None:
-        after = self.engine_kv.saving(jobs) if self.engine_kv is not None else None  # a producer's checksums
-        for job in jobs:
-            if job.publish is not None:  # announced before the save can land, so it is pinned
-                self.holds.announce(job.publish, [self.transfers.skey(k) for k in job.keys], job.final)
+        """After the forward: the chunks' names for KV events are known before any of them lands."""
         if self.events is not None:
             for job in jobs:
                 for key, name in zip(job.keys, job.names):
                     if name is not None:
                         self.events.name(self.transfers.skey(key), name)
-        pushing = self.chunk_server is not None and self.chunk_server.pushing  # see SaveSide.save
-        for group, transfers in enumerate(self.group_transfers):
-            if mine := [job for job in jobs if job.keys and job.group == group]:
-                transfers.save(mine, pushing, after)
+        self.node.save(jobs)
 
     def reset(self) -> int:
-        """Empty this rank's tiers: saves already queued land first, then every chunk of this
-        layout's namespace goes from CPU and disk (the index hears of each). Returns how many."""
-        for transfers in self.group_transfers:
-            transfers.wait_saved()
-        keys = self.store.keys()
-        for key in keys:
-            self.store.remove(key)
-        logger.info("kvtier rank %d: cache reset, %d chunks removed", self.rank, len(keys))
-        return len(keys)
+        return self.node.reset()
 
     def take_events(self) -> tuple[list, bool]:
         """KV cache events since the last call (rank 0 only; none elsewhere), and whether more
         are on their way (chunks still being stored or written to disk)."""
         if self.events is None:
             return [], False
-        settling = any(t.pending_save_bytes() > 0 for t in self.group_transfers) or self.store.disk_writes_pending()
+        settling = self.node.storing()
         return self.events.take(), settling
 
     def finished_loads(self) -> set[str]:
-        if self.transfers is None:
-            return set()
-        if len(self.group_transfers) == 1:
-            req_ids, failed = self.transfers.take_finished()
-            self._failed |= failed
-            return req_ids
-        done = set()
-        for group, transfers in enumerate(self.group_transfers):
-            req_ids, failed = transfers.take_finished()
-            for req_id in req_ids:
-                part = self._parts[req_id]
-                part[0] -= 1
-                part[1] |= not failed.isdisjoint(part[2].pop(group, ()))
-                if part[0] == 0:
-                    del self._parts[req_id]
-                    done.add(req_id)
-                    if part[1]:
-                        self._failed_requests.append(req_id)
-        return done
+        return self.node.finished_loads() if self.node is not None else set()
 
     def take_failed_loads(self) -> set[str]:
         """Requests whose load failed as a whole (a hybrid model's), each once: vLLM's failed receives."""
-        failed, self._failed_requests = set(self._failed_requests), []
-        return failed
+        return self.node.take_failed_loads() if self.node is not None else set()
 
     def failed_blocks(self) -> set[int]:
-        failed, self._failed = self._failed, set()
-        return failed
+        return self.node.failed_blocks() if self.node is not None else set()
 
     def take_stats(self) -> dict | None:
         """Counters since the last call, named as in :data:`STATS_FIELDS`; None if all are zero.
@@ -367,32 +210,12 @@ class WorkerSide:
         return delta if any(delta.values()) else None
 
     def settle(self, timeout_s: float = 30.0) -> bool:
-        """Wait for every load and save, then (False after ``timeout_s`` s) for tier writes and rank
-        0 to hear of them: the next lookup sees every save (tests and benches)."""
-        for transfers in self.group_transfers:
-            transfers.drain()
-        landed = self.store is None or self.store._flush(timeout_s)
-        return (self.reporter is None or self.reporter.flush(timeout_s)) and landed
+        """See :meth:`WorkerNode.settle` (tests and benches)."""
+        return self.node is None or self.node.settle(timeout_s)
 
     def close(self) -> None:
-        if self._nixl_start is not None:
-            self._nixl_start.ready(30)
-        for part in (self.chunk_server, self.holds):
-            if part is not None:
-                part.close()
-        for transfers in self.group_transfers:
-            transfers.close()  # finishes pending saves, which still report
-        if self.store is not None:
-            self.store.watch(None)
-        for part in (self.reporter, self.server, self.engine_kv):
-            if part is not None:
-                part.close()
-        if self.store is not None:
-            if self._nixl_start is not None:
-                self._nixl_start.close()
-            self.store.close()
-        self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = None
-        self.group_transfers = []
+        if self.node is not None:
+            self.node.close()
 
 
 def _vllm_version() -> str:

@@ -1,0 +1,90 @@
+"""The engine-neutral worker node: started from layouts alone (no engine), it saves a chunk, shows it to rank 0's
+lookup index and loads it back into other blocks; and importing it loads no vLLM."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.jobs import LoadJob, SaveJob
+from kvtier.keys import chunk_keys
+from kvtier.layout import build_layout
+from kvtier.lookup import LookupClient
+from kvtier.worker_node import WorkerNode
+
+BLOCK, CHUNK, NUM_BLOCKS = 16, 32, 24  # tokens per block, tokens per chunk, blocks per layer
+
+
+def finished(node: WorkerNode, timeout_s: float = 10.0) -> set[str]:
+    deadline = time.monotonic() + timeout_s
+    while not (done := node.finished_loads()) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    return done
+
+
+def test_importing_the_worker_node_loads_no_vllm():
+    code = "import sys, kvtier.worker_node; print(sorted(m for m in sys.modules if m.split('.')[0] == 'vllm'))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=True)
+    assert out.stdout.strip().splitlines()[-1] == "[]"
+
+
+def test_a_node_started_from_layouts_saves_and_loads_a_chunk(tmp_path):
+    kv = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8)  # [layers, blocks, K/V, block, head] float32, vLLM-CPU-like
+    layout = build_layout({f"layer.{i}": kv[i] for i in range(2)}, BLOCK, NUM_BLOCKS, model="tiny")
+    config = KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24)
+    node = WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1, endpoint=f"ipc://{tmp_path}/l.sock",
+                      produce=False, engine="a test")
+    try:
+        assert node.server is not None and node.chunk_server is None and node.group_transfers == [node.transfers]
+        key = chunk_keys(list(range(CHUNK)), CHUNK, b"root")[0]
+        node.save((SaveJob("a", (key,), (3, 4)),))
+        assert node.settle()
+        client = LookupClient(node.endpoint)
+        try:  # rank 0 hears of it a moment after the report went out
+            deadline = time.monotonic() + 10
+            while client.prefix_tiers([key]) != ["cpu"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert client.prefix_tiers([key]) == ["cpu"]  # every rank (one) holds it
+        finally:
+            client.close()
+        want = kv[:, 3:5].clone()
+        node.start_loads((LoadJob("b", (key,), 0, (10, 11)),))
+        assert finished(node) == {"b"} and node.failed_blocks() == set()
+        assert torch.equal(kv[:, 10:12], want)
+    finally:
+        node.close()
+    assert node.store is None and node.group_transfers == []
+
+
+def test_a_node_needs_a_blocks_per_chunk_figure_per_layout(tmp_path):
+    kv = torch.zeros(NUM_BLOCKS, 2, BLOCK, 8)
+    layout = build_layout({"layer.0": kv}, BLOCK, NUM_BLOCKS)
+    with pytest.raises(ValueError, match="1 layouts, 2 figures"):
+        WorkerNode(KvtierConfig(chunk_tokens=CHUNK), [layout], (2, 1), rank=0, world_size=1,
+                   endpoint=f"ipc://{tmp_path}/l.sock")
+
+
+def test_a_node_whose_start_fails_stops_what_it_started(tmp_path):
+    """A failure half-way (here: the engine's listener) closes the parts already running: the
+    lookup port is free again for the next node, which starts."""
+    kv = torch.zeros(NUM_BLOCKS, 2, BLOCK, 8)
+    layout = build_layout({"layer.0": kv}, BLOCK, NUM_BLOCKS)
+    with socket.socket() as probe:  # TCP: a port still bound refuses a second bind (an IPC path does not)
+        probe.bind(("127.0.0.1", 0))
+        endpoint = f"tcp://127.0.0.1:{probe.getsockname()[1]}"
+    config = KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 22)
+
+    def listen(store):
+        raise RuntimeError("the engine's listener failed")
+
+    with pytest.raises(RuntimeError, match="listener failed"):
+        WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1, endpoint=endpoint, produce=False,
+                   listen=listen)
+    node = WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1, endpoint=endpoint, produce=False)
+    node.close()
