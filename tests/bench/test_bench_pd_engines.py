@@ -581,9 +581,9 @@ def test_a_profile_without_traces_says_so_in_a_summary_of_its_own(tmp_path):
 # but for 2 samples answering a fetch.
 _FRAMES = [{"name": n, "file": f} for n, f in (
     ("Thread.run", "threading.py"), ("LoadSide._load_remote", "/x/kvtier/transfer/load.py"),
-    ("_Peer.hello", "/x/kvtier/pd/fetch.py"), ("Poller.poll", "zmq/sugar/poll.py"),
-    ("Transfer.wait", "/x/kvtier/pd/nixl.py"), ("_Peer.receive", "/x/kvtier/pd/fetch.py"),
-    ("ChunkServer._serve", "/x/kvtier/pd/server.py"), ("ChunkServer._fetch", "/x/kvtier/pd/server.py"))]
+    ("_Peer.hello", "/x/kvtier/pd/consumer/fetch.py"), ("Poller.poll", "zmq/sugar/poll.py"),
+    ("Transfer.wait", "/x/kvtier/pd/nixl.py"), ("_Peer.receive", "/x/kvtier/pd/consumer/fetch.py"),
+    ("ChunkServer._serve", "/x/kvtier/pd/producer/server.py"), ("ChunkServer._fetch", "/x/kvtier/pd/producer/server.py"))]
 _IDLE = [[0]]
 _PULL = [[0, 1, 2, 3], [0, 1, 4], [0, 1, 4]]
 _PUSH = [[0, 1, 5, 3]] * 25

@@ -20,8 +20,8 @@ from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
 from test_pd_hbm_named import early_reads, warm
 from test_pd_hbm_push import FULL, step
 from kvtier.codec import chunk_bytes
-from kvtier.pd import landing, nixl, writes
-from kvtier.pd.fetch import PeerError, fetch_chunks
+from kvtier.pd.consumer import landing, nixl, writes
+from kvtier.pd.consumer.fetch import PeerError, fetch_chunks
 from kvtier.pd.hbm import Landing, RegionSpan
 
 pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")

@@ -30,11 +30,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import ask, mutated
-from kvtier.pd import landing as pd_landing
+from kvtier.pd.consumer import landing as pd_landing
 from kvtier.pd import params as pd
 from kvtier.pd.channel import bind_router
-from kvtier.pd.fetch import PeerError, fetch_chunks
-from kvtier.pd.hello import introduce
+from kvtier.pd.consumer.fetch import PeerError, fetch_chunks
+from kvtier.pd.consumer.hello import introduce
 from kvtier.pd.protocol import (
     VERSION, ChunkReplies, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, decode_request, encode,
     mac,

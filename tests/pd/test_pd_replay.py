@@ -25,10 +25,10 @@ from pd_workers import BLOCK, publish, prompt_keys, remote_job, tokens_of, wait_
 from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
 from kvtier.codec import chunk_bytes
 from kvtier.jobs import SaveJob
-from kvtier.pd import fetch, nixl
+from kvtier.pd.consumer import fetch, nixl
 from kvtier.pd.channel import bind_router, connect_dealer
-from kvtier.pd.fetch import PeerError, fetch_chunks
-from kvtier.pd.hello import introduce
+from kvtier.pd.consumer.fetch import PeerError, fetch_chunks
+from kvtier.pd.consumer.hello import introduce
 from kvtier.pd.protocol import (
     VERSION, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, decode_request, encode, mac,
 )
@@ -333,7 +333,7 @@ def test_the_nonces_and_connections_a_chunk_server_keeps_are_bounded(monkeypatch
     """Nonces are kept twice the window (a hello sent within it can come no later), at most
     ``MAX_NONCES`` (hellos past that are refused, not taken unremembered); a connection quiet for
     ``idle_s`` is forgotten, as are the transfers it began."""
-    from kvtier.pd import handshakes
+    from kvtier.pd.producer import handshakes
     from kvtier.pd.protocol import HELLO_WINDOW_S
 
     clock = [1000.0]

@@ -20,7 +20,7 @@ import zmq
 from pd_workers import Engine, remote_job, wait_for
 from test_pd_hbm_push import D_BLOCKS, P_BLOCKS, PROMPT, finish, step
 from kvtier.pd import nixl
-from kvtier.pd.fetch import _Peer
+from kvtier.pd.consumer.fetch import _Peer
 from kvtier.pd.nixl_hold import Hold
 from kvtier.pd.protocol import VERSION, ChunkReply, Release, encode, mac
 
@@ -62,7 +62,7 @@ def test_a_write_held_past_its_deadline_is_abandoned_and_the_chunks_come_as_payl
     assert hold.transfers[0].state() == "ERR"  # D's agent was dropped: NIXL refuses it
     assert not d.kv[:, D_BLOCKS].any()
     assert server.blocks_written_total == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.pd.writes"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.pd.producer.writes"]
     assert len(warnings) == 1 and d.side.nixl.name in warnings[0], warnings
 
 

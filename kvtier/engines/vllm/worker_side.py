@@ -38,11 +38,11 @@ from kvtier.ops import describe_backend
 from kvtier.pd.engine_kv import EngineKv
 from kvtier.pd.nixl import Agent
 from kvtier.pd.nixl_start import NixlStart
-from kvtier.pd.fetch import PeerError, fetch_chunks
-from kvtier.pd.holds import PublishHolds
+from kvtier.pd.consumer.fetch import PeerError, fetch_chunks
+from kvtier.pd.producer.holds import PublishHolds
 from kvtier.pd.protocol import VERSION as PD_VERSION
 from kvtier.pd.protocol import Hello
-from kvtier.pd.server import ChunkServer, ServedLayout
+from kvtier.pd.producer.server import ChunkServer, ServedLayout
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker, TransferStats
 

@@ -5,7 +5,7 @@ yet but coming (its save is queued, or its transfer is still being computed: pus
 moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
 while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed,
 oversized, unauthenticated or wrong-version message is refused and logged; the server keeps serving.
-So is a replayed or unbound one (:mod:`kvtier.pd.handshakes`): a hello whose nonce was seen or
+So is a replayed or unbound one (:mod:`kvtier.pd.producer.handshakes`): a hello whose nonce was seen or
 that was sent outside the window gets no metadata, and a fetch or release from a connection
 other than the one its hello (or its transfer) is bound to changes nothing. With a secret the
 socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
@@ -13,15 +13,15 @@ socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
 Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
 the reply carries its address in the registered CPU pool, and the server keeps the chunk's buffer
 until the peer releases the transfer, or has asked nothing for twice ``timeout_ms``
-(:mod:`kvtier.pd.lending`). A push peer names a buffer of its own in each fetch: the chunk is
+(:mod:`kvtier.pd.producer.lending`). A push peer names a buffer of its own in each fetch: the chunk is
 written there (a NIXL WRITE posted on this thread) and the reply says so. While NIXL peers are
 known the thread wakes every 10 ms (1 ms while a WRITE runs) to let NIXL progress (:mod:`kvtier.pd.nixl`).
 
 HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with NIXL): see
-:mod:`kvtier.pd.hbm_serve`. A pull fetch for a transfer whose lease should begin any moment
+:mod:`kvtier.pd.producer.hbm_serve`. A pull fetch for a transfer whose lease should begin any moment
 (its request finished computing) waits for it up to :data:`EXPECT_S`; without a lease the chunk
 is lent or sent from the CPU tier as above. A release that asks for an answer gets it once no
-WRITE of its transfer runs; each WRITE is abandoned ``timeout_ms`` after its posting (:mod:`kvtier.pd.writes`).
+WRITE of its transfer runs; each WRITE is abandoned ``timeout_ms`` after its posting (:mod:`kvtier.pd.producer.writes`).
 A fetch naming engine blocks beyond the consumer's (its hello's ``num_blocks``), or not as many as its chunk's,
 is refused before any WRITE is built.
 """
@@ -38,15 +38,15 @@ import zmq
 
 from kvtier.keys import storage_key
 from kvtier.pd.channel import HandshakeFailures, bind_router
-from kvtier.pd.handshakes import Handshakes
+from kvtier.pd.producer.handshakes import Handshakes
 from kvtier.pd.hbm import EngineBlocks
-from kvtier.pd.hbm_serve import HbmServing
-from kvtier.pd.holds import PublishHolds
-from kvtier.pd.lending import LentBuffers
+from kvtier.pd.producer.hbm_serve import HbmServing
+from kvtier.pd.producer.holds import PublishHolds
+from kvtier.pd.producer.lending import LentBuffers
 from kvtier.pd.nixl import Agent
-from kvtier.pd.recut import recut
-from kvtier.pd.waiting import WaitingFetches
-from kvtier.pd.writes import PeerWrites
+from kvtier.pd.producer.recut import recut
+from kvtier.pd.producer.waiting import WaitingFetches
+from kvtier.pd.producer.writes import PeerWrites
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, ServedLayout,
     check_mac, decode_request, encode, mac,

@@ -14,14 +14,14 @@ and released when the transfer ends, however it ends: a READ into engine blocks 
 HBM to HBM (a :class:`Landing` given): where P still holds the request's engine blocks, its replies
 name them and D READs them straight into the engine blocks the caller named (:mod:`kvtier.pd.hbm`);
 once P lends, the rest is asked for at once and all replies read by one READ. A pull's hello
-carries its first fetches (:func:`kvtier.pd.hello.first_fetches`): P answers them at once when
+carries its first fetches (:func:`kvtier.pd.consumer.hello.first_fetches`): P answers them at once when
 it lends the transfer, so the chunks' replies follow the handshake's without another round
 trip; blocks P's params named are READ while P answers the hello. The caller gets a :class:`Landed`
-with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`; each READ's deadline:
-:mod:`kvtier.pd.fence`). A push (D asked first) is answered a step's chunks at a time, READ as one
+with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.consumer.landing`; each READ's deadline:
+:mod:`kvtier.pd.consumer.fence`). A push (D asked first) is answered a step's chunks at a time, READ as one
 (``pd_hbm_push`` "read"), or WRITTEN by P into the blocks each fetch names ("write"; D's NIXL
 metadata in a second hello, once P's reply checked out); one ending with such fetches unanswered waits
-up to twice ``timeout_ms`` (P's WRITE deadline, the same setting on both engines: :mod:`kvtier.pd.writes`)
+up to twice ``timeout_ms`` (P's WRITE deadline, the same setting on both engines: :mod:`kvtier.pd.producer.writes`)
 for P's word that none of its WRITEs still runs. Fetches and replies travel in batches."""
 
 from __future__ import annotations
@@ -39,9 +39,10 @@ import zmq
 from kvtier.jobs import Landed
 from kvtier.pd import faults
 from kvtier.pd.channel import connect_dealer
-from kvtier.pd.hbm import Landing, RegionSpan, direct_path, emulated
-from kvtier.pd.landing import Arrived, Landings, discard, read_early, remember
-from kvtier.pd.hello import PeerError, check_reply, first_fetches, introduce, new_nonce, push_hello, say_transport, silence
+from kvtier.pd.hbm import Landing, RegionSpan, emulated
+from kvtier.pd.consumer.probe import direct_path
+from kvtier.pd.consumer.landing import Arrived, Landings, discard, read_early, remember
+from kvtier.pd.consumer.hello import PeerError, check_reply, first_fetches, introduce, new_nonce, push_hello, say_transport, silence
 from kvtier.pd.protocol import (
     VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
 )
@@ -115,7 +116,7 @@ def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tupl
             window = (PUSH_WINDOW if wait else LENT_WINDOW if peer.lent else HBM_WINDOW) if peer.hbm else WINDOW
             peer.fetch_until(index + window)
             yield faults.corrupt(peer.chunk(index), landing, index)  # (KVTIER_PD_FAULTS, in fault soaks)
-    finally:  # no READ into engine blocks runs past here (kvtier.pd.fence): P may reuse its blocks, vLLM ours
+    finally:  # no READ into engine blocks runs past here (kvtier.pd.consumer.fence): P may reuse its blocks, vLLM ours
         for landings in {early, peer.hbm} - {None}:
             landings.settle(timeout_ms / 1000)
         peer.close()
@@ -158,7 +159,7 @@ class _Peer:
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
-            self.nixl_peer = agent.connect(metadata, self, self.endpoint)  # watched: kvtier.pd.peer_watch
+            self.nixl_peer = agent.connect(metadata, self, self.endpoint)  # watched: kvtier.pd.consumer.peer_watch
         except Exception as exc:  # nixlBind's own errors: bad metadata, UCX could not reach it
             raise PeerError(f"could not reach {self.endpoint} over NIXL: {exc}") from None
         self.nixl, self.nixl_metadata = agent, metadata
@@ -176,7 +177,7 @@ class _Peer:
 
     def settle_writes(self) -> None:
         """After a release asking for an answer: wait until P says none of its WRITEs here still runs, up
-        to twice the timeout (P gives up on a WRITE one timeout after posting it: :mod:`kvtier.pd.writes`)."""
+        to twice the timeout (P gives up on a WRITE one timeout after posting it: :mod:`kvtier.pd.producer.writes`)."""
         deadline = time.monotonic() + 2 * self.timeout_ms / 1000
         try:
             while time.monotonic() < deadline:
@@ -377,7 +378,7 @@ class _Peer:
         return buffer
 
     def _discard(self, arrived: Arrived) -> None:
-        """Release a chunk that will not be handed out (:func:`kvtier.pd.landing.discard`)."""
+        """Release a chunk that will not be handed out (:func:`kvtier.pd.consumer.landing.discard`)."""
         discard(arrived, self.hbm, self.endpoint, self.timeout_ms / 1000)
 
     def close(self) -> None:
