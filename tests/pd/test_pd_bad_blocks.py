@@ -20,7 +20,9 @@ from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
 from test_pd_hbm_named import early_reads, warm
 from test_pd_hbm_push import FULL, step
 from kvtier.codec import chunk_bytes
-from kvtier.pd.consumer import landing, nixl, writes
+from kvtier.pd import nixl
+from kvtier.pd.consumer import landing
+from kvtier.pd.producer import writes
 from kvtier.pd.consumer.fetch import PeerError, fetch_chunks
 from kvtier.pd.hbm import Landing, RegionSpan
 

@@ -25,7 +25,8 @@ from pd_workers import BLOCK, publish, prompt_keys, remote_job, tokens_of, wait_
 from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
 from kvtier.codec import chunk_bytes
 from kvtier.jobs import SaveJob
-from kvtier.pd.consumer import fetch, nixl
+from kvtier.pd import nixl
+from kvtier.pd.consumer import fetch
 from kvtier.pd.channel import bind_router, connect_dealer
 from kvtier.pd.consumer.fetch import PeerError, fetch_chunks
 from kvtier.pd.consumer.hello import introduce
