@@ -28,10 +28,10 @@ class EngineKv:
     """``layout``: this rank's engine KV (one KV cache group). ``chunk_blocks``: blocks per
     chunk. ``lease_ms``: how long a finished producer request's blocks are kept (0: never; also
     for an engine that does not produce). ``grace_s``: how long past its lease a lease whose
-    blocks a decode engine was given waits for that engine's release. ``push``: ``pd_hbm_push``."""
+    blocks a decode engine was given waits for that engine's release."""
 
-    def __init__(self, layout: Layout, chunk_blocks: int, lease_ms: int, grace_s: float, push: str = "read"):
-        self.layout, self.push = layout, push
+    def __init__(self, layout: Layout, chunk_blocks: int, lease_ms: int, grace_s: float):
+        self.layout = layout
         self.spans = region_spans(layout)
         self.kind = "VRAM" if layout.device.type == "cuda" else "DRAM"
         self.device = (layout.device.index or 0) if layout.device.type == "cuda" else 0
@@ -63,7 +63,7 @@ class EngineKv:
         """Where a fetch's chunks may land in the engine (None: not registered, or no chunk may)."""
         if self.agent is None or not any(targets):
             return None
-        return Landing(self.spans, self.kind, self.device, list(targets), self.push == "write", self.layout.num_blocks)
+        return Landing(self.spans, self.kind, self.device, list(targets), self.layout.num_blocks)
 
     def saving(self, jobs: tuple[SaveJob, ...]) -> torch.cuda.Event | None:
         """Published requests whose blocks will be lent when they finish (the scheduler half says

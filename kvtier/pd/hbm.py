@@ -81,16 +81,14 @@ class EngineBlocks:
 class Landing:
     """A consumer's engine KV where chunks may land HBM to HBM: its ``regions``, registered with
     NIXL as ``kind`` ("VRAM" of CUDA device ``device``, this process's index, or "DRAM"), and per
-    item of a fetch the engine blocks that chunk may be written into (None: not that one).
-    ``writes``: a producer still computing the chunks WRITEs them there (``pd_hbm_push`` "write");
-    else this engine READs each from the producer's blocks once computed. ``num_blocks``: blocks
-    of each region (told to producers, which check the ids a push names)."""
+    item of a fetch the engine blocks that chunk may be written into (None: not that one): READ
+    from the producer's blocks, or WRITTEN by it (the transfer's route: :mod:`kvtier.pd.route`).
+    ``num_blocks``: blocks of each region (told to producers, which check the ids a push names)."""
 
     regions: tuple[RegionSpan, ...]
     kind: str
     device: int
     block_ids: list[tuple[int, ...] | None]
-    writes: bool = False
     num_blocks: int = 0
 
 

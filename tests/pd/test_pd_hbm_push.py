@@ -225,7 +225,7 @@ def test_a_consumer_written_into_is_forgotten_once_idle_and_reached_again_for_th
 
 def test_a_producer_queues_more_replies_than_a_push_consumer_has_fetches_in_flight():
     """A reply dropped at the queue's limit would leave D waiting for its timeout."""
-    from kvtier.pd.consumer import fetch
+    from kvtier.pd import route
     from kvtier.pd.producer import server
 
-    assert server._SEND_HWM >= 2 * fetch.PUSH_WINDOW
+    assert server._SEND_HWM >= 2 * route.PUSH_WINDOW
