@@ -16,10 +16,13 @@ first READs sends the transfer's remaining chunks through the CPU tiers.
 D's transfer goes through the :class:`Stage` values by the methods of :class:`Course`, each of
 which refuses (:class:`IllegalTransition`) a step its stage does not allow::
 
-    ARRIVED ──answered──► HANDSHAKEN ──posted──► POSTED ──landed──► LANDED ──released──► RELEASED
-       │ (push, written into: a second               │                              ▲
-       │  hello with D's NIXL metadata)              └──────failed──► FAILED ───────┘
-       └──────────────────────────failed──────────────────────────────►
+    ARRIVED ─answered─► HANDSHAKEN ─judged─► HANDSHAKEN ─posted─► POSTED ─landed─► LANDED
+       │  (route settled)   (HBM path direct,     │ replied (P's         │
+       │  a push written    else over the CPU     │ turn, lent blocks)   ├─released─► RELEASED
+       │  into: answered    tiers)                │                      │  (asks P's word that
+       │  again after its                         ▼                      │   no WRITE runs)
+       │  second hello)                         FAILED ─released─────────┘
+       └──────────────failed──────────────────► (recompute, or the rest over the CPU tiers)
 """
 
 from __future__ import annotations
@@ -123,7 +126,7 @@ class Course:
     stage: Stage = Stage.ARRIVED
     route: Route = Route.ZMQ
     writable: bool = False  # D gave P its NIXL metadata (a second hello): it is written into
-    lent: bool = False  # P's latest reply named its engine blocks: no buffer held per fetch
+    lends_now: bool = False  # P's latest reply named its engine blocks: no buffer held per fetch
     more: int = 0  # replies P sent with its latest, still to come
     nixl_failed: bool = False  # a NIXL transfer with P failed: its agent is forgotten at the end
     silent: bool = False  # P sent nothing for the timeout (dead or hung: no WRITE of its still comes)
@@ -153,7 +156,7 @@ class Course:
         P's reply says it lends the transfer's blocks now (a pull then asks for them all at once)."""
         self._step((Stage.HANDSHAKEN,), Stage.HANDSHAKEN)
         self.route = self.route if direct else self.route.over_cpu()
-        self.lent = self.route.hbm and lending and not self.push
+        self.lends_now = self.route.hbm and lending and not self.push
         return self.route
 
     def posted(self) -> None:
@@ -165,17 +168,17 @@ class Course:
         self._step((Stage.POSTED,), Stage.POSTED)
         self.more = reply.more
         if reply.status == "ok":
-            self.lent = bool(reply.blocks)
+            self.lends_now = bool(reply.blocks)
 
     def window(self) -> int:
         """Fetches to keep in flight."""
         if not self.route.hbm:
             return WINDOW
-        return PUSH_WINDOW if self.push else LENT_WINDOW if self.lent else HBM_WINDOW
+        return PUSH_WINDOW if self.push else LENT_WINDOW if self.lends_now else HBM_WINDOW
 
     def asks_rest(self) -> bool:
         """Whether to ask for every chunk left at once and READ them together: P lends a pull's blocks."""
-        return self.route.hbm and self.lent and not self.push
+        return self.route.hbm and self.lends_now and not self.push
 
     def waits_for_turn(self) -> bool:
         """Whether replies of P's current turn are still coming (they are READ as one)."""
