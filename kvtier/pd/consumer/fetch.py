@@ -22,7 +22,12 @@ with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.consumer.landing`;
 (``pd_hbm_push`` "read"), or WRITTEN by P into the blocks each fetch names ("write"; D's NIXL
 metadata in a second hello, once P's reply checked out); one ending with such fetches unanswered waits
 up to twice ``timeout_ms`` (P's WRITE deadline, the same setting on both engines: :mod:`kvtier.pd.producer.writes`)
-for P's word that none of its WRITEs still runs. Fetches and replies travel in batches."""
+for P's word that none of its WRITEs still runs. Fetches and replies travel in batches.
+
+Which of these a transfer takes is its route (:mod:`kvtier.pd.route`), settled at the handshake
+and followed by the :class:`~kvtier.pd.route.Course` through its stages; the socket's traffic is
+:class:`~kvtier.pd.consumer.connection.Connection`'s."""
+
 from __future__ import annotations
 
 import time
@@ -57,9 +62,9 @@ def fetch_chunks(consumer: Consumer, spec: FetchSpec) -> Iterator[ChunkBuffer | 
     course = peer.course
     early = None  # the READ of the blocks P's params named, posted while P answers the hello (pull)
     try:
-        peer.nonce, hbm = new_nonce(), nixl is not None and landing is not None and not emulated(endpoint)
-        first = first_fetches(spec.transfer_id, items, landing, consumer.block_size, peer.nonce, endpoint) \
-            if hbm and not wait else ()
+        peer.nonce, hbm = new_nonce(), nixl is not None and landing is not None and not emulated(endpoint)  # offered
+        first = (first_fetches(spec.transfer_id, items, landing, consumer.block_size, peer.nonce, endpoint)
+                 if hbm and not wait else ())
         transports = ("nixl", "zmq") if nixl is not None else consumer.hello.transports
         hello = introduce(consumer.hello, nonce=peer.nonce, transports=transports, hbm=hbm,
                           transfer_id=spec.transfer_id, fetches=first,
