@@ -16,13 +16,13 @@ first READs sends the transfer's remaining chunks through the CPU tiers.
 D's transfer goes through the :class:`Stage` values by the methods of :class:`Course`, each of
 which refuses (:class:`IllegalTransition`) a step its stage does not allow::
 
-    ARRIVED ─answered─► HANDSHAKEN ─judged─► HANDSHAKEN ─posted─► POSTED ─landed─► LANDED
-       │  (route settled)   (HBM path direct,     │ replied (P's         │
-       │  a push written    else over the CPU     │ turn, lent blocks)   ├─released─► RELEASED
-       │  into: answered    tiers)                │                      │  (asks P's word that
-       │  again after its                         ▼                      │   no WRITE runs)
-       │  second hello)                         FAILED ─released─────────┘
-       └──────────────failed──────────────────► (recompute, or the rest over the CPU tiers)
+    ARRIVED ──answered──► HANDSHAKEN ──posted──► POSTED ──landed──► LANDED ──released──► RELEASED
+     ▲   │                  ▲     │                ▲    │                                   ▲
+     └───┘                  └─────┘                └────┘                                   │
+     answered again after   judged: the HBM path   posted again, replied (P's turn,         │
+     a push's second hello  direct, else over the  whether it lends its blocks)             │
+     (D is written into)    CPU tiers                                                       │
+    ARRIVED, HANDSHAKEN or POSTED ──failed──► FAILED ──released─────────────────────────────┘
 """
 
 from __future__ import annotations
