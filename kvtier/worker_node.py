@@ -35,11 +35,11 @@ from kvtier.ops import describe_backend
 from kvtier.pd.engine_kv import EngineKv
 from kvtier.pd.nixl import Agent
 from kvtier.pd.nixl_start import NixlStart
-from kvtier.pd.fetch import PeerError, fetch_chunks
-from kvtier.pd.holds import PublishHolds
+from kvtier.pd.consumer.fetch import Consumer, FetchSpec, PeerError, PushMode, fetch_chunks
+from kvtier.pd.producer.holds import PublishHolds
 from kvtier.pd.protocol import VERSION as PD_VERSION
 from kvtier.pd.protocol import Hello
-from kvtier.pd.server import ChunkServer, ServedLayout
+from kvtier.pd.producer.server import ChunkServer, ServedLayout
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker
 
@@ -157,7 +157,7 @@ class WorkerNode:
             self.reporter.advertise(f"{advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}")
         if not hybrid:
             lease_ms = config.pd_hbm_lease_ms if self.produce else 0
-            self.engine_kv = EngineKv(layout, cb, lease_ms, config.pd_timeout_ms / 1000, config.pd_hbm_push)
+            self.engine_kv = EngineKv(layout, cb, lease_ms, config.pd_timeout_ms / 1000)
         self.nixl_start = NixlStart(self.rank, store.pool_memory(), self.engine_kv, self.chunk_server,
                                     self.transfers.loads.accept_landings, config.secret)
         pd += self.nixl_start.start(config.pd_transport)
@@ -192,14 +192,15 @@ class WorkerNode:
         if len(remote.endpoints) != self.world_size:
             raise PeerError(f"the producer has {len(remote.endpoints)} TP ranks, this engine {self.world_size}")
         transfers = self.group_transfers[job.group]  # a hybrid's engines share one block size: chunks as stored
-        return fetch_chunks(remote.endpoints[self.rank], self.hello, remote.transfer_id, items, wait=remote.wait,
-                            timeout_ms=self.config.pd_timeout_ms, secret=self.config.secret,
-                            cancelled=lambda: transfers.cancelled(job.req_id),
-                            allocate=lambda n: self.store.allocate(n, wait=False),
-                            chunk_bytes=lambda n: chunk_bytes(transfers.layout, n), nixl=self.nixl,
-                            block_size=0 if len(self.group_transfers) > 1 else transfers.layout.block_size,
-                            landing=self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None,
-                            producer_blocks=remote.blocks if len(self.group_transfers) == 1 else ())
+        return fetch_chunks(Consumer(self.hello, self.config.pd_timeout_ms, self.config.secret,
+                                     lambda n: self.store.allocate(n, wait=False),
+                                     lambda n: chunk_bytes(transfers.layout, n), self.nixl,
+                                     0 if len(self.group_transfers) > 1 else transfers.layout.block_size,
+                                     PushMode(self.config.pd_hbm_push)),
+                            FetchSpec(remote.endpoints[self.rank], remote.transfer_id, items, remote.wait,
+                                      self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None,
+                                      remote.blocks if len(self.group_transfers) == 1 else (),
+                                      lambda: transfers.cancelled(job.req_id)))
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its

@@ -55,7 +55,7 @@ def _frames(message, secret: bytes | None) -> list[bytes]:
 def _hello(fingerprint: bytes, chunk_tokens: int, transfer_id: str):
     """A hello as a decode engine sends it: a fresh nonce, sent now."""
     from kvtier.pd import protocol
-    from kvtier.pd.hello import introduce
+    from kvtier.pd.consumer.hello import introduce
 
     return introduce(protocol.Hello(version=protocol.VERSION, rank=0, tp_size=1, fingerprint=fingerprint,
                                     layout="kvtier-bench pd-soak forged hello", chunk_tokens=chunk_tokens,

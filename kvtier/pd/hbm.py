@@ -16,7 +16,7 @@ consumer reaches a producer HBM to HBM, before it asks for any chunk, it times o
 producer's first blocks (any bytes do: none is used) into the engine blocks of the transfer at
 hand (the request's own, about to be written anyway: READ again, scattered from the CPU tier,
 or recomputed when the transfer fails), after a one-block READ that pays the connection's
-wire-up (:func:`direct_path`). One line says which it is; an emulated path is turned off for
+wire-up (:func:`kvtier.pd.consumer.probe.direct_path`). One line says which it is; an emulated path is turned off for
 that producer, whose chunks then come from its CPU tier. Later READs and a producer's WRITEs are
 timed too (:func:`read_speed`).
 
@@ -30,24 +30,20 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvtier.layout import Layout
-from kvtier.pd.leases import BlockLeases
-from kvtier.pd.fence import Fence
-from kvtier.pd.nixl import Agent, NixlError
 
-if TYPE_CHECKING:
-    from kvtier.pd.sums import EarlySums
+if TYPE_CHECKING:  # types only: the producer's leases and checksums of the blocks it lends
+    from kvtier.pd.producer.leases import BlockLeases
+    from kvtier.pd.producer.sums import EarlySums
 
 logger = logging.getLogger(__name__)
 
 EMULATED_GBPS = 2.0  # the fastest of a producer's first READs slower than this, GB/s: emulated
 TIMED_READS = 3  # READs timed per producer before judging
 TIMED_MIN_BYTES = 4 << 20  # smaller READs time their latency, not the path's bandwidth
-PROBE_BYTES = 32 << 20  # bytes the timed READ of a probe moves, at most (a whole chunk of an 8B model: 32 MiB)
 JUDGED_KINDS = ("VRAM",)  # memory whose path is judged (host memory always moves at host speed)
 _lock = threading.Lock()
 _timed: dict[str, list[float]] = {}  # producer endpoint -> GB/s of its first READs
@@ -85,16 +81,14 @@ class EngineBlocks:
 class Landing:
     """A consumer's engine KV where chunks may land HBM to HBM: its ``regions``, registered with
     NIXL as ``kind`` ("VRAM" of CUDA device ``device``, this process's index, or "DRAM"), and per
-    item of a fetch the engine blocks that chunk may be written into (None: not that one).
-    ``writes``: a producer still computing the chunks WRITEs them there (``pd_hbm_push`` "write");
-    else this engine READs each from the producer's blocks once computed. ``num_blocks``: blocks
-    of each region (told to producers, which check the ids a push names)."""
+    item of a fetch the engine blocks that chunk may be written into (None: not that one): READ
+    from the producer's blocks, or WRITTEN by it (the transfer's route: :mod:`kvtier.pd.route`).
+    ``num_blocks``: blocks of each region (told to producers, which check the ids a push names)."""
 
     regions: tuple[RegionSpan, ...]
     kind: str
     device: int
     block_ids: list[tuple[int, ...] | None]
-    writes: bool = False
     num_blocks: int = 0
 
 
@@ -102,7 +96,7 @@ def read_speed(endpoint: str, kind: str, nbytes: int, seconds: float, op: str = 
     """Time one of the first READs of GPU memory (``kind`` VRAM) from producer ``endpoint`` (or,
     ``op`` "WRITE", a producer's WRITEs into the consumer ``endpoint``); after
     :data:`TIMED_READS` of them say how fast its HBM path is, and turn it off if emulated. (A
-    consumer probes a producer's path before its first request: :mod:`kvtier.pd.probe`.)"""
+    consumer probes a producer's path before its first request: :mod:`kvtier.pd.consumer.probe`.)"""
     if kind not in JUDGED_KINDS or nbytes < TIMED_MIN_BYTES:
         return
     with _lock:
@@ -229,40 +223,3 @@ def read_descriptors(local: tuple[RegionSpan, ...], remote: tuple[RegionSpan, ..
                     theirs.append((rr.base + (src + i) * rr.stride, n))
                     mine.append((lr.base + (dst + i) * lr.stride, n))
     return mine, theirs
-
-
-def direct_path(agent: Agent, peer: str, endpoint: str, mine: Landing, theirs: tuple[RegionSpan, ...],
-                device: int, timeout_ms: int) -> bool:
-    """Whether chunks from the producer at ``endpoint`` (NIXL peer ``peer``, its engine KV
-    ``theirs`` on its CUDA device ``device``) may land HBM to HBM: the regions match, and the path
-    is direct, probed on the first call per producer before any of its chunks is asked for (see
-    the module docstring). ``mine``: this transfer's landing, whose first chunk's blocks the probe
-    READs into. A probe that fails or times out (``timeout_ms``) says no."""
-    timeout_s = timeout_ms / 1000
-    if not compatible(mine.regions, theirs):
-        return False
-    if judged(endpoint, mine.kind):
-        return not emulated(endpoint)
-    target = next((ids for ids in mine.block_ids if ids), None)
-    if target is None:
-        return True  # nothing to probe into now: the first READs are timed instead
-    block_bytes = sum(r.block_bytes for r in mine.regions)
-    blocks = list(target[: max(1, min(len(target), PROBE_BYTES // max(1, block_bytes)))])
-    memory = (mine.kind, mine.device, device)
-    fence = Fence(agent, peer, endpoint)
-    try:
-        for count in (1, len(blocks)):  # the first pays UCX's wire-up to the peer, the second is timed
-            local, remote = read_descriptors(mine.regions, theirs, blocks[:count], list(range(count)))
-            begin = time.perf_counter()
-            read = fence.track(agent.read(peer, local, remote, memory, here=True))
-            fence.wait(read, timeout_s)
-            read.release()
-        seconds = time.perf_counter() - begin
-    except (NixlError, ValueError) as exc:
-        fence.settle(None, timeout_s)  # nothing else lands in those blocks while the READ may still run
-        logger.warning("kvtier P/D: a test READ from %s failed (%s); its chunks come through the CPU tiers.",
-                       endpoint, exc)
-        judge(endpoint, 0.0)
-        return False
-    judge(endpoint, len(blocks) * block_bytes / max(seconds, 1e-9) / 1e9)
-    return not emulated(endpoint)

@@ -227,7 +227,7 @@ class Agent:
         """Add a peer from its metadata (once); its agent name. Once every ``user`` (any hashable;
         None: kept until :meth:`forget`) let go of it (:meth:`disconnect`), :meth:`forget_idle`
         may drop it, unless it was reached at chunk server ``endpoint``: such a peer is kept until
-        :meth:`forget` (:mod:`kvtier.pd.peer_watch` calls it when that server goes away)."""
+        :meth:`forget` (:mod:`kvtier.pd.consumer.peer_watch` calls it when that server goes away)."""
         with self._lock:
             name = self._peers.get(metadata)
             if name is None:
@@ -279,7 +279,7 @@ class Agent:
     def forget(self, metadata: bytes | None = None, name: str | None = None) -> None:
         """Drop a peer, by its metadata or its name: one that failed (a restarted peer comes back
         under a new name), whose chunk server went away, or with which a transfer ran past its
-        deadline (:mod:`kvtier.pd.fence`, :mod:`kvtier.pd.writes`). NIXL's ``remove_remote_agent``:
+        deadline (:mod:`kvtier.pd.consumer.fence`, :mod:`kvtier.pd.producer.writes`). NIXL's ``remove_remote_agent``:
         no transfer with it can be posted from then on, and one still running reports ``ERR``
         (NIXL 1.5.1: "remote agent was invalidated ... during transfer"); a later :meth:`connect`
         adds it afresh."""

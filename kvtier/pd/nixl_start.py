@@ -12,8 +12,8 @@ from typing import Callable
 from kvtier.config import ConfigError
 from kvtier.pd import nixl
 from kvtier.pd.engine_kv import EngineKv
-from kvtier.pd.peer_watch import PeerWatch
-from kvtier.pd.server import ChunkServer
+from kvtier.pd.consumer.peer_watch import PeerWatch
+from kvtier.pd.producer.server import ChunkServer
 
 logger = logging.getLogger(__name__)
 

@@ -37,7 +37,7 @@ class Consume:
     """A D request: fetch the prompt's KV published under ``transfer_id`` from ``endpoints``
     (one per P rank). ``wait``: P may not have computed it yet (both legs were sent at once).
     ``remote_blocks``: P's engine blocks of the prompt, in token order, as P named them (empty:
-    not named): D may READ them before P's handshake reply confirms them (:mod:`kvtier.pd.landing`)."""
+    not named): D may READ them before P's handshake reply confirms them (:mod:`kvtier.pd.consumer.landing`)."""
 
     transfer_id: str
     endpoints: tuple[str, ...]

@@ -28,7 +28,7 @@ that passed the handshake: P in its authenticated handshake reply, D in a second
 handshake never learns how to reach the other's memory.
 
 HBM to HBM (``Hello.hbm``: D registered its engine KV with NIXL): while P holds a finished
-request's engine blocks under a lease (:mod:`kvtier.pd.leases`), its handshake reply gives its
+request's engine blocks under a lease (:mod:`kvtier.pd.producer.leases`), its handshake reply gives its
 engine KV regions (``regions``, ``device``), and a fetch that asks for it (``Fetch.hbm``) is
 answered with the chunk's block ids in P's engine (``ChunkReply.blocks``) and the KVSUM64 its
 save computed (``checksum``), both under the MAC. A pull's hello names its transfer and carries
@@ -48,7 +48,7 @@ no late WRITE lands in blocks D recomputes.
 
 Replay: every :class:`Hello` carries a fresh random ``nonce`` and D's wall-clock send time
 (``sent_ms``). P refuses a hello whose nonce it saw already, or sent more than
-:data:`HELLO_WINDOW_S` away from its own clock (:mod:`kvtier.pd.handshakes`), and echoes the nonce in
+:data:`HELLO_WINDOW_S` away from its own clock (:mod:`kvtier.pd.producer.handshakes`), and echoes the nonce in
 its :class:`HelloReply`, under its MAC: D refuses a reply to any other hello. Every later message
 of the connection (:class:`Fetch`, :class:`Fetches`, :class:`Release`) carries the nonce of its
 latest hello, and P takes it only from the ZMQ connection that sent that hello; a release only

@@ -27,7 +27,7 @@ from kvtier.storage import ChunkBuffer
 HeldChanged = Callable[[list[bytes]], None]  # storage keys this worker stored, re-confirmed or promoted
 # (job, [(chain key, blocks)] of its producer's chunks, per chunk the engine blocks it may be
 # written into directly or None) -> those chunks in order, each in a buffer the caller owns or,
-# when it was written into the engine blocks named, a Landed; raises kvtier.pd.PeerError (after
+# when it was written into the engine blocks named, a Landed; raises kvtier.pd.consumer.hello.PeerError (after
 # yielding what arrived) when the producer fails.
 Targets = list[tuple[int, ...] | None]
 FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets], Iterator[ChunkBuffer | Landed]]

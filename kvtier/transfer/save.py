@@ -157,7 +157,7 @@ class SaveSide:
         running one, a 32k push's first WRITE from engine blocks took 754 ms and the rest went out
         as one WRITE after the prefill (vLLM 0.26, two H200s): posting a WRITE maps the consumer's
         GPU memory, which there waited for the work queued on this GPU. ``after``: the copies
-        start after this CUDA event too (a P/D producer's checksum pass, :mod:`kvtier.pd.sums`,
+        start after this CUDA event too (a P/D producer's checksum pass, :mod:`kvtier.pd.producer.sums`,
         whose few bytes would otherwise reach the host behind the whole copy-out).
 
         Chunks already stored are not saved again (they are reported held again, so a chunk

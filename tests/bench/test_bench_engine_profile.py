@@ -25,7 +25,7 @@ def _trace(path, step_ms: float, compile_ms: float = 0.0) -> str:
         {"ph": "X", "cat": "python_function", "name": "site-packages/triton/compiler.py(5): compile", "pid": 1,
          "tid": 1, "ts": 400, "dur": compile_ms * us},
         {"ph": "X", "cat": "cpu_op", "name": "aten::mm", "pid": 1, "tid": 1, "ts": 400 + compile_ms * us, "dur": 2 * us},
-        {"ph": "X", "cat": "python_function", "name": "kvtier/pd/server.py(131): _serve", "pid": 1, "tid": 2,
+        {"ph": "X", "cat": "python_function", "name": "kvtier/pd/producer/server.py(131): _serve", "pid": 1, "tid": 2,
          "ts": 0, "dur": 500 * us},
         {"ph": "X", "cat": "kernel", "name": "gemm", "pid": 0, "tid": 7, "ts": 500, "dur": 1.5 * us},
         {"ph": "i", "name": "an instant, not counted", "ts": 1},

@@ -581,9 +581,9 @@ def test_a_profile_without_traces_says_so_in_a_summary_of_its_own(tmp_path):
 # but for 2 samples answering a fetch.
 _FRAMES = [{"name": n, "file": f} for n, f in (
     ("Thread.run", "threading.py"), ("LoadSide._load_remote", "/x/kvtier/transfer/load.py"),
-    ("_Peer.hello", "/x/kvtier/pd/fetch.py"), ("Poller.poll", "zmq/sugar/poll.py"),
-    ("Transfer.wait", "/x/kvtier/pd/nixl.py"), ("_Peer.receive", "/x/kvtier/pd/fetch.py"),
-    ("ChunkServer._serve", "/x/kvtier/pd/server.py"), ("ChunkServer._fetch", "/x/kvtier/pd/server.py"))]
+    ("Connection.hello", "/x/kvtier/pd/consumer/connection.py"), ("Poller.poll", "zmq/sugar/poll.py"),
+    ("Transfer.wait", "/x/kvtier/pd/nixl.py"), ("Connection.receive", "/x/kvtier/pd/consumer/connection.py"),
+    ("ChunkServer._serve", "/x/kvtier/pd/producer/server.py"), ("ChunkServer._fetch", "/x/kvtier/pd/producer/server.py"))]
 _IDLE = [[0]]
 _PULL = [[0, 1, 2, 3], [0, 1, 4], [0, 1, 4]]
 _PUSH = [[0, 1, 5, 3]] * 25
@@ -601,8 +601,8 @@ def test_the_py_spy_summary_says_where_loads_and_chunk_serving_went(tmp_path):
     text = "\n".join(lines)
     assert lines[0] == "2 threads, ~10.00 ms a sample"
     assert 'kvtier-remote_0": 2 remote loads, ms 30, 250' in text
-    assert re.search(r"short loads: 3 samples, ~30 ms\n +66.7 %  Transfer.wait\n +33.3 %  _Peer.hello  <- Poller.poll", text)
-    assert re.search(r"long loads: 25 samples, ~250 ms\n +100.0 %  _Peer.receive  <- Poller.poll", text)
+    assert re.search(r"short loads: 3 samples, ~30 ms\n +66.7 %  Transfer.wait\n +33.3 %  Connection.hello  <- Poller.poll", text)
+    assert re.search(r"long loads: 25 samples, ~250 ms\n +100.0 %  Connection.receive  <- Poller.poll", text)
     assert re.search(r'kvtier-pd-server": busy: 2 samples, ~20 ms\n +100.0 %  ChunkServer._fetch', text)
 
 

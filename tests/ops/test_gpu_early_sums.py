@@ -1,5 +1,5 @@
 """A P/D producer's KVSUM64s of a step's chunks reach the host before that step's copy-out does
-(:mod:`kvtier.pd.sums`): the copy-out waits for the checksum pass, else the sums' few bytes
+(:mod:`kvtier.pd.producer.sums`): the copy-out waits for the checksum pass, else the sums' few bytes
 queue behind it on the copy engines and a decode engine is answered only as the stored copies
 land. Needs a CUDA device: the order is the copy engines'."""
 
@@ -14,7 +14,7 @@ from kvtier import codec
 from kvtier.jobs import SaveJob
 from kvtier.keys import chunk_keys, namespace
 from kvtier.layout import build_layout
-from kvtier.pd.sums import EarlySums
+from kvtier.pd.producer.sums import EarlySums
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker
 

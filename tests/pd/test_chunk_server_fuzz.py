@@ -23,7 +23,7 @@ from fuzzing import ask
 from pd_workers import NUM_BLOCKS, prompt_keys, tokens_of
 from kvtier.jobs import Lend, SaveJob
 from kvtier.pd.channel import connect_dealer
-from kvtier.pd.hello import introduce
+from kvtier.pd.consumer.hello import introduce
 from kvtier.pd.protocol import (
     MAX_BATCH, VERSION, ChunkReplies, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, encode, mac,
 )

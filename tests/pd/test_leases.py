@@ -1,4 +1,4 @@
-"""Leases of a producer's engine blocks (kvtier.pd.leases) and the descriptors of a block-to-block
+"""Leases of a producer's engine blocks (kvtier.pd.producer.leases) and the descriptors of a block-to-block
 READ (kvtier.pd.hbm): pure logic, a fake clock."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import time
 import pytest
 
 from kvtier.pd.hbm import RegionSpan, block_runs, read_descriptors, registration
-from kvtier.pd.leases import BlockLeases
+from kvtier.pd.producer.leases import BlockLeases
 
 KEYS = (b"a" * 16, b"b" * 16, b"c" * 16)
 

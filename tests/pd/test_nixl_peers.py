@@ -41,7 +41,7 @@ def _agent(clock: list[float], monkeypatch) -> nixl.Agent:
 
 # users: None holds a peer until it is forgotten (a connect without a user)
 # peer "b" is reached by a fetch (at its chunk server's endpoint): never dropped as idle, only when
-# kvtier.pd.peer_watch sees that server go ("gone")
+# kvtier.pd.consumer.peer_watch sees that server go ("gone")
 OPS = st.lists(st.tuples(st.sampled_from(["connect", "disconnect", "tick", "forget_idle", "gone"]),
                          st.sampled_from(["a", "b"]), st.sampled_from([None, 0, 1, 2])), max_size=40)
 

@@ -20,8 +20,11 @@ from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
 from test_pd_hbm_named import early_reads, warm
 from test_pd_hbm_push import FULL, step
 from kvtier.codec import chunk_bytes
-from kvtier.pd import landing, nixl, writes
-from kvtier.pd.fetch import PeerError, fetch_chunks
+from kvtier.pd import nixl
+from kvtier.pd.consumer import landing
+from kvtier.pd.producer import writes
+from kvtier.pd.consumer.fetch import Consumer, FetchSpec, PeerError, fetch_chunks
+from kvtier.pd.route import PushMode
 from kvtier.pd.hbm import Landing, RegionSpan
 
 pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
@@ -48,11 +51,11 @@ def push(p, d, block_ids: list[tuple[int, ...]], num_blocks: int, regions=None) 
     """D's push of P's first two chunks (P WRITEs them), naming ``block_ids`` of D's engine KV,
     which D says has ``num_blocks`` blocks (its ``regions`` as given, else its own)."""
     kv = d.side.engine_kv
-    target = Landing(regions or kv.spans, kv.kind, kv.device, block_ids, writes=True, num_blocks=num_blocks)
-    for _ in fetch_chunks(p.endpoint, d.side._hello, "t1", [(FULL[0], 2), (FULL[1], 2)], wait=True, timeout_ms=1000,
-                          secret=None, allocate=lambda n: d.side.store.allocate(n, wait=False),
-                          chunk_bytes=lambda n: chunk_bytes(d.side.transfers.layout, n), nixl=d.side.nixl,
-                          block_size=BLOCK, landing=target):
+    target = Landing(regions or kv.spans, kv.kind, kv.device, block_ids, num_blocks=num_blocks)
+    consumer = Consumer(d.side._hello, 1000, None, allocate=lambda n: d.side.store.allocate(n, wait=False),
+                        chunk_bytes=lambda n: chunk_bytes(d.side.transfers.layout, n), nixl=d.side.nixl,
+                        block_size=BLOCK, push_mode=PushMode.WRITE)
+    for _ in fetch_chunks(consumer, FetchSpec(p.endpoint, "t1", [(FULL[0], 2), (FULL[1], 2)], True, landing=target)):
         pass
 
 

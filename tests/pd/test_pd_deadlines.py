@@ -4,7 +4,7 @@ for VRAM). A READ is held in flight by :class:`kvtier.pd.nixl_hold.Hold`: NIXL r
 ``late``, posts it only when let go), only its state says it still runs.
 
 Every READ into engine blocks has a deadline (``pd_timeout_ms`` after its posting,
-:mod:`kvtier.pd.fence`): one that misses it fails its load, the producer's agent is dropped on the
+:mod:`kvtier.pd.consumer.fence`): one that misses it fails its load, the producer's agent is dropped on the
 decode engine's side, and the load is reported (its blocks handed back to vLLM) only then; nothing
 else is posted into those blocks meanwhile, and a READ posted late lands nowhere."""
 
@@ -90,7 +90,7 @@ def test_a_read_held_past_its_deadline_fails_its_load_once_the_producers_agent_i
     assert waited_s >= 2 * TIMEOUT_MS / 1000 if not teardown else waited_s < 2 * TIMEOUT_MS / 1000
     assert failed == set(D_BLOCKS)  # recomputed: none of its chunks was reported loaded
     assert p.side.chunk_server.lent_total == 0 and d.side.transfers.stats.loaded_chunks == loaded  # no CPU-tier copy
-    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.pd.fence"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.pd.consumer.fence"]
     assert len(warnings) == (1 if teardown else 2) and p.endpoint in warnings[0], warnings
     wait_ended(p)  # D released the transfer
     publish(p, PROMPT, P_BLOCKS, "t2")  # the next pull adds P's agent afresh
@@ -124,7 +124,7 @@ def test_an_early_read_that_does_not_end_keeps_every_other_copy_out_of_its_block
     assert len(hold.transfers) == 1 and len(posted) == 1  # no second READ into D's blocks
     assert failed == set(D_BLOCKS) and d.side.transfers.stats.loaded_chunks == loaded  # nor the CPU-tier copy
     assert not known and reported_s - posted[0] >= 2 * TIMEOUT_MS / 1000  # its deadline, then one more timeout
-    assert any(r.name == "kvtier.pd.fence" and p.endpoint in r.getMessage() for r in caplog.records)
+    assert any(r.name == "kvtier.pd.consumer.fence" and p.endpoint in r.getMessage() for r in caplog.records)
 
 
 def test_a_read_posted_after_its_deadline_never_lands_in_blocks_handed_back(engines):

@@ -30,11 +30,11 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fuzzing import ask, mutated
-from kvtier.pd import landing as pd_landing
+from kvtier.pd.consumer import landing as pd_landing
 from kvtier.pd import params as pd
 from kvtier.pd.channel import bind_router
-from kvtier.pd.fetch import PeerError, fetch_chunks
-from kvtier.pd.hello import introduce
+from kvtier.pd.consumer.fetch import Consumer, FetchSpec, PeerError, fetch_chunks
+from kvtier.pd.consumer.hello import introduce
 from kvtier.pd.protocol import (
     VERSION, ChunkReplies, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, decode_request, encode,
     mac,
@@ -183,10 +183,11 @@ def fetch_from_hostile(producer, store, wait: bool = False, nixl=None, landing=N
     and is released. Only a ``PeerError`` may end it."""
     got = []
     try:
-        for buffer in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32), "t",
-                                   [(b"k" * 16, 1), (b"l" * 16, 1)], wait=wait, timeout_ms=100, secret=None,
-                                   allocate=store.allocate, chunk_bytes=lambda n: CHUNK_BYTES, nixl=nixl,
-                                   landing=landing):
+        consumer = Consumer(Hello(VERSION, 0, 1, FP, "fuzz", 32), 100, None, store.allocate, lambda n: CHUNK_BYTES,
+                            nixl=nixl)
+        spec = FetchSpec(f"tcp://127.0.0.1:{producer.port}", "t", [(b"k" * 16, 1), (b"l" * 16, 1)], wait,
+                         landing=landing)
+        for buffer in fetch_chunks(consumer, spec):
             got.append(buffer)
     except PeerError:
         pass  # the clear refusal; anything else fails the test
@@ -378,10 +379,11 @@ def test_a_batch_of_engine_block_replies_lands_only_under_the_right_mac(hostile_
         thread.start()
         try:
             with pytest.raises(PeerError) if signer != b"pd-secret" else contextlib.nullcontext():
-                for chunk in fetch_chunks(f"tcp://127.0.0.1:{producer.port}", Hello(VERSION, 0, 1, FP, "fuzz", 32),
-                                          "t", [(b"k" * 16, 1), (b"l" * 16, 1)], wait=False, timeout_ms=500,
-                                          secret=b"pd-secret", allocate=store.allocate,
-                                          chunk_bytes=lambda n: CHUNK_BYTES, nixl=d_agent, landing=landing):
+                consumer = Consumer(Hello(VERSION, 0, 1, FP, "fuzz", 32), 500, b"pd-secret", store.allocate,
+                                    lambda n: CHUNK_BYTES, nixl=d_agent)
+                spec = FetchSpec(f"tcp://127.0.0.1:{producer.port}", "t", [(b"k" * 16, 1), (b"l" * 16, 1)], False,
+                                 landing=landing)
+                for chunk in fetch_chunks(consumer, spec):
                     got.append(chunk)
         finally:
             stop.set()

@@ -20,7 +20,8 @@ import torch
 
 from pd_workers import BLOCK, CHUNK, Engine, prompt_keys, publish, remote_job, tokens_of, wait_for
 from kvtier.jobs import Lend
-from kvtier.pd import nixl, server
+from kvtier.pd import nixl
+from kvtier.pd.producer import server
 
 PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
 P_BLOCKS = [10, 11, 12, 13, 20, 21, 22]  # two runs: the READ takes a descriptor per run and region
@@ -194,7 +195,7 @@ def test_a_block_that_changed_before_the_read_takes_that_chunk_and_those_after_f
 
 def test_a_consumer_that_never_releases_holds_nothing_past_lease_and_grace(engines):
     from kvtier.codec import chunk_bytes
-    from kvtier.pd.fetch import fetch_chunks
+    from kvtier.pd.consumer.fetch import Consumer, FetchSpec, fetch_chunks
     from kvtier.pd.hbm import Landing
 
     p, d = engines("p", 1, pd_timeout_ms=500), engines("d", 2)
@@ -204,9 +205,9 @@ def test_a_consumer_that_never_releases_holds_nothing_past_lease_and_grace(engin
     full, _ = prompt_keys(PROMPT)
     kv = d.side.engine_kv
     landing = Landing(kv.spans, kv.kind, kv.device, [tuple(D_BLOCKS[:2])])
-    chunks = fetch_chunks(p.endpoint, d.side._hello, "t1", [(full[0], 2)], wait=False, timeout_ms=500, secret=None,
-                          allocate=lambda n: d.side.store.allocate(n, wait=False), chunk_bytes=lambda n: chunk_bytes(d.side.transfers.layout, n),
-                          nixl=d.side.nixl, block_size=BLOCK, landing=landing)
+    consumer = Consumer(d.side._hello, 500, None, allocate=lambda n: d.side.store.allocate(n, wait=False),
+                        chunk_bytes=lambda n: chunk_bytes(d.side.transfers.layout, n), nixl=d.side.nixl, block_size=BLOCK)
+    chunks = fetch_chunks(consumer, FetchSpec(p.endpoint, "t1", [(full[0], 2)], False, landing=landing))
     next(chunks)  # READ done; the consumer dies here: no release ever comes
     wait_ended(p)
     assert time.monotonic() - lent_at >= 0.6  # not at the lease's end (0.2 s): a READ may still run until lease + grace

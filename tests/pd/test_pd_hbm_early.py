@@ -1,6 +1,6 @@
 """P/D HBM to HBM before the producer's CPU-tier copy is stored: the producer (P) takes each
 published chunk's KVSUM64 from its engine blocks as the step that computed it ends
-(:mod:`kvtier.pd.sums`), and WRITEs it (push, ``pd_hbm_push`` "write") or lends it (pull, and push
+(:mod:`kvtier.pd.producer.sums`), and WRITEs it (push, ``pd_hbm_push`` "write") or lends it (pull, and push
 "read") at once, without waiting
 for its save to land. Real worker halves, real NIXL over UCX on loopback; the engine KV is host
 memory registered as DRAM, standing in for VRAM. P's save thread is held at its store (the

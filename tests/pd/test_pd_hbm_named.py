@@ -17,7 +17,8 @@ import torch
 
 from pd_workers import Engine, publish, remote_job
 from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
-from kvtier.pd import landing, nixl
+from kvtier.pd import nixl
+from kvtier.pd.consumer import landing
 
 pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
 

@@ -20,7 +20,8 @@ import torch
 from pd_workers import CHUNK, Engine, advertise_shifted_regions, prompt_keys, remote_job, tokens_of, wait_for
 from kvtier.jobs import Lend, SaveJob
 from kvtier import timeline
-from kvtier.pd import nixl, server as chunk_server
+from kvtier.pd import nixl
+from kvtier.pd.producer import server as chunk_server
 from kvtier.pd.nixl_hold import Hold
 
 PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
@@ -198,13 +199,13 @@ def test_a_producer_killed_while_its_block_read_runs_fails_that_chunk_once_its_a
             assert d.wait_loaded("d-req") == set(D_BLOCKS)
     assert time.monotonic() - start < 1.0  # before the READ's deadline
     assert p.side.nixl.name not in d.side.nixl.peer_names and hold.transfers[0].state() == "ERR"
-    assert not [r for r in caplog.records if r.name == "kvtier.pd.fence"]  # it ended: nothing fenced
+    assert not [r for r in caplog.records if r.name == "kvtier.pd.consumer.fence"]  # it ended: nothing fenced
 
 
 def test_a_consumer_written_into_is_forgotten_once_idle_and_reached_again_for_the_next_transfer(engines, monkeypatch):
     """NIXL keeps what it imported of a known peer's memory (on vLLM 0.33 a stopped D's whole KV
     cache stayed held on its GPU while P knew D): P drops D's agent once no transfer used it. D
-    keeps P's while P's chunk server is up (kvtier.pd.peer_watch drops it when P goes)."""
+    keeps P's while P's chunk server is up (kvtier.pd.consumer.peer_watch drops it when P goes)."""
     monkeypatch.setattr(chunk_server, "PEER_IDLE_S", 0.2)
     p, d = engines("p", 1), engines("d", 2, pd_hbm_push="write")
     agent, theirs = p.side.chunk_server.nixl, d.side.chunk_server.nixl.name
@@ -224,6 +225,7 @@ def test_a_consumer_written_into_is_forgotten_once_idle_and_reached_again_for_th
 
 def test_a_producer_queues_more_replies_than_a_push_consumer_has_fetches_in_flight():
     """A reply dropped at the queue's limit would leave D waiting for its timeout."""
-    from kvtier.pd import fetch, server
+    from kvtier.pd import route
+    from kvtier.pd.producer import server
 
-    assert server._SEND_HWM >= 2 * fetch.PUSH_WINDOW
+    assert server._SEND_HWM >= 2 * route.PUSH_WINDOW

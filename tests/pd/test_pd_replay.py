@@ -25,10 +25,11 @@ from pd_workers import BLOCK, publish, prompt_keys, remote_job, tokens_of, wait_
 from test_pd_hbm import D_BLOCKS, P_BLOCKS, PROMPT, lend, wait_ended
 from kvtier.codec import chunk_bytes
 from kvtier.jobs import SaveJob
-from kvtier.pd import fetch, nixl
+from kvtier.pd import nixl
+from kvtier.pd.consumer import connection
 from kvtier.pd.channel import bind_router, connect_dealer
-from kvtier.pd.fetch import PeerError, fetch_chunks
-from kvtier.pd.hello import introduce
+from kvtier.pd.consumer.fetch import Consumer, FetchSpec, PeerError, fetch_chunks
+from kvtier.pd.consumer.hello import introduce
 from kvtier.pd.protocol import (
     VERSION, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, decode_reply, decode_request, encode, mac,
 )
@@ -52,13 +53,13 @@ def signed(message: msgspec.Struct, secret: bytes = KEY) -> list[bytes]:
 def capture(monkeypatch) -> list[tuple[msgspec.Struct, list[bytes]]]:
     """Every message D's transfers send from now on, as it went on the wire: (message, frames)."""
     sent = []
-    send = fetch._Peer.send
+    send = connection.Connection.send
 
     def spy(peer, message):
         sent.append((message, signed(message, peer.secret)))
         send(peer, message)
 
-    monkeypatch.setattr(fetch._Peer, "send", spy)
+    monkeypatch.setattr(connection.Connection, "send", spy)
     return sent
 
 
@@ -135,11 +136,11 @@ def test_a_release_from_another_connection_is_refused_and_changes_nothing(engine
     assert p.side.settle()
     kv, layout = d.side.engine_kv, d.side.transfers.layout
     full, full2 = prompt_keys(PROMPT)[0], prompt_keys(other)[0]
-    common = dict(timeout_ms=2000, secret=KEY, allocate=lambda n: d.side.store.allocate(n, wait=False),
-                  chunk_bytes=lambda n: chunk_bytes(layout, n), nixl=d.side.nixl, block_size=BLOCK)
-    pull = fetch_chunks(p.endpoint, d.side._hello, "t1", [(full[0], 2), (full[1], 2)], wait=False,
-                        landing=kv.landing([tuple(D_BLOCKS[:2]), tuple(D_BLOCKS[2:4])]), **common)
-    lent = fetch_chunks(p.endpoint, d.side._hello, "t2", [(k, 2) for k in full2], wait=False, **common)
+    consumer = Consumer(d.side._hello, 2000, KEY, allocate=lambda n: d.side.store.allocate(n, wait=False),
+                        chunk_bytes=lambda n: chunk_bytes(layout, n), nixl=d.side.nixl, block_size=BLOCK)
+    pull = fetch_chunks(consumer, FetchSpec(p.endpoint, "t1", [(full[0], 2), (full[1], 2)], False,
+                                            landing=kv.landing([tuple(D_BLOCKS[:2]), tuple(D_BLOCKS[2:4])])))
+    lent = fetch_chunks(consumer, FetchSpec(p.endpoint, "t2", [(k, 2) for k in full2], False))
     next(pull)  # chunk 0 landed from P's blocks: the lease is given to this connection
     next(lent).release()  # chunk 0 READ from P's CPU tier: P lends both chunks' buffers until the release
     d.side.start_loads((remote_job("d-wait", later, list(range(50, 54)), "t3", p.endpoint, wait=True),))
@@ -211,7 +212,7 @@ def test_a_handshake_reply_to_another_hello_is_refused(engines, monkeypatch, ech
     next hello, ends that transfer at the handshake: D never uses the metadata. The control, the
     same reply answering the new hello, passes the handshake (and the stand-in says nothing more)."""
     p, d = engines("p", 1, pd_secret=SECRET), engines("d", 2, pd_secret=SECRET)
-    replies, read = [], fetch.read_reply
+    replies, read = [], connection.read_reply
 
     def spy(frames, *args, **kwargs):  # the handshake replies D takes, as they came
         reply = read(frames, *args, **kwargs)
@@ -219,7 +220,7 @@ def test_a_handshake_reply_to_another_hello_is_refused(engines, monkeypatch, ech
             replies.append([f.bytes for f in frames])
         return reply
 
-    monkeypatch.setattr(fetch, "read_reply", spy)
+    monkeypatch.setattr(connection, "read_reply", spy)
     publish(p, PROMPT, P_BLOCKS, "t1")
     lend(p, "t1")
     d.side.start_loads((remote_job("d-req", PROMPT, D_BLOCKS, "t1", p.endpoint),))
@@ -231,10 +232,10 @@ def test_a_handshake_reply_to_another_hello_is_refused(engines, monkeypatch, ech
     try:
         full = prompt_keys(PROMPT)[0]
         with pytest.raises(PeerError) as error:
-            list(fetch_chunks(replayer.endpoint, d.side._hello, "t1", [(full[0], 2)], wait=False, timeout_ms=300,
-                              secret=KEY, allocate=lambda n: d.side.store.allocate(n, wait=False),
-                              chunk_bytes=lambda n: chunk_bytes(d.side.transfers.layout, n), nixl=d.side.nixl,
-                              block_size=BLOCK))
+            consumer = Consumer(d.side._hello, 300, KEY, allocate=lambda n: d.side.store.allocate(n, wait=False),
+                                chunk_bytes=lambda n: chunk_bytes(d.side.transfers.layout, n), nixl=d.side.nixl,
+                                block_size=BLOCK)
+            list(fetch_chunks(consumer, FetchSpec(replayer.endpoint, "t1", [(full[0], 2)], False)))
     finally:
         replayer.close()
     if echo:
@@ -333,7 +334,7 @@ def test_the_nonces_and_connections_a_chunk_server_keeps_are_bounded(monkeypatch
     """Nonces are kept twice the window (a hello sent within it can come no later), at most
     ``MAX_NONCES`` (hellos past that are refused, not taken unremembered); a connection quiet for
     ``idle_s`` is forgotten, as are the transfers it began."""
-    from kvtier.pd import handshakes
+    from kvtier.pd.producer import handshakes
     from kvtier.pd.protocol import HELLO_WINDOW_S
 
     clock = [1000.0]

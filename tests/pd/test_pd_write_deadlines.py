@@ -20,9 +20,9 @@ import zmq
 from pd_workers import Engine, remote_job, wait_for
 from test_pd_hbm_push import D_BLOCKS, P_BLOCKS, PROMPT, finish, step
 from kvtier.pd import nixl
-from kvtier.pd.fetch import _Peer
+from kvtier.pd.consumer.connection import Connection, Consumer, FetchSpec
 from kvtier.pd.nixl_hold import Hold
-from kvtier.pd.protocol import VERSION, ChunkReply, Release, encode, mac
+from kvtier.pd.protocol import VERSION, ChunkReply, Hello, Release, encode, mac
 
 pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
 TIMEOUT_MS = 600  # P's pd_timeout_ms: each WRITE's deadline
@@ -62,7 +62,7 @@ def test_a_write_held_past_its_deadline_is_abandoned_and_the_chunks_come_as_payl
     assert hold.transfers[0].state() == "ERR"  # D's agent was dropped: NIXL refuses it
     assert not d.kv[:, D_BLOCKS].any()
     assert server.blocks_written_total == 0
-    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.pd.writes"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "kvtier.pd.producer.writes"]
     assert len(warnings) == 1 and d.side.nixl.name in warnings[0], warnings
 
 
@@ -103,7 +103,8 @@ def test_a_consumer_waits_up_to_twice_its_timeout_for_the_word_that_no_write_run
     dealer = zmq.Context.instance().socket(zmq.DEALER)
     dealer.setsockopt(zmq.LINGER, 0)
     dealer.connect(endpoint)
-    peer = _Peer(dealer, endpoint, None, TIMEOUT_MS, bool, [0], lambda n: None, 0, ("t1", [], True))
+    consumer = Consumer(Hello(VERSION, 0, 1, b"", "", 0), TIMEOUT_MS, None, lambda n: None, lambda n: 0)
+    peer = Connection(dealer, consumer, FetchSpec(endpoint, "t1", [], True))
     peer.send(Release(VERSION, "t1", answer=True))
     identity = router.recv_multipart()[0]
     body = encode(ChunkReply(VERSION, -1, "released"))

@@ -1,4 +1,4 @@
-"""A chunk server's WRITEs (:class:`kvtier.pd.writes.PeerWrites`, :class:`kvtier.pd.hbm_serve.HbmServing`)
+"""A chunk server's WRITEs (:class:`kvtier.pd.producer.writes.PeerWrites`, :class:`kvtier.pd.producer.hbm_serve.HbmServing`)
 when NIXL or CUDA raise: real NIXL agents over UCX on loopback, a consumer's memory registered
 with its agent, and the fault raised where NIXL's or CUDA's own call would raise it.
 
@@ -12,10 +12,10 @@ import torch
 
 from kvtier.pd import nixl
 from kvtier.pd.hbm import EngineBlocks, RegionSpan
-from kvtier.pd.hbm_serve import HbmServing
-from kvtier.pd.leases import BlockLeases
+from kvtier.pd.producer.hbm_serve import HbmServing
+from kvtier.pd.producer.leases import BlockLeases
 from kvtier.pd.protocol import VERSION, ChunkReplies, Fetch
-from kvtier.pd.writes import BlockWrite, PeerWrites
+from kvtier.pd.producer.writes import BlockWrite, PeerWrites
 from kvtier.storage import ChunkBuffer, Tier
 from pd_workers import wait_for
 

@@ -1,28 +1,11 @@
-"""A decode engine's side of a transfer: fetch chunks from one producer rank's chunk server.
+"""The connection of one P/D transfer to its producer's chunk server, on the decode engine's side:
+what this engine brings to every transfer (:class:`Consumer`), what one transfer asks for
+(:class:`FetchSpec`), and the socket's traffic (:class:`Connection`): hellos and their checked
+replies, the fetches of a window, the replies taken as they come, each chunk finished as its
+route has it (:class:`~kvtier.pd.route.Course`): a ZMQ frame copied, a NIXL READ into the CPU
+tier waited for and its MAC checked, or engine blocks landed (:mod:`kvtier.pd.consumer.landing`).
+Used by :func:`kvtier.pd.consumer.fetch.fetch_chunks`, on the thread of one transfer."""
 
-One DEALER socket per transfer (a timed-out transfer's late replies can never reach the next;
-CURVE with a secret, :mod:`kvtier.pd.channel`), a handshake that compares layouts (each hello
-with a fresh nonce, which P's reply must echo and every later message carries), then a window
-of fetches in flight: while the caller verifies and scatters chunk ``i``, chunks ``i+1 …`` are
-on the wire. Any failure raises :class:`PeerError` after the chunks that did arrive were yielded.
-
-Over NIXL the replies carry addresses instead of payloads: as each arrives, a buffer of this
-engine's CPU tier (registered with NIXL) is allocated and a READ posted into it; a chunk is yielded
-once its READ is done and its MAC checked. Buffers and READs not handed to the caller are settled
-and released when the transfer ends, however it ends: a READ into engine blocks before it returns.
-
-HBM to HBM (a :class:`Landing` given): where P still holds the request's engine blocks, its replies
-name them and D READs them straight into the engine blocks the caller named (:mod:`kvtier.pd.hbm`);
-once P lends, the rest is asked for at once and all replies read by one READ. A pull's hello
-carries its first fetches (:func:`kvtier.pd.hello.first_fetches`): P answers them at once when
-it lends the transfer, so the chunks' replies follow the handshake's without another round
-trip; blocks P's params named are READ while P answers the hello. The caller gets a :class:`Landed`
-with the KVSUM64 to check the blocks against (:mod:`kvtier.pd.landing`; each READ's deadline:
-:mod:`kvtier.pd.fence`). A push (D asked first) is answered a step's chunks at a time, READ as one
-(``pd_hbm_push`` "read"), or WRITTEN by P into the blocks each fetch names ("write"; D's NIXL
-metadata in a second hello, once P's reply checked out); one ending with such fetches unanswered waits
-up to twice ``timeout_ms`` (P's WRITE deadline, the same setting on both engines: :mod:`kvtier.pd.writes`)
-for P's word that none of its WRITEs still runs. Fetches and replies travel in batches."""
 
 from __future__ import annotations
 
@@ -30,127 +13,87 @@ import logging
 import threading
 import time
 from collections import deque
-from typing import Callable, Iterator
+from dataclasses import dataclass
+from typing import Callable
 
 import msgspec
 import numpy as np
 import zmq
 
 from kvtier.jobs import Landed
-from kvtier.pd import faults
-from kvtier.pd.channel import connect_dealer
-from kvtier.pd.hbm import Landing, RegionSpan, direct_path, emulated
-from kvtier.pd.landing import Arrived, Landings, discard, read_early, remember
-from kvtier.pd.hello import PeerError, check_reply, first_fetches, introduce, new_nonce, push_hello, say_transport, silence
-from kvtier.pd.protocol import (
-    VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, Release, batches, check_mac, encode, mac, read_reply,
-)
+from kvtier.pd.consumer.hello import PeerError, check_reply, silence
+from kvtier.pd.consumer.landing import Arrived, Landings, discard
+from kvtier.pd.hbm import Landing
 from kvtier.pd.nixl import Agent, NixlError
+from kvtier.pd.protocol import (
+    VERSION, AuthError, ChunkReplies, Fetch, Hello, HelloReply, batches, check_mac, encode, mac, read_reply,
+)
+from kvtier.pd.route import LENT_WINDOW, Course, PushMode, Route
 from kvtier.storage import ChunkBuffer
 
 logger = logging.getLogger(__name__)
 
-WINDOW = 4  # fetches in flight per transfer (each holds a CPU-tier buffer)
-HBM_WINDOW = 16  # ... when chunks may land in the engine's blocks: no buffer held, more READs in flight
-LENT_WINDOW = PUSH_WINDOW = 256  # ... once P lends its blocks or writes into ours: the rest asked at once (64k)
-_CANCEL_CHECK_S, _PROGRESS_S = 0.05, 0.001  # s: a waiting transfer looks for an abort; lets NIXL progress (P WRITEs)
 Allocate = Callable[[int], ChunkBuffer | None]  # bytes -> a buffer of the consumer's CPU tier
+_CANCEL_CHECK_S, _PROGRESS_S = 0.05, 0.001  # s: a waiting transfer looks for an abort; lets NIXL progress (P WRITEs)
 _QUARANTINE_TIMEOUTS = 3  # a buffer P was told to write into, never answered, is reused after this many timeouts
 
 
-def fetch_chunks(endpoint: str, hello: Hello, transfer_id: str, items: list[tuple[bytes, int]], *,
-                 wait: bool, timeout_ms: int, secret: bytes | None, allocate: Allocate,
-                 chunk_bytes: Callable[[int], int], cancelled: Callable[[], bool] = bool, nixl: Agent | None = None,
-                 block_size: int = 0, landing: Landing | None = None,
-                 producer_blocks: tuple[int, ...] = ()) -> Iterator[ChunkBuffer | Landed]:
-    """Yield the chunks ``items`` (chain key, block count) of ``transfer_id`` from ``endpoint``, in
-    order, each in a fresh buffer from ``allocate`` that the caller owns.
+@dataclass(frozen=True, slots=True)
+class Consumer:
+    """This engine as a consumer, what its transfers share. ``hello``: its layout, as every hello
+    gives it. ``timeout_ms``: longest silence (no chunk, no heartbeat) before giving up.
+    ``secret``: authenticates every message (None: loopback only). ``allocate(bytes)``: a buffer
+    of this engine's CPU tier, the caller's once handed out (None: no room).
+    ``chunk_bytes(num_blocks)``: a chunk's size in bytes. ``nixl``: this process's agent, with the
+    CPU tier's pool registered: offered to the producer, which picks NIXL or ZMQ (None: ZMQ only).
+    ``block_size``: this engine's, in tokens: each chunk is asked for as ``num_blocks × block_size``
+    token slots (0: as the producer stored it). ``push_mode``: ``pd_hbm_push`` (:mod:`kvtier.pd.route`)."""
 
-    ``wait``: the producer may still be computing them (push). ``timeout_ms``: longest silence
-    (no chunk, no heartbeat) before giving up. ``chunk_bytes(num_blocks)``: a chunk's size.
-    ``cancelled()``: checked while waiting; True stops the transfer (the request was aborted).
-    ``nixl``: this process's agent, with the CPU tier's pool registered: offered to the producer,
-    which picks NIXL or ZMQ (None: ZMQ only). ``block_size``: this engine's, in tokens: each
-    chunk is asked for as ``num_blocks × block_size`` token slots (0: as the producer stored it).
-    ``landing``: where chunks may be READ into the engine directly (with ``nixl`` only). ``producer_blocks``:
-    P's engine blocks from the first chunk on, as its params named them. P is told it is done however it ends."""
-    begin = time.perf_counter()
-    sizes = [chunk_bytes(n) for _, n in items]
-    socket = connect_dealer(endpoint, secret, max(sizes) + (64 << 10))
-    peer = _Peer(socket, endpoint, secret, timeout_ms, cancelled, sizes, allocate, block_size, (transfer_id, items, wait))
-    early = None  # the READ of the blocks P's params named, posted while P answers the hello (pull)
-    try:
-        peer.nonce, hbm = new_nonce(), nixl is not None and landing is not None and not emulated(endpoint)
-        first = first_fetches(peer.plan, landing, block_size, peer.nonce, endpoint) if hbm and not wait else ()
-        transports = ("nixl", "zmq") if nixl is not None else hello.transports
-        hello = introduce(hello, nonce=peer.nonce, transports=transports, hbm=hbm, transfer_id=transfer_id,
-                          fetches=first, num_blocks=landing.num_blocks if landing is not None else 0)
-        peer.send(hello)  # then, while P answers, this thread posts the READ of the blocks P's params named
-        if hbm and not wait and producer_blocks:
-            early = read_early(nixl, endpoint, landing, producer_blocks, [n for _, n in items], timeout_ms / 1000)
-        reply = peer.hello(hello, sent=True)
-        writes = wait and not (landing is not None and not landing.writes and reply.regions)  # else D READs P's
-        if reply.transport == "nixl" and nixl is not None and writes:  # P may WRITE into our memory (live blocks)
-            hello = push_hello(hello, nixl.metadata(), landing)  # a fresh nonce: every later message carries it
-            reply = peer.hello(hello)  # P passed the handshake: only now does it learn how to reach us
-        if reply.transport == "nixl" and nixl is not None:
-            peer.use_nixl(nixl, reply.nixl)
-            peer.landing_enabled = writes
-            remote = tuple(RegionSpan(*r) for r in reply.regions)  # checked: they can be (check_reply)
-            if landing and remote and direct_path(nixl, peer.nixl_peer, endpoint, landing, remote, reply.device, timeout_ms):
-                known = (peer.nixl_peer, remote, reply.device, reply.num_blocks)
-                same = early is not None and reply.lending and early.matches(*known)
-                peer.hbm = early if same else Landings(nixl, endpoint, landing, *known)
-                remember(nixl, endpoint, *known)
-                peer.lent = reply.lending and not wait  # P lends the transfer's blocks: ask for them all at once
-        if early is not None and peer.hbm is not early:
-            early.settle_early()  # P does not lend them now, or changed: what that READ wrote goes unused
-        if reply.lending and hello.fetches:  # P answers the fetches the hello carried, naming its engine blocks
-            if peer.hbm is None:
-                raise PeerError(f"{endpoint} lends engine blocks this engine cannot READ (KV regions differ)")
-            peer.sent, peer.asked = len(hello.fetches), set(range(len(hello.fetches)))
-        peer.handshake_s = time.perf_counter() - begin
-        say_transport(endpoint, peer.hbm is not None, peer.nixl is not None)
-        for index in range(len(items)):
-            window = (PUSH_WINDOW if wait else LENT_WINDOW if peer.lent else HBM_WINDOW) if peer.hbm else WINDOW
-            peer.fetch_until(index + window)
-            yield faults.corrupt(peer.chunk(index), landing, index)  # (KVTIER_PD_FAULTS, in fault soaks)
-    finally:  # no READ into engine blocks runs past here (kvtier.pd.fence): P may reuse its blocks, vLLM ours
-        for landings in {early, peer.hbm} - {None}:
-            landings.settle(timeout_ms / 1000)
-        peer.close()
-        if peer.hbm is not None:
-            peer.hbm.log(transfer_id, peer.reply_s, peer.handshake_s)
-        try:
-            answer = bool(peer.named) and not peer.silent  # a producer silent for the timeout is gone
-            peer.send(Release(VERSION, transfer_id, answer=answer, nonce=peer.nonce))
-            if answer:  # P might still WRITE into blocks this engine will now recompute: wait for its word
-                peer.settle_writes()
-        except zmq.ZMQError:
-            pass
-        socket.close()
+    hello: Hello
+    timeout_ms: int
+    secret: bytes | None
+    allocate: Allocate
+    chunk_bytes: Callable[[int], int]
+    nixl: Agent | None = None
+    block_size: int = 0
+    push_mode: PushMode = PushMode.READ
 
 
-class _Peer:
-    def __init__(self, socket: zmq.Socket, endpoint: str, secret: bytes | None, timeout_ms: int,
-                 cancelled: Callable[[], bool], sizes: list[int], allocate: Allocate, block_size: int,
-                 plan: tuple[str, list[tuple[bytes, int]], bool]):
-        self.socket, self.endpoint, self.secret, self.timeout_ms = socket, endpoint, secret, timeout_ms
-        self.cancelled, self.allocate, self.block_size = cancelled, allocate, block_size
-        self.sizes = sizes  # bytes of chunk i
+@dataclass(frozen=True, slots=True)
+class FetchSpec:
+    """One transfer to fetch: the chunks ``items`` (chain key, block count) of ``transfer_id`` from
+    the chunk server at ``endpoint``. ``wait``: the producer may still be computing them (push).
+    ``landing``: where chunks may be READ into the engine directly (with a NIXL agent only).
+    ``producer_blocks``: P's engine blocks from the first chunk on, as its params named them.
+    ``cancelled()``: checked while waiting; True stops the transfer (the request was aborted)."""
+
+    endpoint: str
+    transfer_id: str
+    items: list[tuple[bytes, int]]
+    wait: bool
+    landing: Landing | None = None
+    producer_blocks: tuple[int, ...] = ()
+    cancelled: Callable[[], bool] = bool
+
+
+class Connection:
+    """The connection of one transfer to its producer: ``socket``, with what ``consumer`` and
+    ``spec`` give, and the transfer's :class:`~kvtier.pd.route.Course`."""
+
+    def __init__(self, socket: zmq.Socket, consumer: Consumer, spec: FetchSpec):
+        self.socket, self.endpoint, self.secret, self.timeout_ms = socket, spec.endpoint, consumer.secret, consumer.timeout_ms
+        self.cancelled, self.allocate, self.block_size = spec.cancelled, consumer.allocate, consumer.block_size
+        self.transfer_id, self.items, self.wait = spec.transfer_id, spec.items, spec.wait  # fetched in order
+        self.sizes = [consumer.chunk_bytes(n) for _, n in spec.items]  # bytes of chunk i
+        self.course = Course(spec.transfer_id, spec.endpoint, spec.wait, consumer.push_mode, spec.landing is not None)
         self.nixl: Agent | None = None
         self.nixl_peer, self.nixl_metadata = "", b""
-        self.failed = False  # a NIXL transfer with this peer failed
-        self.landing_enabled = False  # push over NIXL: each fetch names a buffer P writes into
         self.landing: dict[int, ChunkBuffer] = {}  # chunk index -> buffer named to P, not answered yet
         self.early: dict[int, Arrived] = {}  # replies ahead of their turn
         self.queued: deque[Arrived] = deque()  # replies of a ChunkReplies not taken yet
         self.hbm: Landings | None = None  # chunks READ into the engine's blocks (HBM to HBM)
-        self.lent, self.more = False, 0  # P's latest reply named its engine blocks; replies P sent with it, to come
         self.asked: set[int] = set()  # chunks fetched, not answered yet
         self.named: set[int] = set()  # chunks whose engine blocks were named to P (push), not answered yet
-        self.silent = False  # P sent nothing for the timeout (dead or hung: no WRITE of its is still coming)
-        self.plan = plan  # (transfer id, the chunks to fetch, wait), fetched in order
         self.sent = 0  # fetches sent
         self.reply_s, self.read_s, self.reads = 0.0, 0.0, 0  # s waiting for replies and for READs into the CPU tier; READs
         self.handshake_s = 0.0  # s from connecting to the first fetch (hello, adding P's NIXL agent)
@@ -158,7 +101,7 @@ class _Peer:
 
     def use_nixl(self, agent: Agent, metadata: bytes) -> None:
         try:
-            self.nixl_peer = agent.connect(metadata, self, self.endpoint)  # watched: kvtier.pd.peer_watch
+            self.nixl_peer = agent.connect(metadata, self, self.endpoint)  # watched: kvtier.pd.consumer.peer_watch
         except Exception as exc:  # nixlBind's own errors: bad metadata, UCX could not reach it
             raise PeerError(f"could not reach {self.endpoint} over NIXL: {exc}") from None
         self.nixl, self.nixl_metadata = agent, metadata
@@ -176,12 +119,12 @@ class _Peer:
 
     def settle_writes(self) -> None:
         """After a release asking for an answer: wait until P says none of its WRITEs here still runs, up
-        to twice the timeout (P gives up on a WRITE one timeout after posting it: :mod:`kvtier.pd.writes`)."""
+        to twice the timeout (P gives up on a WRITE one timeout after posting it: :mod:`kvtier.pd.producer.writes`)."""
         deadline = time.monotonic() + 2 * self.timeout_ms / 1000
         try:
             while time.monotonic() < deadline:
                 if (got := self.receive(block=False)) is None:
-                    self.socket.poll(1 if self.landing_enabled else 50)
+                    self.socket.poll(1 if self.course.route.writes else 50)
                 elif got.reply.status == "released":
                     return
                 else:
@@ -203,13 +146,13 @@ class _Peer:
         while not self.queued:
             left = deadline - time.monotonic()
             if left <= 0 and not self.socket.poll(0, zmq.POLLIN):  # a thread woken late still takes what came
-                self.silent = True
+                self.course.went_silent()
                 raise PeerError(silence(self.endpoint, self.timeout_ms, bool(self.secret) and not self.handshake_s))
-            if self.landing_enabled:  # P WRITEs into our buffers: NIXL needs this side's progress too
+            if self.course.route.writes:  # P WRITEs into our buffers: NIXL needs this side's progress too
                 self.nixl.progress()
             if not block and not self.socket.poll(0, zmq.POLLIN):
                 return None
-            wait_s = _PROGRESS_S if self.landing_enabled else _CANCEL_CHECK_S
+            wait_s = _PROGRESS_S if self.course.route.writes else _CANCEL_CHECK_S
             if not self.socket.poll(max(1, int(min(max(left, 0), wait_s) * 1000)), zmq.POLLIN):
                 if self.cancelled():
                     raise PeerError("the request was aborted")
@@ -237,12 +180,12 @@ class _Peer:
         begin = time.perf_counter()
         while index not in self.early:
             self._take(self.receive())
-        if self.hbm is not None and self.lent and not self.plan[2] and self.hbm.unposted(index):
+        if self.course.asks_rest() and self.hbm.unposted(index):
             self.fetch_until(index + LENT_WINDOW)  # P lends its blocks: ask for the rest, READ them at once
             while self.asked:  # (each READ's posting maps P's regions: one READ, not two)
                 self._take(self.receive())
         self.reply_s += time.perf_counter() - begin
-        while (got := self.receive(block=self.more > 0 and bool(self.asked))) is not None:  # replies here, the rest of P's
+        while (got := self.receive(block=self.course.waits_for_turn() and bool(self.asked))) is not None:  # replies here, the rest of P's
             self._take(got)  # turn: their READs start now (one for the turn), while the caller scatters this chunk
         if self.hbm is not None:
             self.hbm.post(index)
@@ -268,9 +211,10 @@ class _Peer:
     def fetch_until(self, end: int) -> None:
         """Ask for the transfer's chunks not asked yet, up to (not including) chunk ``end``, in as
         few messages as :func:`~kvtier.pd.protocol.batches` makes."""
-        transfer_id, items, wait = self.plan
-        fetches = [self.fetch(transfer_id, i, *items[i], wait) for i in range(self.sent, min(end, len(items)))]
+        items = self.items
+        fetches = [self.fetch(self.transfer_id, i, *items[i], self.wait) for i in range(self.sent, min(end, len(items)))]
         self.sent += len(fetches)
+        self.course.posted()
         for message in batches(fetches):
             self.send(message)
 
@@ -279,11 +223,11 @@ class _Peer:
         the chunk's engine blocks (HBM to HBM), else a buffer of this engine's CPU tier."""
         # an emulated path found by the first READs ends HBM fetches from then on, mid-transfer too
         hbm = self.hbm is not None and self.hbm.wants(index)
-        blocks = self.hbm.mine.block_ids[index] if hbm and self.landing_enabled else ()
+        blocks = self.hbm.mine.block_ids[index] if hbm and self.course.route is Route.HBM_WRITE else ()
         address = capacity = 0
         if blocks:  # push into the engine's blocks: no buffer of the CPU tier needed
             self.named.add(index)
-        elif self.landing_enabled and (buffer := self.allocate(self.sizes[index])) is not None:
+        elif self.course.route.writes and (buffer := self.allocate(self.sizes[index])) is not None:
             self.landing[index] = buffer
             address, capacity = buffer.data.data_ptr(), self.sizes[index]
         self.asked.add(index)
@@ -296,7 +240,7 @@ class _Peer:
         if not 0 <= got.reply.index < len(self.sizes) or got.reply.index in self.early:
             raise PeerError(f"{self.endpoint} answered for chunk {got.reply.index}, which was not asked")
         self.early[got.reply.index] = got
-        self.more = got.reply.more
+        self.course.replied(got.reply)
         self.named.discard(got.reply.index)  # P answered: it will not write there later
         self.asked.discard(got.reply.index)
         landing = self.landing.pop(got.reply.index, None)
@@ -306,7 +250,6 @@ class _Peer:
             self.hbm.settle_early(got.reply.index)  # while an early READ may still write there
         if got.reply.status != "ok":
             return
-        self.lent = bool(got.reply.blocks)  # P lends its blocks: this engine holds no buffer per fetch
         if got.reply.blocks:
             if self.hbm is not None and not got.reply.written:
                 self.hbm.add(got)  # READ with the other replies at hand (chunk() posts them)
@@ -335,7 +278,7 @@ class _Peer:
                 raise PeerError(f"{self.endpoint} named engine blocks for chunk {index}, which this engine did not ask")
             return self.hbm.finish(index, arrived, self.timeout_ms / 1000, self.cancelled, self.early.get(index + 1))
         except NixlError as exc:
-            self.failed = True
+            self.course.broke_nixl()
             self._discard(arrived)
             raise PeerError(f"{self.endpoint}, chunk {index}: {exc}") from None
         except BaseException:
@@ -362,7 +305,7 @@ class _Peer:
                 try:
                     transfer.wait(self.timeout_ms / 1000, self.cancelled)
                 except NixlError as exc:
-                    self.failed = True  # forgotten once its READs are settled (close)
+                    self.course.broke_nixl()  # forgotten once its READs are settled (close)
                     raise PeerError(f"NIXL READ of chunk {index} from {self.endpoint}: {exc}") from None
                 self.read_s, self.reads = self.read_s + time.perf_counter() - begin, self.reads + 1
             try:
@@ -377,7 +320,7 @@ class _Peer:
         return buffer
 
     def _discard(self, arrived: Arrived) -> None:
-        """Release a chunk that will not be handed out (:func:`kvtier.pd.landing.discard`)."""
+        """Release a chunk that will not be handed out (:func:`kvtier.pd.consumer.landing.discard`)."""
         discard(arrived, self.hbm, self.endpoint, self.timeout_ms / 1000)
 
     def close(self) -> None:
@@ -394,7 +337,7 @@ class _Peer:
                 timer.daemon = True
                 timer.start()
             self.landing.clear()
-        if self.failed and self.nixl is not None:
+        if self.course.nixl_failed and self.nixl is not None:
             self.nixl.forget(self.nixl_metadata)  # a restarted producer comes back under a new name
         elif self.nixl is not None:  # kept while its chunk server is up (peer_watch), else dropped once idle
             self.nixl.disconnect(self.nixl_peer, self)

@@ -17,7 +17,7 @@ another request. So every READ into engine blocks is tracked here from its posti
 
 The transfer's thread calls :meth:`Fence.settle` before the fetch returns (so before the load
 is reported, its blocks checked or handed back to vLLM), and before anything else is posted
-into blocks an earlier READ took (:meth:`kvtier.pd.landing.Landings.settle_early`). Used by
+into blocks an earlier READ took (:meth:`kvtier.pd.consumer.landing.Landings.settle_early`). Used by
 that thread only.
 """
 

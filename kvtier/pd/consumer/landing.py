@@ -19,13 +19,13 @@ chunk P answers otherwise (not lent) waits for it to settle too, so nothing else
 blocks while it may still write there. P's KVSUM64 in each reply is checked on the blocks as
 for any READ: blocks named wrongly cost time, never a wrong answer.
 
-Every READ into engine blocks, early or batched, has a deadline (:mod:`kvtier.pd.fence`): one
+Every READ into engine blocks, early or batched, has a deadline (:mod:`kvtier.pd.consumer.fence`): one
 that misses it fails the transfer, the producer's agent is torn down, and nothing more of the
 transfer is READ or copied into its blocks (:meth:`Landings.settle_early` and :meth:`Landings.post`
 raise); the fetch settles every READ before it returns (:meth:`Landings.settle`, :func:`discard`).
 
 Block ids beyond the producer's engine KV (its handshake's ``num_blocks``) are never READ: a
-reply naming one ends the transfer (:class:`~kvtier.pd.hello.PeerError`), parameters naming one
+reply naming one ends the transfer (:class:`~kvtier.pd.consumer.hello.PeerError`), parameters naming one
 are not READ early. Only a handshake whose regions could be is remembered (the caller checks
 them), and a READ with remembered regions that fails forgets them: the producer's next handshake
 gives them again, and one bad reply leaves what an earlier good one gave in place.
@@ -41,9 +41,9 @@ from typing import Callable
 import zmq
 
 from kvtier.jobs import Landed
-from kvtier.pd.fence import Fence
+from kvtier.pd.consumer.fence import Fence
 from kvtier.pd.hbm import Landing, RegionSpan, blocks_problem, emulated, read_descriptors, read_speed
-from kvtier.pd.hello import PeerError
+from kvtier.pd.consumer.hello import PeerError
 from kvtier.pd.nixl import Agent, NixlError, Transfer
 from kvtier.pd.protocol import ChunkReply
 from kvtier.storage import ChunkBuffer
@@ -91,7 +91,7 @@ def read_early(agent: Agent, endpoint: str, mine: Landing, their_blocks: tuple[i
 
 def discard(arrived: Arrived, hbm: Landings | None, endpoint: str, timeout_s: float) -> None:
     """Release a chunk that will not be handed out: a READ into engine blocks settles through
-    ``hbm``'s fence (:meth:`Fence.settle <kvtier.pd.fence.Fence.settle>`); one into a CPU-tier
+    ``hbm``'s fence (:meth:`Fence.settle <kvtier.pd.consumer.fence.Fence.settle>`); one into a CPU-tier
     buffer that does not end in ``timeout_s`` keeps that buffer out of use for good."""
     transfer, buffer = arrived.transfer, arrived.buffer
     arrived.buffer = arrived.transfer = None
@@ -181,7 +181,7 @@ class Landings:
     def settle_early(self, index: int | None = None) -> None:
         """Wait until the early READ no longer runs (its blocks may take other bytes then; ``index``:
         only if it READ into chunk ``index``'s) and give its handle back. Raises :class:`PeerError`
-        if it missed its deadline (:mod:`kvtier.pd.fence`): nothing else may land in its blocks."""
+        if it missed its deadline (:mod:`kvtier.pd.consumer.fence`): nothing else may land in its blocks."""
         early = self._early
         if early is None or (index is not None and index not in self._early_blocks):
             return
@@ -190,7 +190,7 @@ class Landings:
 
     def settle(self, timeout_s: float) -> bool:
         """Wait until no READ of these landings runs, each up to its deadline, ``timeout_s`` after its
-        posting (:meth:`Fence.settle <kvtier.pd.fence.Fence.settle>`): the transfer ends, its blocks
+        posting (:meth:`Fence.settle <kvtier.pd.consumer.fence.Fence.settle>`): the transfer ends, its blocks
         are checked or handed back next. False if one missed it. Never raises."""
         return self.fence.settle(None, timeout_s)
 

@@ -2,13 +2,13 @@
 
 A consumer whose hello offered it (``Hello.hbm``, same layout fingerprint) gets this rank's
 engine KV regions in the handshake reply. Its pull fetches for a transfer under a lease
-(:mod:`kvtier.pd.leases`) are answered with the chunk's engine block ids and its KVSUM64, which
+(:mod:`kvtier.pd.producer.leases`) are answered with the chunk's engine block ids and its KVSUM64, which
 the consumer READs and checks itself. A push consumer that also gave its own
 engine KV (its second hello, after this server's reply checked out) and names its blocks in each
 fetch (``Fetch.blocks``) is written into instead: from the running request's blocks, or from the
 lease that follows it, as soon as the chunk's checksum is known: taken from its blocks as its
-step ended (:mod:`kvtier.pd.sums`), else its stored copy's; the chunks ready in one turn of the
-server share one WRITE (:class:`kvtier.pd.writes.PeerWrites`, which gives each a deadline). A
+step ended (:mod:`kvtier.pd.producer.sums`), else its stored copy's; the chunks ready in one turn of the
+server share one WRITE (:class:`kvtier.pd.producer.writes.PeerWrites`, which gives each a deadline). A
 pull fetch is answered with the blocks as soon, too, from the running request's or the lease's:
 the consumer READs them.
 The replies of one turn go out together, as few :class:`~kvtier.pd.protocol.ChunkReplies` as
@@ -27,7 +27,7 @@ from kvtier import codec
 from kvtier.pd.hbm import EngineBlocks, RegionSpan, compatible, emulated
 from kvtier.pd.nixl import Agent
 from kvtier.pd.protocol import VERSION, ChunkReply, Fetch, Hello, reply_batches
-from kvtier.pd.writes import BlockWrite, PeerWrites
+from kvtier.pd.producer.writes import BlockWrite, PeerWrites
 from kvtier.storage import ChunkBuffer
 from kvtier.timeline import mark
 
@@ -104,9 +104,9 @@ class HbmServing:
 
     def answer_early(self, identity: bytes, fetch: Fetch) -> bool:
         """Answer a chunk from the engine's blocks, as :meth:`answer` does, if its checksum was
-        taken as its step ended (:mod:`kvtier.pd.sums`), whether or not its copy is stored (no
+        taken as its step ended (:mod:`kvtier.pd.producer.sums`), whether or not its copy is stored (no
         look-up in the store). A WRITE of it that fails is answered from the stored copy once
-        there (:class:`~kvtier.pd.writes.PeerWrites`)."""
+        there (:class:`~kvtier.pd.producer.writes.PeerWrites`)."""
         engine = self.engine
         if not fetch.hbm or identity not in self._readers or engine is None or engine.sums is None:
             return False
@@ -144,7 +144,7 @@ class HbmServing:
         """Send this turn's replies naming engine blocks, together, each with how many of them follow
         it, and post one WRITE per peer for the chunks gathered this turn. Never raises: a WRITE
         that cannot be posted (NIXL's or CUDA's error) sends its chunks otherwise
-        (:meth:`PeerWrites.start_blocks <kvtier.pd.writes.PeerWrites.start_blocks>`)."""
+        (:meth:`PeerWrites.start_blocks <kvtier.pd.producer.writes.PeerWrites.start_blocks>`)."""
         replies_of, self._replies = self._replies, {}
         for identity, (transfer_id, replies) in replies_of.items():
             for message in reply_batches(replies):

@@ -12,6 +12,7 @@ import time
 import msgspec
 
 from kvtier.pd.hbm import Landing, RegionSpan, judged, region_problem
+from kvtier.pd.route import Route
 from kvtier.pd.protocol import (
     BATCH_BYTES, MAX_HELLO_FETCHES, NONCE_BYTES, VERSION, Fetch, Hello, HelloReply, encode, layout_problem,
 )
@@ -43,14 +44,13 @@ def push_hello(hello: Hello, metadata: bytes, landing: Landing | None) -> Hello:
     return introduce(hello, nixl=metadata, regions=regions, device=landing.device if landing is not None else 0)
 
 
-def first_fetches(plan: tuple[str, list[tuple[bytes, int]], bool], landing: Landing,
+def first_fetches(transfer_id: str, items: list[tuple[bytes, int]], landing: Landing,
                   block_size: int, nonce: bytes, endpoint: str) -> tuple[Fetch, ...]:
-    """A pull's first fetches, to go with its hello of ``nonce``: those of ``plan`` (transfer id,
-    the chunks' ``(chain key, block count)``, wait) that fit :data:`~kvtier.pd.protocol.BATCH_BYTES`,
+    """A pull's first fetches, to go with its hello of ``nonce``: those of transfer ``transfer_id``'s
+    ``items`` (each chunk's ``(chain key, block count)``) that fit :data:`~kvtier.pd.protocol.BATCH_BYTES`,
     each asking for P's engine blocks where the chunk lands in this engine's (``landing``);
     ``block_size``: this engine's, in tokens. None before the HBM path to the producer at
     ``endpoint`` was judged (the first transfer probes it before it asks for anything)."""
-    transfer_id, items, _ = plan
     if not judged(endpoint, landing.kind):
         return ()
     fetches, size = [], 0
@@ -89,11 +89,10 @@ def silence(endpoint: str, timeout_ms: int, unanswered_secure_hello: bool) -> st
     return why + maybe
 
 
-def say_transport(endpoint: str, hbm: bool, nixl: bool) -> None:
-    """One line per producer and transport: how its chunks come (``hbm``: HBM to HBM where it
-    lends; ``nixl``: NIXL, else ZMQ)."""
+def say_transport(endpoint: str, route: Route) -> None:
+    """One line per producer and transport: how its chunks come on ``route``."""
     how = ("NIXL (HBM to HBM while the producer holds the blocks, else into this engine's CPU tier)"
-           if hbm else "NIXL (UCX, into this engine's CPU tier)" if nixl else "ZMQ")
+           if route.hbm else "NIXL (UCX, into this engine's CPU tier)" if route.nixl else "ZMQ")
     if (endpoint, how) not in _told:
         _told.add((endpoint, how))
         logger.info("kvtier P/D: fetching from %s over %s.", endpoint, how)

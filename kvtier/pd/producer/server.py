@@ -5,7 +5,7 @@ yet but coming (its save is queued, or its transfer is still being computed: pus
 moment it is; meanwhile the peer gets a ``pending`` heartbeat every quarter of ``timeout_ms``
 while the transfer is alive (a step computed it within :data:`ACTIVE_S`). A malformed,
 oversized, unauthenticated or wrong-version message is refused and logged; the server keeps serving.
-So is a replayed or unbound one (:mod:`kvtier.pd.handshakes`): a hello whose nonce was seen or
+So is a replayed or unbound one (:mod:`kvtier.pd.producer.handshakes`): a hello whose nonce was seen or
 that was sent outside the window gets no metadata, and a fetch or release from a connection
 other than the one its hello (or its transfer) is bound to changes nothing. With a secret the
 socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
@@ -13,15 +13,15 @@ socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
 Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
 the reply carries its address in the registered CPU pool, and the server keeps the chunk's buffer
 until the peer releases the transfer, or has asked nothing for twice ``timeout_ms``
-(:mod:`kvtier.pd.lending`). A push peer names a buffer of its own in each fetch: the chunk is
+(:mod:`kvtier.pd.producer.lending`). A push peer names a buffer of its own in each fetch: the chunk is
 written there (a NIXL WRITE posted on this thread) and the reply says so. While NIXL peers are
 known the thread wakes every 10 ms (1 ms while a WRITE runs) to let NIXL progress (:mod:`kvtier.pd.nixl`).
 
 HBM to HBM (:attr:`ChunkServer.engine` set once the engine KV is registered with NIXL): see
-:mod:`kvtier.pd.hbm_serve`. A pull fetch for a transfer whose lease should begin any moment
+:mod:`kvtier.pd.producer.hbm_serve`. A pull fetch for a transfer whose lease should begin any moment
 (its request finished computing) waits for it up to :data:`EXPECT_S`; without a lease the chunk
 is lent or sent from the CPU tier as above. A release that asks for an answer gets it once no
-WRITE of its transfer runs; each WRITE is abandoned ``timeout_ms`` after its posting (:mod:`kvtier.pd.writes`).
+WRITE of its transfer runs; each WRITE is abandoned ``timeout_ms`` after its posting (:mod:`kvtier.pd.producer.writes`).
 A fetch naming engine blocks beyond the consumer's (its hello's ``num_blocks``), or not as many as its chunk's,
 is refused before any WRITE is built.
 """
@@ -38,15 +38,16 @@ import zmq
 
 from kvtier.keys import storage_key
 from kvtier.pd.channel import HandshakeFailures, bind_router
-from kvtier.pd.handshakes import Handshakes
+from kvtier.pd.producer.handshakes import Handshakes
 from kvtier.pd.hbm import EngineBlocks
-from kvtier.pd.hbm_serve import HbmServing
-from kvtier.pd.holds import PublishHolds
-from kvtier.pd.lending import LentBuffers
+from kvtier.pd.producer.hbm_serve import HbmServing
+from kvtier.pd.producer.holds import PublishHolds
+from kvtier.pd.producer.lending import LentBuffers
 from kvtier.pd.nixl import Agent
-from kvtier.pd.recut import recut
-from kvtier.pd.waiting import WaitingFetches
-from kvtier.pd.writes import PeerWrites
+from kvtier.pd.producer.recut import recut
+from kvtier.pd.producer.waiting import WaitingFetches
+from kvtier.pd.producer.writes import PeerWrites
+from kvtier.pd.route import Route, producer_route
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, ServedLayout,
     check_mac, decode_request, encode, mac,
@@ -59,7 +60,7 @@ logger = logging.getLogger(__name__)
 # outlast pd_timeout_ms by far, and the waiting consumer must not give up meanwhile. An aborted
 # producer request therefore keeps its consumer waiting this long, at most.
 ACTIVE_S = 60.0
-_SEND_HWM = 1024  # replies queued per peer: above any consumer's fetches in flight (fetch.PUSH_WINDOW)
+_SEND_HWM = 1024  # replies queued per peer: above any consumer's fetches in flight (route.PUSH_WINDOW)
 _LOG_EVERY = 100  # rejected messages: the first, then one log line per this many
 EXPECT_S = 0.5  # most seconds an HBM fetch waits for its transfer's lease to begin
 PEER_IDLE_S = 5.0  # a peer's NIXL agent (a consumer written into, a producer read from) unused this long is dropped
@@ -81,6 +82,7 @@ class ChunkServer:
         self._lease_wait = False  # a fetch waits for a lease: look again at the next turn of the loop
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
+        self._routes: dict[bytes, Route] = {}  # identity -> its transfer's route, settled by its hello (else ZMQ)
         self._writes = PeerWrites(self._send, self._retry, timeout_ms / 1000)  # WRITEs not done yet, releases to answer
         self._hbm = HbmServing(self._send, self._writes)
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
@@ -181,6 +183,7 @@ class ChunkServer:
                     self._fetch(identity, fetch, now)
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
+            self._routes.pop(identity, None)
             self._forget_writer(identity)
             self._hbm.forget(identity)  # its WRITEs not posted yet never are
             if self.engine is not None:
@@ -212,6 +215,8 @@ class ChunkServer:
         else:
             self._nixl_peers.pop(identity, None)
             self._hbm.forget(identity)
+        self._routes[identity] = producer_route(nixl=transport == "nixl", regions=bool(regions),
+                                                writable=identity in self._writers)
         num_blocks = self.engine.num_blocks if self.engine is not None else 0
         self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens, mine.tp_size,
                                         error, transport, metadata, regions, device, lending, num_blocks, hello.nonce))
@@ -220,7 +225,7 @@ class ChunkServer:
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
-        if self._hbm.answer_early(identity, fetch):  # from its blocks, checksum taken as its step ended:
+        if self._routes.get(identity, Route.ZMQ).hbm and self._hbm.answer_early(identity, fetch):  # from its blocks, checksum taken as its step ended:
             self.served_total += 1  # no look-up in the store (its copy there may be coming, stored, or lost)
             self._nixl_peers[identity] = time.monotonic()
             return True
@@ -253,21 +258,23 @@ class ChunkServer:
         return True
 
     def _answer(self, identity: bytes, fetch: Fetch, buffer: ChunkBuffer) -> bool:
-        """Serve a stored chunk: WRITE it into the peer's buffer, lend it, or send it (takes ``buffer``)."""
+        """Serve a stored chunk as its route has it (takes ``buffer``): from the engine's blocks (HBM routes),
+        WRITTEN into the buffer the fetch named (routes that write), lent (NIXL), or sent (ZMQ)."""
         if fetch.tokens and self.layout.token_bytes:
             buffer = recut(self.store, buffer, fetch, self.layout.token_bytes)
             if buffer is None:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
                 return True
         self.served_total += 1
-        if self._hbm.answer(identity, fetch, buffer):
+        route = self._routes.get(identity, Route.ZMQ)  # ZMQ once its NIXL peer is dropped
+        if route.hbm and self._hbm.answer(identity, fetch, buffer):
             self._nixl_peers[identity] = time.monotonic()
             return True
-        if fetch.address and fetch.capacity == buffer.data.numel() and identity in self._writers:
+        if route.writes and fetch.address and fetch.capacity == buffer.data.numel():
             self._writes.start(self.nixl, self._writers[identity], identity, fetch, buffer)
             self._nixl_peers[identity] = time.monotonic()
             return True
-        if identity in self._nixl_peers and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
+        if route.nixl and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
             self._lent.lend(identity, fetch, buffer)
             self._nixl_peers[identity] = time.monotonic()
             return True
@@ -285,6 +292,7 @@ class ChunkServer:
     def _expire_lent(self, now: float) -> None:
         for identity in [i for i, last_s in self._nixl_peers.items() if now - last_s > self._lend_s]:
             del self._nixl_peers[identity]
+            self._routes.pop(identity, None)
             self._hbm.forget(identity)
             self._forget_writer(identity)
         if self.nixl is not None:

@@ -1,4 +1,4 @@
-"""A chunk server's NIXL WRITEs into push consumers' memory (see :mod:`kvtier.pd.server`).
+"""A chunk server's NIXL WRITEs into push consumers' memory (see :mod:`kvtier.pd.producer.server`).
 
 Into a consumer's CPU-tier buffer: each WRITE keeps its chunk's buffer until it no longer runs
 (posted on the agent's poster threads: on one host the bytes move while it is posted, several
@@ -26,7 +26,7 @@ handles or a reply escapes: the chunks concerned fall back, each buffer is relea
 answer to its release (:meth:`PeerWrites.answer_release`): ``released`` goes once no WRITE of
 that transfer runs, at the latest one deadline after its last WRITE was posted (and a poll of
 the server's loop, 1 ms while WRITEs run). The consumer waits for it up to twice its own
-``pd_timeout_ms`` (:meth:`kvtier.pd.fetch._Peer.settle_writes`) before its load reports and
+``pd_timeout_ms`` (:meth:`kvtier.pd.consumer.connection.Connection.settle_writes`) before its load reports and
 vLLM recomputes into the blocks: both engines must use the same ``pd_timeout_ms`` (or the
 consumer a longer one).
 """

@@ -1,4 +1,4 @@
-"""A chunk server's CPU-tier buffers lent to NIXL peers (see :mod:`kvtier.pd.server`).
+"""A chunk server's CPU-tier buffers lent to NIXL peers (see :mod:`kvtier.pd.producer.server`).
 
 A peer that READs a chunk itself is answered with the chunk's address in the registered CPU
 pool; its buffer (a reference to the pool memory, so LMCache neither evicts nor reuses it) is
