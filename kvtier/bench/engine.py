@@ -256,7 +256,8 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             spec = _spec(args, model, shape, name, rounds, count_transfers=name != "none", cpu=cpu)
             if args.profile:
                 spec["profile_dir"] = os.path.join(os.path.abspath(args.profile), name)
-            out, log = spawn(spec, tmp, name, timeout_s=1200, multiprocess=True, module=CHILD, env=env)
+            # a CPU vLLM (the tests' tiny model) runs in one process: it starts in seconds, not half a minute
+            out, log = spawn(spec, tmp, name, timeout_s=1200, multiprocess=not cpu, module=CHILD, env=env)
             _collect(result, name, rounds, out)
             profiles[name] = {tag: engine_profile.summarize(paths) for tag, paths in out.get("profiles", {}).items()}
             if name == "kvtier":
