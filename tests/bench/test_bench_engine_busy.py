@@ -68,7 +68,8 @@ def busy_result() -> dict:
     return {"lengths": [], "repeats": 3, "vllm": "0.33.0", "device": "H200", "h2d_gbps": None,
             "kv_bytes_per_token": 128 << 10, "ttft_ms": {}, "start_s": {"none": 9.0, "kvtier": 12.0},
             "prefill_tok_s": {}, "checks": {}, "chat_s": {"none": [5.0, 3.0], "kvtier": [5.0, 1.0]},
-            "chat_tokens": {"none": [[1]], "kvtier": [[1]]}, "chat_cached_tokens": {"none": [0, 100], "kvtier": [0, 900]},
+            "chat_tokens": {"none": [[1]], "kvtier": [[1]]},
+            "chat_cached_tokens": {"none": [0, 100], "kvtier": [0, 900]},
             "zero_hit_tok_s": {"none": 2000.0, "kvtier": 1980.0}, "zero_hit_via": "llm", "identical": True,
             "args": {"zero_hit": 64, "zero_hit_len": 4096, "chat_gen": 32}}
 
