@@ -15,8 +15,10 @@ One run, one machine. Engines (each a process of its own session, ended through 
 Every TTFT is the wall time of ``generate(prompt, max_tokens=1)``, after unmeasured warm-ups
 (a short prompt, then one prompt of each length computed and hit once). Then, in ``none``, ``kvtier``
 and ``offload`` (not with ``--ttft-only``): prefill throughput (batches of new prompts, so kvtier
-saves every chunk and nothing hits), and a multi-turn chat whose sessions hold several times the
-engine's KV cache, every session sent at once each round. Greedy outputs (16-token checks and
+saves every chunk and nothing hits), a multi-turn chat whose sessions hold several times the
+engine's KV cache, every session sent at once each round, and with ``--zero-hit`` the output rate
+of unique prompts (:mod:`kvtier.bench.engine_busy`; ``--busy-only``: those two rows alone, which
+also run on a CPU vLLM with a small ``--model``). Greedy outputs (16-token checks and
 every chat reply) must be identical across engines. The raw pinned host-to-device memcpy rate is
 measured first, in this process, for the reload floor ``local hit + KV bytes / memcpy rate``,
 where the KV bytes are the window bound (:class:`~kvtier.bench.engine_model.KvShape`). The
@@ -37,9 +39,9 @@ import time
 from dataclasses import asdict
 
 from kvtier import timeline
-from kvtier.bench import engine_profile
-from kvtier.bench.common import (Progress, add_cuda_graphs_flag, names_from, parse_tokens, positive, token_lengths,
-                                 vllm_version)
+from kvtier.bench import engine_busy, engine_profile
+from kvtier.bench.common import (Progress, add_cuda_graphs_flag, cpu_model, names_from, parse_tokens, positive,
+                                 token_lengths, vllm_version)
 from kvtier.bench.engine_model import FAMILIES, KvShape, read_kv_shape, write_model_dir
 from kvtier.bench.engine_report import MiB, format_table, loaded_bytes, reload_bytes, write_plot
 from kvtier.bench.ttft import spawn
@@ -48,6 +50,7 @@ from kvtier.bench.ttft_tiers import drop_page_cache
 CHILD = "kvtier.bench.engine_child"
 ENGINES = ("none", "kvtier", "offload", "disk")
 CHECK_TOKENS = 16
+CPU_BLOCK = 32  # tokens per block on a CPU vLLM: its attention takes multiples of 32
 VOCAB = 120_000  # token ids drawn below every preset's vocabulary (Llama-3 128256, Gemma 3 262208)
 
 
@@ -73,12 +76,10 @@ def add_parser(commands) -> None:
     p.add_argument("--hbm-tokens", type=parse_tokens, default=64 << 10,
                    help="engine KV cache, tokens (default 64k; with sliding-window layers, the bytes of that many "
                         "tokens' KV in every layer)")
-    p.add_argument("--sessions", type=positive, default=32, help="chat sessions (default 32)")
-    p.add_argument("--session-len", type=parse_tokens, default=6 << 10, help="first prompt of a session (default 6k)")
-    p.add_argument("--chat-rounds", type=positive, default=4, help="chat rounds (default 4; rounds 2+ are timed)")
     p.add_argument("--prefill-len", type=parse_tokens, default=8 << 10, help="prompt length of the prefill batches (default 8k)")
     p.add_argument("--prefill-batch", type=positive, default=8, help="prompts per prefill batch (default 8)")
     p.add_argument("--ttft-only", action="store_true", help="TTFT and bytes per reload only: no prefill, no chat")
+    engine_busy.add_arguments(p)
     p.add_argument("--settle-s", type=float, default=1.0, help="pause before each local hit and reload (default 1)")
     p.add_argument("--local-repeats", type=positive, default=1,
                    help="local hits per prompt (default 1; at TP > 1 one engine's local hits spread by ±10 ms)")
@@ -93,15 +94,21 @@ def add_parser(commands) -> None:
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    lengths = token_lengths(parser, args.prompt_lens)
+    lengths = [] if args.busy_only else token_lengths(parser, args.prompt_lens)
     engines = names_from(parser, args.engines, ENGINES)
-    if max(lengths) + 64 > args.hbm_tokens:
+    if args.busy_only and args.ttft_only:
+        parser.error("argument --busy-only: not with --ttft-only (one leaves out what the other keeps).")
+    if args.busy_only and "disk" in engines:
+        parser.error("argument --engines: the disk engine has only TTFT rows, none with --busy-only.")
+    if lengths and max(lengths) + 64 > args.hbm_tokens:
         parser.error(f"argument --hbm-tokens: {args.hbm_tokens} cannot hold a {max(lengths)}-token prompt.")
+    engine_busy.check(parser, args)
     import torch
 
-    if not torch.cuda.is_available():
-        parser.error("kvtier-bench engine needs a CUDA GPU and a CUDA build of vLLM.")
-    if args.tp > torch.cuda.device_count():
+    if not torch.cuda.is_available() and not (args.busy_only and args.model):
+        parser.error("kvtier-bench engine needs a CUDA GPU and a CUDA build of vLLM "
+                     "(on a CPU vLLM only --busy-only with a small --model runs).")
+    if torch.cuda.is_available() and args.tp > torch.cuda.device_count():
         parser.error(f"argument --tp: {args.tp} ranks need {args.tp} GPUs; {torch.cuda.device_count()} visible.")
     progress = Progress("engine")
     try:
@@ -185,45 +192,53 @@ def _workload_rounds(args) -> list[dict]:
     rounds = [{"prompts": batch(b), "reset": b == 0, "tag": ["prefill"]} for b in range(3)]
     if getattr(args, "profile", None):
         rounds.append(_profiled({"prompts": batch(3)}, "prefill"))
-    sessions = [prompt(500_000 + s, args.session_len) for s in range(args.sessions)]
-    turns = [[prompt(600_000 + 1000 * t + s, 128) for s in range(args.sessions)] for t in range(args.chat_rounds)]
-    rounds.append({"sessions": sessions, "turns": turns, "max_tokens": 32, "reset": True, "tag": ["chat"]})
-    return rounds
+    return rounds + engine_busy.busy_rounds(args, prompt)
 
 
 def engine_rounds(args, lengths: list[int], name: str) -> list[dict]:
     """The rounds engine ``name`` (none, kvtier or offload) runs: TTFT (reloads where it has a
-    connector), then prefill and chat unless ``--ttft-only``."""
+    connector), then prefill, chat and zero-hit unless ``--ttft-only``; with ``--busy-only`` chat
+    and zero-hit alone."""
+    if getattr(args, "busy_only", False):
+        return engine_busy.busy_rounds(args, prompt)
     rounds = _ttft_rounds(args, lengths, 0, reload=name != "none")
     return rounds if args.ttft_only else rounds + _workload_rounds(args)
 
 
 def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], kvtier: dict | None = None,
-          count_transfers: bool = False) -> dict:
+          count_transfers: bool = False, cpu: bool = False) -> dict:
     """An engine child's spec. The KV cache holds ``--hbm-tokens`` tokens of every layer's KV: as
     blocks of 16 tokens where every layer is full attention, as bytes where some are windowed
     (vLLM's hybrid manager then packs fewer layers in a block, and may still turn itself off).
     One block more than that: vLLM 0.33 keeps its null block out of the pool it checks a
-    ``max_model_len`` prompt against."""
-    cache = ({"kv_cache_bytes": (args.hbm_tokens + 16) * shape.token_bytes} if shape.sliding_layers
-             else {"num_gpu_blocks": args.hbm_tokens // 16 + 1})
+    ``max_model_len`` prompt against. ``cpu``: a CPU vLLM (``--busy-only`` with a small model): its
+    attention takes blocks of 32 tokens (its default is 128), and its ``gpu_memory_utilization`` is
+    CPU memory reserved."""
+    block = CPU_BLOCK if cpu else 16
+    cache = ({"kv_cache_bytes": (args.hbm_tokens + block) * shape.token_bytes} if shape.sliding_layers
+             else {"num_gpu_blocks": args.hbm_tokens // block + 1})
     return {"model": model, "connector": connector, "kvtier": kvtier or {"cpu_bytes": args.cpu_gib << 30},
             "offload_gib": args.cpu_gib * args.tp,  # vLLM's setting is split over its ranks; kvtier's is per rank
             **cache, "max_model_len": args.hbm_tokens, "tp": args.tp, "cuda_graphs": args.cuda_graphs,
-            "count_transfers": count_transfers, "rounds": rounds}
+            "count_transfers": count_transfers, "rounds": rounds,
+            **({"block_size": CPU_BLOCK, "gpu_memory_utilization": 0.1} if cpu else {})}
 
 
 def run(args, lengths: list[int], engines: list[str], progress) -> dict:
     result = {"benchmark": "engine", "lengths": lengths, "repeats": args.repeats,
               "args": {k: v for k, v in vars(args).items() if k not in ("run", "parser")},
               "ttft_ms": {}, "start_s": {}, "prefill_tok_s": {}, "chat_s": {}, "checks": {}, "chat_tokens": {},
-              "chat_reuse": {}, "reload_transfers": {}, "hybrid": {}}
+              "chat_reuse": {}, "reload_transfers": {}, "hybrid": {}, "chat_cached_tokens": {}, "zero_hit_tok_s": {}}
     profiles: dict[str, dict[str, list[dict]]] = {}  # engine -> profiled round -> per-rank summaries
     import torch
 
-    result["device"] = torch.cuda.get_device_name(0) + (f" × {args.tp} (TP={args.tp})" if args.tp > 1 else "")
-    result["h2d_gbps"] = h2d_gbps()
-    progress(f"{result['device']}: raw pinned H2D memcpy {result['h2d_gbps']:.1f} GB/s")
+    cpu = not torch.cuda.is_available()  # a CPU vLLM: --busy-only with a small --model (_main's check)
+    if cpu:
+        result["device"], result["h2d_gbps"] = cpu_model(), None
+    else:
+        result["device"] = torch.cuda.get_device_name(0) + (f" × {args.tp} (TP={args.tp})" if args.tp > 1 else "")
+        result["h2d_gbps"] = h2d_gbps()
+        progress(f"{result['device']}: raw pinned H2D memcpy {result['h2d_gbps']:.1f} GB/s")
     with tempfile.TemporaryDirectory(prefix="kvtier-engine-") as tmp:
         model = args.model or write_model_dir(args.family, tmp)
         shape = read_kv_shape(model)
@@ -236,13 +251,13 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
         progress(f"model {result['model']}: {shape.describe()}")
         for name in (e for e in ("none", "kvtier", "offload") if e in engines):
             rounds = engine_rounds(args, lengths, name)
-            what = "" if args.ttft_only else f", prefill, {args.sessions}-session chat"
-            progress(f"engine {name}: TTFT at {', '.join(map(str, lengths))} tokens{what}")
+            progress(f"engine {name}: " + _plan(args, lengths))
             env = {"KVTIER_LOG_LEVEL": "DEBUG"} if name == "kvtier" else None  # one line per reload
-            spec = _spec(args, model, shape, name, rounds, count_transfers=name != "none")
+            spec = _spec(args, model, shape, name, rounds, count_transfers=name != "none", cpu=cpu)
             if args.profile:
                 spec["profile_dir"] = os.path.join(os.path.abspath(args.profile), name)
-            out, log = spawn(spec, tmp, name, timeout_s=1200, multiprocess=True, module=CHILD, env=env)
+            # a CPU vLLM (the tests' tiny model) runs in one process: it starts in seconds, not half a minute
+            out, log = spawn(spec, tmp, name, timeout_s=1200, multiprocess=not cpu, module=CHILD, env=env)
             _collect(result, name, rounds, out)
             profiles[name] = {tag: engine_profile.summarize(paths) for tag, paths in out.get("profiles", {}).items()}
             if name == "kvtier":
@@ -300,13 +315,7 @@ def _collect(result: dict, name: str, rounds: list[dict], out: dict) -> None:
     ttft = result["ttft_ms"].setdefault(name, {})
     for rnd in rounds:
         tag = rnd["tag"]
-        if tag[0] == "chat":
-            chat = [next(got) for _ in rnd["turns"]]
-            result["chat_s"][name] = [c["seconds"] for c in chat]
-            result["chat_tokens"][name] = [[o["tokens"] for o in c["outputs"]] for c in chat]
-            result["chat_reuse"][name] = [{"prompt": c.get("prompt_tokens"),
-                                           "cached": sum(o["cached"] for o in c["outputs"]),
-                                           "loaded_bytes": loaded_bytes(c.get("transfers"))} for c in chat]
+        if engine_busy.collect(result, name, rnd, got, loaded_bytes):
             continue
         one = next(got)
         if tag[0] in ("recompute", "local", "reload", "disk"):
@@ -371,4 +380,16 @@ def _summary(result: dict, name: str) -> str:
         parts.append(f"chat rounds 2+ {sum(result['chat_s'][name][1:]):.1f} s")
     if name in result["prefill_tok_s"]:
         parts.append(f"prefill {_med(result['prefill_tok_s'][name]):.0f} tok/s")
+    if name in result.get("zero_hit_tok_s", {}):
+        parts.append(f"zero-hit {result['zero_hit_tok_s'][name]:.0f} output tok/s")
     return "; ".join(parts)
+
+
+def _plan(args, lengths: list[int]) -> str:
+    """What an engine is about to run, for the progress line."""
+    parts = [] if args.busy_only else [f"TTFT at {', '.join(map(str, lengths))} tokens"]
+    if not args.ttft_only:
+        parts += [] if args.busy_only else ["prefill"]
+        parts.append(f"{args.sessions}-session chat")
+        parts += [f"{args.zero_hit} zero-hit prompts"] if args.zero_hit else []
+    return ", ".join(parts)

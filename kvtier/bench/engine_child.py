@@ -5,7 +5,8 @@
 
 SPEC: ``{"model": dir, "connector": "none" | "kvtier" | "offload", "kvtier": extra config,
 "offload_gib": GiB, "num_gpu_blocks": blocks or "kv_cache_bytes": bytes (the engine's KV cache),
-"max_model_len": tokens, "gpu_memory_utilization": fraction, "count_transfers": bool,
+"max_model_len": tokens, "block_size": tokens or absent, "gpu_memory_utilization": fraction,
+"count_transfers": bool,
 "profile_dir": absolute path or absent, "rounds": [round, ...]}``. A round is ``{"prompts":
 [[token ids]], "max_tokens": int, "reset": bool, "pause_s": s, "profile": tag}`` (one ``generate``
 call; ``reset`` empties vLLM's prefix cache first; ``profile``: the call runs under vLLM's torch
@@ -51,6 +52,8 @@ def build_engine(spec: dict):
         extra["kv_offloading_size"] = spec["offload_gib"]
     if spec.get("num_gpu_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
+    if spec.get("block_size"):  # tokens; a CPU vLLM's default is 128
+        extra["block_size"] = spec["block_size"]
     if spec.get("kv_cache_bytes"):  # bytes, not blocks: a hybrid model's block holds fewer layers
         extra["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
     if spec.get("profile_dir"):

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import statistics
 
+from kvtier.bench import engine_busy
 from kvtier.bench.common import NO_MATPLOTLIB, pyplot, save_figure
 from kvtier.bench.engine_model import KvShape
 from kvtier.bench.engine_profile import report_lines
@@ -65,11 +66,12 @@ def format_table(result: dict) -> str:
     lines = [f"kvtier-bench engine: vLLM {result['vllm']} on {result['device']}"
              + (f", {result['model']}" if result.get("model") else "")
              + ("; CUDA graphs" if result.get("args", {}).get("cuda_graphs") else "; eager")
-             + f"; TTFT ms, median of {result['repeats']}; raw pinned H2D {result['h2d_gbps']:.1f} GB/s; "
-             + shape.describe()]
+             + (f"; TTFT ms, median of {result['repeats']}" if result["lengths"] else "")
+             + (f"; raw pinned H2D {result['h2d_gbps']:.1f} GB/s" if result.get("h2d_gbps") else "")
+             + "; " + shape.describe()]
     head = (f"{'tokens':>6} {'recompute':>9} {'local':>6} {'kvtier cpu':>10} {'kvtier disk':>11} {'vLLM offload':>12} "
             f"{'target':>6}  kvtier/vLLM  kvtier/target")
-    lines += [head, "-" * len(head)]
+    lines += [head, "-" * len(head)] if result["lengths"] else []  # --busy-only: no TTFT
     fmt = lambda v, w: f"{v:>{w}.0f}" if v is not None else f"{'-':>{w}}"  # noqa: E731
     ratio = lambda a, b: f"{a / b:.2f}" if a and b else "-"  # noqa: E731
     for n in map(str, result["lengths"]):
@@ -85,7 +87,7 @@ def format_table(result: dict) -> str:
     lines += _bytes_lines(result, shape)
     lines += local_lines(result)
     loads = result.get("kvtier_load_ms") or {}
-    if loads:
+    if loads and result["lengths"]:
         lines.append("where a kvtier reload's time goes (median ms): " + "; ".join(
             f"{n} tokens: load in the worker {_med(loads[n]):.0f} (raw H2D of its bytes {copy_ms(result, int(n)):.0f})"
             for n in map(str, result["lengths"]) if n in loads))
@@ -97,6 +99,7 @@ def format_table(result: dict) -> str:
         lines.append("multi-turn chat, rounds 2+ (s): " + ", ".join(
             f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))
     lines += chat_lines(result)
+    lines += engine_busy.report_lines(result)
     if result["prefill_tok_s"]:
         base = result["prefill_tok_s"].get("none")
         lines.append("prefill tok/s (median of 3 batches): " + ", ".join(
@@ -113,7 +116,8 @@ def format_table(result: dict) -> str:
     lines.append(f"greedy outputs identical across engines ({checked}): " + ("yes" if result["identical"] else "NO"))
     lines.append("targets: kvtier cpu <= vLLM offload; kvtier cpu <= target = local + 1.1 x (window bound bytes / raw "
                  "pinned H2D); local hit <= none's + 2 ms; chat rounds 2+ <= vLLM's; prefill >= 0.99 x none; "
-                 "start <= vLLM's + 5 s")
+                 "start <= vLLM's + 5 s" if result["lengths"] else "targets: chat rounds 2+ <= vLLM's; zero-hit "
+                 ">= 0.99 x none; start <= vLLM's + 5 s")
     return "\n".join(lines)
 
 
@@ -200,25 +204,40 @@ def _bytes_lines(result: dict, shape: KvShape) -> list[str]:
 
 
 def write_plot(result: dict, path: str) -> str | None:
-    """TTFT bars per length and mode, KV bytes per reload against the reference figures, and chat
-    rounds 2+ per engine where the chat ran. None or why skipped."""
+    """TTFT bars per length and mode, KV bytes per reload against the reference figures (where TTFT
+    ran), chat rounds 2+ per engine where the chat ran, zero-hit output tok/s where that ran. None
+    or why skipped."""
     plt = pyplot()
     if plt is None:
         return NO_MATPLOTLIB
-    panels = 2 + bool(result["chat_s"])
-    fig, axes = plt.subplots(1, panels, figsize=(5 + 3.5 * panels, 4.2),
-                             gridspec_kw={"width_ratios": [2] + [1] * (panels - 1)})
-    _ttft_bars(axes[0], result)
-    _bytes_bars(axes[1], result)
-    if result["chat_s"]:
-        bx = axes[2]
-        names = list(result["chat_s"])
-        bars = bx.bar(names, [sum(result["chat_s"][k][1:]) for k in names], color="tab:gray")
-        bx.bar_label(bars, fmt="%.1f", fontsize=8)
-        bx.set_ylabel("seconds, chat rounds 2+")
-        bx.set_title("multi-turn chat beyond HBM", fontsize=9)
+    panels = [_ttft_bars, _bytes_bars] if result["lengths"] else []
+    panels += [_chat_bars] if result["chat_s"] else []
+    panels += [_zero_hit_bars] if result.get("zero_hit_tok_s") else []
+    if not panels:
+        return "nothing to draw"
+    ratios = [2 if p is _ttft_bars else 1 for p in panels]
+    fig, axes = plt.subplots(1, len(panels), figsize=(1.5 + 3.5 * sum(ratios), 4.2), squeeze=False,
+                             gridspec_kw={"width_ratios": ratios})
+    for ax, draw in zip(axes[0], panels):
+        draw(ax, result)
     save_figure(fig, path)
     return None
+
+
+def _chat_bars(ax, result: dict) -> None:
+    names = list(result["chat_s"])
+    bars = ax.bar(names, [sum(result["chat_s"][k][1:]) for k in names], color="tab:gray")
+    ax.bar_label(bars, fmt="%.1f", fontsize=8)
+    ax.set_ylabel("seconds, chat rounds 2+")
+    ax.set_title("multi-turn chat beyond HBM", fontsize=9)
+
+
+def _zero_hit_bars(ax, result: dict) -> None:
+    tok_s = result["zero_hit_tok_s"]
+    bars = ax.bar(list(tok_s), list(tok_s.values()), color="tab:olive")
+    ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_ylabel("output tokens/s")
+    ax.set_title("zero-hit prompts (nothing to load)", fontsize=9)
 
 
 def _ttft_bars(ax, result: dict) -> None:

@@ -1,0 +1,114 @@
+"""``kvtier-bench engine``'s rows of a busy engine: the multi-turn chat and the zero-hit row.
+
+Chat: ``--sessions`` sessions, each a unique context of ``--session-len`` tokens. Every round each
+session sends its whole history (its context, every earlier round's new tokens and replies) plus
+``--chat-new`` new tokens and gets ``--chat-gen`` tokens back (greedy, ``ignore_eos``); all sessions
+go in one ``generate`` call per round, ``--chat-rounds`` rounds. The engine child builds a
+session's next prompt from token ids, its last prompt + the reply's token ids + the new tokens
+(:mod:`kvtier.bench.engine_child`), so a connector that saved the reply can serve it in the next
+round. With ``--hbm-tokens`` below the sessions' total the engine's own prefix cache cannot hold
+them: what a round finds cached past that, the connector loaded.
+
+Zero-hit: ``--zero-hit`` N prompts of ``--zero-hit-len`` tokens that share no prefix with anything
+the engine saw, in one ``generate`` call of ``--chat-gen`` tokens each (greedy, ``ignore_eos``):
+output tokens per second of that call, after the chat (a warm, full engine). Through the ``LLM``
+API (``zero_hit_via: "llm"``), not the OpenAI server: the engine bench's engines have dummy weights
+and no tokenizer, and it has no served mode.
+
+JSON (keys of the engine bench's result): ``chat_s`` {engine: [seconds per round]},
+``chat_cached_tokens`` {engine: [prompt tokens cached per round, summed over the sessions]},
+``zero_hit_tok_s`` {engine: output tokens/s}, ``zero_hit_via``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+from kvtier.bench.common import parse_tokens, positive
+
+ZERO_HIT_SEED = 2_000_000  # prompt seeds of their own: no prefix shared with the bench's other prompts
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    """The busy-engine flags of ``kvtier-bench engine``."""
+    p.add_argument("--sessions", type=positive, default=32, help="chat sessions (default 32)")
+    p.add_argument("--session-len", type=parse_tokens, default=6 << 10,
+                   help="each session's unique context, tokens (default 6k)")
+    p.add_argument("--chat-new", type=parse_tokens, default=200,
+                   help="new tokens each session sends every round after its history (default 200)")
+    p.add_argument("--chat-gen", type=positive, default=32,
+                   help="tokens generated per session and round, and per zero-hit prompt (default 32)")
+    p.add_argument("--chat-rounds", type=positive, default=4, help="chat rounds (default 4; rounds 2+ are timed)")
+    p.add_argument("--zero-hit", type=int, default=0, metavar="N",
+                   help="also run N concurrent unique prompts (nothing to hit or load) and report output tok/s "
+                        "(default 0: off)")
+    p.add_argument("--zero-hit-len", type=parse_tokens, default=4 << 10, help="zero-hit prompt length (default 4k)")
+    p.add_argument("--busy-only", action="store_true",
+                   help="only the busy-engine rows: the chat and the zero-hit row (no TTFT, no prefill, no disk "
+                        "engine); without CUDA, with --model, on a CPU vLLM")
+
+
+def longest_chat_tokens(args) -> int:
+    """A session's last prompt plus its reply, tokens: what ``--hbm-tokens`` (the engine's
+    ``max_model_len``) must hold."""
+    return args.session_len + args.chat_rounds * (args.chat_new + args.chat_gen)
+
+
+def check(parser: argparse.ArgumentParser, args) -> None:
+    """Stop the command with one sentence where a busy-engine flag cannot work."""
+    if args.zero_hit < 0:
+        parser.error(f"argument --zero-hit: expected 0 (off) or a positive count, got {args.zero_hit}.")
+    if not args.ttft_only and longest_chat_tokens(args) > args.hbm_tokens:
+        parser.error(f"argument --hbm-tokens: {args.hbm_tokens} cannot hold a chat session's last round "
+                     f"({longest_chat_tokens(args)} tokens with its reply).")
+    if args.zero_hit and not args.ttft_only and args.zero_hit_len + args.chat_gen > args.hbm_tokens:
+        parser.error(f"argument --hbm-tokens: {args.hbm_tokens} cannot hold a {args.zero_hit_len}-token zero-hit "
+                     f"prompt and its {args.chat_gen} tokens.")
+
+
+def busy_rounds(args, prompt) -> list[dict]:
+    """The chat round (the engine child runs it as ``--chat-rounds`` ``generate`` calls), then the
+    zero-hit round where ``--zero-hit`` asks for it. ``prompt(seed, length)``: token ids."""
+    sessions = [prompt(500_000 + s, args.session_len) for s in range(args.sessions)]
+    turns = [[prompt(600_000 + 1000 * t + s, args.chat_new) for s in range(args.sessions)]
+             for t in range(args.chat_rounds)]
+    rounds = [{"sessions": sessions, "turns": turns, "max_tokens": args.chat_gen, "reset": True, "tag": ["chat"]}]
+    if args.zero_hit:
+        rounds.append({"prompts": [prompt(ZERO_HIT_SEED + i, args.zero_hit_len) for i in range(args.zero_hit)],
+                       "max_tokens": args.chat_gen, "tag": ["zero-hit"]})
+    return rounds
+
+
+def collect(result: dict, name: str, rnd: dict, got, loaded_bytes) -> bool:
+    """Take engine ``name``'s results of ``rnd`` from the iterator ``got`` into ``result`` if
+    ``rnd`` is a chat or zero-hit round; whether it was. ``loaded_bytes(transfers)``: the KV bytes
+    the connector loaded (:func:`kvtier.bench.engine_report.loaded_bytes`)."""
+    tag = rnd["tag"][0]
+    if tag == "chat":
+        chat = [next(got) for _ in rnd["turns"]]
+        result["chat_s"][name] = [c["seconds"] for c in chat]
+        result["chat_tokens"][name] = [[o["tokens"] for o in c["outputs"]] for c in chat]
+        result.setdefault("chat_cached_tokens", {})[name] = [sum(o["cached"] for o in c["outputs"]) for c in chat]
+        result["chat_reuse"][name] = [{"prompt": c.get("prompt_tokens"),
+                                       "cached": sum(o["cached"] for o in c["outputs"]),
+                                       "loaded_bytes": loaded_bytes(c.get("transfers"))} for c in chat]
+        return True
+    if tag == "zero-hit":
+        one = next(got)
+        result.setdefault("zero_hit_tok_s", {})[name] = sum(len(o["tokens"]) for o in one["outputs"]) / one["seconds"]
+        result["zero_hit_via"] = "llm"
+        return True
+    return False
+
+
+def report_lines(result: dict) -> list[str]:
+    """The zero-hit row: each engine's output tokens/s, against no connector's where it ran."""
+    tok_s = result.get("zero_hit_tok_s") or {}
+    if not tok_s:
+        return []
+    args = result.get("args", {})
+    base = tok_s.get("none")
+    what = (f"{args['zero_hit']} unique prompts of {args['zero_hit_len']} tokens, {args['chat_gen']} generated each"
+            if "zero_hit" in args else "unique prompts")
+    return [f"zero-hit ({what}; {result.get('zero_hit_via', 'llm')} API), output tok/s: " + ", ".join(
+        f"{k} {v:.0f}" + (f" ({v / base:.3f} x none)" if base and k != "none" else "") for k, v in tok_s.items())]

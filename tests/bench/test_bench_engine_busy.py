@@ -1,0 +1,111 @@
+"""``kvtier-bench engine``'s busy-engine rows (:mod:`kvtier.bench.engine_busy`): the multi-turn chat
+and the zero-hit row, their flags, rounds and report; end to end on a CPU vLLM with a tiny
+dummy-weight Llama config (``--busy-only --model``)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench import engine, engine_busy, engine_report
+from kvtier.bench.cli import build_parser
+from kvtier.bench.engine_model import LLAMA3_8B
+
+ROOT = Path(__file__).resolve().parents[2]
+GPU_COMMAND = ("engine --engines none,kvtier,offload --sessions 32 --session-len 6000 --chat-new 200 --chat-gen 32 "
+               "--chat-rounds 4 --hbm-tokens 65536 --cpu-gib 40 --zero-hit 64 --zero-hit-len 4096")
+# Round 1 sends 448 + 48 = 496 tokens a session and gets 32 back; kvtier's 256-token chunk ending at
+# 512 holds reply tokens, so round 2 finds more than round 1's prompt only if the reply was saved.
+# Two sessions (up to 608 tokens each) overflow a 640-token pool: what round 2 finds, kvtier loaded.
+CI = ["engine", "--busy-only", "--engines", "kvtier", "--sessions", "2", "--session-len", "448", "--chat-new", "48",
+      "--chat-gen", "32", "--chat-rounds", "2", "--hbm-tokens", "640", "--cpu-gib", "1", "--zero-hit", "2",
+      "--zero-hit-len", "256"]
+
+
+def test_the_gpu_command_parses_with_every_chat_and_zero_hit_flag():
+    args = build_parser().parse_args(GPU_COMMAND.split())
+    assert (args.sessions, args.session_len, args.chat_new, args.chat_gen, args.chat_rounds) == (32, 6000, 200, 32, 4)
+    assert (args.hbm_tokens, args.zero_hit, args.zero_hit_len, args.busy_only) == (65536, 64, 4096, False)
+    defaults = build_parser().parse_args(["engine"])
+    assert (defaults.chat_new, defaults.chat_gen, defaults.zero_hit) == (200, 32, 0)
+
+
+def test_chat_and_zero_hit_rounds_follow_the_flags():
+    args = build_parser().parse_args(GPU_COMMAND.split())
+    chat, zero = engine_busy.busy_rounds(args, engine.prompt)
+    assert len(chat["sessions"]) == 32 and {len(s) for s in chat["sessions"]} == {6000}
+    assert len(chat["turns"]) == 4 and {len(t) for turn in chat["turns"] for t in turn} == {200}
+    assert chat["max_tokens"] == 32 and chat["reset"]
+    assert len(zero["prompts"]) == 64 and {len(p) for p in zero["prompts"]} == {4096} and zero["max_tokens"] == 32
+    firsts = {tuple(p[:16]) for p in zero["prompts"] + chat["sessions"]}  # no first block shared with anything
+    assert len(firsts) == 64 + 32
+    rounds = engine.engine_rounds(args, [8192], "kvtier")
+    assert [r["tag"][0] for r in rounds[-2:]] == ["chat", "zero-hit"]
+    busy = build_parser().parse_args([*GPU_COMMAND.split(), "--busy-only"])
+    assert [r["tag"][0] for r in engine.engine_rounds(busy, [], "none")] == ["chat", "zero-hit"]
+    off = build_parser().parse_args(["engine"])
+    assert [r["tag"][0] for r in engine_busy.busy_rounds(off, engine.prompt)] == ["chat"]  # --zero-hit 0: off
+
+
+@pytest.mark.parametrize("extra, words", [
+    (["--hbm-tokens", "6k"], "argument --hbm-tokens: 6144 cannot hold a chat session's last round"),
+    (["--prompt-lens", "1k", "--zero-hit", "2", "--zero-hit-len", "64k"], "cannot hold a 65536-token zero-hit"),
+    (["--busy-only", "--engines", "kvtier,disk"], "argument --engines: the disk engine has only TTFT rows"),
+    (["--zero-hit", "-1"], "argument --zero-hit"),
+])
+def test_flags_that_cannot_work_stop_the_command_naming_the_flag(extra, words, capsys):
+    args = build_parser().parse_args(["engine", "--prompt-lens", "1k", *extra])
+    with pytest.raises(SystemExit) as exc:
+        args.run(args.parser, args)
+    assert exc.value.code == 2 and words in capsys.readouterr().err
+
+
+def busy_result() -> dict:
+    return {"lengths": [], "repeats": 3, "vllm": "0.33.0", "device": "H200", "h2d_gbps": None,
+            "kv_bytes_per_token": 128 << 10, "ttft_ms": {}, "start_s": {"none": 9.0, "kvtier": 12.0},
+            "prefill_tok_s": {}, "checks": {}, "chat_s": {"none": [5.0, 3.0], "kvtier": [5.0, 1.0]},
+            "chat_tokens": {"none": [[1]], "kvtier": [[1]]},
+            "chat_cached_tokens": {"none": [0, 100], "kvtier": [0, 900]},
+            "zero_hit_tok_s": {"none": 2000.0, "kvtier": 1980.0}, "zero_hit_via": "llm", "identical": True,
+            "args": {"zero_hit": 64, "zero_hit_len": 4096, "chat_gen": 32}}
+
+
+def test_busy_only_table_has_the_chat_and_zero_hit_rows_and_no_ttft(tmp_path):
+    table = engine_report.format_table(busy_result())
+    assert "zero-hit (64 unique prompts of 4096 tokens, 32 generated each; llm API), output tok/s: none 2000, " \
+           "kvtier 1980 (0.990 x none)" in table
+    assert "multi-turn chat, rounds 2+ (s): none 3.00, kvtier 1.00" in table
+    assert "recompute" not in table and "TTFT" not in table and "H2D" not in table
+    skipped = engine_report.write_plot(busy_result(), str(tmp_path / "busy.png"))
+    assert skipped or (tmp_path / "busy.png").stat().st_size > 1000
+
+
+@pytest.mark.e2e
+def test_busy_rows_on_a_cpu_vllm_reuse_the_replies_kvtier_saved(tmp_path):
+    model = tmp_path / "tiny"
+    model.mkdir()
+    config = {**LLAMA3_8B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1,
+              "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32, "torch_dtype": "float32",
+              "max_position_embeddings": 4096}  # the preset's vocabulary: the bench's prompts draw from it
+    (model / "config.json").write_text(json.dumps(config))
+    out, png = tmp_path / "busy.json", tmp_path / "busy.png"
+    run = subprocess.run([sys.executable, "-m", "kvtier.bench.cli", *CI, "--model", str(model), "--json", str(out),
+                          "--plot", str(png)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr[-3000:]
+    assert "zero-hit (2 unique prompts of 256 tokens" in run.stdout
+    data = json.loads(out.read_text())
+    assert {k: data["args"][k] for k in ("sessions", "session_len", "chat_new", "chat_gen", "chat_rounds",
+                                         "hbm_tokens")} == {"sessions": 2, "session_len": 448, "chat_new": 48,
+                                                            "chat_gen": 32, "chat_rounds": 2, "hbm_tokens": 640}
+    assert len(data["chat_s"]["kvtier"]) == 2 and all(s > 0 for s in data["chat_s"]["kvtier"])
+    cached = data["chat_cached_tokens"]["kvtier"]
+    first_prompt = 2 * (448 + 48)
+    assert len(cached) == 2 and cached[1] > first_prompt, cached  # round 2 found round 1's replies too
+    assert data["chat_reuse"]["kvtier"][1]["loaded_bytes"] > 0  # loaded from kvtier's tier, not the pool
+    assert data["zero_hit_via"] == "llm" and data["zero_hit_tok_s"]["kvtier"] > 0
+    assert data["identical"] and data["h2d_gbps"] is None and data["lengths"] == []
+    assert png.stat().st_size > 1000 or "matplotlib" in run.stderr
