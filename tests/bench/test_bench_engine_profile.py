@@ -72,7 +72,8 @@ def test_what_grew_from_a_later_round_to_the_first_is_listed_largest_first(tmp_p
 
 def test_profile_adds_rounds_of_its_own_and_leaves_the_measured_ones_as_they_were():
     args = argparse.Namespace(repeats=3, settle_s=0.0, profile="/tmp/p", ttft_only=False, prefill_batch=1,
-                              prefill_len=16, sessions=1, session_len=16, chat_rounds=1)
+                              prefill_len=16, sessions=1, session_len=16, chat_rounds=1, chat_new=8, chat_gen=4,
+                              zero_hit=0, zero_hit_len=16, hbm_tokens=None)
     rounds = engine.engine_rounds(args, [64, 128], "kvtier")
     tags = [r.get("profile") for r in rounds]
     assert [t for t in tags if t] == ["local", "reload-first", "reload-later", "prefill"]
