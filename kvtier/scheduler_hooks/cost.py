@@ -60,10 +60,13 @@ class CostModel:
         return self.step is not None and all(t in self.loads for t in tiers)
 
     def measured(self, tiers: Iterable[str]) -> bool:
-        """Every tier's load line comes from loads that waiting requests really waited, or from
-        the tier's measured read speed (``probed``): enough to veto a load in favour of recompute."""
-        return self.known(tiers) and all(self.loads[t].samples >= MIN_SAMPLES or self.loads[t].probed
-                                         for t in tiers)
+        """Every tier's load line comes from loads that waiting requests really waited, or every
+        tier's from its measured read speed (``probed``): enough to veto a load in favour of
+        recompute. Never a mix of the two: a probed disk figure must not veto a load that is
+        partly from the CPU tier."""
+        tiers = set(tiers)
+        return self.known(tiers) and (all(self.loads[t].samples >= MIN_SAMPLES for t in tiers)
+                                      or all(self.loads[t].probed for t in tiers))
 
     def prefill_s(self, tokens: int) -> float:
         """Marginal seconds to prefill ``tokens`` inside a step that runs anyway."""

@@ -129,6 +129,17 @@ def test_a_probed_disk_figure_never_vetoes_a_cpu_load():
     assert first_admission(("cpu",) * HIT, 1e6).kind is PlanKind.LOAD
 
 
+def test_a_probed_disk_figure_never_vetoes_a_load_partly_from_the_cpu_tier():
+    meter = CostMeter()
+    meter.record_step(2048, 2048 / 28e3)
+    for _ in range(MIN_SAMPLES):
+        meter.record_load("cpu", 256, 1.0)  # even a CPU tier measured slow
+    meter.record_chunk_load_ms({"disk": 1e6, "cpu": 0.5}, G.chunk_tokens, ["disk"])
+    mixed = ("cpu",) * (HIT // 2) + ("disk",) * (HIT // 2)
+    assert plan_load(PlanInput(HIT * 256, 0, mixed), G, Policy(256), meter.model()).kind is PlanKind.LOAD
+    assert plan_load(PlanInput(HIT * 256, 0, ("cpu",) * HIT), G, Policy(256), meter.model()).skip is Skip.SLOWER
+
+
 def test_probed_only_names_tiers_with_a_figure():
     meter = CostMeter()
     meter.record_chunk_load_ms({"cpu": 1.0}, 256, ["disk"])
