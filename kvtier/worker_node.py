@@ -112,7 +112,8 @@ class WorkerNode:
         if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
             shared = None if config.shared_url is None else self._shared_prefix
             load_ms = lambda: {} if self.transfers is None else self.transfers.chunk_load_ms()  # noqa: E731
-            self.server = LookupServer(self.endpoint, self.world_size, load_ms, shared)
+            probed = lambda: [] if self.transfers is None else self.transfers.probed_tiers()  # noqa: E731
+            self.server = LookupServer(self.endpoint, self.world_size, load_ms, shared, probed)
 
         def tier_of(key: bytes) -> str | None:
             tier = store.contains(key)
@@ -146,6 +147,10 @@ class WorkerNode:
                        fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
                        on_lost=self.holds.lost, reuse=self.transfers.reuse, loads_running=loads_running)
             for other, blocks in zip(layouts[1:], chunk_blocks[1:]))]
+        # Measured before the first lookup is answered, so that it already carries the disk's figure.
+        disk = store.disk_read_speed() if disk_path else None
+        if disk is not None:
+            self.transfers.seed_read_speed("disk", disk.bytes_per_s)
         pd = "no P/D chunk server (kv_consumer)"
         if self.produce:
             bind, advertised = config.pd_endpoints(self.rank)
@@ -164,10 +169,11 @@ class WorkerNode:
         kept = store.keys()  # what a previous run left in the disk tier
         self.reporter.changed(kept)
         logger.info("kvtier rank %d/%d on %s: %d regions in %d KV cache group(s), %d B per block, chunk of %d "
-                    "tokens, copies by %s, %d chunks kept on disk; lookup at %s; %s; started in %.1f s (CPU tier "
+                    "tokens, copies by %s, %d chunks kept on disk%s; lookup at %s; %s; started in %.1f s (CPU tier "
                     "%.1f s)", self.rank, self.world_size, engine, sum(len(x.regions) for x in layouts),
                     len(layouts), sum(x.bytes_per_block for x in layouts), config.chunk_tokens, describe_backend(
-                        self.transfers.backend), len(kept), self.endpoint, pd, time.perf_counter() - begin, tier_s)
+                        self.transfers.backend), len(kept), "" if disk is None else f", disk reads {disk.describe()}",
+                    self.endpoint, pd, time.perf_counter() - begin, tier_s)
 
     def nixl_ready(self, timeout_s: float = 30.0) -> bool:
         """Wait until NIXL is up (True), or is not to be used here (False)."""

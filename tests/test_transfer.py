@@ -253,6 +253,26 @@ def test_restart_hits_disk_and_promotes_to_cpu(stores, tmp_path):
         worker.close()
 
 
+def test_a_read_speed_seeds_the_disk_figure_until_a_load_replaces_it(stores, tmp_path):
+    alloc, layout = engine_kv()
+    ks = keys(3)
+    worker = TierWorker(layout, stores(disk=tmp_path), CHUNK_BLOCKS)
+    worker.save([save_job(ks)])
+    worker.drain()
+    worker.close()
+    worker.store.close()
+    worker = TierWorker(layout, stores(disk=tmp_path), CHUNK_BLOCKS)
+    try:
+        assert worker.chunk_load_ms() == {} and worker.probed_tiers() == []
+        worker.seed_read_speed("disk", worker.chunk_bytes / 7.0)  # 7 s a chunk: far slower than any real read
+        assert worker.chunk_load_ms() == {"disk": pytest.approx(7e3)} and worker.probed_tiers() == ["disk"]
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(40, 46)))) == set()
+        assert worker.chunk_load_ms()["disk"] < 1e3  # the loads' own reads, not an average with the seed
+        assert worker.probed_tiers() == ["disk"]  # still a measured read speed, refined by loads
+    finally:
+        worker.close()
+
+
 def test_o_direct_reads_load_identical_bytes(stores, tmp_path):
     alloc, layout = engine_kv()
     ks = keys(2)

@@ -88,3 +88,23 @@ def test_a_node_whose_start_fails_stops_what_it_started(tmp_path):
                    listen=listen)
     node = WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1, endpoint=endpoint, produce=False)
     node.close()
+
+
+def test_a_node_with_a_disk_tier_measures_it_and_the_first_lookup_carries_its_figure(tmp_path, caplog):
+    kv = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8)
+    layout = build_layout({f"layer.{i}": kv[i] for i in range(2)}, BLOCK, NUM_BLOCKS, model="tiny")
+    config = KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24, disk_path=str(tmp_path / "disk"), disk_bytes=1 << 24)
+    with caplog.at_level("INFO", logger="kvtier.worker_node"):
+        node = WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1,
+                          endpoint=f"ipc://{tmp_path}/l.sock", produce=False, engine="a test")
+    try:
+        client = LookupClient(node.endpoint)
+        try:  # before any load: the disk's figure is its measured read speed, offered as such
+            reply = client.lookup([chunk_keys(list(range(CHUNK)), CHUNK, b"root")[0]])
+            assert reply.chunk_load_ms["disk"] > 0 and reply.probed == ["disk"]
+        finally:
+            client.close()
+        assert list((tmp_path / "disk").iterdir()) == []  # the scratch file is gone
+    finally:
+        node.close()
+    assert "disk reads" in caplog.text and "GB/s" in caplog.text

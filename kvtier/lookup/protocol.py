@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-VERSION = 4
+VERSION = 5
 MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: ~40k keys, a 10M-token prompt at 256 tokens a chunk
 MAX_KEYS = 16384  # per message; reports are split to stay under it
 KEY_BYTES = 16
@@ -62,7 +62,10 @@ class LookupReply(msgspec.Struct, frozen=True):
     ``chunk_load_ms``: measured milliseconds to load one chunk from each tier on rank 0 (fetch,
     verify and copy into engine blocks; a tier appears once it has been measured). ``error`` is
     set, and ``tiers`` empty, when the request was refused. ``endpoints``: every rank's P/D
-    chunk server, in rank order, once all ranks have told theirs (else empty).
+    chunk server, in rank order, once all ranks have told theirs (else empty). ``probed``: the
+    tiers of ``chunk_load_ms`` whose figure started from the tier's read speed, measured when
+    rank 0 started (the disk tier's), and is refined by loads since: a figure the scheduler may
+    veto a load on before it has measured loads of its own.
     """
 
     version: int
@@ -70,6 +73,7 @@ class LookupReply(msgspec.Struct, frozen=True):
     error: str = ""
     chunk_load_ms: dict[str, float] = {}
     endpoints: list[str] = []
+    probed: list[str] = []
 
 
 encode = msgspec.msgpack.Encoder().encode

@@ -26,6 +26,7 @@ from kvtier.lookup.protocol import (
 logger = logging.getLogger(__name__)
 
 LoadCosts = Callable[[], dict[str, float]]
+Probed = Callable[[], list[str]]
 # (each chunk's storage key per rank, each rank's fingerprint) -> how many leading chunks the
 # shared tier holds for every rank; must answer within the server's shared timeout.
 SharedPrefix = Callable[[list[tuple[bytes, ...]], tuple[bytes, ...]], int]
@@ -37,17 +38,19 @@ class LookupServer:
 
     ``endpoint``: a ZMQ endpoint to bind (``ipc://path`` or ``tcp://127.0.0.1:port``).
     ``chunk_load_ms``: measured ms to load one chunk per tier, sent with every reply.
-    ``shared_prefix``: asks the shared tier (None: there is none).
+    ``shared_prefix``: asks the shared tier (None: there is none). ``probed``: the tiers whose
+    ``chunk_load_ms`` figure started from a read speed measured at start, sent with every reply.
     """
 
     def __init__(self, endpoint: str, world_size: int, chunk_load_ms: LoadCosts | None = None,
-                 shared_prefix: SharedPrefix | None = None):
+                 shared_prefix: SharedPrefix | None = None, probed: Probed | None = None):
         self.endpoint = endpoint
         self.index = HoldIndex(world_size)
         self.world_size = world_size
         self._endpoints: dict[int, str] = {}  # rank -> its P/D chunk server
         self._chunk_load_ms = chunk_load_ms or dict
         self._shared_prefix = shared_prefix
+        self._probed = probed or list
         self._ctx = zmq.Context.instance()
         self._socket = self._ctx.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.LINGER, 0)
@@ -87,6 +90,7 @@ class LookupServer:
                 return LookupReply(VERSION, [], error=problem)
             endpoints = [self._endpoints.get(r, "") for r in range(self.world_size)]
             return LookupReply(VERSION, self._tiers(request.keys), chunk_load_ms=self._chunk_load_ms(),
+                               probed=self._probed(),
                                endpoints=endpoints if all(endpoints) else [])
         except Exception as exc:  # a bad message must never take the server down
             logger.exception("kvtier lookup failed")

@@ -9,8 +9,14 @@ free. A load from a tier costs ``fixed_s + per_token_s * tokens fetched``, fitte
 load is handed to the workers to when they report it: what the waiting request really waits.
 Until a tier has such samples, the workers' own per-chunk figure (sent with every lookup reply)
 gives its slope, with one engine step as the fixed part: enough to compare partial with handoff
-(:meth:`CostModel.known`), never enough to veto a load (:meth:`CostModel.measured`, after
-:data:`MIN_SAMPLES` measured loads).
+(:meth:`CostModel.known`), not enough to veto a load (:meth:`CostModel.measured`, after
+:data:`MIN_SAMPLES` measured loads) -- unless the figure is *probed*: it started from the tier's
+read speed, measured when the workers started (the disk tier's), and loads refine it since. That
+figure leaves out verifying and copying a chunk, so it is a lower bound on what a load costs, and
+a veto on it is sound from the first request on, once the step line is known: with a configured
+``prefill_tokens_per_s`` at once, else after the engine's first prefill step
+(:data:`MIN_STEP_SAMPLES`). No other prior for the recompute side exists: until then every load
+goes ahead.
 """
 
 from __future__ import annotations
@@ -18,18 +24,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
-MIN_SAMPLES = 8
+MIN_SAMPLES = 8  # measured loads before a tier's own line replaces the workers' figure
+# Steps before the step line is known, one of them prefilling more than SMALL_STEP_TOKENS. One is
+# enough: until small steps are seen, all of a step's time counts per token, which overestimates
+# recompute and underestimates a load's fixed part, so an early line can only veto too little.
+MIN_STEP_SAMPLES = 1
 SMALL_STEP_TOKENS = 64  # steps up to this many tokens measure the fixed cost of a step
 DECAY = 0.97  # each new sample down-weights the history, so the fit follows load changes
 
 
 @dataclass(frozen=True, slots=True)
 class LinearCost:
-    """``seconds(tokens) = fixed_s + per_token_s * tokens``; both non-negative."""
+    """``seconds(tokens) = fixed_s + per_token_s * tokens``; both non-negative. ``samples``: the
+    measured samples the line was fitted from (0: a worker's figure); ``probed``: a worker's figure
+    that started from the tier's read speed, measured at start (see the module docstring)."""
 
     fixed_s: float
     per_token_s: float
     samples: int = 0
+    probed: bool = False
 
     def seconds(self, tokens: float) -> float:
         return self.fixed_s + self.per_token_s * tokens
@@ -47,9 +60,13 @@ class CostModel:
         return self.step is not None and all(t in self.loads for t in tiers)
 
     def measured(self, tiers: Iterable[str]) -> bool:
-        """Every tier's load line comes from loads that waiting requests really waited: enough to
-        veto a load in favour of recompute."""
-        return self.known(tiers) and all(self.loads[t].samples >= MIN_SAMPLES for t in tiers)
+        """Every tier's load line comes from loads that waiting requests really waited, or every
+        tier's from its measured read speed (``probed``): enough to veto a load in favour of
+        recompute. Never a mix of the two: a probed disk figure must not veto a load that is
+        partly from the CPU tier."""
+        tiers = set(tiers)
+        return self.known(tiers) and (all(self.loads[t].samples >= MIN_SAMPLES for t in tiers)
+                                      or all(self.loads[t].probed for t in tiers))
 
     def prefill_s(self, tokens: int) -> float:
         """Marginal seconds to prefill ``tokens`` inside a step that runs anyway."""
@@ -126,7 +143,7 @@ class StepMeter:
             self.large_samples += 1
 
     def line(self) -> LinearCost | None:
-        if self.small_samples + self.large_samples < MIN_SAMPLES or not self.large_samples:
+        if self.small_samples + self.large_samples < MIN_STEP_SAMPLES or not self.large_samples:
             return None
         return LinearCost(self._fixed, self._per_token, self.small_samples + self.large_samples)
 
@@ -147,6 +164,7 @@ class CostMeter:
         self.steps = StepMeter()
         self.loads: dict[str, LineMeter] = {}
         self.chunk_s: dict[str, float] = {}  # the workers' seconds per token fetched, by tier
+        self.probed: frozenset[str] = frozenset()  # tiers of chunk_s that started from a measured read speed
 
     def record_step(self, tokens: int, seconds: float) -> None:
         """An engine step that computed ``tokens`` took ``seconds`` (wall clock)."""
@@ -158,11 +176,14 @@ class CostMeter:
         if tokens > 0 and seconds >= 0:
             self.loads.setdefault(tier, LineMeter()).add(tokens, seconds)
 
-    def record_chunk_load_ms(self, ms_by_tier: Mapping[str, float], chunk_tokens: int) -> None:
-        """The workers' latest measured milliseconds to load one whole chunk, by tier."""
+    def record_chunk_load_ms(self, ms_by_tier: Mapping[str, float], chunk_tokens: int,
+                             probed: Iterable[str] = ()) -> None:
+        """The workers' latest measured milliseconds to load one whole chunk, by tier; ``probed``:
+        the tiers whose figure started from a read speed measured at start."""
         for tier, ms in ms_by_tier.items():
             if ms >= 0:
                 self.chunk_s[tier] = ms / 1e3 / chunk_tokens
+        self.probed = frozenset(probed) & self.chunk_s.keys()
 
     def model(self) -> CostModel:
         step = self.steps.line()
@@ -171,6 +192,7 @@ class CostMeter:
             step = LinearCost(fixed, 1.0 / self.prefill_tokens_per_s, samples)
         loads = {}
         if step is not None:  # the workers' figures: a prior until the tier has measured loads
-            loads = {tier: LinearCost(step.fixed_s, per_token, 0) for tier, per_token in self.chunk_s.items()}
+            loads = {tier: LinearCost(step.fixed_s, per_token, 0, tier in self.probed)
+                     for tier, per_token in self.chunk_s.items()}
         loads.update({tier: line for tier, meter in self.loads.items() if (line := meter.line()) is not None})
         return CostModel(step, loads)

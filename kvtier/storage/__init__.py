@@ -6,7 +6,8 @@ LMCache type. Sizes are in bytes.
 
 from __future__ import annotations
 
+from ._probe import DiskSpeed
 from .types import ChunkBuffer, StorageError, StoreConfig, Tier
 from .store import ChunkStore  # noqa: E402  (imports LMCache; types above do not)
 
-__all__ = ["ChunkBuffer", "ChunkStore", "StorageError", "StoreConfig", "Tier"]
+__all__ = ["ChunkBuffer", "DiskSpeed", "ChunkStore", "StorageError", "StoreConfig", "Tier"]

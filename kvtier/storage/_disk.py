@@ -14,6 +14,7 @@ import threading
 from typing import Any, Callable
 
 from . import _lmcache as lm
+from ._probe import DiskSpeed, measure_read_speed
 from .types import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -199,6 +200,13 @@ class DiskTier:
                 pass
             finally:
                 os.close(fd)
+
+    def read_speed(self) -> DiskSpeed | None:
+        """The tier's read speed, measured now from its least recently used chunk files (a
+        scratch file when it holds none), through the path its reads take: see :mod:`._probe`."""
+        with self.backend.disk_lock:
+            paths = [meta.path for meta in self.backend.dict.values()]  # LRU order: oldest first
+        return measure_read_speed(self.backend.path, paths, self._config.o_direct)
 
     def drop(self, ek: Any, expected: Any = None) -> bool:
         """Remove ``ek`` from the index and delete its file; False if not indexed (or indexed

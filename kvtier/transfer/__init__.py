@@ -186,6 +186,17 @@ class TierWorker:
         moving average; a tier appears once a load has used it. Safe from any thread."""
         return self.loads.cost.chunk_load_ms()
 
+    def probed_tiers(self) -> list[str]:
+        """Tiers whose :meth:`chunk_load_ms` figure started from a read speed measured at start
+        (:meth:`seed_read_speed`). Safe from any thread."""
+        return self.loads.cost.probed()
+
+    def seed_read_speed(self, tier: str, bytes_per_s: float) -> None:
+        """Before any load: ``tier`` reads ``bytes_per_s`` (bytes/s), measured at start; its
+        :meth:`chunk_load_ms` figure starts at one chunk's bytes at that speed (loads replace it)."""
+        if bytes_per_s > 0:
+            self.loads.cost.seed(tier, self.chunk_bytes / bytes_per_s * 1e3)
+
     def cancel(self, req_id: str) -> None:
         """Stop ``req_id``'s P/D transfer (the request was aborted); it still reports, failed."""
         self.loads.cancel(req_id)

@@ -92,10 +92,26 @@ class LoadCost:
     def __init__(self):
         self._fetch_ms: dict[str, float] = {}  # tier -> EWMA ms to fetch and verify one chunk
         self._scatter_ms = 0.0  # EWMA ms to scatter one whole chunk
+        self._seeded: set[str] = set()  # tiers whose figure is still the probe's, until a load replaces it
+        self._probed: frozenset[str] = frozenset()  # tiers whose figure started from a measured read speed
+
+    def seed(self, tier: str, ms: float) -> None:
+        """Before any load: ``tier`` fetches one chunk in ``ms`` (its device's read speed, measured
+        at start). The first chunk a load really fetches from it replaces the figure; later ones
+        refine it as for any tier."""
+        self._fetch_ms[tier] = ms
+        self._seeded.add(tier)
+        self._probed |= {tier}
 
     def fetched(self, tier: str, ms: float) -> None:
-        old = self._fetch_ms.get(tier)
+        old = None if tier in self._seeded else self._fetch_ms.get(tier)
+        self._seeded.discard(tier)
         self._fetch_ms[tier] = ms if old is None else old + _EWMA * (ms - old)
+
+    def probed(self) -> list[str]:
+        """Tiers whose figure started from a read speed measured at start (see :meth:`seed`),
+        then refined by loads. Safe from any thread."""
+        return sorted(self._probed)
 
     def scattered(self, per_chunk: float) -> None:
         old = self._scatter_ms

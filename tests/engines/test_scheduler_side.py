@@ -19,13 +19,13 @@ PROMPT = list(range(3, 3 + 4 * CHUNK + 10))
 
 
 class StubClient:
-    def __init__(self, tiers):
-        self.tiers = tiers
+    def __init__(self, tiers, chunk_load_ms=None, probed=()):
+        self.tiers, self.chunk_load_ms, self.probed = tiers, chunk_load_ms or {}, list(probed)
         self.asked = 0  # lookups that named keys
 
     def lookup(self, keys, always=False):
         self.asked += bool(keys)
-        return LookupReply(VERSION, self.tiers[: len(keys)])
+        return LookupReply(VERSION, self.tiers[: len(keys)], chunk_load_ms=self.chunk_load_ms, probed=self.probed)
 
     def close(self):
         pass
@@ -66,6 +66,16 @@ def test_cost_vetoes_are_probed_every_so_often(side):
     assert kinds[:PROBE_EVERY] == [PlanKind.NONE] * PROBE_EVERY
     assert kinds[PROBE_EVERY] is PlanKind.LOAD  # measures the tier again
     assert admit(side, "next").skip is Skip.SLOWER  # and the count starts over
+
+
+@pytest.mark.parametrize("probed", [["disk"], []], ids=["probed", "negative control: not probed"])
+def test_a_slow_probed_disk_is_vetoed_from_the_first_request_after_one_prefill_step(side, probed):
+    side.record_step(512, 512 * 1e-5)  # recompute: 10 us a token, 2.6 ms for the hit
+    side.client = StubClient(["disk"] * 4, {"disk": 10.0, "cpu": 0.1}, probed)  # 40 ms to load it
+    plan = admit(side, "a")
+    assert (plan.skip is Skip.SLOWER) is bool(probed)
+    side.client = StubClient(["disk"] * 4, {"disk": 0.1}, probed)  # a fast disk loads
+    assert admit(side, "b").kind is PlanKind.LOAD
 
 
 def test_a_failed_chunk_is_distrusted_until_saved_again(side):

@@ -63,7 +63,7 @@ def test_a_chunk_is_visible_only_while_every_rank_holds_it(tmp_path):
         wait_for(client, [A, B, C], ["cpu"])  # rank 1 never committed B
         ranks[1].hold(B, "disk")
         wait_for(client, [A, B, C], ["cpu", "disk"])  # the slowest rank's tier
-        assert client.lookup([A]).chunk_load_ms == {"cpu": 1.5}
+        assert client.lookup([A]).chunk_load_ms == {"cpu": 1.5} and client.lookup([A]).probed == []
         ranks[1].hold(A, None)  # evicted on rank 1 only: withdrawn for everyone
         wait_for(client, [A, B], [])
         assert client.prefix_tiers([B]) == ["disk"]
@@ -237,3 +237,14 @@ def test_request_encoding_is_stable():
     # The wire format other processes (and other kvtier versions) parse: a tagged msgpack map.
     assert msgspec.msgpack.decode(encode(HoldReport(VERSION, 1, 2, A, [B], ["disk"]))) == {
         "type": "hold", "version": VERSION, "rank": 1, "world_size": 2, "fingerprint": A, "keys": [B], "tiers": ["disk"]}
+
+
+def test_a_reply_says_which_figures_come_from_a_measured_read_speed(tmp_path):
+    server = LookupServer(endpoint(tmp_path), 1, lambda: {"cpu": 1.5, "disk": 20.0}, probed=lambda: ["disk"])
+    client = LookupClient(server.endpoint, 2000)
+    try:
+        reply = client.lookup([A], always=True)
+        assert reply.chunk_load_ms == {"cpu": 1.5, "disk": 20.0} and reply.probed == ["disk"]
+    finally:
+        client.close()
+        server.close()

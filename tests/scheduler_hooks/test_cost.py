@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from kvtier.scheduler_hooks import Geometry, PlanInput, PlanKind, Policy, Skip, plan_load
 from kvtier.scheduler_hooks.cost import MIN_SAMPLES, CostMeter, LineMeter, fit_line
 
 
@@ -85,6 +86,64 @@ def test_workers_chunk_costs_are_a_prior_until_loads_are_measured():
     for tokens in (256, 512) * 4:
         meter.record_load("cpu", tokens, 5e-3 + 1e-6 * tokens)  # what waiting requests saw wins
     assert meter.model().loads["cpu"].per_token_s == pytest.approx(1e-6, rel=1e-6)
+
+
+G = Geometry(block_size=16, chunk_tokens=256)
+HIT = 128  # stored chunks: a 32k-token hit
+
+
+def first_admission(tiers, disk_ms, probed=("disk",), steps=((2048, 2048 / 28e3),)):
+    """What the first request after a restart gets, given the workers' disk figure (ms a chunk)
+    and the engine steps run so far (tokens, seconds): by default one prefill step at 28k tokens/s."""
+    meter = CostMeter()
+    for tokens, seconds in steps:
+        meter.record_step(tokens, seconds)
+    meter.record_chunk_load_ms({"disk": disk_ms, "cpu": 0.5}, G.chunk_tokens, probed)
+    return plan_load(PlanInput(HIT * 256 + 100, 0, tiers), G, Policy(256), meter.model())
+
+
+def test_a_slow_probed_disk_is_vetoed_on_the_first_request_and_a_fast_one_loads():
+    # 32 MiB chunks: 1.5 GB/s reads one in 22 ms (2.9 s for the hit), against a 1.15 s recompute
+    slow, fast = first_admission(("disk",) * HIT, 22.4), first_admission(("disk",) * HIT, 3.0)
+    assert slow.kind is PlanKind.NONE and slow.skip is Skip.SLOWER
+    assert fast.kind is PlanKind.LOAD and fast.predicted_s < 1.15
+
+
+def test_negative_control_an_unprobed_disk_figure_never_vetoes():
+    # The same slow figure without the probe's word: the load goes ahead (today's 3.5x TTFT).
+    assert first_admission(("disk",) * HIT, 22.4, probed=()).kind is PlanKind.LOAD
+
+
+def test_no_veto_before_the_engine_ran_a_prefill_step():
+    assert first_admission(("disk",) * HIT, 22.4, steps=()).kind is PlanKind.LOAD
+    assert first_admission(("disk",) * HIT, 22.4, steps=((1, 1e-3),) * 20).kind is PlanKind.LOAD  # decode only
+
+
+def test_a_configured_prefill_rate_vetoes_before_any_step():
+    meter = CostMeter(prefill_tokens_per_s=28_000)
+    meter.record_chunk_load_ms({"disk": 22.4}, G.chunk_tokens, ["disk"])
+    assert plan_load(PlanInput(HIT * 256, 0, ("disk",) * HIT), G, Policy(256), meter.model()).skip is Skip.SLOWER
+
+
+def test_a_probed_disk_figure_never_vetoes_a_cpu_load():
+    assert first_admission(("cpu",) * HIT, 1e6).kind is PlanKind.LOAD
+
+
+def test_a_probed_disk_figure_never_vetoes_a_load_partly_from_the_cpu_tier():
+    meter = CostMeter()
+    meter.record_step(2048, 2048 / 28e3)
+    for _ in range(MIN_SAMPLES):
+        meter.record_load("cpu", 256, 1.0)  # even a CPU tier measured slow
+    meter.record_chunk_load_ms({"disk": 1e6, "cpu": 0.5}, G.chunk_tokens, ["disk"])
+    mixed = ("cpu",) * (HIT // 2) + ("disk",) * (HIT // 2)
+    assert plan_load(PlanInput(HIT * 256, 0, mixed), G, Policy(256), meter.model()).kind is PlanKind.LOAD
+    assert plan_load(PlanInput(HIT * 256, 0, ("cpu",) * HIT), G, Policy(256), meter.model()).skip is Skip.SLOWER
+
+
+def test_probed_only_names_tiers_with_a_figure():
+    meter = CostMeter()
+    meter.record_chunk_load_ms({"cpu": 1.0}, 256, ["disk"])
+    assert meter.probed == frozenset()
 
 
 def _sums(samples):

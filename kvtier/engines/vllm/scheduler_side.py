@@ -115,7 +115,7 @@ class SchedulerSide:
         keys = tracked.keys if tracked.role or may_load(len(prompt), local_tokens, self.geometry, self.policy) else []
         reply = self.client.lookup(keys, always=producer)  # no load possible: no trip to rank 0
         if reply is not None and reply.chunk_load_ms:
-            self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens)
+            self.meter.record_chunk_load_ms(reply.chunk_load_ms, self.chunk_tokens, reply.probed)
         if reply is not None and reply.endpoints:
             self.peer_endpoints = reply.endpoints
         # Not until the workers emptied the tiers after a reset, nor after a failed load (see loads_reported).
