@@ -22,10 +22,18 @@ wins only on slow tiers with a small gap. While costs are unknown, auto is parti
 ``NONE`` (recompute) whenever a load would not pay: the hit is below ``min_load_tokens``, it
 would write into a block that already holds computed tokens (LMCache #2206 corrupted output
 that way), or the cost model says recomputing is faster.
+
+A hit may mix tiers chunk by chunk (CPU first, disk after). Where the cost model has measured
+every tier of the hit, a plan may stop at any chunk boundary: of the ends ``e`` from the first
+boundary past the load's start to the hit's end, it takes the one that minimizes the load of
+``[start, e)`` plus the prefill of ``[e, hit)`` (recompute the rest), so it is never slower by the
+model than loading it all or recomputing it all (then ``NONE``, ``Skip.SLOWER``). A cut plan keeps
+its kind and loads fewer tokens; :attr:`LoadPlan.stored_end` says where the hit ended.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass
 
@@ -89,11 +97,14 @@ class Policy:
     """``min_load_tokens``: smallest load worth a trip (tokens). ``unaligned``: ``partial``,
     ``handoff`` or ``auto`` (cheapest by the cost model; ``partial`` while costs are unknown).
     ``handoff_supported``: the engine can pause a prefill at a chunk boundary (kvtier's scheduler
-    is installed); without it ``handoff`` falls back to ``partial``."""
+    is installed); without it ``handoff`` falls back to ``partial``. ``cut``: a plan may load fewer
+    chunks than the hit holds (module docstring); off for hybrid models, whose other groups' hold
+    is checked only at the hit's end (a windowed group's chunks there)."""
 
     min_load_tokens: int
     unaligned: str = "auto"
     handoff_supported: bool = True
+    cut: bool = True  # a load may stop short of the hit on cost; False where the hit was checked only at its end
 
     def __post_init__(self) -> None:
         if self.unaligned not in UNALIGNED_MODES:
@@ -104,14 +115,30 @@ class Policy:
 class LoadPlan:
     """A decision for one prompt. Tokens ``[local_tokens, load_start)`` are prefilled before the
     load (non-empty only for ``HANDOFF``); ``[load_start, load_end)`` are loaded; the rest is
-    prefilled after. ``NONE`` plans have ``load_start == load_end == local_tokens``."""
+    prefilled after. ``NONE`` plans have ``load_start == load_end == local_tokens``.
+    ``stored_end``: where the stored hit ends (tokens), set when the cost model judged the plan
+    (then the stored chunks ``[load_end, stored_end)`` are recomputed on cost); else None."""
 
     kind: PlanKind
     local_tokens: int
     load_start: int
     load_end: int
     skip: Skip | None = None
-    predicted_s: float | None = None  # the chosen path's predicted cost, when the cost model knew
+    predicted_s: float | None = None  # the chosen path's predicted seconds (load + the hit's recomputed rest)
+    stored_end: int | None = None
+
+    @property
+    def cut_on_cost(self) -> bool:
+        """Stored chunks are left to recompute because the cost model says loading them is slower
+        (a ``Skip.SLOWER`` veto, or a load that stops short of the hit)."""
+        return self.stored_end is not None and self.stored_end > self.load_end
+
+    def unloaded_chunks(self, geometry: Geometry) -> range:
+        """Indices of the stored chunks left to recompute on cost (see :attr:`cut_on_cost`); from
+        the one holding ``load_end`` (a veto's floor may sit inside it)."""
+        if not self.cut_on_cost:
+            return range(0)
+        return range(self.load_end // geometry.chunk_tokens, self.stored_end // geometry.chunk_tokens)
 
     @property
     def load_tokens(self) -> int:
@@ -179,8 +206,8 @@ def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostMod
     recompute_s = costs.prefill_s(hit - local) if known and costs.measured(inp.tiers) else None
 
     if local % c == 0:
-        plan = LoadPlan(PlanKind.LOAD, local, local, hit)
-        return _unless_slower(plan, geometry, inp.tiers, costs, recompute_s)
+        return _cheapest([LoadPlan(PlanKind.LOAD, local, local, hit)], hit, geometry, policy, inp.tiers, costs,
+                         recompute_s)
 
     boundary = local + (c - local % c)
     partial = LoadPlan(PlanKind.PARTIAL, local, local, hit)
@@ -189,23 +216,53 @@ def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostMod
     if mode == "handoff" and not policy.handoff_supported:
         mode = "partial"
     if mode == "partial":
-        return _unless_slower(partial, geometry, inp.tiers, costs, recompute_s)
+        return _cheapest([partial], hit, geometry, policy, inp.tiers, costs, recompute_s)
     if mode == "handoff":
         if handoff is None:
             return none(local, Skip.SHORT_HANDOFF)
         if handoff.load_tokens < policy.min_load_tokens:
             return none(local, Skip.SMALL)
-        return _unless_slower(handoff, geometry, inp.tiers, costs, recompute_s)
+        return _cheapest([handoff], hit, geometry, policy, inp.tiers, costs, recompute_s)
     # auto
     if not known:
         return partial
-    options = [(_cost(partial, geometry, inp.tiers, costs), 0, partial)]
+    options = [partial]
     if handoff is not None and policy.handoff_supported and handoff.load_tokens >= policy.min_load_tokens:
-        options.append((_cost(handoff, geometry, inp.tiers, costs), 1, handoff))
-    best_s, _, best = min(options, key=lambda o: (o[0], o[1]))
-    if recompute_s is not None and best_s > recompute_s:
-        return none(local, Skip.SLOWER)
-    return _with_cost(best, best_s)
+        options.append(handoff)
+    return _cheapest(options, hit, geometry, policy, inp.tiers, costs, recompute_s)
+
+
+def _cheapest(options: list[LoadPlan], hit: int, geometry: Geometry, policy: Policy, tiers: tuple[str, ...],
+              costs: CostModel | None, recompute_s: float | None) -> LoadPlan:
+    """The cheapest by the cost model of ``options`` (plans to the hit's end ``hit``, in tokens;
+    the earlier wins a tie), and, when the model may veto (``recompute_s``: seconds to recompute
+    the hit past the floor), of each cut at an earlier chunk boundary (the longer wins a tie);
+    recompute (``Skip.SLOWER``) when that is cheaper still. Without a cost model: the first."""
+    if costs is None or not costs.known(tiers):
+        return options[0]
+    if recompute_s is None and len(options) == 1:
+        return options[0]  # an estimate only: nothing to compare, and it may not veto (plan_load)
+    scored = []
+    for rank, option in enumerate(options):
+        for plan in _cuts(option, hit, geometry, policy) if recompute_s is not None else (option,):
+            seconds = _cost(plan, geometry, tiers, costs) + costs.prefill_s(hit - plan.load_end)
+            scored.append((seconds, rank, -plan.load_end, plan))
+    seconds, _, _, best = min(scored, key=lambda o: o[:3])
+    if recompute_s is not None and seconds > recompute_s:
+        return LoadPlan(PlanKind.NONE, best.local_tokens, best.local_tokens, best.local_tokens, Skip.SLOWER,
+                        recompute_s, hit)
+    return dataclasses.replace(best, predicted_s=seconds, stored_end=hit if recompute_s is not None else None)
+
+
+def _cuts(plan: LoadPlan, hit: int, geometry: Geometry, policy: Policy) -> list[LoadPlan]:
+    """``plan`` (which loads to ``hit``) and, where the policy allows, the same plan stopped at
+    each earlier chunk boundary past its start that still loads ``min_load_tokens``."""
+    if not policy.cut:
+        return [plan]
+    c = geometry.chunk_tokens
+    first = plan.load_start + (c - plan.load_start % c)  # the first boundary past the start
+    return [dataclasses.replace(plan, load_end=end) for end in range(first, hit + 1, c)
+            if end - plan.load_start >= policy.min_load_tokens]
 
 
 def _cost(plan: LoadPlan, geometry: Geometry, tiers: tuple[str, ...], costs: CostModel) -> float:
@@ -216,20 +273,6 @@ def _cost(plan: LoadPlan, geometry: Geometry, tiers: tuple[str, ...], costs: Cos
         # The gap runs in its own engine step before the load can start.
         seconds += costs.step_s(plan.boundary - plan.local_tokens)
     return seconds
-
-
-def _with_cost(plan: LoadPlan, seconds: float) -> LoadPlan:
-    return LoadPlan(plan.kind, plan.local_tokens, plan.load_start, plan.load_end, None, seconds)
-
-
-def _unless_slower(plan: LoadPlan, geometry: Geometry, tiers: tuple[str, ...], costs: CostModel | None,
-                   recompute_s: float | None) -> LoadPlan:
-    if recompute_s is None:
-        return plan
-    seconds = _cost(plan, geometry, tiers, costs)
-    if seconds > recompute_s:
-        return none(plan.local_tokens, Skip.SLOWER)
-    return _with_cost(plan, seconds)
 
 
 def tier_tokens(tiers: tuple[str, ...], start: int, end: int, chunk_tokens: int) -> dict[str, int]:

@@ -28,7 +28,7 @@ from kvtier.keys import chunk_keys, namespace, tail_key
 from kvtier.lookup import LookupClient
 from kvtier.pd import params as pd
 from kvtier.scheduler_hooks import (
-    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, Skip, advance, may_load, plan_load, tier_tokens,
+    CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, advance, may_load, plan_load, tier_tokens,
 )
 from kvtier.scheduler_hooks.distrust import Distrusted
 
@@ -55,7 +55,7 @@ class SchedulerSide:
         self.geometry = Geometry(block_size, config.chunk_tokens)
         self.groups = GroupJobs(groups, self.geometry)
         self.chunk_tokens, self.chunk_blocks = config.chunk_tokens, self.geometry.chunk_blocks
-        self.policy = Policy(config.min_load_tokens or config.chunk_tokens, config.unaligned, handoff_supported=False)
+        self.policy = Policy(config.min_load_tokens or config.chunk_tokens, config.unaligned, False, not self.groups.others)
         self.meter = CostMeter(config.prefill_tokens_per_s)
         self.clock, self.client = clock, LookupClient(endpoint, config.lookup_timeout_ms)
         self.engine_id, self.tp_size, self.name_chunk = engine_id, tp_size, name_chunk
@@ -73,7 +73,7 @@ class SchedulerSide:
         self._completed = 0  # steps whose output came back
         self._warned_handoff = False
         self.counts: Counter[str] = Counter()  # admissions by committed plan kind (and skip reason)
-        self._vetoes = 0  # admissions committed to recompute on cost since the last load
+        self._vetoes = 0  # admissions that left stored chunks on cost since the last whole load
 
     def enable_handoff(self, missing: tuple[str, ...] = ()) -> None:
         """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary, unless this
@@ -86,7 +86,7 @@ class SchedulerSide:
                 logger.warning("kvtier: %s; unaligned hits load partial chunks.", why)
             self._warned_handoff = True
             return
-        self.policy = Policy(self.policy.min_load_tokens, self.policy.unaligned, handoff_supported=True)
+        self.policy = Policy(self.policy.min_load_tokens, self.policy.unaligned, True, self.policy.cut)
 
     # ---- admission --------------------------------------------------------------------------
     def track(self, req_id: str, prompt: list[int], cache_salt: str | None,
@@ -128,9 +128,9 @@ class SchedulerSide:
         inp = PlanInput(len(prompt), local_tokens, tiers, remote)
         plan = self.groups.remote_plan(plan_load(inp, self.geometry, self.policy, self.meter.model()),
                                        len(prompt), local_tokens)
-        if plan.skip is Skip.SLOWER and self._vetoes >= PROBE_EVERY:
-            # Vetoed loads measure nothing: now and then one loads anyway, so a cost model
-            # that went wrong (or a tier that got faster) is corrected.
+        if plan.cut_on_cost and self._vetoes >= PROBE_EVERY:
+            # Chunks left on cost measure nothing: now and then a hit loads whole anyway, so a
+            # cost model that went wrong (or a tier that got faster) is corrected.
             plan = plan_load(inp, self.geometry, self.policy, None)
         if self.config.unaligned == "handoff" and not self.policy.handoff_supported and not self._warned_handoff:
             logger.warning("kvtier setting unaligned='handoff' needs scheduler_cls='%s'; "
@@ -158,7 +158,7 @@ class SchedulerSide:
             # Admitted again after running: vLLM's own scheduler preempted it without telling the
             # connector (only kvtier's scheduler calls preempted()), so its state starts over here.
             self.preempted(req_id)
-        self._vetoes = self._vetoes + 1 if plan.skip is Skip.SLOWER else 0 if plan.skip is None else self._vetoes
+        self._vetoes = self._vetoes + 1 if plan.cut_on_cost else 0 if plan.skip is None else self._vetoes
         if plan.skip is not None and tracked.tiers:
             logger.debug("kvtier: request %s loads nothing of %d stored chunks (%s: %s)", req_id,
                          len(tracked.tiers), plan.skip.name.lower(), plan.skip.value)
