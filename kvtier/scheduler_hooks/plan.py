@@ -247,7 +247,9 @@ def _cheapest(options: list[LoadPlan], hit: int, geometry: Geometry, policy: Pol
         for plan in _cuts(option, hit, geometry, policy) if recompute_s is not None else (option,):
             seconds = _cost(plan, geometry, tiers, costs) + costs.prefill_s(hit - plan.load_end)
             scored.append((seconds, rank, -plan.load_end, plan))
-    seconds, _, _, best = min(scored, key=lambda o: o[:3])
+    least = min(o[0] for o in scored)
+    # Costs equal but for rounding (a tier exactly as fast as prefill) tie: the longer load wins.
+    seconds, _, _, best = min((o for o in scored if o[0] <= least * (1 + 1e-9)), key=lambda o: o[1:3])
     if recompute_s is not None and seconds > recompute_s:
         return LoadPlan(PlanKind.NONE, best.local_tokens, best.local_tokens, best.local_tokens, Skip.SLOWER,
                         recompute_s, hit)

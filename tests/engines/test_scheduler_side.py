@@ -189,3 +189,17 @@ def test_with_save_replies_off_only_the_prompt_is_saved():
         assert len(replied(s, "a", list(range(7, 7 + 2 * CHUNK)))) == 4
     finally:
         s.close()
+
+
+def test_a_hit_in_cpu_then_on_a_slow_disk_loads_only_the_cpu_chunks(side):
+    for tokens in (1, 512) * 4:
+        side.meter.record_step(tokens, 1e-3 + 1e-5 * tokens)  # recompute: 10 us a token
+    for tokens in (64, 256) * 4:
+        side.meter.record_load("cpu", tokens, 1e-4)
+        side.meter.record_load("disk", tokens, 1e-4 + 1e-4 * tokens)  # 100 us a token
+    side.client = StubClient(["cpu", "cpu", "disk", "disk"])
+    plan = admit(side, "a")
+    assert (plan.kind, plan.load_end, plan.stored_end) == (PlanKind.LOAD, 2 * CHUNK, 4 * CHUNK)
+    (job,) = side.take_plan([]).loads
+    assert len(job.keys) == 2 and len(job.block_ids) == 2 * CHUNK // BS
+    assert side.hit_sources("a") == {"cpu": 2 * CHUNK}
