@@ -125,3 +125,4 @@ class StepPlan:
     reset: bool = False  # empty the tiers before anything else
     allocated: tuple[int, ...] = ()  # engine block ids given to requests this step (saves may still read some)
     stopped: tuple[str, ...] = ()  # transfer ids of producer requests aborted or preempted: lend none of their blocks
+    promotes: tuple[bytes, ...] = ()  # chain keys of disk chunks a plan left on cost: read into CPU when idle

@@ -42,6 +42,7 @@ from kvtier.pd.protocol import Hello
 from kvtier.pd.producer.server import ChunkServer, ServedLayout
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker
+from kvtier.transfer.promote import Promoter
 
 logger = logging.getLogger(__name__)
 
@@ -82,6 +83,7 @@ class WorkerNode:
         self.holds: PublishHolds | None = None
         self.group_transfers: list[TierWorker] = []  # one per served group, the anchor's first
         self.transfers: TierWorker | None = None  # the anchor group's
+        self.promoter: Promoter | None = None  # with a disk tier: reads chunks a plan left on disk into CPU
         self.chunk_server: ChunkServer | None = None  # a producer's only
         self.engine_kv: EngineKv | None = None  # P/D HBM to HBM (one KV cache group only)
         self.nixl_start: NixlStart | None = None
@@ -149,6 +151,9 @@ class WorkerNode:
             for other, blocks in zip(layouts[1:], chunk_blocks[1:]))]
         # Measured before the first lookup is answered, so that it already carries the disk's figure.
         disk = store.disk_read_speed() if disk_path else None
+        if disk_path:  # an eighth of the CPU tier at most, after every load and save
+            self.promoter = Promoter(store, self.transfers.chunk_bytes, config.cpu_bytes // 8, lambda: any(
+                t.loads.running() or t.pending_save_bytes() for t in self.group_transfers))
         if disk is not None:
             self.transfers.seed_read_speed("disk", disk.bytes_per_s)
         pd = "no P/D chunk server (kv_consumer)"
@@ -221,9 +226,13 @@ class WorkerNode:
         if plan.stopped and self.engine_kv is not None and self.engine_kv.leases is not None:
             self.engine_kv.leases.stopped(plan.stopped)
 
-    def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = (), busy: bool = False) -> None:
+    def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = (), busy: bool = False,
+                    promotes: tuple[bytes, ...] = ()) -> None:
         """Cancel the loads of requests ``cancels``, then start ``jobs`` (``busy``: the step computes other requests,
-        so no load runs on the engine's thread)."""
+        so no load runs on the engine's thread); queue the chunks of chain keys ``promotes`` to be read from disk into
+        the CPU tier once no load or save runs."""
+        if promotes and self.promoter is not None:
+            self.promoter.submit(self.transfers.skey(key) for key in promotes)
         for req_id, transfers in itertools.product(cancels, self.group_transfers):
             transfers.cancel(req_id)
         if len(self.group_transfers) > 1:
@@ -335,6 +344,8 @@ class WorkerNode:
         for part in (self.chunk_server, self.holds):
             if part is not None:
                 part.close()
+        if self.promoter is not None:
+            self.promoter.close()
         for transfers in self.group_transfers:
             transfers.close()  # finishes pending saves, which still report
         if self.store is not None:
@@ -346,5 +357,5 @@ class WorkerNode:
             if self.nixl_start is not None:
                 self.nixl_start.close()
             self.store.close()
-        self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = None
+        self.server = self.transfers = self.store = self.reporter = self.chunk_server = self.holds = self.promoter = None
         self.group_transfers = []

@@ -108,3 +108,35 @@ def test_a_node_with_a_disk_tier_measures_it_and_the_first_lookup_carries_its_fi
     finally:
         node.close()
     assert "disk reads" in caplog.text and "GB/s" in caplog.text
+
+
+def test_a_disk_chunk_named_for_promotion_ends_up_in_the_cpu_tier(tmp_path):
+    """A plan that leaves disk chunks to recompute names them; the node reads them into CPU in
+    the background, so the prompt's next sight is a CPU hit."""
+    from kvtier.storage import Tier
+
+    kv = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8)
+    layout = build_layout({f"layer.{i}": kv[i] for i in range(2)}, BLOCK, NUM_BLOCKS, model="tiny")
+    config = KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24, disk_path=str(tmp_path / "disk"))
+    keys = chunk_keys(list(range(2 * CHUNK)), CHUNK, b"root")
+
+    def start(name):
+        return WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1,
+                          endpoint=f"ipc://{tmp_path}/{name}.sock", produce=False, engine="a test")
+
+    node = start("first")
+    try:
+        node.save((SaveJob("a", tuple(keys), (3, 4, 5, 6)),))
+        assert node.settle()
+    finally:
+        node.close()
+    node = start("second")  # a fresh CPU tier: the chunks are on disk only
+    try:
+        skeys = [node.transfers.skey(k) for k in keys]
+        assert [node.store.contains(k) for k in skeys] == [Tier.DISK, Tier.DISK]
+        node.start_loads((), promotes=(keys[1],))
+        assert node.promoter.wait_idle(10)
+        assert [node.store.contains(k) for k in skeys] == [Tier.DISK, Tier.CPU]
+        assert node.promoter.promoted == 1
+    finally:
+        node.close()

@@ -8,6 +8,8 @@ Engine-agnostic: the vLLM adapter turns its metadata into :class:`~kvtier.jobs.L
 * :mod:`kvtier.transfer.save`: the save side (background): the copy-out on the engine's thread,
   the bounded backlog, the save thread that seals and stores, its CUDA stream; and
   :class:`~kvtier.transfer.reuse.ReuseGuard`, when the engine may reuse blocks a save reads.
+* :mod:`kvtier.transfer.promote`: the promoter (lowest priority): reads disk chunks a plan left
+  to recompute into the CPU tier once no load or save runs; built by the worker node.
 * :mod:`kvtier.transfer.common`: what both use: :class:`TransferStats`, the copy functions, the
   per-tier load cost.
 

@@ -203,3 +203,19 @@ def test_a_hit_in_cpu_then_on_a_slow_disk_loads_only_the_cpu_chunks(side):
     (job,) = side.take_plan([]).loads
     assert len(job.keys) == 2 and len(job.block_ids) == 2 * CHUNK // BS
     assert side.hit_sources("a") == {"cpu": 2 * CHUNK}
+    side.client = StubClient(["disk"] * 4)  # a veto: every disk chunk is named for promotion
+    assert admit(side, "b").skip is Skip.SLOWER
+    assert side.take_plan([]).promotes == tuple(side._requests["b"].keys[:4])
+
+
+def test_disk_chunks_a_cut_plan_leaves_are_named_for_promotion_once(side):
+    for tokens in (1, 512) * 4:
+        side.meter.record_step(tokens, 1e-3 + 1e-5 * tokens)
+    for tokens in (64, 256) * 4:
+        side.meter.record_load("cpu", tokens, 1e-4)
+        side.meter.record_load("disk", tokens, 1e-4 + 1e-4 * tokens)
+    side.client = StubClient(["cpu", "cpu", "disk", "disk"])
+    admit(side, "a")
+    plan = side.take_plan([])
+    assert plan.promotes == tuple(side._requests["a"].keys[2:4])
+    assert side.take_plan([]).promotes == ()

@@ -177,7 +177,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         if meta.plan.reset:
             self._worker.reset()
         self._worker.lend(meta.lends)
-        self._worker.start_loads(meta.plan.loads, meta.plan.cancels, busy=not meta.idle)
+        self._worker.start_loads(meta.plan.loads, meta.plan.cancels, busy=not meta.idle, promotes=meta.plan.promotes)
         self._worker.announce(meta.plan.saves, meta.plan.withdrawn)
 
     def wait_for_layer_load(self, layer_name: str) -> None:

@@ -10,7 +10,7 @@ from typing import Sequence
 from kvtier.jobs import LoadJob
 from kvtier.keys import chunk_keys
 from kvtier.pd import params as pd
-from kvtier.scheduler_hooks import LoadPlan, ReqState
+from kvtier.scheduler_hooks import Geometry, LoadPlan, ReqState
 
 
 @dataclass(slots=True)
@@ -59,6 +59,14 @@ class Tracked:
         if full > len(self.keys):
             self.keys = chunk_keys(tokens[: full * chunk_tokens], chunk_tokens, self.root, self.keys)
         return full
+
+    def promotions(self, plan: LoadPlan, geometry: Geometry) -> list[bytes]:
+        """Chain keys of the disk chunks ``plan`` (this request's, from its latest lookup) leaves
+        to recompute on cost: read into the CPU tier in the background, the prompt's next sight
+        is a CPU hit. Not a P/D request's (its chunks past the floor are the producer's)."""
+        if self.role is not None:
+            return []
+        return [self.keys[i] for i in plan.unloaded_chunks(geometry) if i < len(self.tiers) and self.tiers[i] == "disk"]
 
     def tail_blocks(self, chunk_tokens: int, block_size: int) -> int:
         """Blocks of the prompt's trailing partial chunk, as its producer stored it (P/D: ``keys`` are the prompt's)."""

@@ -67,10 +67,9 @@ class SchedulerSide:
         self._group_save_jobs: list[SaveJob] = []  # other served groups' saves planned this step
         self._load_failures: set[str] = set()  # hybrid: requests whose load failed, until reported finished
         # for the next plan: P/D loads to stop; transfers of producer requests aborted before publishing all;
-        self._cancels, self._withdrawn, self._stopped = [], [], []  # ... and of those aborted or preempted
+        self._cancels, self._withdrawn, self._stopped, self._promotes = [], [], [], []  # ... of those aborted or preempted; keys to promote
         self._distrusted = Distrusted()
-        self._step = 0  # steps planned (StepPlans taken)
-        self._completed = 0  # steps whose output came back
+        self._step = self._completed = 0  # steps planned (StepPlans taken); steps whose output came back
         self._warned_handoff = False
         self.counts: Counter[str] = Counter()  # admissions by committed plan kind (and skip reason)
         self._vetoes = 0  # admissions that left stored chunks on cost since the last whole load
@@ -159,6 +158,7 @@ class SchedulerSide:
             # connector (only kvtier's scheduler calls preempted()), so its state starts over here.
             self.preempted(req_id)
         self._vetoes = self._vetoes + 1 if plan.cut_on_cost else 0 if plan.skip is None else self._vetoes
+        self._promotes += tracked.promotions(plan, self.geometry)
         if plan.skip is not None and tracked.tiers:
             logger.debug("kvtier: request %s loads nothing of %d stored chunks (%s: %s)", req_id,
                          len(tracked.tiers), plan.skip.name.lower(), plan.skip.value)
@@ -294,14 +294,14 @@ class SchedulerSide:
         loads, self._loads = tuple(job for load in self._loads for job in (load.job, *load.others)), []
         # other groups' first: a P/D producer's last anchor job says the transfer is all announced
         saves, self._group_save_jobs = [*self._group_save_jobs, *saves], []
-        cancels, withdrawn, stopped = tuple(self._cancels), tuple(self._withdrawn), tuple(self._stopped)
-        self._cancels, self._withdrawn, self._stopped = [], [], []
+        cancels, withdrawn, stopped, promotes = map(tuple, (self._cancels, self._withdrawn, self._stopped, self._promotes))
+        self._cancels, self._withdrawn, self._stopped, self._promotes = [], [], [], []
         reset = self.reset_pending and self._reset_step is None
         if reset:
             self._reset_step = self._step
         self._step += 1
         loaded = tuple(b for job in loads for b in job.block_ids)
-        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset, allocated + loaded, stopped)
+        return StepPlan(loads, tuple(saves), cancels, withdrawn, reset, allocated + loaded, stopped, promotes)
 
     def reset(self) -> None:
         """Empty the tiers (vLLM's ``reset_cache``) with the next step; lookups offer nothing until it ran."""

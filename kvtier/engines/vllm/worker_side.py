@@ -131,8 +131,9 @@ class WorkerSide:
     def guard_reuse(self, plan: StepPlan) -> None:
         self.node.guard_reuse(plan)
 
-    def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = (), busy: bool = False) -> None:
-        self.node.start_loads(jobs, cancels, busy)
+    def start_loads(self, jobs: tuple[LoadJob, ...], cancels: tuple[str, ...] = (), busy: bool = False,
+                    promotes: tuple[bytes, ...] = ()) -> None:
+        self.node.start_loads(jobs, cancels, busy, promotes)
 
     def announce(self, jobs: tuple[SaveJob, ...], withdrawn: tuple[str, ...] = ()) -> None:
         self.node.announce(jobs, withdrawn)

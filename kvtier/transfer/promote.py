@@ -1,0 +1,111 @@
+"""Promotion while a prompt waits: disk chunks a plan left to recompute are read into the CPU tier
+in the background, so the prompt's next sight is a CPU hit.
+
+Lowest priority of the rank's work: one thread, nicer than the save thread, that reads a chunk
+only while no load runs and no save is pending (``busy``), one chunk at a time. A read is the
+store's own: :meth:`ChunkStore.get` promotes a disk chunk into CPU (and reports it), and the
+buffer is released at once. Bounded: at most ``max_bytes`` of chunks queued or being read; keys
+beyond that are dropped and counted (a later sight of the prompt asks again).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections import deque
+from typing import Callable, Iterable
+
+from kvtier.storage import ChunkStore, Tier
+
+logger = logging.getLogger(__name__)
+
+PROMOTE_NICE = 15  # nicer than the save thread (+10): promotions yield to saves under CPU contention
+_YIELD_S = 0.002  # seconds between looks while loads or saves run
+
+
+class Promoter:
+    """Reads queued storage keys from disk into the CPU tier of ``store``, on its own thread.
+
+    ``chunk_bytes``: bytes of one stored chunk (the bound counts whole chunks). ``max_bytes``:
+    most bytes queued or in flight. ``busy``: whether loads run or saves are pending now (any
+    thread); promotions wait for it to be False.
+    """
+
+    def __init__(self, store: ChunkStore, chunk_bytes: int, max_bytes: int, busy: Callable[[], bool]):
+        self.store, self.busy = store, busy
+        self.max_chunks = max(1, max_bytes // max(1, chunk_bytes))
+        self.promoted = self.dropped = 0  # chunks read into CPU; keys dropped (queue full)
+        self._queue: deque[bytes] = deque()
+        self._queued: set[bytes] = set()
+        self._reading = 0  # chunks taken from the queue and not yet read
+        self._cond = threading.Condition()
+        self._closing = False
+        self._thread = threading.Thread(target=self._loop, name="kvtier-promote", daemon=True)
+        self._thread.start()
+
+    def submit(self, keys: Iterable[bytes]) -> int:
+        """Queue storage ``keys`` for promotion (those queued already are skipped); returns how many
+        were queued. Never waits. Any thread."""
+        queued = 0
+        with self._cond:
+            for key in keys:
+                if key in self._queued:
+                    continue
+                if len(self._queue) + self._reading >= self.max_chunks:
+                    self.dropped += 1
+                    continue
+                self._queue.append(key)
+                self._queued.add(key)
+                queued += 1
+            if queued:
+                self._cond.notify()
+        return queued
+
+    def wait_idle(self, timeout_s: float = 30.0) -> bool:
+        """Wait until nothing is queued or being read (False after ``timeout_s`` seconds)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: not self._queue and not self._reading, timeout_s)
+
+    def close(self) -> None:
+        """Stop the thread; queued keys are dropped, a read under way finishes."""
+        with self._cond:
+            self._closing = True
+            self._queue.clear()
+            self._queued.clear()
+            self._cond.notify_all()
+        self._thread.join()
+
+    def _loop(self) -> None:
+        try:
+            os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), PROMOTE_NICE)  # this thread only
+        except (AttributeError, OSError):
+            pass
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._queue or self._closing)
+                if self._closing:
+                    return
+                key = self._queue.popleft()
+                self._queued.discard(key)
+                self._reading += 1
+            try:
+                while self.busy() and not self._closing:
+                    time.sleep(_YIELD_S)  # loads and saves first
+                self._promote(key)
+            finally:
+                with self._cond:
+                    self._reading -= 1
+                    self._cond.notify_all()
+
+    def _promote(self, key: bytes) -> None:
+        try:
+            if self._closing or self.store.contains(key) is not Tier.DISK:
+                return  # evicted, removed, or promoted by a load meanwhile
+            buf = self.store.get(key)  # a disk read promotes into CPU
+            if buf is not None:
+                buf.release()
+                self.promoted += 1
+        except Exception as exc:  # a store closing under us, a vanished file: the prompt recomputes anyway
+            logger.debug("kvtier: promoting chunk %s failed: %s", key.hex()[:16], exc)

@@ -1,0 +1,56 @@
+"""The background promoter on its own, over a stub store: it waits for loads and saves, reads a
+chunk only while it is still on disk only, and drops keys past its bound."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvtier.storage import Tier
+from kvtier.transfer.promote import Promoter
+
+
+class StubStore:
+    def __init__(self, disk):
+        self.tiers = {k: Tier.DISK for k in disk}
+        self.reads = []
+
+    def contains(self, key):
+        return self.tiers.get(key)
+
+    def get(self, key):
+        self.reads.append(key)
+        self.tiers[key] = Tier.CPU
+        store = self
+
+        class Buf:
+            def release(self):
+                store.released = getattr(store, "released", 0) + 1
+        return Buf()
+
+
+def test_promotes_only_disk_chunks_and_only_when_idle():
+    store, busy = StubStore([b"a", b"b"]), threading.Event()
+    busy.set()
+    promoter = Promoter(store, chunk_bytes=100, max_bytes=1000, busy=busy.is_set)
+    try:
+        assert promoter.submit([b"a", b"a", b"b", b"gone"]) == 3  # a key queued twice counts once
+        time.sleep(0.05)
+        assert store.reads == []  # a load or save runs: nothing is read
+        busy.clear()
+        assert promoter.wait_idle(10)
+        assert store.reads == [b"a", b"b"] and store.released == 2 and promoter.promoted == 2
+    finally:
+        promoter.close()
+
+
+def test_keys_past_the_bound_are_dropped():
+    store, busy = StubStore([bytes([i]) for i in range(10)]), threading.Event()
+    busy.set()
+    promoter = Promoter(store, chunk_bytes=100, max_bytes=300, busy=busy.is_set)  # three chunks at most
+    try:
+        assert promoter.submit([bytes([i]) for i in range(10)]) == 3 and promoter.dropped == 7
+        busy.clear()
+        assert promoter.wait_idle(10) and len(store.reads) == 3
+    finally:
+        promoter.close()
