@@ -250,7 +250,7 @@ def _cheapest(options: list[LoadPlan], hit: int, geometry: Geometry, policy: Pol
     least = min(o[0] for o in scored)
     # Costs equal but for rounding (a tier exactly as fast as prefill) tie: the longer load wins.
     seconds, _, _, best = min((o for o in scored if o[0] <= least * (1 + 1e-9)), key=lambda o: o[1:3])
-    if recompute_s is not None and seconds > recompute_s:
+    if recompute_s is not None and least > recompute_s:
         return LoadPlan(PlanKind.NONE, best.local_tokens, best.local_tokens, best.local_tokens, Skip.SLOWER,
                         recompute_s, hit)
     return dataclasses.replace(best, predicted_s=seconds, stored_end=hit if recompute_s is not None else None)
