@@ -63,7 +63,8 @@ class Tracked:
     def promotions(self, plan: LoadPlan, geometry: Geometry) -> list[bytes]:
         """Chain keys of the disk chunks ``plan`` (this request's, from its latest lookup) leaves
         to recompute on cost: read into the CPU tier in the background, the prompt's next sight
-        is a CPU hit. Not a P/D request's (its chunks past the floor are the producer's)."""
+        is a CPU hit. Not a P/D request's (its chunks past the floor are the producer's); the caller
+        asks none for a hybrid model (its other groups' chunks would stay on disk, under a CPU tier)."""
         if self.role is not None:
             return []
         return [self.keys[i] for i in plan.unloaded_chunks(geometry) if i < len(self.tiers) and self.tiers[i] == "disk"]

@@ -158,7 +158,7 @@ class SchedulerSide:
             # connector (only kvtier's scheduler calls preempted()), so its state starts over here.
             self.preempted(req_id)
         self._vetoes = self._vetoes + 1 if plan.cut_on_cost else 0 if plan.skip is None else self._vetoes
-        self._promotes += tracked.promotions(plan, self.geometry)
+        self._promotes += [] if self.groups.others else tracked.promotions(plan, self.geometry)
         if plan.skip is not None and tracked.tiers:
             logger.debug("kvtier: request %s loads nothing of %d stored chunks (%s: %s)", req_id,
                          len(tracked.tiers), plan.skip.name.lower(), plan.skip.value)
