@@ -38,7 +38,8 @@ def settle_saves() -> None:
 
 
 def main() -> None:
-    # A hang prints every thread's stack and ends the engine before the test's 300 s timeout.
+    # A crash, or a hang before the test's 300 s timeout, prints every thread's stack and ends the engine.
+    faulthandler.enable()
     faulthandler.dump_traceback_later(float(os.environ.get("KVTIER_E2E_HANG_S", "270")), exit=True)
     spec = json.loads(open(sys.argv[1]).read())
     from vllm import LLM, SamplingParams

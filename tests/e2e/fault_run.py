@@ -11,6 +11,7 @@ own objects are slowed, never replaced: a lookup server that sleeps before answe
 whose loads take longer. Every load, save and lookup still runs through the real code.
 """
 
+import faulthandler
 import gc
 import json
 import os
@@ -22,6 +23,7 @@ import time
 from pathlib import Path
 
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+faulthandler.enable()  # a crash prints every thread's stack into the log the test shows
 
 
 def build_llm(spec: dict):
