@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable
 
 from . import _lmcache as lm
-from ._probe import DiskSpeed, measure_read_speed
+from ._probe import DiskSpeed, measure_read_speed, will_need
 from .types import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -189,17 +189,7 @@ class DiskTier:
             return  # O_DIRECT reads bypass the page cache
         with self.backend.disk_lock:
             paths = [meta.path for ek in eks if (meta := self.backend.dict.get(ek)) is not None]
-        for path in paths:
-            try:
-                fd = os.open(path, os.O_RDONLY)
-            except OSError:
-                continue
-            try:
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
-            except (OSError, AttributeError):
-                pass
-            finally:
-                os.close(fd)
+        will_need(paths)
 
     def read_speed(self) -> DiskSpeed | None:
         """The tier's read speed, measured now from its least recently used chunk files (a

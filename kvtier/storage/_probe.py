@@ -87,7 +87,7 @@ def _timed_reads(paths: list[str], o_direct: bool, max_bytes: int, max_s: float,
     try:
         start = time.perf_counter()
         if not direct:
-            _will_need(paths)
+            will_need(paths)
         for path in paths:
             if total >= max_bytes or time.perf_counter() - start >= max_s:
                 break
@@ -131,7 +131,8 @@ def _read_file(path: str, view: memoryview, direct: bool, budget: int, deadline:
     return done, direct
 
 
-def _will_need(paths: list[str]) -> None:
+def will_need(paths: list[str]) -> None:
+    """Ask the kernel to read ``paths`` into the page cache (``POSIX_FADV_WILLNEED``); errors ignored."""
     for path in paths:
         try:
             fd = os.open(path, os.O_RDONLY)
