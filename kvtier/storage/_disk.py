@@ -14,7 +14,7 @@ import threading
 from typing import Any, Callable
 
 from . import _lmcache as lm
-from ._probe import DiskSpeed, measure_read_speed, will_need
+from ._probe import DiskSpeed, measure_read_speed, unlink_quietly, will_need
 from .types import StoreConfig
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,7 @@ class DiskTier:
         except Exception as exc:  # noqa: BLE001 - any failure means "not on disk"
             self._tls.failed = True
             logger.warning("disk write failed, chunk kept in CPU only: %s (%s)", path, exc)
-            _unlink_quietly(path)
+            unlink_quietly(path)
 
     def _save(self, key: Any, memory_obj: Any, on_complete_callback: Any = None) -> None:
         self._tls.nbytes = memory_obj.get_size()
@@ -257,7 +257,7 @@ class DiskTier:
                 logger.warning(
                     "deleting disk chunk %s: %d bytes on disk, %d expected", entry.path, size, nbytes
                 )
-                _unlink_quietly(entry.path)
+                unlink_quietly(entry.path)
                 continue
             found.append((mtime, entry.path, ek, nbytes))
         found.sort(key=lambda f: (f[0], f[1]), reverse=True)  # newest first: they win on overflow
@@ -266,7 +266,7 @@ class DiskTier:
             phys = -(-nbytes // self._align) * self._align  # what a fresh write would count
             if total + phys > disk.max_cache_size:
                 logger.warning("deleting disk chunk %s: beyond disk_bytes", path)
-                _unlink_quietly(path)
+                unlink_quietly(path)
                 continue
             total += phys
             kept.append((ek, nbytes, phys))
@@ -369,9 +369,3 @@ def _read_direct(path: str, buf: memoryview) -> str | None:
         return exc.strerror or type(exc).__name__
     return None
 
-
-def _unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except OSError:
-        pass

@@ -76,7 +76,7 @@ def measure_read_speed(directory: str, paths: list[str], o_direct: bool, max_byt
         return _timed_reads(paths, o_direct, max_bytes, max_s, "scratch" if scratch else "chunks")
     finally:
         if scratch is not None:
-            _unlink(scratch)
+            unlink_quietly(scratch)
 
 
 def _timed_reads(paths: list[str], o_direct: bool, max_bytes: int, max_s: float, source: str) -> DiskSpeed | None:
@@ -165,12 +165,13 @@ def _write_scratch(directory: str, nbytes: int) -> str | None:
             os.close(fd)
     except OSError as exc:
         logger.debug("kvtier: disk read speed not measured: scratch file %s: %s", path, exc)
-        _unlink(path)
+        unlink_quietly(path)
         return None
     return path
 
 
-def _unlink(path: str) -> None:
+def unlink_quietly(path: str) -> None:
+    """Remove ``path`` if it is there; any error is ignored (best effort)."""
     try:
         os.unlink(path)
     except OSError:
