@@ -93,10 +93,10 @@ class _TimedGets:
         self._store = store
         self.ms = 0.0
 
-    def get(self, key: bytes):
+    def get(self, key: bytes, cpu_only: bool = False):
         begin = time.perf_counter()
         try:
-            return self._store.get(key)
+            return self._store.get(key, cpu_only)
         finally:
             self.ms += (time.perf_counter() - begin) * 1e3
 

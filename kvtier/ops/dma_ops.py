@@ -136,17 +136,31 @@ class Copying:
     sums: torch.Tensor | None = None
     expected: Sequence[int] | torch.Tensor | None = None
     _ok: list[bool] | None = None
+    began: torch.cuda.Event | None = None  # staged scatter: timing events around the whole batch
+    ended: torch.cuda.Event | None = None  # after the last span (and the sums' copy to ``host_sums``)
+    host_sums: torch.Tensor | None = None  # staged scatter with checksums: the sums in pinned host memory
+
+    def ready(self) -> bool:
+        """Whether every span is complete (asks the events; never waits)."""
+        if self.ended is not None:
+            return self.ended.query()
+        return all(event.query() for event in dict.fromkeys(self.done))
+
+    def elapsed_ms(self) -> float | None:
+        """GPU ms from the batch's first copy to its last (staged, once :meth:`ready`), else None."""
+        return self.began.elapsed_time(self.ended) if self.began is not None and self.ended is not None else None
 
     def wait(self) -> list[bool]:
         if self._ok is None:
-            for event in dict.fromkeys(self.done):  # each distinct event once
+            for event in [self.ended] if self.ended is not None else dict.fromkeys(self.done):  # each distinct once
                 event.synchronize()
             self._ok = [True] * len(self.done)
             if self.expected is not None:  # on the host: a kernel here would queue for SMs behind the model's
                 want = self.expected.tolist() if isinstance(self.expected, torch.Tensor) else self.expected
                 if len(want) != len(self.done):
                     raise ValueError(f"{len(want)} expected checksums for {len(self.done)} spans.")
-                self._ok = [got == to_signed(int(w)) for got, w in zip(self.sums.cpu().tolist(), want)]
+                got = self.host_sums if self.host_sums is not None else self.sums.cpu()
+                self._ok = [g == to_signed(int(w)) for g, w in zip(got.tolist(), want)]
         return self._ok
 
 
@@ -290,10 +304,18 @@ def _run(layout, spans, *, gather, checksums_out=None, expected=None, mode=DEFAU
         pack = _stager(layout.device, gather).pack
         pack.wait_stream(torch.cuda.current_stream(layout.device))
         with torch.cuda.stream(pack):
+            timed = None if gather else pack.record_event(torch.cuda.Event(enable_timing=True))
             sums = zeroed_sums()
             done, blocks_read = _staged(layout, spans, sums, gather, verify, max_ctas, stage_bytes, slots, kernel,
                                         checksums_out if gather else None)
-        return Copying(done, blocks_read, sums, expected if verify else None)
+            if gather:
+                return Copying(done, blocks_read, sums)
+            host_sums = None  # a scatter's sums on the host, read once ``ended`` fired: no copy on the caller's stream
+            if verify:
+                host_sums = torch.empty(len(spans), dtype=torch.int64, pin_memory=True)
+                host_sums.copy_(sums, non_blocking=True)
+            ended = pack.record_event(torch.cuda.Event(enable_timing=True))  # the unpacks run on pack: the last one
+        return Copying(done, blocks_read, sums, expected if verify else None, began=timed, ended=ended, host_sums=host_sums)
     sums = zeroed_sums()
     _per_block(layout, spans, sums, gather, verify, mode == "batch", max_ctas, kernel)
     if gather and checksums_out is not None:

@@ -179,12 +179,11 @@ class ChunkStore:
             tiers.append(tier)
         return tiers
 
-    def get(self, key: bytes) -> ChunkBuffer | None:
-        """The chunk's bytes, from CPU if there (refreshing its LRU position), else from disk
-        (promoting it into CPU). None if it is gone (evicted after contains, its file vanished
-        or was truncated), or if a disk chunk cannot get CPU room. The caller must release()
-        the buffer and must not write to it (the memory is the cached chunk itself).
-        """
+    def get(self, key: bytes, cpu_only: bool = False) -> ChunkBuffer | None:
+        """The chunk's bytes, from CPU if there (refreshing its LRU position), else (unless
+        ``cpu_only``) from disk (promoting it into CPU). None if it is gone (evicted after contains,
+        its file vanished or was truncated), or if a disk chunk cannot get CPU room. The caller must
+        release() the buffer and must not write to it (the memory is the cached chunk itself)."""
         self._check_open()
         ek = lm.engine_key(key, self._config)
         obj = self._sm.get(ek, location=lm.CPU_BACKEND)  # +1 reference, ours to give away
@@ -194,6 +193,8 @@ class ChunkStore:
                 if ek in self._cpu.hot_cache:
                     self._cpu.cache_policy.update_on_hit(ek, self._cpu.hot_cache)
             return self._wrap(obj, Tier.CPU)
+        if cpu_only:
+            return None
         tier, obj = Tier.DISK, None
         if self._disk is not None:
             obj = self._disk.read(ek, self._alloc_obj)

@@ -29,7 +29,6 @@ the store, whose locks guard index updates only.
 from __future__ import annotations
 
 import logging
-import queue
 from collections import deque
 from typing import Callable
 from concurrent.futures import Future
@@ -161,10 +160,7 @@ class TierWorker:
         if not self._loads_out:
             return False
         if timeout_s > 0:
-            try:
-                self.loads.finished.put(self.loads.finished.get(timeout=timeout_s))
-            except queue.Empty:
-                pass
+            self.loads.wait_finished(timeout_s)
         return True
 
     @property

@@ -2,16 +2,19 @@
 
 Threads:
 
-* One load thread (``kvtier-load``) runs loads from the local tiers, one job at a time, and reports
-  each request finished (``load_inline``: on the caller's thread, in a step computing nothing else).
+* On CUDA a load from the CPU tier alone runs in no thread: the caller starts its copies and
+  :meth:`LoadSide.take_finished` polls their event (:mod:`kvtier.transfer.polled`).
+* One load thread (``kvtier-load``) runs the other loads from the local tiers (disk, shared), one
+  job at a time, and reports each request finished (``load_inline``: on the caller's thread, in a
+  step computing nothing else).
 * :data:`REMOTE_THREADS` threads (``kvtier-remote``) run loads with chunks a P/D producer serves
   (``LoadJob.remote``): a transfer may wait for the producer's prefill; a reload must not wait
   behind it. Their producer chunks are scattered one by one as they arrive while the next ones are
-  on the wire (:meth:`LoadSide._load_remote`), then kept in the CPU tier.
+  on the wire (:mod:`kvtier.transfer.remote`), then kept in the CPU tier.
 
 On CUDA every load runs on the load stream (made here, one for all those threads), which first waits for the
 event after which blocks a save reads are free (``reuse_after``, from the save side; a P/D load waits for it
-on the host: NIXL waits for no stream), and the load is synchronized before it is reported finished. With
+on the host: NIXL waits for no stream), and the load's copies have ended before it is reported finished. With
 ``dma`` each batch's copies start as soon as its chunks are fetched, so fetching overlaps copying.
 
 Buffers: a local chunk's buffer comes from ``store.get`` and is released here once every copy that reads it
@@ -35,7 +38,7 @@ from typing import Callable
 import torch
 
 from kvtier import codec
-from kvtier.jobs import Landed, LoadJob
+from kvtier.jobs import LoadJob
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
@@ -43,11 +46,12 @@ from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 from kvtier.timeline import mark
 from kvtier.transfer.common import Copied, Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms, on_device
 from kvtier.transfer.landed import LandedCheck
+from kvtier.transfer.polled import PolledLoads
+from kvtier.transfer.remote import remote_pass
 
 logger = logging.getLogger(__name__)
 
 REMOTE_THREADS = 4  # P/D transfers in flight at once
-CHECK_AT = 16  # push: landed chunks checked as they come, at least this many a pass, one READ's in one pass
 
 
 class LoadSide:
@@ -73,12 +77,12 @@ class LoadSide:
         self.batch_ms = batch_ms
         self.cost = LoadCost()
         self.load_inline = load_inline
-        self._scatter, self._scatter_async, self._kernel_sums = copies.scatter, copies.scatter_async, copies.kernel_sums
+        self._scatter, self.scatter_async, self.kernel_sums = copies.scatter, copies.scatter_async, copies.kernel_sums
         self._pipeline_bytes = pipeline_bytes
-        self._on_held = on_held
-        self._fetch_remote = fetch_remote
-        self._reuse_after = reuse_after
-        self._load_stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
+        self.on_held = on_held
+        self.fetch_remote = fetch_remote
+        self.reuse_after = reuse_after
+        self.load_stream = torch.cuda.Stream(layout.device) if layout.device.type == "cuda" else None
         self._load_pool = ThreadPoolExecutor(1, thread_name_prefix="kvtier-load", initializer=on_device(layout.device))
         self._last_local = self._load_pool.submit(lambda: None)  # the load thread's latest local load
         self._remote_pool = ThreadPoolExecutor(REMOTE_THREADS, thread_name_prefix="kvtier-remote",
@@ -87,28 +91,38 @@ class LoadSide:
         self._cancelled: set[str] = set()  # requests whose P/D transfer must stop (aborted)
         self.finished: queue.SimpleQueue[tuple[str, set[int]]] = queue.SimpleQueue()  # (request, failed ids)
         self._loads_running = 0  # written by whichever thread runs local loads; the save thread yields while > 0
-        self._landed: LandedCheck | None = None  # set when producers may write chunks into the engine's blocks
+        self.landed: LandedCheck | None = None  # set when producers may write chunks into the engine's blocks
+        self._polled = PolledLoads(self) if self.scatter_async is not None else None  # CPU-tier loads, no thread
 
     def accept_landings(self) -> None:
         """P/D producers may write chunks straight into this engine's blocks from now on (its KV
         is registered with NIXL): they are checked here against their KVSUM64."""
-        self._landed = LandedCheck(self.layout, self.chunk_blocks)
+        self.landed = LandedCheck(self.layout, self.chunk_blocks)
 
     def skey(self, key: bytes) -> bytes:
         return storage_key(key, self.layout.fingerprint)
 
-    def _ids(self, block_ids) -> torch.Tensor:
-        return torch.tensor(block_ids, dtype=torch.int64, device=self.layout.device)
+    def ids(self, block_ids, non_blocking: bool = False) -> torch.Tensor:
+        """``int64 [len(block_ids)]`` on the layout's device; ``non_blocking``: through pinned memory,
+        on the current stream, without waiting for it."""
+        ids = torch.tensor(block_ids, dtype=torch.int64)
+        if self.layout.device.type != "cuda":
+            return ids
+        return ids.pin_memory().to(self.layout.device, non_blocking=True) if non_blocking else ids.to(self.layout.device)
 
     def running(self) -> int:
         """Local loads running now (remote ones wait on their producer: saves need not yield to them)."""
         return self._loads_running
 
     def submit(self, job: LoadJob, busy: bool = False) -> Future:
-        """Load in the background, reported by :meth:`take_finished`; with ``load_inline`` a local-tier
-        load runs now, on this thread, unless the step computes other requests (``busy``: they would
-        wait for it) or the load thread has one (they run in order; see :class:`~kvtier.transfer.TierWorker`)."""
+        """Load in the background, reported by :meth:`take_finished`. On CUDA a load from the CPU tier
+        alone starts its copies now and is polled (:class:`~kvtier.transfer.polled.PolledLoads`). Else,
+        with ``load_inline``, a local-tier load runs now, on this thread, unless the step computes other
+        requests (``busy``: they would wait for it) or the load thread has one (they run in order; see
+        :class:`~kvtier.transfer.TierWorker`)."""
         local = job.remote is None
+        if local and self._polled is not None and (polled := self._polled.start(job)) is not None:
+            return polled
         if local and self.load_inline and not busy and self._last_local.done():
             self._load_and_report(job)
             return self._last_local
@@ -124,16 +138,16 @@ class LoadSide:
         if local:  # only local loads touch it: a remote thread's `+= 0` could write back a stale count
             self._loads_running += 1
         try:
-            if self._load_stream is None:
+            if self.load_stream is None:
                 failed = self.load(job)
             else:
-                if (reuse_after := self._reuse_after()) is not None:
-                    self._load_stream.wait_event(reuse_after)
+                if (reuse_after := self.reuse_after()) is not None:
+                    self.load_stream.wait_event(reuse_after)
                     if not local:
                         reuse_after.synchronize()
-                with torch.cuda.stream(self._load_stream):
+                with torch.cuda.stream(self.load_stream):
                     failed = self.load(job)
-                self._load_stream.synchronize()  # the blocks are whole before the request resumes
+                self.load_stream.synchronize()  # the blocks are whole before the request resumes
         except Exception:
             logger.exception("kvtier: load for request %s failed; its blocks will be recomputed", job.req_id)
             failed = set(job.block_ids)
@@ -155,17 +169,16 @@ class LoadSide:
         spans, buffers, sums, tiers, done = [], [], [], [], 0
         copies: list = []  # started scatters, in span order: each has wait() -> ok per span
         launched, begin = 0, None
-        tokens = {"cpu": 0, "disk": 0, "shared": 0, "remote": 0}
         local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
         if len(local) > 1:  # disk-resident chunks: read ahead all at once, not one by one
             self.store.will_need([self.skey(k) for k in local])
-        ids = self._ids(job.block_ids)  # one host-to-device copy, before any chunk copy is in flight
+        ids = self.ids(job.block_ids)  # one host-to-device copy, before any chunk copy is in flight
         try:
             for i, key in enumerate(local):
                 if done == len(job.block_ids):
                     break
-                first, count = self._span(job, i, done)
-                fetched = self._fetch(key)
+                first, count = self.span(job, i, done)
+                fetched = self.fetch(key)
                 if fetched is None:
                     # The blocks from here on are recomputed and saved again, but a later chunk
                     # still indexed on disk would be skipped as stored: if its file went the way
@@ -179,17 +192,17 @@ class LoadSide:
                 spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids[done : done + count]))
                 done += count
                 pending = (len(spans) - launched) * self.chunk_bytes
-                if self._scatter_async is not None and pending >= self._pipeline_bytes:
+                if self.scatter_async is not None and pending >= self._pipeline_bytes:
                     begin = now_ms() if begin is None else begin
-                    copies.append(self._start_scatter(spans[launched:], sums[launched:]))
+                    copies.append(self.start_scatter(spans[launched:], sums[launched:]))
                     launched = len(spans)
             if launched < len(spans):
                 begin = now_ms() if begin is None else begin
-                copies.append(self._start_scatter(spans[launched:], sums[launched:]))
+                copies.append(self.start_scatter(spans[launched:], sums[launched:]))
             ok = [flag for copy in copies for flag in copy.wait()]
             if spans:
                 if not all(ok):
-                    done = self._first_bad(job, spans, ok)
+                    done = self.first_bad(job, spans, ok)
                 per_chunk = (now_ms() - begin) * self.chunk_blocks / max(1, done)
                 self.cost.scattered(per_chunk)
         finally:
@@ -200,18 +213,33 @@ class LoadSide:
                     pass
             for buffer in buffers:
                 buffer.release()
-        loaded = blocks = 0  # chunks scattered intact: one failing the kernel's check is no hit
+        loaded, tokens = self._intact(spans, tiers, done)
+        if job.remote is not None and len(local) == loaded and done < len(job.block_ids):
+            local_done = done
+            done, remote_chunks = self._load_remote(job, done)
+            tokens["remote"] = (done - local_done) * self.layout.block_size
+            loaded += remote_chunks
+        return self._count(job, done, loaded, tokens, start)
+
+    def account(self, job: LoadJob, spans: list[ChunkSpan], tiers: list[str], done: int, start: float) -> set[int]:
+        """Count a local load whose first ``done`` blocks came intact (``spans`` from ``tiers``, begun
+        at ``start`` ms); returns the engine block ids not loaded."""
+        return self._count(job, done, *self._intact(spans, tiers, done), start)
+
+    def _intact(self, spans: list[ChunkSpan], tiers: list[str], done: int) -> tuple[int, dict[str, int]]:
+        """(Chunks scattered intact within the first ``done`` blocks, tokens per tier): one failing the
+        kernel's check is no hit."""
+        tokens = {"cpu": 0, "disk": 0, "shared": 0, "remote": 0}
+        loaded = blocks = 0
         for span, tier in zip(spans, tiers):
             blocks += span.block_ids.numel()
             if blocks > done:
                 break
             tokens[tier] += span.block_ids.numel() * self.layout.block_size
             loaded += 1
-        if job.remote is not None and len(local) == loaded and done < len(job.block_ids):
-            local_done = done
-            done, remote_chunks = self._load_remote(job, done)
-            tokens["remote"] = (done - local_done) * self.layout.block_size
-            loaded += remote_chunks
+        return loaded, tokens
+
+    def _count(self, job: LoadJob, done: int, loaded: int, tokens: dict[str, int], start: float) -> set[int]:
         stats = self.stats
         stats.loaded_chunks += loaded
         stats.loaded_bytes += done * self.layout.bytes_per_block
@@ -225,12 +253,12 @@ class LoadSide:
             stats.failed_chunks += 1
         return set(job.block_ids[done:])
 
-    def _span(self, job: LoadJob, i: int, done: int) -> tuple[int, int]:
+    def span(self, job: LoadJob, i: int, done: int) -> tuple[int, int]:
         """(first block within chunk ``i`` of ``job``, blocks loaded from it) when ``done`` are loaded."""
         first = job.first_block if i == 0 else 0
-        return first, min(self._num_blocks(job, i) - first, len(job.block_ids) - done)
+        return first, min(self.num_blocks(job, i) - first, len(job.block_ids) - done)
 
-    def _num_blocks(self, job: LoadJob, i: int) -> int:
+    def num_blocks(self, job: LoadJob, i: int) -> int:
         return job.tail_blocks if job.tail_blocks and i == len(job.keys) - 1 else self.chunk_blocks
 
     def _load_remote(self, job: LoadJob, done: int) -> tuple[int, int]:
@@ -238,101 +266,22 @@ class LoadSide:
         ones in the CPU tier; (blocks loaded in all, chunks from the producer). One that landed in the engine's
         blocks failing its KVSUM64 comes again, with those after it, from the producer's CPU tier."""
         first = job.remote.first_chunk
-        done, count_chunks, mismatch = self._remote_pass(job, done, first, land=self._landed is not None)
+        done, count_chunks, mismatch = remote_pass(self, job, done, first, land=self.landed is not None)
         if mismatch and done < len(job.block_ids):
-            done, more, _ = self._remote_pass(job, done, first + count_chunks, land=False)
+            done, more, _ = remote_pass(self, job, done, first + count_chunks, land=False)
             count_chunks += more
         return done, count_chunks
 
-    def _remote_pass(self, job: LoadJob, done: int, first: int, land: bool) -> tuple[int, int, bool]:
-        """:meth:`_load_remote` from chunk ``first`` (``land``: into engine blocks); and whether one landed bad."""
-        items = [(job.keys[i], self._num_blocks(job, i)) for i in range(first, len(job.keys))]
-        remote, mismatch, held, count_chunks, chunks = job.remote, False, [], 0, None
-        targets = self._targets(job, done, first, land)
-        landed: list[tuple[int, int, int, Landed]] = []  # (chunk, blocks loaded before it, its blocks, what came)
-        ahead = self._landed.prepare(targets) if land else None  # the check, built while they are on their way
-        try:
-            chunks = self._fetch_remote(job, items, targets)
-            for i, buffer in enumerate(chunks, start=first):
-                if done == len(job.block_ids):
-                    if not isinstance(buffer, Landed):
-                        buffer.release()
-                    break
-                num_blocks = self._num_blocks(job, i)
-                if isinstance(buffer, Landed):  # written straight into this engine's blocks: checked below
-                    count = self._span(job, i, done)[1]
-                    landed.append((i, done, count, buffer))
-                    done, count_chunks = done + count, count_chunks + 1
-                    if remote.wait and len(landed) >= CHECK_AT and not buffer.follows:  # while P computes the rest
-                        checked, landed = self._landed.loaded(job, landed, done, count_chunks, self._ids, ahead), []
-                        self.stats.landed_bytes += checked[2]
-                        if checked[0] < done:  # a bad chunk: fetched again from there
-                            done, count_chunks, mismatch = *checked[:2], True
-                            break
-                    continue
-                try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)
-                    fused = self._kernel_sums and codec.read_header(buffer.data).checksum_kind == codec.KVSUM64
-                    header = codec.verify_chunk(buffer.data, self.layout, num_blocks, payload=not fused)
-                except codec.ChunkError as exc:
-                    buffer.release()
-                    logger.warning("kvtier P/D: chunk %d of transfer %s from %s is unusable (%s); recomputing from there.",
-                                   i, remote.transfer_id, remote.endpoints[0], exc)
-                    break
-                block, count = self._span(job, i, done)
-                span = ChunkSpan(buffer.data, num_blocks, block, self._ids(job.block_ids[done : done + count]))
-                intact = self._start_scatter([span], [header.checksum]).wait()[0] if fused else True
-                if not fused:
-                    self._scatter(self.layout, [span])
-                if self._load_stream is not None:
-                    self._load_stream.synchronize()  # the buffer is stored or freed next
-                if not intact:  # its blocks hold garbage until vLLM recomputes them: not counted as loaded
-                    buffer.release()
-                    logger.warning("kvtier P/D: chunk %d of transfer %s from %s is unusable (payload KVSUM64 checksum "
-                                   "mismatch); recomputing from there.", i, remote.transfer_id, remote.endpoints[0])
-                    break
-                done, count_chunks = done + count, count_chunks + 1
-                if num_blocks == self.chunk_blocks:
-                    skey = self.skey(job.keys[i])
-                    self.store.put([skey], [buffer])  # takes the buffer; a key already stored is skipped
-                    held.append(skey)
-                else:
-                    buffer.release()  # a prompt's partial tail: no later prompt can look it up
-        except Exception as exc:  # kvtier.pd.PeerError, or the producer's socket failing under us
-            logger.warning("kvtier P/D: transfer %s failed after %d of %d chunks (%s); recomputing the rest.",
-                           remote.transfer_id, count_chunks, len(items), exc)
-        finally:
-            if chunks is not None:
-                chunks.close()
-        if landed:
-            checked = self._landed.loaded(job, landed, done, count_chunks, self._ids, ahead)
-            mismatch = mismatch or checked[0] < done
-            done, count_chunks, nbytes = checked
-            self.stats.landed_bytes += nbytes
-        if held:
-            self._on_held(held)
-        return done, count_chunks, mismatch
-
-    def _targets(self, job: LoadJob, done: int, first: int, land: bool) -> list[tuple[int, ...] | None]:
-        """Per producer chunk of ``job`` from chunk ``first`` (``done`` blocks loaded before them): the engine
-        blocks it may be written into directly (``land``), if all of it goes there (its checksum covers it all)."""
-        targets: list[tuple[int, ...] | None] = []
-        for i in range(first, len(job.keys)):
-            block, count = self._span(job, i, done)
-            whole = block == 0 and count == self._num_blocks(job, i) and land
-            targets.append(tuple(job.block_ids[done : done + count]) if whole else None)
-            done += count
-        return targets
-
-    def _start_scatter(self, spans: list[ChunkSpan], sums: list[int]):
+    def start_scatter(self, spans: list[ChunkSpan], sums: list[int]):
         """Start scattering ``spans`` (checked against their chunks' KVSUM64s ``sums`` when the
         backend verifies while copying); returns what ``wait()`` gives ``ok`` per span."""
-        expected = sums if self._kernel_sums else None
-        if self._scatter_async is not None:
-            return self._scatter_async(self.layout, spans, expected)
+        expected = sums if self.kernel_sums else None
+        if self.scatter_async is not None:
+            return self.scatter_async(self.layout, spans, expected)
         ok = self._scatter(self.layout, spans, expected) if expected is not None else self._scatter(self.layout, spans)
         return Copied(ok if expected is not None else [True] * len(spans))
 
-    def _first_bad(self, job: LoadJob, spans: list[ChunkSpan], ok: list[bool]) -> int:
+    def first_bad(self, job: LoadJob, spans: list[ChunkSpan], ok: list[bool]) -> int:
         """Blocks loaded intact before the first chunk the copy found corrupt, which is removed.
         From that chunk on every block counts as failed: vLLM recomputes from the first failed
         block, and the bad chunk's blocks hold garbage until then."""
@@ -345,30 +294,35 @@ class LoadSide:
         self.store.remove(self.skey(key))
         logger.warning("kvtier: stored chunk %s is unusable (%s); removed it and recomputing.", key.hex(), reason)
 
-    def _fetch(self, key: bytes) -> tuple[ChunkBuffer, int] | None:
+    def fetch(self, key: bytes, cpu_only: bool = False) -> tuple[ChunkBuffer, int] | None:
         """The stored chunk for chain key ``key`` and its header checksum, or None (missing or
-        corrupt). The payload is verified here unless the copy kernel verifies it while loading."""
+        corrupt; ``cpu_only``: or not in the CPU tier, said nowhere). The payload is verified here
+        unless the copy kernel verifies it while loading."""
         skey = self.skey(key)
         start = now_ms()
-        buffer = self.store.get(skey)
+        buffer = self.store.get(skey, cpu_only=cpu_only)
+        if buffer is None and cpu_only:
+            return None
         if buffer is None:
             logger.warning("kvtier: chunk %s was evicted before it could be loaded; recomputing.", key.hex())
             return None
         try:
-            header = codec.verify_chunk(buffer.data, self.layout, self.chunk_blocks, payload=not self._kernel_sums)
+            header = codec.verify_chunk(buffer.data, self.layout, self.chunk_blocks, payload=not self.kernel_sums)
         except codec.ChunkError as exc:
             buffer.release()
             self._discard(key, str(exc))
             return None
         self.cost.fetched(buffer.tier.value, now_ms() - start)
         if buffer.tier in (Tier.DISK, Tier.SHARED):
-            self._on_held([skey])  # promoted into the CPU tier
+            self.on_held([skey])  # promoted into the CPU tier
         return buffer, header.checksum
 
     def take_finished(self) -> tuple[set[str], set[int]]:
         """Requests whose loads ended since the last call, and the block ids that failed."""
         req_ids: set[str] = set()
         failed: set[int] = set()
+        if self._polled is not None:
+            self._polled.poll()
         while True:
             try:
                 req_id, bad = self.finished.get_nowait()
@@ -385,8 +339,20 @@ class LoadSide:
     def cancelled(self, req_id: str) -> bool:
         return req_id in self._cancelled
 
+    def wait_finished(self, timeout_s: float) -> None:
+        """Wait up to ``timeout_s`` for a load to end, the interpreter free meanwhile; what ended
+        stays for :meth:`take_finished`."""
+        if self._polled is not None and self._polled.wait(timeout_s):
+            return
+        try:
+            self.finished.put(self.finished.get(timeout=timeout_s))
+        except queue.Empty:
+            pass
+
     def drain(self) -> None:
         """Wait for every submitted load, local and remote."""
+        if self._polled is not None:
+            self._polled.drain()
         self._load_pool.submit(lambda: None).result()
         for _ in range(REMOTE_THREADS):  # each remote thread takes one barrier: all earlier transfers ended
             self._remote_pool.submit(self._remote_barrier.wait)
@@ -394,6 +360,8 @@ class LoadSide:
 
     def close(self) -> None:
         """Finish pending loads, then stop the load and remote threads."""
+        if self._polled is not None:
+            self._polled.drain()
         self._load_pool.shutdown(wait=True)
         self._remote_pool.shutdown(wait=True)
 
