@@ -85,7 +85,7 @@ def add_parser(commands) -> None:
                    help="local hits per prompt (default 1; at TP > 1 one engine's local hits spread by ±10 ms)")
     p.add_argument("--profile", metavar="DIR",
                    help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: a local "
-                        "hit, the first reload after start, a later one; a prefill batch), traces into "
+                        "hit, the first reload after start, a later one; a prefill batch; a chat turn), traces into "
                         "DIR/<engine>/<round>, and report what grew between them")
     add_cuda_graphs_flag(p)
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")

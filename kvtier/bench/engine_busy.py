@@ -73,6 +73,8 @@ def busy_rounds(args, prompt) -> list[dict]:
     turns = [[prompt(600_000 + 1000 * t + s, args.chat_new) for s in range(args.sessions)]
              for t in range(args.chat_rounds)]
     rounds = [{"sessions": sessions, "turns": turns, "max_tokens": args.chat_gen, "reset": True, "tag": ["chat"]}]
+    if getattr(args, "profile", None):  # and one more turn under the profiler
+        rounds[0]["profile"] = "chat"
     if args.zero_hit:
         rounds.append({"prompts": [prompt(ZERO_HIT_SEED + i, args.zero_hit_len) for i in range(args.zero_hit)],
                        "max_tokens": args.chat_gen, "tag": ["zero-hit"]})

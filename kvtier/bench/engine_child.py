@@ -13,7 +13,8 @@ call; ``reset`` empties vLLM's prefix cache first; ``profile``: the call runs un
 profiler, its traces go to ``profile_dir/tag``, see :mod:`kvtier.bench.engine_profile`), or
 ``{"sessions": [[ids]], "turns": [[[ids] per session] per round], "max_tokens": int}`` (a
 multi-turn chat: every round sends all sessions at once; a session's next prompt is its last
-prompt, the tokens it got back and the new user turn).
+prompt, the tokens it got back and the new user turn; with ``profile``, one more turn, not
+measured, runs under the profiler).
 
 RESULT: ``{"start_s": seconds to build the engine, "hybrid": whether vLLM kept its hybrid KV cache
 manager on (None: this vLLM does not say), "rounds": [{"seconds", "outputs": [{"tokens", "cached"}],
@@ -144,6 +145,11 @@ def run_child(spec: dict) -> dict:
                                          "outputs": [{"tokens": r, "cached": o.num_cached_tokens or 0}
                                                      for r, o in zip(replies, outs)]})
                 contexts = [c + r for c, r in zip(contexts, replies)]
+            if rnd.get("profile"):  # one more turn, not measured, under the profiler
+                llm.start_profile()
+                generate([c + t for c, t in zip(contexts, rnd["turns"][0])], rnd["max_tokens"])
+                llm.stop_profile()
+                result["profiles"][rnd["profile"]] = collect(spec["profile_dir"], rnd["profile"])
             continue
         if rnd.get("profile"):
             llm.start_profile()

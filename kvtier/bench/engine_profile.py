@@ -157,6 +157,7 @@ COMPARISONS = (
     ("OffloadingConnector's first reload against a later one", ("offload", "reload-first"), ("offload", "reload-later")),
     ("kvtier's reload against OffloadingConnector's", ("kvtier", "reload-later"), ("offload", "reload-later")),
     ("kvtier's local hit against no connector's", ("kvtier", "local"), ("none", "local")),
+    ("a chat turn beyond HBM with kvtier against OffloadingConnector", ("kvtier", "chat"), ("offload", "chat")),
     ("a prefill batch with kvtier saving against no connector", ("kvtier", "prefill"), ("none", "prefill")),
     ("a prefill batch with OffloadingConnector saving against no connector", ("offload", "prefill"), ("none", "prefill")),
 )

@@ -76,16 +76,19 @@ def test_profile_adds_rounds_of_its_own_and_leaves_the_measured_ones_as_they_wer
                               zero_hit=0, zero_hit_len=16, hbm_tokens=None)
     rounds = engine.engine_rounds(args, [64, 128], "kvtier")
     tags = [r.get("profile") for r in rounds]
-    assert [t for t in tags if t] == ["local", "reload-first", "reload-later", "prefill"]
+    assert [t for t in tags if t] == ["local", "reload-first", "reload-later", "prefill", "chat"]
     local = tags.index("local")  # right after its prompt was computed: still in the engine's prefix cache
     assert rounds[local - 1]["tag"] == ["warmup"] and rounds[local - 1]["prompts"] == rounds[local]["prompts"]
-    assert all(r["tag"] == ["profiled"] for r in rounds if r.get("profile"))  # _collect counts none of them
+    chat = rounds[tags.index("chat")]  # the chat's turns are measured; one more turn runs under the profiler
+    assert chat["tag"] == ["chat"]
+    assert all(r["tag"] == ["profiled"] for r in rounds if r.get("profile") and r is not chat)  # _collect counts none
     first = tags.index("reload-first")
     assert not any(r["tag"][0] in ("reload", "local") for r in rounds[:first])  # the first reload after start
     assert rounds[first]["prompts"][0] == rounds[first - 1]["prompts"][0] and len(rounds[first]["prompts"][0]) == 64
     args.profile = None
     measured = engine.engine_rounds(args, [64, 128], "kvtier")
-    assert [r for r in rounds if r["tag"] != ["profiled"] and r.get("prompts") != rounds[first]["prompts"]] == measured
+    unprofiled = [{k: v for k, v in r.items() if k != "profile"} for r in rounds]
+    assert [r for r in unprofiled if r["tag"] != ["profiled"] and r.get("prompts") != rounds[first]["prompts"]] == measured
     assert [r.get("profile") for r in engine.engine_rounds(args, [64, 128], "none")].count(None) == len(
         engine.engine_rounds(args, [64, 128], "none"))
 
