@@ -23,7 +23,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 
@@ -32,9 +32,6 @@ from kvtier.ops import ChunkSpan
 from kvtier.storage import ChunkBuffer
 from kvtier.timeline import mark
 from kvtier.transfer.common import now_ms
-
-if TYPE_CHECKING:
-    from kvtier.transfer.load import LoadSide
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +67,7 @@ class PolledLoad(Future):
 class PolledLoads:
     """The polled loads of one :class:`~kvtier.transfer.load.LoadSide` (``side``)."""
 
-    def __init__(self, side: LoadSide):
+    def __init__(self, side: Any):
         self._side = side
         self._lock = threading.Lock()
         self._out: list[_InFlight] = []

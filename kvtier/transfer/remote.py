@@ -9,22 +9,20 @@ is checked against the producer's KVSUM64 by :class:`~kvtier.transfer.landed.Lan
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from typing import Any
 
 from kvtier import codec
 from kvtier.jobs import Landed, LoadJob
 from kvtier.ops import ChunkSpan
-
-if TYPE_CHECKING:
-    from kvtier.transfer.load import LoadSide
 
 logger = logging.getLogger(__name__)
 
 CHECK_AT = 16  # push: landed chunks checked as they come, at least this many a pass, one READ's in one pass
 
 
-def remote_pass(side: LoadSide, job: LoadJob, done: int, first: int, land: bool) -> tuple[int, int, bool]:
-    """`LoadSide._load_remote` from chunk ``first`` (``land``: into engine blocks); and whether one landed bad."""
+def remote_pass(side: Any, job: LoadJob, done: int, first: int, land: bool) -> tuple[int, int, bool]:
+    """``side``'s (a :class:`~kvtier.transfer.load.LoadSide`) ``_load_remote`` from chunk ``first`` (``land``: into
+    engine blocks); and whether one landed bad."""
     items = [(job.keys[i], side.num_blocks(job, i)) for i in range(first, len(job.keys))]
     remote, mismatch, held, count_chunks, chunks = job.remote, False, [], 0, None
     targets = _targets(side, job, done, first, land)
@@ -91,7 +89,7 @@ def remote_pass(side: LoadSide, job: LoadJob, done: int, first: int, land: bool)
         side.on_held(held)
     return done, count_chunks, mismatch
 
-def _targets(side: LoadSide, job: LoadJob, done: int, first: int, land: bool) -> list[tuple[int, ...] | None]:
+def _targets(side: Any, job: LoadJob, done: int, first: int, land: bool) -> list[tuple[int, ...] | None]:
     """Per producer chunk of ``job`` from chunk ``first`` (``done`` blocks loaded before them): the engine
     blocks it may be written into directly (``land``), if all of it goes there (its checksum covers it all)."""
     targets: list[tuple[int, ...] | None] = []

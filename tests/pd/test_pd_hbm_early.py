@@ -20,7 +20,7 @@ from test_pd_hbm_push import D_BLOCKS, FULL, P_BLOCKS, PROMPT, TAIL, copied, fin
 from kvtier import codec
 from kvtier.jobs import SaveJob
 from kvtier.pd import nixl
-from kvtier.transfer import load
+from kvtier.transfer import remote
 
 pytestmark = pytest.mark.skipif(not nixl.available(), reason="NIXL is not installed: make test installs nixl-cu12")
 
@@ -139,7 +139,7 @@ def test_a_failed_write_before_the_copy_is_stored_sends_that_copy_once_stored(en
 def test_a_push_consumer_checks_its_chunks_as_they_land(engines, held_store, monkeypatch, caplog, corrupt):
     """Batches of ``CHECK_AT`` chunks are checked while P still computes, so only the last batch's
     check is left once the last READ lands; a bad chunk in an early batch ends the transfer there."""
-    monkeypatch.setattr(load, "CHECK_AT", 2)
+    monkeypatch.setattr(remote, "CHECK_AT", 2)
     caplog.set_level(logging.DEBUG, logger="kvtier")
     p, d = engines("p", 1), engines("d", 2)
     gate = held_store(p)
@@ -172,7 +172,7 @@ def test_a_push_consumer_checks_the_chunks_of_one_step_in_one_pass(engines, held
     """P's one step computed every chunk: they land at once (one READ, or one WRITE of P's) and D
     checks them in one pass, not in batches of ``CHECK_AT`` one after another (each pass has a
     fixed cost on the host); a bad chunk among them fails the blocks from it on."""
-    monkeypatch.setattr(load, "CHECK_AT", 2)
+    monkeypatch.setattr(remote, "CHECK_AT", 2)
     caplog.set_level(logging.DEBUG, logger="kvtier")
     p, d = engines("p", 1), engines("d", 2, pd_hbm_push=push)
     held_store(p)
