@@ -63,10 +63,21 @@ class CostModel:
         """Every tier's load line comes from loads that waiting requests really waited, or every
         tier's from its measured read speed (``probed``): enough to veto a load in favour of
         recompute. Never a mix of the two: a probed disk figure must not veto a load that is
-        partly from the CPU tier."""
+        partly from the CPU tier (though it may cut the disk chunks after it: :meth:`vetoable_from`)."""
         tiers = set(tiers)
         return self.known(tiers) and (all(self.loads[t].samples >= MIN_SAMPLES for t in tiers)
                                       or all(self.loads[t].probed for t in tiers))
+
+    def vetoable_from(self, tiers: list[str]) -> int:
+        """The first chunk of a hit (``tiers``: each chunk's tier) from which every chunk's tier is
+        measured or probed: cutting the load there or later is sound even when the tiers before are
+        not (a probed figure is a lower bound, so a suffix it says is slower than recompute is)."""
+        if not self.known(tiers):
+            return len(tiers)
+        first = len(tiers)
+        while first and (self.loads[tiers[first - 1]].samples >= MIN_SAMPLES or self.loads[tiers[first - 1]].probed):
+            first -= 1
+        return first
 
     def prefill_s(self, tokens: int) -> float:
         """Marginal seconds to prefill ``tokens`` inside a step that runs anyway."""

@@ -27,8 +27,11 @@ A hit may mix tiers chunk by chunk (CPU first, disk after). Where the cost model
 every tier of the hit, a plan may stop at any chunk boundary: of the ends ``e`` from the first
 boundary past the load's start to the hit's end, it takes the one that minimizes the load of
 ``[start, e)`` plus the prefill of ``[e, hit)`` (recompute the rest), so it is never slower by the
-model than loading it all or recomputing it all (then ``NONE``, ``Skip.SLOWER``). A cut plan keeps
-its kind and loads fewer tokens; :attr:`LoadPlan.stored_end` says where the hit ended.
+model than loading it all or recomputing it all (then ``NONE``, ``Skip.SLOWER``). Where only a
+suffix of the hit sits on tiers measured or probed (disk chunks after CPU ones whose tier has no
+measured loads yet), a plan may stop at a boundary within that suffix, never before it, and is
+never vetoed whole. A cut plan keeps its kind and loads fewer tokens; :attr:`LoadPlan.stored_end`
+says where the hit ended.
 """
 
 from __future__ import annotations
@@ -204,10 +207,13 @@ def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostMod
     # Only loads really measured may veto a load: an estimate that is wrong would never be
     # corrected, since vetoed loads measure nothing.
     recompute_s = costs.prefill_s(hit - local) if known and costs.measured(inp.tiers) else None
+    # Else a suffix of tiers measured or probed (disk after an unmeasured CPU tier) may still be cut.
+    cut_from = None if recompute_s is not None or not known else costs.vetoable_from(list(inp.tiers)) * c
+    cut_from = cut_from if cut_from is None or cut_from < hit else None
 
     if local % c == 0:
         return _cheapest([LoadPlan(PlanKind.LOAD, local, local, hit)], hit, geometry, policy, inp.tiers, costs,
-                         recompute_s)
+                         recompute_s, cut_from)
 
     boundary = local + (c - local % c)
     partial = LoadPlan(PlanKind.PARTIAL, local, local, hit)
@@ -216,35 +222,37 @@ def plan_load(inp: PlanInput, geometry: Geometry, policy: Policy, costs: CostMod
     if mode == "handoff" and not policy.handoff_supported:
         mode = "partial"
     if mode == "partial":
-        return _cheapest([partial], hit, geometry, policy, inp.tiers, costs, recompute_s)
+        return _cheapest([partial], hit, geometry, policy, inp.tiers, costs, recompute_s, cut_from)
     if mode == "handoff":
         if handoff is None:
             return none(local, Skip.SHORT_HANDOFF)
         if handoff.load_tokens < policy.min_load_tokens:
             return none(local, Skip.SMALL)
-        return _cheapest([handoff], hit, geometry, policy, inp.tiers, costs, recompute_s)
+        return _cheapest([handoff], hit, geometry, policy, inp.tiers, costs, recompute_s, cut_from)
     # auto
     if not known:
         return partial
     options = [partial]
     if handoff is not None and policy.handoff_supported and handoff.load_tokens >= policy.min_load_tokens:
         options.append(handoff)
-    return _cheapest(options, hit, geometry, policy, inp.tiers, costs, recompute_s)
+    return _cheapest(options, hit, geometry, policy, inp.tiers, costs, recompute_s, cut_from)
 
 
 def _cheapest(options: list[LoadPlan], hit: int, geometry: Geometry, policy: Policy, tiers: tuple[str, ...],
-              costs: CostModel | None, recompute_s: float | None) -> LoadPlan:
+              costs: CostModel | None, recompute_s: float | None, cut_from: int | None = None) -> LoadPlan:
     """The cheapest by the cost model of ``options`` (plans to the hit's end ``hit``, in tokens;
     the earlier wins a tie), and, when the model may veto (``recompute_s``: seconds to recompute
     the hit past the floor), of each cut at an earlier chunk boundary (the longer wins a tie);
-    recompute (``Skip.SLOWER``) when that is cheaper still. Without a cost model: the first."""
+    recompute (``Skip.SLOWER``) when that is cheaper still. Without ``recompute_s`` but with ``cut_from``
+    (tokens): of each cut at a boundary from there on, never a veto. Without a cost model: the first."""
     if costs is None or not costs.known(tiers):
         return options[0]
-    if recompute_s is None and len(options) == 1:
+    cuts = recompute_s is not None or cut_from is not None
+    if not cuts and len(options) == 1:
         return options[0]  # an estimate only: nothing to compare, and it may not veto (plan_load)
     scored = []
     for rank, option in enumerate(options):
-        for plan in _cuts(option, hit, geometry, policy) if recompute_s is not None else (option,):
+        for plan in _cuts(option, hit, geometry, policy, cut_from or 0) if cuts else (option,):
             seconds = _cost(plan, geometry, tiers, costs) + costs.prefill_s(hit - plan.load_end)
             scored.append((seconds, rank, -plan.load_end, plan))
     least = min(o[0] for o in scored)
@@ -253,18 +261,19 @@ def _cheapest(options: list[LoadPlan], hit: int, geometry: Geometry, policy: Pol
     if recompute_s is not None and least > recompute_s:
         return LoadPlan(PlanKind.NONE, best.local_tokens, best.local_tokens, best.local_tokens, Skip.SLOWER,
                         recompute_s, hit)
-    return dataclasses.replace(best, predicted_s=seconds, stored_end=hit if recompute_s is not None else None)
+    return dataclasses.replace(best, predicted_s=seconds, stored_end=hit if cuts else None)
 
 
-def _cuts(plan: LoadPlan, hit: int, geometry: Geometry, policy: Policy) -> list[LoadPlan]:
+def _cuts(plan: LoadPlan, hit: int, geometry: Geometry, policy: Policy, cut_from: int = 0) -> list[LoadPlan]:
     """``plan`` (which loads to ``hit``) and, where the policy allows, the same plan stopped at
-    each earlier chunk boundary past its start that still loads ``min_load_tokens``."""
+    each earlier chunk boundary past its start, and at ``cut_from`` or later, that still loads
+    ``min_load_tokens``."""
     if not policy.cut:
         return [plan]
     c = geometry.chunk_tokens
     first = plan.load_start + (c - plan.load_start % c)  # the first boundary past the start
     return [dataclasses.replace(plan, load_end=end) for end in range(first, hit + 1, c)
-            if end - plan.load_start >= policy.min_load_tokens]
+            if end - plan.load_start >= policy.min_load_tokens and end >= cut_from]
 
 
 def _cost(plan: LoadPlan, geometry: Geometry, tiers: tuple[str, ...], costs: CostModel) -> float:

@@ -136,8 +136,12 @@ def test_a_probed_disk_figure_never_vetoes_a_load_partly_from_the_cpu_tier():
         meter.record_load("cpu", 256, 1.0)  # even a CPU tier measured slow
     meter.record_chunk_load_ms({"disk": 1e6, "cpu": 0.5}, G.chunk_tokens, ["disk"])
     mixed = ("cpu",) * (HIT // 2) + ("disk",) * (HIT // 2)
-    assert plan_load(PlanInput(HIT * 256, 0, mixed), G, Policy(256), meter.model()).kind is PlanKind.LOAD
+    p = plan_load(PlanInput(HIT * 256, 0, mixed), G, Policy(256), meter.model())
+    assert p.kind is PlanKind.LOAD and p.load_end == 256  # cut (both tiers judged), never vetoed whole
     assert plan_load(PlanInput(HIT * 256, 0, ("cpu",) * HIT), G, Policy(256), meter.model()).skip is Skip.SLOWER
+    meter.loads.clear()  # a CPU tier with no measured loads: only the probed disk half may be cut
+    p = plan_load(PlanInput(HIT * 256, 0, mixed), G, Policy(256), meter.model())
+    assert p.kind is PlanKind.LOAD and p.load_end == HIT // 2 * 256
 
 
 def test_probed_only_names_tiers_with_a_figure():

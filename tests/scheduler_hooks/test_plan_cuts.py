@@ -41,10 +41,21 @@ def test_negative_control_without_cuts_the_slow_disk_is_loaded_or_vetoed_whole()
     assert p.skip is Skip.SLOWER and list(p.unloaded_chunks(G)) == [0, 1, 2, 3]
 
 
-def test_costs_the_model_may_not_judge_load_the_whole_hit_as_before():
-    # A probed disk beside a measured CPU tier is not `measured`: no veto, no cut.
+def test_a_probed_disk_after_the_cpu_chunks_is_cut_there():
+    # A probed disk beside a measured CPU tier is not `measured` (no veto), but its chunks, a suffix
+    # of the hit, may be left to recompute: the probe's figure is a lower bound of their load.
     p = plan(disk=LinearCost(1e-4, 5e-5, 0, probed=True))
+    assert (p.kind, p.load_end, p.stored_end) == (PlanKind.LOAD, 128, 256) and list(p.unloaded_chunks(G)) == [2, 3]
+    unmeasured_cpu = plan(disk=LinearCost(1e-4, 5e-5, 0, probed=True), cpu=LinearCost(1e-4, 1e-7, 0))
+    assert (unmeasured_cpu.kind, unmeasured_cpu.load_end) == (PlanKind.LOAD, 128)
+
+
+def test_costs_the_model_may_not_judge_load_the_whole_hit_as_before():
+    # Neither tier measured nor probed: no veto, no cut. A probed tier before an unjudged one: no cut either.
+    p = plan(disk=LinearCost(1e-4, 5e-5, 0), cpu=LinearCost(1e-4, 1e-7, 0))
     assert (p.kind, p.load_end, p.stored_end) == (PlanKind.LOAD, 256, None) and not p.cut_on_cost
+    q = plan(tiers=("disk", "disk", "cpu", "cpu"), disk=LinearCost(1e-4, 5e-5, 0, probed=True), cpu=LinearCost(1e-4, 1e-7, 0))
+    assert (q.kind, q.load_end, q.stored_end) == (PlanKind.LOAD, 256, None)
 
 
 def test_a_disk_hit_slower_than_recompute_is_still_a_veto():
