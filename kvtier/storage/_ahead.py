@@ -189,8 +189,11 @@ class ReadAhead:
             if problem == NO_DIRECT:
                 self.refused = True
             held.landed_at = time.monotonic()
-            held.landed.set()
-        if not held.ok:
-            held.obj.ref_count_down()
-        if mine and problem not in (None, NO_DIRECT, CLOSED):
-            self._on_bad(held.ek, held.meta, problem)
+            if held.ok:
+                held.landed.set()
+        if held.ok:
+            return
+        held.obj.ref_count_down()
+        if mine and problem not in (NO_DIRECT, CLOSED):
+            self._on_bad(held.ek, held.meta, problem)  # before a waiting claim wakes: it finds the chunk gone
+        held.landed.set()
