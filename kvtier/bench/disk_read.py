@@ -167,10 +167,6 @@ def _store_row(store, keys: list[bytes], name: str, chunk: int) -> float:
     return total / (time.perf_counter() - start)
 
 
-def _best(values: list[float]) -> float:
-    return max(values)
-
-
 def format_table(result: dict) -> str:
     """The rows: GB/s best and median, ms per chunk (median), and each row against sequential."""
     rows = result["rows"]
@@ -184,7 +180,8 @@ def format_table(result: dict) -> str:
         values = row["bytes_per_s"]
         med = statistics.median(values)
         per_chunk = result["chunk_bytes"] / med * 1e3
-        lines.append(f"{row['label']:<32} {_best(values) / 1e9:>9.2f} {med / 1e9:>7.2f} {per_chunk:>8.1f} {med / seq:>6.2f}")
+        lines.append(f"{row['label']:<32} {max(values) / 1e9:>9.2f} {med / 1e9:>7.2f} {per_chunk:>8.1f} "
+                     f"{med / seq:>6.2f}")
     return "\n".join(lines)
 
 

@@ -35,8 +35,8 @@ def test_the_table_puts_each_row_against_sequential_reads():
 
 def test_a_small_run_writes_json_and_leaves_nothing(direct_dir):
     out = direct_dir / "r.json"
-    run = subprocess.run([sys.executable, "-m", "kvtier.bench.cli", "disk-read", "--dir", str(direct_dir), "--chunks", "3",
-                          "--chunk-mib", "1", "--repeats", "1", "--json", str(out)],
+    run = subprocess.run([sys.executable, "-m", "kvtier.bench.cli", "disk-read", "--dir", str(direct_dir),
+                          "--chunks", "3", "--chunk-mib", "1", "--repeats", "1", "--json", str(out)],
                          cwd=ROOT, capture_output=True, text=True, timeout=120,
                          env={**os.environ, "LMCACHE_LOG_LEVEL": "ERROR"})
     assert run.returncode == 0, run.stderr
