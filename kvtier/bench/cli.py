@@ -8,7 +8,8 @@ kvtier-proxy (pull and push). ``kvtier-bench ttft`` times the first token recomp
 locally and reloaded from the CPU and disk tiers; ``kvtier-bench engine`` does that and more in a
 real CUDA vLLM beside vLLM's own ``OffloadingConnector``; ``kvtier-bench overhead`` compares a mixed
 batch's throughput with and without kvtier when nothing hits; ``kvtier-bench pd-soak`` sends P/D
-requests while faults strike at random and checks every answer against a recompute. Exit status: 0
+requests while faults strike at random and checks every answer against a recompute; ``kvtier-bench
+disk-read`` compares the disk tier's O_DIRECT chunk reads with the disk's sequential read speed. Exit status: 0
 measured and verified, 1 the bench failed (verification included), 2 bad arguments.
 """
 
@@ -63,8 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
     reload.add_argument("--json", metavar="FILE", help="write every number, the device and the geometry to FILE")
     reload.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     reload.set_defaults(run=_reload, parser=reload)
-    from kvtier.bench import engine, executors, lookup, overhead, pd, pd_engines, pd_soak, pd_transfer, soak, ttft_tiers  # noqa: E402 - light: heavy imports wait for run
+    from kvtier.bench import (disk_read, engine, executors, lookup, overhead, pd, pd_engines, pd_soak,  # noqa: E402 - light
+                              pd_transfer, soak, ttft_tiers)
 
+    disk_read.add_parser(commands)
     engine.add_parser(commands)
     executors.add_parser(commands)
     lookup.add_parser(commands)

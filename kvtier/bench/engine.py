@@ -10,7 +10,9 @@ One run, one machine. Engines (each a process of its own session, ended through 
   hit (same prompt again), reload (after ``reset_prefix_cache()``), per prompt length and repeat,
   and the KV bytes each reload moved, from the connector's own stats;
 * ``disk``: a kvtier engine with a disk tier computes other prompts and exits, their chunk files
-  leave the page cache, and a fresh engine on the same directory reloads them from disk.
+  leave the page cache, and a fresh engine on the same directory reloads them from disk, then
+  again from its CPU tier (:mod:`kvtier.bench.engine_disk`; its own table and
+  ``disk-<card>-<release>.json``).
 
 Every TTFT is the wall time of ``generate(prompt, max_tokens=1)``, after unmeasured warm-ups
 (a short prompt, then one prompt of each length computed and hit once). Then, in ``none``, ``kvtier``
@@ -39,13 +41,12 @@ import time
 from dataclasses import asdict
 
 from kvtier import timeline
-from kvtier.bench import engine_busy, engine_profile
+from kvtier.bench import engine_busy, engine_disk, engine_profile
 from kvtier.bench.common import (Progress, add_cuda_graphs_flag, cpu_model, names_from, parse_tokens, positive,
                                  token_lengths, vllm_version)
 from kvtier.bench.engine_model import FAMILIES, KvShape, read_kv_shape, write_model_dir
 from kvtier.bench.engine_report import MiB, format_table, loaded_bytes, reload_bytes, write_plot
 from kvtier.bench.ttft import spawn
-from kvtier.bench.ttft_tiers import drop_page_cache
 
 CHILD = "kvtier.bench.engine_child"
 ENGINES = ("none", "kvtier", "offload", "disk")
@@ -87,6 +88,10 @@ def add_parser(commands) -> None:
                    help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: a local "
                         "hit, the first reload after start, a later one; a prefill batch; a chat turn), traces into "
                         "DIR/<engine>/<round>, and report what grew between them")
+    p.add_argument("--disk-io", choices=("buffered", "direct"), default="buffered",
+                   help="the disk engine's disk_io (default buffered; direct: O_DIRECT reads)")
+    p.add_argument("--disk-results", metavar="DIR", default="bench/results",
+                   help="where the disk engine's disk-<card>-<release>.json and .txt go (default bench/results)")
     add_cuda_graphs_flag(p)
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
@@ -118,6 +123,9 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         return 1
     result["elapsed_s"] = progress.elapsed()
     print(format_table(result), flush=True)
+    if "disk" in result:
+        print(engine_disk.format_table(result["disk"]), flush=True)
+        progress(f"wrote {engine_disk.write(result['disk'], args.disk_results)}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
@@ -277,20 +285,8 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
 
 
 def _run_disk(args, lengths, model, shape, tmp, result, progress) -> None:
-    disk = os.path.join(tmp, "disk")
-    config = {"cpu_bytes": 8 << 30, "disk_path": disk, "disk_bytes": 48 << 30}
-    write = [{"prompts": [prompt(300_000 + 1000 * r + n, n)], "tag": ["write", n]}
-             for n in lengths for r in range(args.repeats)]
-    write += [{"prompts": [prompt(7 + n, n)], "tag": ["write", n]} for n in lengths]
-    progress("engine disk-write: computes the disk prompts (written through to the disk tier)")
-    spawn(_spec(args, model, shape, "kvtier", write, config), tmp, "disk-write", timeout_s=900, multiprocess=True, module=CHILD)
-    progress(f"dropped {drop_page_cache(disk)} chunk files from the page cache; engine disk (fresh, same directory)")
-    read = [{"prompts": [prompt(1, 1024)], "max_tokens": 4, "tag": ["warmup"]}]
-    read += [{"prompts": [prompt(400_000 + n, n)], "tag": ["warmup"]} for n in lengths]  # long-context first steps
-    read += [{"prompts": [prompt(300_000 + 1000 * r + n, n)], "tag": ["disk", n]}
-             for n in lengths for r in range(args.repeats)]
-    read += [{"prompts": [prompt(7 + n, n)], "max_tokens": CHECK_TOKENS, "tag": ["check-disk", n]} for n in lengths]
-    out, _ = spawn(_spec(args, model, shape, "kvtier", read, config), tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD)
+    spec = lambda rounds, kvtier: _spec(args, model, shape, "kvtier", rounds, kvtier)  # noqa: E731
+    read, out, result["disk"] = engine_disk.run(args, lengths, prompt, spec, tmp, progress)
     _collect(result, "disk", read, out)
     progress("engine disk: " + _summary(result, "disk"))
 

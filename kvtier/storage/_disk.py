@@ -1,5 +1,6 @@
-"""kvtier's side of LMCache's LocalDiskBackend: hooks on it, write tracking, exact reads,
-index entry removal with correct accounting, and the index rebuild at start.
+"""kvtier's side of LMCache's LocalDiskBackend: hooks on it, write tracking, exact reads
+(O_DIRECT ones in parallel parts, see :mod:`._direct`, and read ahead for a load, see
+:mod:`._ahead`), index entry removal with correct accounting, and the index rebuild at start.
 
 Sizes are in bytes. Chunk files hold exactly the chunk's bytes (written by LMCache's
 write_file) and are named by :func:`kvtier.storage._lmcache.file_name`.
@@ -7,13 +8,14 @@ write_file) and are named by :func:`kvtier.storage._lmcache.file_name`.
 
 from __future__ import annotations
 
-import errno
 import logging
 import os
 import threading
 from typing import Any, Callable
 
 from . import _lmcache as lm
+from ._ahead import ReadAhead
+from ._direct import NO_DIRECT, DirectReader, read_exact, size_problem
 from ._probe import DiskSpeed, measure_read_speed, unlink_quietly, will_need
 from .types import StoreConfig
 
@@ -35,10 +37,22 @@ class DiskTier:
     * ``on_change(key)``, when set, hears of every key whose disk copy appeared or went (a write
       landed or failed, an eviction, a drop). It runs on LMCache's threads, sometimes under the
       disk lock: it must only record the key.
+
+    With O_DIRECT (``config.o_direct``) the tier owns a :class:`DirectReader` (a few threads) and
+    a :class:`ReadAhead` that fills buffers from ``alloc(nbytes, wait_s)`` (the CPU pool's); both
+    end when LMCache closes the backend, before the CPU pool is freed. ``cpu``: the CPU backend,
+    asked which keys it holds so that read-ahead skips them.
     """
 
-    def __init__(self, backend: lm.LocalDiskBackend, config: StoreConfig, align: int) -> None:
+    def __init__(self, backend: lm.LocalDiskBackend, config: StoreConfig, align: int, cpu: Any = None,
+                 alloc: Callable[[int, float], Any] | None = None) -> None:
         self.backend = backend
+        self._cpu = cpu
+        self._reader = DirectReader() if config.o_direct else None
+        self._ahead = None
+        if self._reader is not None and cpu is not None and alloc is not None:
+            self._ahead = ReadAhead(self._reader, backend, lambda n: alloc(n, 0.0), self._read_failed,
+                                    max_bytes=config.cpu_bytes // 4)
         self._config = config
         self._align = align  # CPU pool alignment: a chunk's disk size is its aligned pool size
         self._cond = threading.Condition()
@@ -53,10 +67,12 @@ class DiskTier:
         self._orig_write_file = backend.write_file
         self._orig_save = backend.async_save_bytes_to_disk
         self._orig_remove = backend.remove
+        self._orig_close = backend.close
         backend._key_to_path = self._key_to_path  # type: ignore[method-assign]
         backend.write_file = self._write_file  # type: ignore[method-assign]
         backend.async_save_bytes_to_disk = self._save  # type: ignore[method-assign]
         backend.remove = self._remove  # type: ignore[method-assign]  (LMCache's own eviction)
+        backend.close = self._close  # type: ignore[method-assign]
 
     # ------------------------------------------------------------------ writes
 
@@ -117,8 +133,19 @@ class DiskTier:
 
     def _remove(self, key: Any, force: bool = True) -> Any:
         removed = self._orig_remove(key, force)
+        if self._ahead is not None:
+            self._ahead.discard(key)
         self._changed(key)
         return removed
+
+    def _close(self) -> None:
+        # Every read has ended, and every buffer read ahead is back in the pool, before LMCache
+        # closes the backend (and the store then frees the pool).
+        if self._ahead is not None:
+            self._ahead.close()
+        if self._reader is not None:
+            self._reader.close()
+        self._orig_close()
 
     def _changed(self, key: Any) -> None:
         if self.on_change is not None:
@@ -133,8 +160,10 @@ class DiskTier:
         with an unbounded busy loop, and its read_file ignores a missing file (returning an
         unread buffer) and drops the index entry without fixing the capacity accounting.
         None if the key is not on disk, ``alloc`` returns None, or the file is bad (then the
-        entry and file are dropped with a warning).
+        entry and file are dropped with a warning). A chunk read ahead is taken as it is.
         """
+        if self._ahead is not None and (obj := self._ahead.claim(ek)) is not None:
+            return obj
         disk = self.backend
         with disk.disk_lock:
             meta = disk.dict.get(ek)
@@ -146,7 +175,7 @@ class DiskTier:
         try:
             obj = None
             # Checked before allocating too, so a broken file does not evict a good CPU chunk.
-            problem = _size_problem(meta.path, nbytes)
+            problem = size_problem(meta.path, nbytes)
             if problem is None:
                 obj = alloc(nbytes)
                 if obj is None:
@@ -175,17 +204,26 @@ class DiskTier:
             meta = disk.dict.get(ek)
             if meta is None or meta.pin_count > 0:
                 return False
-        problem = _size_problem(meta.path, int(meta.shape.numel()))
+        problem = size_problem(meta.path, int(meta.shape.numel()))
         if problem is None or not self.drop(ek, meta):
             return False
         logger.warning("dropping disk chunk %s: %s", meta.path, problem)
         return True
 
     def will_need(self, eks: list[Any]) -> None:
-        """Start the kernel reading these chunks' files into the page cache, all at once
-        (``POSIX_FADV_WILLNEED``): a load's reads then find them there instead of waiting for
-        the device one file at a time. Unknown keys and errors are ignored; a hint, never needed."""
-        if self._config.o_direct:
+        """Start reading these chunks now, all at once: buffered, the kernel reads their files
+        into the page cache (``POSIX_FADV_WILLNEED``); with O_DIRECT, those not in the CPU tier are
+        read ahead into CPU pool buffers, in ``eks``' order (see :mod:`._ahead`). A load's reads
+        then find them there instead of waiting for the device one file at a time. Unknown keys
+        and errors are ignored; a hint, never needed."""
+        if self._ahead is not None and not self._ahead.refused and not self._warned_no_direct:
+            with self._cpu.cpu_lock:
+                eks = [ek for ek in eks if ek not in self._cpu.hot_cache]
+            with self.backend.disk_lock:
+                eks = [ek for ek in eks if ek in self.backend.dict]
+            self._ahead.want(eks)
+            return
+        if self._config.o_direct and not self._warned_no_direct:
             return  # O_DIRECT reads bypass the page cache
         with self.backend.disk_lock:
             paths = [meta.path for ek in eks if (meta := self.backend.dict.get(ek)) is not None]
@@ -196,7 +234,7 @@ class DiskTier:
         scratch file when it holds none), through the path its reads take: see :mod:`._probe`."""
         with self.backend.disk_lock:
             paths = [meta.path for meta in self.backend.dict.values()]  # LRU order: oldest first
-        return measure_read_speed(self.backend.path, paths, self._config.o_direct)
+        return measure_read_speed(self.backend.path, paths, self._config.o_direct, reader=self._reader)
 
     def drop(self, ek: Any, expected: Any = None) -> bool:
         """Remove ``ek`` from the index and delete its file; False if not indexed (or indexed
@@ -221,19 +259,26 @@ class DiskTier:
                 pass
             except OSError as exc:
                 logger.warning("could not delete disk chunk %s: %s", meta.path, exc)
+        if self._ahead is not None:
+            self._ahead.discard(ek)
         self._changed(ek)
         return True
 
+    def _read_failed(self, ek: Any, meta: Any, problem: str) -> None:
+        """A read ahead found ``ek``'s file bad: the chunk is dropped, as a get would drop it."""
+        if self.drop(ek, meta):
+            logger.warning("dropping disk chunk %s: %s", meta.path, problem)
+
     def _read_into(self, path: str, buf: memoryview) -> str | None:
-        if self._config.o_direct:
-            problem = _read_direct(path, buf)
-            if problem != _NO_DIRECT:
+        if self._reader is not None:
+            problem = self._reader.read(path, buf)
+            if problem != NO_DIRECT:
                 return problem
             if not self._warned_no_direct:
                 self._warned_no_direct = True
                 logger.warning("O_DIRECT reads are not supported under %s; reading through the page cache",
                                self.backend.path)
-        return _read_exact(path, buf)
+        return read_exact(path, buf)
 
     # ------------------------------------------------------------------ restart
 
@@ -294,78 +339,3 @@ def check_writable_dir(path: str) -> str | None:
     except OSError as exc:
         return exc.strerror or type(exc).__name__
     return None
-
-
-def _size_problem(path: str, nbytes: int) -> str | None:
-    """Why the file at ``path`` cannot hold an ``nbytes`` chunk, or None if it can."""
-    try:
-        size = os.stat(path).st_size
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    return None if size == nbytes else f"{size} bytes on disk, {nbytes} expected"
-
-
-def _read_exact(path: str, buf: memoryview) -> str | None:
-    """Fill ``buf`` from the file at ``path``; the problem if the file is missing, unreadable or
-    not exactly ``len(buf)`` bytes, else None. One open fd, so a concurrent unlink cannot bite."""
-    try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != len(buf):
-                return f"{size} bytes on disk, {len(buf)} expected"
-            done = 0
-            while done < len(buf):  # read(2) may return short counts on huge files
-                n = f.readinto(buf[done:])
-                if not n:
-                    return "file ended early"
-                done += n
-            return None
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-
-
-_NO_DIRECT = "O_DIRECT refused"
-_DIRECT_ALIGN = 4096  # bytes; the CPU pool's buffers start on this boundary too
-
-
-def _read_direct(path: str, buf: memoryview) -> str | None:
-    """Like :func:`_read_exact`, but the block-aligned head bypasses the page cache (O_DIRECT);
-    the unaligned tail (a chunk's 64-byte header makes sizes unaligned) is read normally.
-    Returns ``_NO_DIRECT`` if the file system refuses O_DIRECT."""
-    head = len(buf) - len(buf) % _DIRECT_ALIGN
-    done = 0
-    try:
-        fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
-    except OSError as exc:
-        if exc.errno == errno.EINVAL:
-            return _NO_DIRECT
-        return exc.strerror or type(exc).__name__
-    try:
-        size = os.fstat(fd).st_size
-        if size != len(buf):
-            return f"{size} bytes on disk, {len(buf)} expected"
-        while done < head:
-            n = os.readv(fd, [buf[done:head]])
-            if not n:
-                return "file ended early"
-            done += n
-    except OSError as exc:
-        if exc.errno == errno.EINVAL and done == 0:
-            return _NO_DIRECT
-        return exc.strerror or type(exc).__name__
-    finally:
-        os.close(fd)
-    if head == len(buf):
-        return None
-    try:
-        with open(path, "rb", buffering=0) as f:
-            f.seek(head)
-            while done < len(buf):
-                n = f.readinto(buf[done:])
-                if not n:
-                    return "file ended early"
-                done += n
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-    return None
-

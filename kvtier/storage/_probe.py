@@ -3,8 +3,10 @@
 A short read, at most :data:`MAX_BYTES` bytes or :data:`MAX_S` seconds (whichever ends first),
 through the path a load's disk reads take (:class:`~kvtier.storage._disk.DiskTier`): buffered
 reads after a ``POSIX_FADV_WILLNEED`` hint on the files, as :meth:`DiskTier.will_need` gives a
-load, or O_DIRECT reads of each file's block-aligned head (``disk_io="direct"``; buffered when
-the file system refuses O_DIRECT, as loads fall back too).
+load, or (``disk_io="direct"``) O_DIRECT reads of each file's block-aligned head on the tier's
+:class:`~kvtier.storage._direct.DirectReader`, in parallel parts and up to
+:data:`~kvtier.storage._ahead.MAX_CHUNKS` files at once, as a load's read-ahead keeps them
+(buffered when the file system refuses O_DIRECT, as loads fall back too).
 
 What is read:
 
@@ -23,20 +25,22 @@ blocks), so it is a lower bound on a disk load's time: a veto it supports is sou
 
 from __future__ import annotations
 
-import errno
 import logging
 import mmap
 import os
 import time
+from collections import deque
 from dataclasses import dataclass
+
+from ._ahead import MAX_CHUNKS
+from ._direct import ALIGN, NO_DIRECT, DirectRead, DirectReader
 
 logger = logging.getLogger(__name__)
 
 MAX_BYTES = 64 << 20  # bytes read at most
 MAX_S = 0.3  # seconds of reading at most (the hint and the reads; not the scratch file's write)
 SCRATCH_BYTES = 16 << 20  # bytes of the scratch file an empty directory gets
-_READ_BYTES = 4 << 20  # bytes per read call
-_ALIGN = 4096  # O_DIRECT offsets, lengths and buffer addresses are multiples of this
+_READ_BYTES = 4 << 20  # bytes per buffered read call
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,10 +66,11 @@ class DiskSpeed:
 
 
 def measure_read_speed(directory: str, paths: list[str], o_direct: bool, max_bytes: int = MAX_BYTES,
-                       max_s: float = MAX_S) -> DiskSpeed | None:
+                       max_s: float = MAX_S, reader: DirectReader | None = None) -> DiskSpeed | None:
     """Read ``paths`` (chunk files, in the order given; a scratch file in ``directory`` when
     empty) for at most ``max_bytes`` bytes or ``max_s`` seconds. None when nothing could be read
-    (the reason is logged at debug level): the tier's speed is then learnt from loads."""
+    (the reason is logged at debug level): the tier's speed is then learnt from loads.
+    ``reader``: the disk tier's O_DIRECT reader (a reader of its own, closed after, if None)."""
     scratch = None
     if not paths:
         scratch = _write_scratch(directory, min(SCRATCH_BYTES, max_bytes))
@@ -73,25 +78,86 @@ def measure_read_speed(directory: str, paths: list[str], o_direct: bool, max_byt
             return None
         paths = [scratch]
     try:
-        return _timed_reads(paths, o_direct, max_bytes, max_s, "scratch" if scratch else "chunks")
+        source = "scratch" if scratch else "chunks"
+        if o_direct and hasattr(os, "O_DIRECT"):
+            speed = _direct_reads(paths, max_bytes, max_s, source, reader)
+            if speed is not NO_DIRECT:
+                return speed
+        return _timed_reads(paths, max_bytes, max_s, source)
     finally:
         if scratch is not None:
             unlink_quietly(scratch)
 
 
-def _timed_reads(paths: list[str], o_direct: bool, max_bytes: int, max_s: float, source: str) -> DiskSpeed | None:
-    buf = mmap.mmap(-1, _READ_BYTES)  # page-aligned, as O_DIRECT needs
+def _direct_reads(paths: list[str], max_bytes: int, max_s: float, source: str,
+                  reader: DirectReader | None) -> DiskSpeed | str | None:
+    """The O_DIRECT measure: each file's aligned head (within the budget) read whole on
+    ``reader``, :data:`MAX_CHUNKS` files in flight; :data:`NO_DIRECT` if the file system refuses."""
+    own = reader is None
+    reader = reader or DirectReader()
+    buf = mmap.mmap(-1, max(ALIGN, max_bytes - max_bytes % ALIGN))  # page-aligned, as O_DIRECT needs
     view = memoryview(buf)
-    direct = o_direct and hasattr(os, "O_DIRECT")
+    flight: deque[tuple[int, DirectRead]] = deque()
+    total = files = used = 0
+    refused = False
+
+    def land() -> None:
+        nonlocal total, files, refused
+        n, read = flight.popleft()
+        problem = read.wait()
+        if problem is None:
+            total, files = total + n, files + 1
+        elif problem == NO_DIRECT:
+            refused = True
+        else:
+            logger.debug("kvtier: disk speed probe stopped reading a file: %s", problem)
+
+    try:
+        start = time.perf_counter()
+        for path in paths:
+            if refused or used >= len(view) or time.perf_counter() - start >= max_s:
+                break
+            try:
+                size = os.stat(path).st_size
+            except OSError as exc:
+                logger.debug("kvtier: disk speed probe skipped %s: %s", path, exc)
+                continue
+            n = min(size - size % ALIGN, len(view) - used)
+            if n <= 0:
+                continue
+            if len(flight) >= MAX_CHUNKS:
+                land()
+            flight.append((n, reader.start(path, view[used : used + n], whole=False)))
+            used += n
+        while flight:
+            land()
+        seconds = time.perf_counter() - start
+    finally:
+        while flight:  # only on an exception: no read may still write into the buffer
+            flight.popleft()[1].wait()
+        if own:
+            reader.close()
+    del view, buf  # unmapped once the reads' views of it are gone too
+    if refused and total == 0:
+        return NO_DIRECT
+    if total == 0 or seconds <= 0:
+        logger.debug("kvtier: disk read speed not measured: nothing read from %d files", len(paths))
+        return None
+    return DiskSpeed(total, seconds, files, source, True)
+
+
+def _timed_reads(paths: list[str], max_bytes: int, max_s: float, source: str) -> DiskSpeed | None:
+    """The buffered measure: a ``POSIX_FADV_WILLNEED`` hint on every file, then reads in order."""
+    buf = mmap.mmap(-1, _READ_BYTES)
+    view = memoryview(buf)
     total = files = 0
     try:
         start = time.perf_counter()
-        if not direct:
-            will_need(paths)
+        will_need(paths)
         for path in paths:
             if total >= max_bytes or time.perf_counter() - start >= max_s:
                 break
-            n, direct = _read_file(path, view, direct, max_bytes - total, start + max_s)
+            n = _read_file(path, view, max_bytes - total, start + max_s)
             total, files = total + n, files + (n > 0)
         seconds = time.perf_counter() - start
     finally:
@@ -100,35 +166,28 @@ def _timed_reads(paths: list[str], o_direct: bool, max_bytes: int, max_s: float,
     if total == 0 or seconds <= 0:
         logger.debug("kvtier: disk read speed not measured: nothing read from %d files", len(paths))
         return None
-    return DiskSpeed(total, seconds, files, source, direct)
+    return DiskSpeed(total, seconds, files, source, False)
 
 
-def _read_file(path: str, view: memoryview, direct: bool, budget: int, deadline: float) -> tuple[int, bool]:
-    """Bytes read from ``path`` (at most ``budget``, stopping at ``deadline``), and whether the
-    read was direct (False after the file system refused O_DIRECT)."""
+def _read_file(path: str, view: memoryview, budget: int, deadline: float) -> int:
+    """Bytes read from ``path`` through the page cache (at most ``budget``, stopping at ``deadline``)."""
     try:
-        fd = os.open(path, os.O_RDONLY | (os.O_DIRECT if direct else 0))
+        fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
-        if direct and exc.errno == errno.EINVAL:
-            return _read_file(path, view, False, budget, deadline)
         logger.debug("kvtier: disk speed probe skipped %s: %s", path, exc)
-        return 0, direct
+        return 0
     done = 0
     try:
-        size = os.fstat(fd).st_size
-        end = min(size - size % _ALIGN if direct else size, budget - budget % _ALIGN if direct else budget)
+        end = min(os.fstat(fd).st_size, budget)
         while done < end and time.perf_counter() < deadline:
             n = os.readv(fd, [view[: min(len(view), end - done)]])
             if not n:
                 break
             done += n
     except OSError as exc:
-        if direct and exc.errno == errno.EINVAL and done == 0:
-            os.close(fd)
-            return _read_file(path, view, False, budget, deadline)
         logger.debug("kvtier: disk speed probe stopped reading %s: %s", path, exc)
     os.close(fd)
-    return done, direct
+    return done
 
 
 def will_need(paths: list[str]) -> None:

@@ -82,7 +82,7 @@ class ChunkStore:
             self._pool = pool.pin_allocator  # TensorMemoryAllocator: the byte accounting
             self._align = int(pool.align_bytes)
             backend = self._sm.storage_backends.get(lm.DISK_BACKEND)
-            self._disk = None if backend is None else DiskTier(backend, config, self._align)
+            self._disk = None if backend is None else DiskTier(backend, config, self._align, self._cpu, self._alloc_obj)
             if self._disk is not None:
                 self._disk.on_change = self._changed
                 self._disk.rebuild_index()
@@ -228,8 +228,8 @@ class ChunkStore:
         return {} if self._shared is None else self._shared.stats()
 
     def will_need(self, keys: list[bytes]) -> None:
-        """Hint that ``keys`` are about to be read: those held only on disk start loading into
-        the page cache now, in parallel. No effect on CPU-resident or unknown keys."""
+        """Hint that ``keys`` are about to be read, in this order: those held only on disk start loading
+        now, in parallel (into the page cache; with O_DIRECT, into CPU buffers the gets take)."""
         self._check_open()
         if self._disk is not None:
             self._disk.will_need([lm.engine_key(k, self._config) for k in keys])

@@ -1,0 +1,200 @@
+"""How chunk files are read: exactly, through the page cache, or with O_DIRECT in block-aligned
+parts read in parallel, so a fast disk sees several requests at once instead of one.
+
+Sizes and offsets are in bytes. An O_DIRECT read's file offsets, lengths and buffer address must
+be multiples of :data:`ALIGN` (the logical block size of every disk in use, 512 or 4096, divides
+it). A chunk's size is not (its 64-byte header), so the unaligned tail, under one block, is read
+through the page cache; the aligned head is cut into parts of at most ``part_bytes``, each one
+``preadv`` on the :class:`DirectReader`'s own threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import errno
+import os
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Callable
+
+ALIGN = 4096  # bytes; the CPU pool's buffers start on this boundary too
+PART_BYTES = 4 << 20  # bytes per O_DIRECT request at most
+THREADS = 8  # O_DIRECT requests in flight at most, per reader
+NO_DIRECT = "O_DIRECT refused"  # the problem a read reports when the file system refuses O_DIRECT
+CLOSED = "disk tier closed"
+
+
+def size_problem(path: str, nbytes: int) -> str | None:
+    """Why the file at ``path`` cannot hold an ``nbytes`` chunk, or None if it can."""
+    try:
+        size = os.stat(path).st_size
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+    return None if size == nbytes else f"{size} bytes on disk, {nbytes} expected"
+
+
+def read_exact(path: str, buf: memoryview) -> str | None:
+    """Fill ``buf`` from the file at ``path`` through the page cache; the problem if the file is
+    missing, unreadable or not exactly ``len(buf)`` bytes, else None. One open fd, so a concurrent
+    unlink cannot bite."""
+    try:
+        with open(path, "rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            if size != len(buf):
+                return f"{size} bytes on disk, {len(buf)} expected"
+            done = 0
+            while done < len(buf):  # read(2) may return short counts on huge files
+                n = f.readinto(buf[done:])
+                if not n:
+                    return "file ended early"
+                done += n
+            return None
+    except OSError as exc:
+        return exc.strerror or type(exc).__name__
+
+
+class DirectRead:
+    """One file's O_DIRECT read, in flight on a :class:`DirectReader`. ``problem`` (None: every
+    byte read) is final once ``done`` is set; :data:`NO_DIRECT` means read it another way. The
+    caller keeps the buffer alive, and does not touch it, until then."""
+
+    def __init__(self, on_done: Callable[[DirectRead], None] | None) -> None:
+        self.problem: str | None = None
+        self.done = threading.Event()
+        self._on_done = on_done
+        self._lock = threading.Lock()
+        self._parts = 0
+        self._fd = -1
+
+    def wait(self, timeout: float | None = None) -> str | None:
+        """The read's problem (None: read whole), once it has ended."""
+        self.done.wait(timeout)
+        return self.problem
+
+    def _fail(self, problem: str) -> None:
+        with self._lock:
+            self.problem = self.problem or problem
+
+    def _part_ended(self, future: Future) -> None:
+        if future.cancelled():
+            self._fail(CLOSED)
+        elif future.exception() is not None:
+            self._fail(repr(future.exception()))
+        elif future.result() is not None:
+            self._fail(future.result())
+        with self._lock:
+            self._parts -= 1
+            if self._parts:
+                return
+        self._end()
+
+    def _end(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self.done.set()
+        if self._on_done is not None:
+            self._on_done(self)
+
+
+class DirectReader:
+    """A small fixed pool of ``threads`` threads reading chunk files with O_DIRECT, started on the
+    first read; :meth:`close` ends it. Reads queue in the order they start."""
+
+    def __init__(self, threads: int = THREADS, part_bytes: int = PART_BYTES) -> None:
+        if threads < 1 or part_bytes < ALIGN or part_bytes % ALIGN:
+            raise ValueError(f"threads must be >= 1 and part_bytes a multiple of {ALIGN}, got {threads}, {part_bytes}")
+        self.threads, self.part_bytes = threads, part_bytes
+        self._lock = threading.Lock()
+        self._pool: ThreadPoolExecutor | None = None
+        self._closed = False
+
+    def read(self, path: str, buf: memoryview) -> str | None:
+        """Fill ``buf`` from the file at ``path``, which must be exactly ``len(buf)`` bytes; the
+        problem (:data:`NO_DIRECT` if the file system refuses O_DIRECT), else None."""
+        return self.start(path, buf).wait()
+
+    def start(self, path: str, buf: memoryview, whole: bool = True,
+              on_done: Callable[[DirectRead], None] | None = None) -> DirectRead:
+        """Start reading the first ``len(buf)`` bytes of the file at ``path`` into ``buf``; the
+        file must be exactly that long when ``whole``, else at least that long (then ``len(buf)``
+        must be a multiple of :data:`ALIGN`). ``on_done(read)`` runs once when it ends, on
+        whichever thread ended it (a reader thread, or this one when it fails at once)."""
+        read = DirectRead(on_done)
+        problem = self._open(read, path, buf, whole)
+        if problem is not None:
+            read._fail(problem)
+            read._end()
+            return read
+        head = len(buf) - len(buf) % ALIGN
+        spans = [(off, min(self.part_bytes, head - off)) for off in range(0, head, self.part_bytes)]
+        if not spans:
+            read._end()
+            return read
+        with self._lock:
+            if self._closed:
+                read._fail(CLOSED)
+                read._end()
+                return read
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="kvtier-disk-read")
+            read._parts = len(spans)
+            futures = [self._pool.submit(_read_part, read._fd, buf[off : off + n], off) for off, n in spans]
+        for future in futures:
+            future.add_done_callback(read._part_ended)
+        return read
+
+    def close(self) -> None:
+        """Cancel queued parts (their reads end with :data:`CLOSED`), wait for those running and
+        stop the threads; idempotent. Every read has ended when this returns."""
+        with self._lock:
+            self._closed = True
+            pool, self._pool = self._pool, None
+        if pool is not None:
+            pool.shutdown(wait=True, cancel_futures=True)
+
+    def _open(self, read: DirectRead, path: str, buf: memoryview, whole: bool) -> str | None:
+        """Open ``path`` for ``read`` (its O_DIRECT fd) and read the unaligned tail; the problem or None."""
+        head = len(buf) - len(buf) % ALIGN
+        if head and _address(buf) % ALIGN:
+            return NO_DIRECT  # not a pool buffer: O_DIRECT would refuse it
+        try:
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+        except OSError as exc:
+            return NO_DIRECT if exc.errno == errno.EINVAL else exc.strerror or type(exc).__name__
+        read._fd = fd
+        try:
+            size = os.fstat(fd).st_size
+            if size != len(buf) if whole else size < len(buf):
+                return f"{size} bytes on disk, {len(buf)} expected"
+            if head < len(buf):
+                # The same file through the page cache (an unlink between the two opens fails the read).
+                with open(path, "rb", buffering=0) as f:
+                    if os.fstat(f.fileno()).st_ino != os.fstat(fd).st_ino:
+                        return "file replaced while read"
+                    if os.preadv(f.fileno(), [buf[head:]], head) != len(buf) - head:
+                        return "file ended early"
+        except OSError as exc:
+            return exc.strerror or type(exc).__name__
+        return None
+
+
+def _read_part(fd: int, view: memoryview, offset: int) -> str | None:
+    """Fill ``view`` from ``fd`` at ``offset`` (one O_DIRECT request, re-issued on a short count)."""
+    done = 0
+    try:
+        while done < len(view):
+            n = os.preadv(fd, [view[done:]], offset + done)
+            if not n:
+                return "file ended early"
+            done += n
+    except OSError as exc:
+        if exc.errno == errno.EINVAL and done == 0:
+            return NO_DIRECT
+        return exc.strerror or type(exc).__name__
+    return None
+
+
+def _address(buf: memoryview) -> int:
+    """The address of ``buf``'s first byte."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(buf))

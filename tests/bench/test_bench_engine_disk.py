@@ -1,0 +1,102 @@
+"""The disk rows of ``kvtier-bench engine`` without a GPU: arguments, the rounds both engines run
+and the JSON they make (engines faked), the file name, the table, and the page cache drop's report."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+import pytest
+
+from kvtier.bench import engine_disk
+from kvtier.bench.cli import build_parser
+from kvtier.storage import DiskSpeed
+
+SPEED = DiskSpeed(16 << 20, 0.01, 1, "scratch", True)
+
+
+def fabricated(dropped: bool = True) -> dict:
+    cache = {"dropped": dropped, "how": "drop_caches" if dropped else "fadvise", "files": 12,
+             "resident_bytes": 0 if dropped else 3 << 20, "problem": None if dropped else
+             "/proc/sys/vm/drop_caches not writable (Permission denied)"}
+    ms = {"recompute_ms": {"8192": [400.0, 420.0, 410.0]}, "first_sight_ms": {"8192": [200.0, 190.0, 210.0]},
+          "again_ms": {"8192": [50.0, 40.0, 60.0]}}
+    return engine_disk.disk_result("h200", "0.33.0", [8192], 3, "direct", SPEED, cache, ms)
+
+
+def test_engine_takes_the_disk_arguments():
+    args = build_parser().parse_args(["engine", "--engines", "disk", "--disk-io", "direct", "--disk-results", "out"])
+    assert (args.engines, args.disk_io, args.disk_results) == ("disk", "direct", "out")
+    defaults = build_parser().parse_args(["engine"])
+    assert (defaults.disk_io, defaults.disk_results) == ("buffered", "bench/results")
+
+
+def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
+    specs = []
+
+    def spawn(spec, workdir, name, **kw):
+        specs.append((name, spec))
+        return {"rounds": [{"seconds": 0.001 * (i + 1), "outputs": [{"tokens": [1], "cached": 0}]}
+                           for i in range(len(spec["rounds"]))]}, ""
+
+    monkeypatch.setattr(engine_disk, "spawn", spawn)
+    monkeypatch.setattr(engine_disk, "disk_read_speed", lambda disk, direct: SPEED)
+    monkeypatch.setattr(engine_disk, "drop_page_cache", lambda path: fabricated()["page_cache"])
+    monkeypatch.setattr(engine_disk, "_card", lambda tp: "h200")
+    monkeypatch.setattr(engine_disk, "vllm_version", lambda: "0.33.0")
+    args = argparse.Namespace(repeats=2, disk_io="direct", settle_s=0.5, tp=1)
+    prompt = lambda seed, n: [seed % 1000] * n  # noqa: E731
+    read, out, result = engine_disk.run(args, [64, 128], prompt, lambda rounds, kvtier: {"rounds": rounds,
+                                        "kvtier": kvtier}, str(tmp_path), lambda line: None)
+    assert [name for name, _ in specs] == ["disk-write", "disk"]
+    assert all(spec["kvtier"]["disk_io"] == "direct" for _, spec in specs)
+    assert len(out["rounds"]) == len(read)
+    for name in ("recompute_ms", "first_sight_ms", "again_ms"):
+        assert sorted(result[name]) == ["128", "64"] and all(len(v) == 2 for v in result[name].values())
+    again = [r for r in read if r.get("tag", [""])[0] == "again"]
+    assert again and all(r["reset"] for r in again)  # a CPU-tier hit: vLLM's prefix cache emptied first
+    firsts = [r["prompts"][0] for r in read if r.get("tag", [""])[0] == "disk"]
+    assert firsts == [r["prompts"][0] for r in specs[0][1]["rounds"] if r.get("tag", [""])[0] == "recompute"]
+    warm = [r["prompts"][0] for r in read if r.get("tag") == ["warmup"]]
+    assert not set(map(tuple, warm)) & set(map(tuple, (r["prompts"][0] for r in specs[0][1]["rounds"])))
+    assert result["disk_read_bytes_per_s"] == SPEED.bytes_per_s and result["page_cache"]["dropped"]
+    json.dumps(result)
+
+
+@pytest.mark.parametrize("card, release, name", [("h200", "0.33.0", "disk-h200-v033"),
+                                                 ("h100x2", "0.26.1", "disk-h100x2-v026"),
+                                                 ("h200", "unknown", "disk-h200-unknown")])
+def test_result_names_carry_card_and_release(card, release, name):
+    assert engine_disk.result_name(card, release) == name
+
+
+def test_write_puts_json_and_table_side_by_side(tmp_path):
+    path = engine_disk.write(fabricated(), str(tmp_path / "results"))
+    assert os.path.basename(path) == "disk-h200-v033.json"
+    data = json.loads(open(path).read())
+    assert data["first_sight_ms"] == {"8192": [200.0, 190.0, 210.0]} and data["page_cache"]["dropped"] is True
+    assert "first sight" in (tmp_path / "results" / "disk-h200-v033.txt").read_text()
+
+
+def test_the_table_and_a_page_cache_not_dropped():
+    text = engine_disk.format_table(fabricated())
+    assert "page cache: dropped (drop_caches), 12 files" in text
+    row = text.splitlines()[-1].split()
+    assert row[0] == "8192" and row[1:4] == ["410", "/", "400"] and row[-1] == "0.49"  # 200 / 410
+    text = engine_disk.format_table(fabricated(dropped=False))
+    assert "NOT dropped: /proc/sys/vm/drop_caches not writable (Permission denied) (3.0 MiB of 12 files" in text
+
+
+def test_drop_page_cache_reports_what_stays_resident(tmp_path, monkeypatch):
+    monkeypatch.setattr(engine_disk, "DROP_CACHES", str(tmp_path / "no" / "drop_caches"))  # never the machine's
+    path = tmp_path / "chunks" / "a.kv"
+    path.parent.mkdir()
+    path.write_bytes(os.urandom(1 << 20))
+    path.read_bytes()
+    assert engine_disk.resident_bytes(str(path)) > 0  # just read: in the page cache
+    report = engine_disk.drop_page_cache(str(tmp_path / "chunks"))
+    assert report["files"] == 1 and report["how"] == "fadvise"
+    assert report["dropped"] == (report["resident_bytes"] == 0)
+    assert report["dropped"] or "not writable" in report["problem"]
+    assert engine_disk.resident_bytes(str(path)) == report["resident_bytes"]
