@@ -78,7 +78,8 @@ class PolledLoads:
     @torch.inference_mode()
     def start(self, job: LoadJob) -> Future | None:
         """Start ``job``'s copies now if every chunk it needs is in the CPU tier (intact headers);
-        None when one is not (the chunks taken so far are given back: the load thread runs it)."""
+        None when one is not, or the copies could not start (the chunks taken so far are given
+        back: the load thread runs it)."""
         side, start = self._side, now_ms()
         buffers, sums, spans, tiers, done = [], [], [], [], 0
         for i, key in enumerate(job.keys):
@@ -104,10 +105,11 @@ class PolledLoads:
             spans = [ChunkSpan(data, side.chunk_blocks, first, ids[at : at + count]) for data, first, count, at in spans]
             try:
                 copying = side.scatter_async(side.layout, spans, sums if side.kernel_sums else None)
-            except Exception:
+            except Exception:  # the load thread runs it instead, and reports what fails there
+                logger.exception("kvtier: request %s's copies could not start here", job.req_id)
                 for buffer in buffers:
                     buffer.release()
-                raise
+                return None
         future = PolledLoad(self)
         with self._lock:
             self._out.append(_InFlight(job, copying, buffers, spans, tiers, start, future))
