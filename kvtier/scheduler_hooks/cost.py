@@ -21,8 +21,9 @@ goes ahead.
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Callable, Iterable, Mapping
 
 MIN_SAMPLES = 8  # measured loads before a tier's own line replaces the workers' figure
 # Steps before the step line is known, one of them prefilling more than SMALL_STEP_TOKENS. One is
@@ -207,3 +208,26 @@ class CostMeter:
                      for tier, per_token in self.chunk_s.items()}
         loads.update({tier: line for tier, meter in self.loads.items() if (line := meter.line()) is not None})
         return CostModel(step, loads)
+
+
+class StepTimer:
+    """Times engine steps for a :class:`CostMeter` from two calls any scheduler makes: ``planned``
+    when a step is scheduled (vLLM's ``build_connector_meta``), ``ended`` when its output arrives
+    (``update_connector_output``), in order, one each per step. A step's time is from the one to the
+    other: what a prefill of its tokens costs the engine (with async scheduling, where the next step
+    is planned before this one's output, also a wait behind the step before: recompute looks dearer,
+    so a veto comes later, never wrongly). ``clock``: seconds, monotonic."""
+
+    MAX_OUT = 3  # steps planned and not ended; older ones lost their output (none came) and are dropped
+
+    def __init__(self, meter: CostMeter, clock: Callable[[], float]):
+        self._meter, self._clock = meter, clock
+        self._out: deque[tuple[float, int]] = deque(maxlen=self.MAX_OUT)  # (planned at s, tokens)
+
+    def planned(self, tokens: int) -> None:
+        self._out.append((self._clock(), tokens))
+
+    def ended(self) -> None:
+        if self._out:
+            at, tokens = self._out.popleft()
+            self._meter.record_step(tokens, self._clock() - at)

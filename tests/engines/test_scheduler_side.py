@@ -70,7 +70,7 @@ def test_cost_vetoes_are_probed_every_so_often(side):
 
 @pytest.mark.parametrize("probed", [["disk"], []], ids=["probed", "negative control: not probed"])
 def test_a_slow_probed_disk_is_vetoed_from_the_first_request_after_one_prefill_step(side, probed):
-    side.record_step(512, 512 * 1e-5)  # recompute: 10 us a token, 2.6 ms for the hit
+    side.meter.record_step(512, 512 * 1e-5)  # recompute: 10 us a token, 2.6 ms for the hit
     side.client = StubClient(["disk"] * 4, {"disk": 10.0, "cpu": 0.1}, probed)  # 40 ms to load it
     plan = admit(side, "a")
     assert (plan.skip is Skip.SLOWER) is bool(probed)

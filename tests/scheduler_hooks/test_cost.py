@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from kvtier.scheduler_hooks import Geometry, PlanInput, PlanKind, Policy, Skip, plan_load
-from kvtier.scheduler_hooks.cost import MIN_SAMPLES, CostMeter, LineMeter, fit_line
+from kvtier.scheduler_hooks.cost import MIN_SAMPLES, CostMeter, LineMeter, StepTimer, fit_line
 
 
 def test_fit_recovers_a_line():
@@ -155,3 +155,27 @@ def _sums(samples):
     return (w, sum(x for x, _ in samples), sum(y for _, y in samples), sum(x * x for x, _ in samples),
             sum(x * y for x, y in samples))
 
+
+
+def test_the_step_timer_times_each_step_from_its_plan_to_its_output():
+    now = [0.0]
+    meter = CostMeter()
+    timer = StepTimer(meter, lambda: now[0])
+    assert meter.model().step is None  # no step seen: nothing may be vetoed
+    timer.planned(2048)
+    now[0] = 0.1
+    timer.ended()
+    timer.planned(0)  # a step that computes nothing measures nothing
+    timer.ended()
+    line = meter.model().step
+    assert line is not None and line.per_token_s == pytest.approx(0.1 / 2048)
+    # async scheduling: the next step is planned before this one's output; outputs come in order
+    timer.planned(1)
+    now[0] = 0.2
+    timer.planned(1)
+    now[0] = 0.25
+    timer.ended()
+    timer.ended()
+    assert meter.steps.small_samples == 2 and meter.model().step.fixed_s == pytest.approx((0.15 + 0.05) / 2)
+    timer.ended()  # an output with nothing planned is ignored
+    assert meter.steps.small_samples == 2

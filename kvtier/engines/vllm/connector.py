@@ -1,9 +1,9 @@
 """``KvtierConnector``: vLLM's ``KVConnectorBase_V1`` over kvtier's scheduler and worker halves.
 
 Scheduler half (:mod:`.scheduler_side`): asks the lookup server how much of a prompt is stored beyond the engine's
-own prefix cache, parks the request in ``WAITING_FOR_REMOTE_KVS`` while the workers load it, and plans saves of
-every new full prompt chunk. Worker half (:mod:`.worker_side`): builds the layouts from the registered KV tensors
-and starts a :mod:`kvtier.worker_node` over them, which runs the loads and saves and serves lookups.
+own prefix cache, parks the request in ``WAITING_FOR_REMOTE_KVS`` while the workers load it, plans saves of every
+new full chunk, and times every step for the cost model. Worker half (:mod:`.worker_side`): builds the layouts from
+the registered KV tensors and starts a :mod:`kvtier.worker_node` over them, which runs the loads, saves and lookups.
 
 P/D speaks vLLM's standard ``kv_transfer_params`` (:mod:`kvtier.pd.params`): a request with ``do_remote_decode``
 publishes its prompt and returns the parameters a decode engine needs from ``request_finished``; a request with
@@ -21,8 +21,7 @@ recomputes its whole prompt: through ``get_transfer_results`` (``failed_recving`
 
 Hook order: blocks given out in a step wait for saves still reading them before the step's kernels are launched
 (``bind_connector_metadata``, which every release calls before the forward; vLLM >= 0.32 calls ``start_load_kv``
-after the forward's launch when no load of the step is synchronous, and kvtier's loads never are: their requests
-wait).
+after the forward's launch when no load of the step is synchronous: kvtier's never are, their requests wait).
 """
 
 from __future__ import annotations
@@ -68,9 +67,8 @@ if TYPE_CHECKING:
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
-_SOURCES = {} if CacheHitSource is None else {
-    "cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK, "remote": CacheHitSource.P2P,
-    "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
+_SOURCES = {} if CacheHitSource is None else {"cpu": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+                                               "remote": CacheHitSource.P2P, "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
 _COMPLETED = (RequestStatus.FINISHED_STOPPED, RequestStatus.FINISHED_LENGTH_CAPPED)  # not aborted, not failed
 
 _WORKER_MODULE = "kvtier.engines.vllm.worker_side"
@@ -316,12 +314,14 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
                     tokens(req_id))
             )
         lends, self._lends = tuple(self._lends), []
+        scheduler.steps.planned(scheduler_output.total_num_scheduled_tokens)
         return KvtierMetadata(scheduler.take_plan([s for s in saves if s is not None], tuple(allocated)), lends,
                               scheduler_output.total_num_scheduled_tokens == 0)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if not self.active:
             return
+        self._scheduler.steps.ended()
         events = connector_output.kv_cache_events
         if events:
             self._events.add_events(events.get_all_events())

