@@ -41,6 +41,7 @@ from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 from kvtier.timeline import mark
+from kvtier.transfer import pieces
 from kvtier.transfer.common import Copied, Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms, on_device
 from kvtier.transfer.landed import LandedCheck
 
@@ -350,7 +351,7 @@ class LoadSide:
         corrupt). The payload is verified here unless the copy kernel verifies it while loading."""
         skey = self.skey(key)
         start = now_ms()
-        buffer = self.store.get(skey)
+        buffer = self.store.get(skey) or pieces.assemble(self.layout, self.store, key, self.chunk_blocks, self._on_held)
         if buffer is None:
             logger.warning("kvtier: chunk %s was evicted before it could be loaded; recomputing.", key.hex())
             return None
