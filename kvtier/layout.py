@@ -270,7 +270,7 @@ def build_layout(
                         "tokens" if token_contiguous else f"bs{block_size}", token_contiguous)
     if isinstance(shard, str):
         if tp_rank == 0 and kv_heads is not None:  # asked for and refused: said once per engine
-            logger.info("kvtier stores chunks per TP rank (readable only at TP size %d): %s.", tp_size, shard)
+            logger.warning("kvtier stores chunks per TP rank (readable only at TP size %d): %s.", tp_size, shard)
         shard = None
     else:
         fingerprint = piece_fingerprint(shard.base, None if shard.replicated else (shard.first, shard.end))

@@ -118,7 +118,7 @@ def test_layouts_that_cannot_be_joined_stay_per_rank(caplog):
     kv = rank_kv("cpu", ref, (0, 4))
     plain = build_layout(kv, BS, NB, tp_rank=1, tp_size=2)  # no head count given
     assert plain.shard is None and plain.fingerprint == plain.rank_fingerprint
-    with caplog.at_level("INFO", logger="kvtier.layout"):
+    with caplog.at_level("WARNING", logger="kvtier.layout"):
         replicated = build_layout(rank_kv("cpu", ref, (0, 1)), BS, NB, tp_size=2, kv_heads=1, total_kv_heads=1)
     assert replicated.shard is None and "do not split the model's 1 evenly" in caplog.text
     flashinfer = layout_of("flashinfer", reference("flashinfer"), 0, 4)[0]  # 2 heads per rank: K/V or heads?
