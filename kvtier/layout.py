@@ -266,8 +266,7 @@ def build_layout(
     else:
         text = "|".join([f"v{LAYOUT_VERSION}", model, f"bs{block_size}", f"tp{tp_rank}/{tp_size}", *described])
     rank_fingerprint = fingerprint = hashlib.blake2b(text.encode(), digest_size=16).digest()
-    shard = _head_shard(blocks, kv_heads, total_kv_heads, tp_rank, tp_size, model,
-                        "tokens" if token_contiguous else f"bs{block_size}", token_contiguous)
+    shard = _head_shard(blocks, kv_heads, total_kv_heads, tp_rank, tp_size, model, block_size, token_contiguous)
     if isinstance(shard, str):
         if tp_rank == 0 and kv_heads is not None:  # asked for and refused: said once per engine
             logger.warning("kvtier stores chunks per TP rank (readable only at TP size %d): %s.", tp_size, shard)
@@ -285,24 +284,30 @@ def build_layout(
 
 
 def _head_shard(blocks: list[tuple[str, torch.Tensor, int, int | None]], kv_heads: int | None, total: int,
-                tp_rank: int, tp_size: int, model: str, sizing: str, token_contiguous: bool) -> HeadShard | str:
+                tp_rank: int, tp_size: int, model: str, block_size: int, token_contiguous: bool) -> HeadShard | str:
     """The heads this rank's regions ``blocks`` hold and their TP-independent fingerprint, or why the
     chunks stay per TP rank: no head counts given, heads replicated across ranks (fewer KV heads than
-    ranks), or a region whose head dim is missing, ambiguous, outside the block or not whole runs."""
+    ranks), or a region whose head dim is missing, ambiguous, outside the block or not whole runs.
+    The block size is left out only when tokens stay outermost at any head count: heads inside the
+    token dim in memory (one head per rank makes vLLM-CPU's block look token-contiguous; it is not)."""
     if kv_heads is None:
         return "the engine gave no KV head count"
     if kv_heads and (total != kv_heads * tp_size or kv_heads < 1):
         return f"{kv_heads} KV heads per rank at TP size {tp_size} do not split the model's {total} evenly"
-    texts, sizes = [f"v{LAYOUT_VERSION}", model, sizing, f"heads{total if kv_heads else 'replicated'}"], []
-    for name, block, block_bytes, token in blocks:
-        dim = None
-        if kv_heads:
-            dim = head_dim(block, kv_heads)
-            size = dim if isinstance(dim, str) else head_bytes(block, dim, block_bytes)
-            if isinstance(size, str):
-                return f"KV tensor {name!r}: {size}"
-            sizes.append(size)
-        texts.append(f"{name}:{block.dtype}:{independent_text(block, dim, token if token_contiguous else None)}")
+    dims, sizes = [], []
+    for name, block, block_bytes, _ in blocks:
+        dim = head_dim(block, kv_heads) if kv_heads else None
+        size = dim if isinstance(dim, str) or dim is None else head_bytes(block, dim, block_bytes)
+        if isinstance(size, str):
+            return f"KV tensor {name!r}: {size}"
+        dims.append(dim)
+        sizes.append(size)
+    tokens = token_contiguous and all(dim is None or (-block.stride(dim), dim) > (-block.stride(token), token)
+                                      for dim, (_, block, _, token) in zip(dims, blocks))
+    texts = [f"v{LAYOUT_VERSION}", model, "tokens" if tokens else f"bs{block_size}",
+             f"heads{total if kv_heads else 'replicated'}"]
+    texts += [f"{name}:{block.dtype}:{independent_text(block, dim, token if tokens else None)}"
+              for dim, (name, block, _, token) in zip(dims, blocks)]
     base = hashlib.blake2b("|".join(texts).encode(), digest_size=16).digest()
     if not kv_heads:
         return HeadShard(base, 0, 0, 0)

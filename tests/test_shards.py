@@ -126,3 +126,13 @@ def test_layouts_that_cannot_be_joined_stay_per_rank(caplog):
     outside = torch.zeros(4, NB, BS, HS).transpose(0, 1)  # heads outside the block in memory: a region per head
     assert build_layout({"l": outside}, BS, NB, tp_size=2, kv_heads=4, total_kv_heads=HEADS).shard is None
     assert build_layout(kv, BS, NB, tp_rank=1, tp_size=2, kv_heads=3, total_kv_heads=HEADS).shard is None
+
+
+@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd"])
+def test_one_head_per_rank_keeps_the_base_fingerprint(kind):
+    """One head per rank makes vLLM-CPU's block ``[1, block_size, 2*head_size]`` look token-contiguous
+    (its size-1 head dim is skipped): the base must still be TP=1's, block size included."""
+    ref = reference(kind).narrow(head_dim_of(kind), 0, 2).contiguous()
+    bases = {build_layout(rank_kv(kind, ref, rank_heads(2, r, t)), BS, NB, model="m", tp_rank=r, tp_size=t,
+                          kv_heads=2 // t, total_kv_heads=2).shard.base for t in (1, 2) for r in range(t)}
+    assert len(bases) == 1
