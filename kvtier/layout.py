@@ -15,16 +15,26 @@ token order, whatever the block size, so its fingerprint leaves the block size o
 different block sizes exchange chunks unchanged (P/D). Any other layout (HND, vLLM-CPU's
 ``[num_blocks, kv_heads, block_size, 2*head_size]``, FlashInfer's ``[num_blocks, 2, ...]`` as one
 region) fingerprints its block size.
+
+Given the KV heads each rank holds, a layout whose blocks have one head dim is keyed by the heads
+it holds, not by its TP rank (:mod:`kvtier.shards`): its ``fingerprint`` is then the same for any
+rank and TP size holding those heads, and a layout without a head dim (MLA) has one fingerprint
+on every rank. ``rank_fingerprint`` keeps the per-rank meaning.
 """
 
 from __future__ import annotations
 
 import hashlib
 import itertools
+import logging
 import math
 from dataclasses import dataclass, field
 
 import torch
+
+from kvtier.shards import HeadShard, head_bytes, head_dim, independent_text, piece_fingerprint, rank_heads
+
+logger = logging.getLogger(__name__)
 
 # Version of the layout fingerprint's text. Not the chunk format's version (kvtier.codec.FORMAT_VERSION):
 # a chunk of an older format keeps its storage key, so a load finds it, rejects it and removes it.
@@ -63,9 +73,11 @@ class Region:
 class Layout:
     """All regions of all layers, in a fixed order, plus the fingerprint of their byte format.
 
-    ``fingerprint`` (16 bytes) covers everything that changes the meaning of a block's bytes:
+    ``rank_fingerprint`` (16 bytes) covers everything that changes the meaning of a block's bytes:
     model, dtype, TP rank and size, layout version, and per-token shapes and strides when
     ``token_contiguous`` (see the module docstring), else per-block ones and the block size.
+    ``fingerprint``: what chunks are stored and sealed under: the piece fingerprint of ``shard``'s
+    heads (:func:`kvtier.shards.piece_fingerprint`) when ``shard`` is set, else ``rank_fingerprint``.
     """
 
     regions: tuple[Region, ...]
@@ -73,6 +85,8 @@ class Layout:
     fingerprint: bytes
     description: str = ""  # the fingerprinted facts in words, for error messages
     token_contiguous: bool = False  # each region's block is block_size equal token slices, in token order
+    rank_fingerprint: bytes = b""  # the per-rank fingerprint (``fingerprint`` when ``shard`` is None)
+    shard: HeadShard | None = None  # the KV heads this rank's blocks hold; None: chunks are per TP rank
     _bytes_per_block: int = field(default=0, init=False, repr=False, compare=False)  # asked per chunk: summed once
 
     def __post_init__(self) -> None:
@@ -204,6 +218,8 @@ def build_layout(
     model: str = "",
     tp_rank: int = 0,
     tp_size: int = 1,
+    kv_heads: int | None = None,
+    total_kv_heads: int = 0,
 ) -> Layout:
     """Layout of the per-layer KV tensors an engine registers.
 
@@ -215,6 +231,9 @@ def build_layout(
     ``[num_blocks, 2, ...]``, MLA's ``[num_blocks, block_size, latent]``, in any dtype (fp8 too).
     Layers that alias the same memory (KV sharing) give one region. Anything else raises
     :class:`LayoutError` naming the tensor, its shape and its strides.
+
+    ``kv_heads``: KV heads per rank, of ``total_kv_heads`` (0: the KV has no head dim and is the
+    same on every rank, MLA); None keys chunks per TP rank. See :func:`_head_shard`.
     """
     if not kv_caches:
         raise LayoutError("no KV tensors were registered.")
@@ -224,6 +243,7 @@ def build_layout(
     described: list[str] = []  # per region, name:dtype:block shape:strides
     per_token: list[str] = []  # the same per token, while every region keeps tokens outermost
     seen: set[tuple[int, int, int]] = set()
+    blocks: list[tuple[str, torch.Tensor, int, int | None]] = []  # (name, block view, block bytes, token dim)
     for name, tensor in kv_caches.items():
         for part_name, block, block_bytes in _split_blocks(tensor, name, num_blocks):
             view = _byte_view(block, block_bytes)
@@ -233,7 +253,8 @@ def build_layout(
             seen.add(where)
             regions.append(Region(part_name, view))
             described.append(f"{part_name}:{block.dtype}:{tuple(block.shape[1:])}:{block[0].stride()}")
-            if (token := _token_dim(block, block_size, block_bytes)) is not None:
+            blocks.append((part_name, block, block_bytes, token := _token_dim(block, block_size, block_bytes)))
+            if token is not None:
                 one = block[0].select(token - 1, 0)  # one token of one block
                 per_token.append(f"{part_name}:{block.dtype}:token dim {token - 1}:{tuple(one.shape)}:{one.stride()}")
     devices = {r.blocks.device for r in regions}
@@ -244,13 +265,53 @@ def build_layout(
         text = "|".join([f"v{LAYOUT_VERSION}", model, "tokens", f"tp{tp_rank}/{tp_size}", *per_token])
     else:
         text = "|".join([f"v{LAYOUT_VERSION}", model, f"bs{block_size}", f"tp{tp_rank}/{tp_size}", *described])
-    fingerprint = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    rank_fingerprint = fingerprint = hashlib.blake2b(text.encode(), digest_size=16).digest()
+    shard = _head_shard(blocks, kv_heads, total_kv_heads, tp_rank, tp_size, model, block_size, token_contiguous)
+    if isinstance(shard, str):
+        if tp_rank == 0 and kv_heads is not None:  # asked for and refused: said once per engine
+            logger.warning("kvtier stores chunks per TP rank (readable only at TP size %d): %s.", tp_size, shard)
+        shard = None
+    else:
+        fingerprint = piece_fingerprint(shard.base, None if shard.replicated else (shard.first, shard.end))
     order = ("token-contiguous: any block size matches" if token_contiguous
              else "not token-contiguous: the block size must match")
-    description = (f"[model {model or '?'}, block size {block_size} ({order}), TP rank {tp_rank}/{tp_size}, "
+    keyed = ("per TP rank" if shard is None else "one piece for every rank" if shard.replicated
+             else f"piece of KV heads {shard.first}-{shard.end} of {shard.total}")
+    description = (f"[model {model or '?'}, block size {block_size} ({order}), TP rank {tp_rank}/{tp_size} ({keyed}), "
                    f"{len(regions)} regions like {described[0]} (name:dtype:block shape:strides), "
                    f"fingerprint {fingerprint.hex()[:12]}]")
-    return Layout(tuple(regions), block_size, fingerprint, description, token_contiguous)
+    return Layout(tuple(regions), block_size, fingerprint, description, token_contiguous, rank_fingerprint, shard)
+
+
+def _head_shard(blocks: list[tuple[str, torch.Tensor, int, int | None]], kv_heads: int | None, total: int,
+                tp_rank: int, tp_size: int, model: str, block_size: int, token_contiguous: bool) -> HeadShard | str:
+    """The heads this rank's regions ``blocks`` hold and their TP-independent fingerprint, or why the
+    chunks stay per TP rank: no head counts given, heads replicated across ranks (fewer KV heads than
+    ranks), or a region whose head dim is missing, ambiguous, outside the block or not whole runs.
+    The block size is left out only when tokens stay outermost at any head count: heads inside the
+    token dim in memory (one head per rank makes vLLM-CPU's block look token-contiguous; it is not)."""
+    if kv_heads is None:
+        return "the engine gave no KV head count"
+    if kv_heads and (total != kv_heads * tp_size or kv_heads < 1):
+        return f"{kv_heads} KV heads per rank at TP size {tp_size} do not split the model's {total} evenly"
+    dims, sizes = [], []
+    for name, block, block_bytes, _ in blocks:
+        dim = head_dim(block, kv_heads) if kv_heads else None
+        size = dim if isinstance(dim, str) or dim is None else head_bytes(block, dim, block_bytes)
+        if isinstance(size, str):
+            return f"KV tensor {name!r}: {size}"
+        dims.append(dim)
+        sizes.append(size)
+    tokens = token_contiguous and all(dim is None or (-block.stride(dim), dim) > (-block.stride(token), token)
+                                      for dim, (_, block, _, token) in zip(dims, blocks))
+    texts = [f"v{LAYOUT_VERSION}", model, "tokens" if tokens else f"bs{block_size}",
+             f"heads{total if kv_heads else 'replicated'}"]
+    texts += [f"{name}:{block.dtype}:{independent_text(block, dim, token if tokens else None)}"
+              for dim, (name, block, _, token) in zip(dims, blocks)]
+    base = hashlib.blake2b("|".join(texts).encode(), digest_size=16).digest()
+    if not kv_heads:
+        return HeadShard(base, 0, 0, 0)
+    return HeadShard(base, *rank_heads(total, tp_rank, tp_size), total, tuple(sizes))
 
 
 def _token_dim(block: torch.Tensor, block_size: int, block_bytes: int) -> int | None:

@@ -101,14 +101,17 @@ class WorkerNode:
     def _start(self, layouts: list[Layout], chunk_blocks: tuple[int, ...], engine: str,
                listen: Callable[[ChunkStore], Listener] | None, begin: float) -> None:
         layout, config = layouts[0], self.config
-        disk_path = config.disk_path
-        if disk_path and self.world_size > 1:
+        disk_path, shard = config.disk_path, layout.shard
+        if disk_path and self.world_size > 1 and shard is None:
             disk_path = f"{disk_path}/rank{self.rank}"
+        # Pieces keyed by KV heads: one directory and namespace for every rank and TP size (see kvtier.shards).
         self.store = store = ChunkStore(StoreConfig(
             cpu_bytes=config.cpu_bytes, disk_path=disk_path, disk_bytes=config.disk_bytes,
-            namespace=layout.fingerprint.hex(), worker_id=self.rank, world_size=self.world_size,
+            namespace=(layout.fingerprint if shard is None else shard.base).hex(),
+            worker_id=self.rank if shard is None else 0, world_size=self.world_size if shard is None else 1,
             o_direct=config.disk_io == "direct", shared_url=config.shared_url,
-            shared_timeout_ms=config.shared_timeout_ms,
+            shared_timeout_ms=config.shared_timeout_ms, write_through=shard is None or not shard.replicated or
+            self.rank == 0,  # MLA: one rank writes the disk and shared copy every rank reads
         ))
         tier_s = time.perf_counter() - begin  # LMCache's StorageManager: its CPU pool pinned
         if self.rank == 0:  # bound before any reporter connects, so none waits for a reconnect
@@ -121,7 +124,9 @@ class WorkerNode:
             tier = store.contains(key)
             return None if tier is None else tier.value
 
-        self.reporter = HoldReporter(self.endpoint, self.rank, self.world_size, layout.fingerprint, tier_of)
+        self.reporter = HoldReporter(self.endpoint, self.rank, self.world_size, layout.fingerprint, tier_of,
+                                     *(() if shard is None or shard.replicated else
+                                       (shard.base, (shard.first, shard.end, shard.total))))
         if listen is not None:
             self._heard = listen(store)
         store.watch(self._changed)
@@ -217,7 +222,9 @@ class WorkerNode:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its
         layout fingerprint), asked within half the scheduler's lookup timeout."""
         timeout_ms = min(self.config.shared_timeout_ms, self.config.lookup_timeout_ms // 2)
-        return self.store.shared_prefix(chunks, tuple(fp.hex() for fp in fingerprints), timeout_ms)
+        shard = self.transfers.layout.shard  # pieces: every rank's store has the namespace of the base fingerprint
+        return self.store.shared_prefix(chunks, tuple((fp if shard is None else shard.base).hex()
+                                                      for fp in fingerprints), timeout_ms)
 
     def guard_reuse(self, plan: StepPlan) -> None:
         """Before a step's kernels: its given-out blocks wait for saves still reading them (see

@@ -4,12 +4,18 @@ A chunk is *committed*, and visible to lookups, once every rank of the TP group 
 holding it; a report from any rank that it lost the chunk withdraws it for all. Ranks store a
 chunk under their own storage key (the chain key bound to the rank's layout fingerprint), so the
 index keeps each rank's keys and fingerprint and maps a looked-up chain key to each of them.
+
+A rank whose chunks are pieces keyed by the KV heads they hold (:mod:`kvtier.shards`) also holds
+a chunk when it holds every piece that another TP size's ranks stored of its heads (a disk tier
+written at another TP size): its load builds its own piece from them. Those keys are made only
+for a chunk whose own piece is missing, from fingerprints made once per report's layout.
 """
 
 from __future__ import annotations
 
 from kvtier.keys import storage_key
 from kvtier.lookup.protocol import HoldReport
+from kvtier.shards import covers, piece_fingerprint
 
 _SLOWER = {"cpu": 0, "disk": 1}
 MEMO_KEYS = 1 << 16  # chain keys whose storage keys are remembered (~5 MiB at TP=2)
@@ -23,6 +29,7 @@ class HoldIndex:
         self.world_size = world_size
         self._fingerprints: list[bytes | None] = [None] * world_size
         self._held: list[dict[bytes, str]] = [{} for _ in range(world_size)]
+        self._covers: list[list[tuple[bytes, ...]]] = [[] for _ in range(world_size)]  # piece fingerprints per way
         # chain key -> each rank's storage key: a hash per rank and chunk is most of a lookup's
         # cost, and the scheduler asks about the same prompt every step it waits.
         self._memo: dict[bytes, tuple[bytes, ...]] = {}
@@ -39,6 +46,9 @@ class HoldIndex:
         if self._fingerprints[report.rank] != report.fingerprint:
             # A new layout on that rank (a restarted worker): what it held before means nothing.
             self._fingerprints[report.rank] = report.fingerprint
+            first, end, total = report.heads if len(report.heads) == 3 and report.base else (0, 0, 0)
+            self._covers[report.rank] = [tuple(piece_fingerprint(report.base, heads) for heads in way)
+                                         for way in (covers(first, end, total) if total else ())]
             held.clear()
             self._memo.clear()
         for key, tier in zip(report.keys, report.tiers):
@@ -55,8 +65,8 @@ class HoldIndex:
         tiers: list[str] = []
         for key in keys:
             slowest = "cpu"
-            for skey, held in zip(self._storage_keys(key), self._held):
-                tier = held.get(skey)
+            for rank, (skey, held) in enumerate(zip(self._storage_keys(key), self._held)):
+                tier = held.get(skey) or self._covered(key, rank)
                 if tier is None:
                     return tiers
                 if _SLOWER[tier] > _SLOWER[slowest]:
@@ -78,6 +88,16 @@ class HoldIndex:
                 self._memo.clear()
             skeys = self._memo[key] = tuple(storage_key(key, fp) for fp in self._fingerprints)
         return skeys
+
+    def _covered(self, key: bytes, rank: int) -> str | None:
+        """The slowest tier of the first way ``rank`` holds every piece of chain key ``key`` another
+        TP size stored; None when there is none."""
+        held = self._held[rank]
+        for way in self._covers[rank]:
+            tiers = [held.get(storage_key(key, fingerprint)) for fingerprint in way]
+            if None not in tiers:
+                return max(tiers, key=_SLOWER.__getitem__)
+        return None
 
     def held_count(self, rank: int) -> int:
         """Chunks ``rank`` holds (for tests and logs)."""

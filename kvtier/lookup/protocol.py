@@ -12,7 +12,7 @@ from typing import Annotated, Literal, Union
 
 import msgspec
 
-VERSION = 5
+VERSION = 6
 MAX_MESSAGE_BYTES = 1 << 20  # 1 MiB: ~40k keys, a 10M-token prompt at 256 tokens a chunk
 MAX_KEYS = 16384  # per message; reports are split to stay under it
 KEY_BYTES = 16
@@ -29,12 +29,15 @@ class LookupRequest(msgspec.Struct, frozen=True, tag="lookup"):
     keys: Keys
 
 
-class HoldReport(msgspec.Struct, frozen=True, tag="hold"):
+class HoldReport(msgspec.Struct, frozen=True, tag="hold", omit_defaults=True):
     """What one worker rank holds now, for some of its storage keys.
 
     ``fingerprint``: the rank's layout fingerprint; its storage key of chain key ``k`` is
     ``kvtier.keys.storage_key(k, fingerprint)``. ``tiers[i]``: where ``keys[i]`` is now
     (``"cpu"``, ``"disk"``) or ``""`` when the rank lost it (evicted, removed, never stored).
+    ``base`` and ``heads`` (``[first, end, total]``): when the rank's chunks are pieces keyed by the
+    KV heads they hold (:mod:`kvtier.shards`), its layout's TP-independent fingerprint and heads,
+    so that rank 0 also counts a chunk whose pieces another TP size stored; else empty.
     """
 
     version: int
@@ -43,6 +46,8 @@ class HoldReport(msgspec.Struct, frozen=True, tag="hold"):
     fingerprint: Key
     keys: Keys
     tiers: Annotated[list[HeldTier], msgspec.Meta(max_length=MAX_KEYS)]
+    base: Annotated[bytes, msgspec.Meta(max_length=KEY_BYTES)] = b""
+    heads: Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=3)] = []
 
 
 class PeerAddress(msgspec.Struct, frozen=True, tag="peer"):

@@ -30,14 +30,17 @@ class HoldReporter:
     """Reports rank ``rank``'s holdings to the lookup server at ``endpoint``.
 
     ``fingerprint``: this rank's layout fingerprint (16 bytes). ``tier_of``: where this rank holds
-    a storage key now, called on the reporter's thread only.
+    a storage key now, called on the reporter's thread only. ``base``, ``heads``: see
+    :class:`HoldReport` (empty: chunks per TP rank).
     """
 
-    def __init__(self, endpoint: str, rank: int, world_size: int, fingerprint: bytes, tier_of: TierOf):
+    def __init__(self, endpoint: str, rank: int, world_size: int, fingerprint: bytes, tier_of: TierOf,
+                 base: bytes = b"", heads: tuple[int, int, int] | tuple[()] = ()):
         self.endpoint = endpoint
         self.rank = rank
         self.world_size = world_size
         self.fingerprint = fingerprint
+        self.base, self.heads = base, list(heads)
         self._tier_of = tier_of
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._warned = False
@@ -103,7 +106,7 @@ class HoldReporter:
                 tiers.append(self._tier_of(key) or "")
             except Exception:  # noqa: BLE001 - e.g. the store closed under us: report it lost
                 tiers.append("")
-        report = HoldReport(VERSION, self.rank, self.world_size, self.fingerprint, keys, tiers)
+        report = HoldReport(VERSION, self.rank, self.world_size, self.fingerprint, keys, tiers, self.base, self.heads)
         try:
             socket.send_multipart([b"", encode(report)], flags=zmq.NOBLOCK)
             self.sent_reports += 1

@@ -149,9 +149,9 @@ class ChunkStore:
             # Each backend takes its own reference; a key stored meanwhile by another thread
             # is skipped there and its buffer freed below.
             self._cpu.batched_submit_put_task(new_keys, new_objs)
-            if self._disk is not None:
+            if self._disk is not None and self._config.write_through:
                 self._disk.submit(new_keys, new_objs)
-            if self._shared is not None:
+            if self._shared is not None and self._config.write_through:
                 self._shared.submit(new_keys, new_objs)
         finally:
             for obj in new_objs:
@@ -212,14 +212,14 @@ class ChunkStore:
         at most ``timeout_ms`` (0 without a shared tier, while it is down, or on any failure).
 
         ``chunks[i][r]``: rank r's key of chunk i; ``namespaces[r]``: rank r's store namespace.
-        This store's world size applies to every rank."""
+        This store's world size applies to every rank (1: every rank's keys are worker 0's)."""
         self._check_open()
         if self._shared is None or not chunks:
             return 0
         world = self._config.world_size
-        if len(namespaces) != world or any(len(row) != world for row in chunks):
+        if len(namespaces) != world > 1 or any(len(row) != len(namespaces) for row in chunks):
             raise ValueError(f"shared_prefix needs one key and namespace per rank ({world})")
-        rows = [[lm.engine_key_for(k, ns, r, world) for r, (k, ns) in enumerate(zip(row, namespaces))]
+        rows = [[lm.engine_key_for(k, ns, r % world, world) for r, (k, ns) in enumerate(zip(row, namespaces))]
                 for row in chunks]
         return self._shared.prefix(rows, timeout_ms / 1e3)
 

@@ -50,8 +50,10 @@ class StoreConfig:
     chunk sizes (4 KiB granules); must be > 0 when ``disk_path`` is set. ``namespace``,
     ``worker_id`` and ``world_size`` go into every key, so stores with different values never see
     each other's chunks even in one directory. One live store per (disk_path, namespace,
-    worker_id) at a time. ``o_direct``: read disk chunks with O_DIRECT, bypassing the page cache
-    (buffered where the file system refuses it, with one warning).
+    worker_id) at a time, unless their keys never meet (TP ranks' pieces of other KV heads). ``o_direct``: read disk chunks with O_DIRECT, bypassing the page cache
+    (buffered where the file system refuses it, with one warning). ``write_through``: False keeps
+    chunks put here in CPU only: their disk and shared copies are another store's to write (TP
+    ranks that hold the same KV store it once), though this store still reads them.
 
     ``shared_url``: ``redis://[:password@]host:port[/db]`` of a Redis or Valkey server shared by
     many engines (``valkey://`` means the same), ``None`` for no shared tier. Every chunk put is
@@ -71,6 +73,7 @@ class StoreConfig:
     shared_url: str | None = None
     shared_timeout_ms: int = 1000
     shared_write_bytes: int = 0
+    write_through: bool = True
 
     def __post_init__(self) -> None:
         # Only checks that need no file system; ChunkStore checks disk_path is writable.

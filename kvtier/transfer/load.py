@@ -44,6 +44,7 @@ from kvtier.layout import Layout
 from kvtier.ops import ChunkSpan
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 from kvtier.timeline import mark
+from kvtier.transfer import pieces
 from kvtier.transfer.common import Copied, Copies, FetchRemote, HeldChanged, LoadCost, TransferStats, now_ms, on_device
 from kvtier.transfer.landed import LandedCheck
 from kvtier.transfer.polled import PolledLoads
@@ -302,7 +303,8 @@ class LoadSide:
         start = now_ms()
         buffer = self.store.get(skey, cpu_only=cpu_only)
         if buffer is None and cpu_only:
-            return None
+            return None  # (a chunk joined from another TP size's pieces is joined on the load thread)
+        buffer = buffer or pieces.assemble(self.layout, self.store, key, self.chunk_blocks, self.on_held)
         if buffer is None:
             logger.warning("kvtier: chunk %s was evicted before it could be loaded; recomputing.", key.hex())
             return None

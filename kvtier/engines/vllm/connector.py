@@ -47,7 +47,7 @@ from kvtier.engines.vllm.compat import (
     HMA_BASES, AgreedHits, CacheHitSource, KVConnectorTransferResults, agree_on_hybrid_hits, boundary_states,
     check_version, recompute_failed_loads,
 )
-from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support
+from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support, kv_heads
 from kvtier.profiled import name_hooks
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
 from kvtier.jobs import Lend, StepPlan
@@ -145,7 +145,7 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             self._worker_args = (self.config, model, self.block_size, kv_cache_config.num_blocks, endpoint,
                                  parallel.rank, parallel.world_size)
             self._worker_kwargs = dict(produce=transfer.kv_role != "kv_consumer", kv_events=kv_events,
-                                       groups=tuple((g.kind, g.window, g.layers) for g in served),
+                                       groups=tuple((g.kind, g.window, g.layers) for g in served), heads=kv_heads(vllm_config),
                                        load_inline=parallel.distributed_executor_backend == "uni")  # shares the loop's GIL
             self._importing = threading.Thread(target=_import_quietly, args=(_WORKER_MODULE,), daemon=True,
                                                name="kvtier-import")

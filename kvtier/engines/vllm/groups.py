@@ -211,8 +211,23 @@ def group_layouts(kv_caches: dict[str, Any], groups: tuple[tuple[str, int, tuple
         return layouts
     digest = blake3.blake3(f"bs{block_size}|".encode())  # P/D never re-cuts a hybrid's chunks to another block size
     for (kind, window, _), layout in zip(groups, layouts):
-        digest.update(f"{kind}:{window}:".encode() + layout.fingerprint)
-    fingerprint = digest.digest(len(layouts[0].fingerprint))
-    return [dataclasses.replace(layout, fingerprint=fingerprint,
+        digest.update(f"{kind}:{window}:".encode() + layout.rank_fingerprint)
+    fingerprint = digest.digest(len(layouts[0].fingerprint))  # per TP rank: a hybrid's pieces are never joined
+    return [dataclasses.replace(layout, fingerprint=fingerprint, rank_fingerprint=fingerprint, shard=None,
                                 description=f"group {i} {kind} ({window} tokens): {layout.description}")
             for i, ((kind, window, _), layout) in enumerate(zip(groups, layouts))]
+
+
+def kv_heads(vllm_config: Any) -> tuple[int, int] | None:
+    """(KV heads per rank, the model's total) for chunks keyed by the heads they hold (see
+    :mod:`kvtier.shards`); (0, 0) for MLA, whose latent KV every rank holds alike; None when ranks
+    hold other layers too (pipeline parallelism) or vLLM cannot tell: then chunks are per TP rank."""
+    model, parallel = vllm_config.model_config, vllm_config.parallel_config
+    try:
+        if parallel.world_size != parallel.tensor_parallel_size:
+            return None
+        if model.use_mla:
+            return 0, 0
+        return model.get_num_kv_heads(parallel), model.get_total_num_kv_heads()
+    except (AttributeError, TypeError, ValueError):
+        return None

@@ -61,7 +61,7 @@ class WorkerSide:
 
     def __init__(self, config: KvtierConfig, model: str, block_size: int, num_blocks: int, endpoint: str,
                  rank: int, world_size: int, produce: bool = True, kv_events: bool = False, load_inline: bool = False,
-                 groups: tuple[tuple[str, int, tuple[str, ...]], ...] = ()):
+                 groups: tuple[tuple[str, int, tuple[str, ...]], ...] = (), heads: tuple[int, int] | None = None):
         self.config = config
         self.model = model
         self.block_size = block_size
@@ -73,6 +73,7 @@ class WorkerSide:
         self.load_inline = load_inline  # local-tier loads on the engine thread (see TierWorker)
         # (kind, window, layers) of each served KV cache group, the anchor first; none: the engine's one, every tensor
         self.groups = groups or (("full_attention", 0, ()),)
+        self.heads = heads  # (KV heads per rank, total; (0, 0): MLA) for chunks any TP size reads; None: per rank
         self.node: WorkerNode | None = None
         self.events: TierEvents | None = None
         self._kv_events = kv_events and rank == 0  # one rank announces: every rank holds the same chunks
@@ -85,7 +86,8 @@ class WorkerSide:
         layer on vLLM 0.26); they stay vLLM's."""
         begin = time.perf_counter()
         layouts = group_layouts(kv_caches, self.groups, self.block_size, self.num_blocks, model=self.model,
-                                tp_rank=self.rank, tp_size=self.world_size)
+                                tp_rank=self.rank, tp_size=self.world_size,
+                                **({} if self.heads is None else dict(kv_heads=self.heads[0], total_kv_heads=self.heads[1])))
         cb = self.config.chunk_tokens // self.block_size
         chunk_blocks = (cb, *(blocks_per_chunk(kind, cb) for kind, _, _ in self.groups[1:]))
         self.node = WorkerNode(self.config, layouts, chunk_blocks, rank=self.rank, world_size=self.world_size,

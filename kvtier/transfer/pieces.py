@@ -1,0 +1,99 @@
+"""A rank's chunk built from the pieces ranks of another TP size stored (see :mod:`kvtier.shards`).
+
+When a load finds no chunk under the rank's own storage key, :func:`assemble` looks for the
+pieces that hold its KV heads (at most one way per writer TP size of :data:`kvtier.shards.WRITER_TP_SIZES`),
+verifies each (header and checksum, as a stored chunk), joins their heads into a chunk of the
+rank's layout sealed with a KVSUM64, and stores it under the rank's own key, so that the next
+load finds it there. A corrupt piece is removed and the chunk counts as missing (recomputed).
+
+Buffers: each piece's buffer comes from ``store.get`` and is released here; the built chunk goes to
+``store.put``, and the buffer returned is a ``store.get`` of it, the caller's to release.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+from kvtier import codec
+from kvtier.keys import storage_key
+from kvtier.layout import Layout
+from kvtier.shards import HeadRange, covers, join_pieces, piece_fingerprint
+from kvtier.storage import ChunkBuffer, ChunkStore, Tier
+
+logger = logging.getLogger(__name__)
+
+_SLOWER = (Tier.CPU, Tier.DISK, Tier.SHARED)
+
+
+@dataclass(frozen=True, slots=True)
+class PieceLayout:
+    """What :func:`kvtier.codec.verify_chunk` checks a piece against: its fingerprint, the reader's
+    block size, and the bytes one block of the piece holds (the reader's times its share of heads)."""
+
+    fingerprint: bytes
+    block_size: int
+    bytes_per_block: int
+
+    def payload_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self.bytes_per_block
+
+
+def piece_layout(layout: Layout, heads: HeadRange) -> PieceLayout:
+    """The piece holding ``heads`` as ``layout``'s rank would read it (``layout.shard`` set)."""
+    shard = layout.shard
+    per_block = layout.bytes_per_block * (heads[1] - heads[0]) // shard.heads
+    return PieceLayout(piece_fingerprint(shard.base, heads), layout.block_size, per_block)
+
+
+def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,
+             on_held: Callable[[list[bytes]], None]) -> ChunkBuffer | None:
+    """Chain key ``key``'s chunk of ``chunk_blocks`` blocks for ``layout``'s heads, built from other
+    TP sizes' pieces in ``store`` and stored under the rank's own key (``on_held`` hears of it);
+    None when no way's pieces are all stored, one is corrupt (removed), or the CPU pool has no room."""
+    shard = layout.shard
+    if shard is None or shard.replicated:
+        return None
+    for way in covers(shard.first, shard.end, shard.total):
+        skeys = [storage_key(key, piece_fingerprint(shard.base, heads)) for heads in way]
+        if all(store.contains(skey) is not None for skey in skeys):
+            return _join(layout, store, key, chunk_blocks, on_held, way, skeys)
+    return None
+
+
+def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_held: Callable[[list[bytes]], None],
+          way: tuple[HeadRange, ...], skeys: list[bytes]) -> ChunkBuffer | None:
+    pieces: list[ChunkBuffer] = []
+    try:
+        for heads, skey in zip(way, skeys):
+            piece = store.get(skey)
+            if piece is None:
+                return None
+            pieces.append(piece)
+            try:
+                codec.verify_chunk(piece.data, piece_layout(layout, heads), chunk_blocks)  # type: ignore[arg-type]
+            except codec.ChunkError as exc:
+                store.remove(skey)
+                logger.warning("kvtier: stored piece %s (KV heads %d-%d) of chunk %s is unusable (%s); removed it "
+                               "and recomputing.", skey.hex(), heads[0], heads[1], key.hex(), exc)
+                return None
+        payload = layout.payload_bytes(chunk_blocks)
+        built = store.allocate(codec.HEADER_BYTES + payload, wait=False)
+        if built is None:
+            return None
+        region_bytes = tuple(region.block_bytes * chunk_blocks for region in layout.regions)
+        join_pieces(built.data[codec.HEADER_BYTES : codec.HEADER_BYTES + payload], layout.shard, region_bytes,
+                    [(heads, piece.data[codec.HEADER_BYTES :]) for heads, piece in zip(way, pieces)])
+        codec.write_header(built.data, layout, chunk_blocks, kind=codec.KVSUM64)
+        tier = max((piece.tier for piece in pieces), key=_SLOWER.index)
+    finally:
+        for piece in pieces:
+            piece.release()
+    own = storage_key(key, layout.fingerprint)
+    store.put([own], [built])
+    on_held([own])
+    buffer = store.get(own)
+    if buffer is not None:
+        buffer.tier = tier  # counted as a hit of the tier the pieces came from
+    return buffer
