@@ -208,3 +208,16 @@ def test_without_kvtier_scheduler_handoff_falls_back_to_partial(make):
     h.drain()
     assert dict(h.stats.loads) == {"partial": 1}
     h.check_quiescent()
+
+
+@pytest.mark.parametrize("scheduler_cls", [Scheduler, None], ids=["vLLM's scheduler", "kvtier's"])
+def test_every_step_is_timed_for_the_cost_model_whatever_the_scheduler(make, scheduler_cls):
+    """The recompute side of a veto comes from the engine's step times: the connector takes them
+    itself, so a slow tier is vetoed with vLLM's own scheduler too (no step time: no veto ever)."""
+    h = make(**({"scheduler_cls": scheduler_cls} if scheduler_cls else {}))
+    meter = h.sched.connector.scheduler_side.meter
+    assert meter.model().step is None
+    h.add(P, 3)  # one prefill step of 340 tokens, then decode steps
+    h.drain()
+    line = meter.model().step
+    assert line is not None and meter.steps.large_samples >= 1 and meter.steps.small_samples >= 1
