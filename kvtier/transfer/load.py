@@ -344,6 +344,8 @@ class LoadSide:
     def wait_finished(self, timeout_s: float) -> None:
         """Wait up to ``timeout_s`` for a load to end, the interpreter free meanwhile; what ended
         stays for :meth:`take_finished`."""
+        if not self.finished.empty():
+            return
         if self._polled is not None and self._polled.wait(timeout_s):
             return
         try:

@@ -72,9 +72,6 @@ class PolledLoads:
         self._lock = threading.Lock()
         self._out: list[_InFlight] = []
 
-    def __len__(self) -> int:
-        return len(self._out)
-
     @torch.inference_mode()
     def start(self, job: LoadJob) -> Future | None:
         """Start ``job``'s copies now if every chunk it needs is in the CPU tier (intact headers);
