@@ -6,7 +6,11 @@ A prefill engine (P) and a decode engine (D), each a process of its own session
 (:mod:`kvtier.bench.pd_engine_proc` runs :mod:`kvtier.bench.pd_child`, ended through its group).
 Without ``--devices`` both share the visible device, each taking ``--gpu-memory-utilization``
 (default 0.35) of it; ``--devices 0,1`` sets P's ``CUDA_VISIBLE_DEVICES`` to 0 and D's to 1 (default
-share 0.8: each has a GPU of its own). Pairs (``--pairs``), one after the other:
+share 0.8: each has a GPU of its own). ``--tp 2`` starts both engines at TP=2 (``--devices``
+then lists P's two GPUs and D's two), ``--tp 2:1`` P at TP=2 and D at TP=1 (three devices); the
+result's ``"tp"`` is ``{"P": 2, "D": 1}``. At unequal sizes kvtier's D recomputes each prompt
+(the table says so), ``nixl`` runs where one size divides the other and ``nixl-push`` is skipped
+(:mod:`kvtier.bench.pd_tp`). Pairs (``--pairs``), one after the other:
 
 * ``kvtier``: P with kvtier (``pd_transport`` auto, ``pd_hbm_lease_ms`` ``--hbm-lease-ms``: P keeps a
   finished P/D request's engine blocks that long) and D with kvtier over NIXL; then D again over
@@ -50,6 +54,7 @@ from kvtier.bench.pd_engine_proc import Engine  # noqa: F401 - the GPU tests sta
 from kvtier.bench.pd_engines_report import ROWS, format_table, transfer_gbps, write_plot  # noqa: F401 - this command's outputs
 from kvtier.bench.pd_engines_rows import Run, engine_env  # noqa: F401 - engine_env: each engine's environment
 from kvtier.bench.pd_spy import py_spy
+from kvtier.bench.pd_tp import TpSizes, parse_devices, parse_tp
 
 PAIRS = ("kvtier", "nixl", "nixl-push")
 
@@ -69,10 +74,13 @@ def add_parser(commands) -> None:
     p.add_argument("--prompt-lens", default="8k,32k", help="comma-separated prompt lengths (default 8k,32k)")
     p.add_argument("--repeats", type=positive, default=3, help="prompts per length and row (default 3; median shown)")
     p.add_argument("--pairs", default=",".join(PAIRS), help=f"which engine pairs to run (default {','.join(PAIRS)})")
-    p.add_argument("--devices", metavar="P,D", help="P's and D's CUDA_VISIBLE_DEVICES, e.g. 0,1; with --tp N, "
-                   "2N devices, P's first: 0,1,2,3 at --tp 2 (default: both engines on the visible device)")
-    p.add_argument("--tp", type=positive, default=1, help="tensor-parallel size of P and of D, each rank of D "
-                   "reading from the P rank of its index (default 1; needs --devices)")
+    p.add_argument("--devices", metavar="P,D", help="P's and D's CUDA_VISIBLE_DEVICES, e.g. 0,1; with --tp P:D, "
+                   "P+D devices, P's first: 0,1,2,3 at --tp 2, 0,1,2 at --tp 2:1 (default: both engines on the "
+                   "visible device)")
+    p.add_argument("--tp", type=parse_tp, default=TpSizes(1, 1), metavar="N|P:D", help="tensor-parallel sizes: N "
+                   "for P and D both, P:D apart, e.g. 2:1 (default 1; above 1 needs --devices). At equal sizes each "
+                   "rank of D reads from the P rank of its index; at unequal sizes kvtier's D recomputes, "
+                   "NixlConnector runs where one size divides the other, NixlPushConnector is skipped")
     p.add_argument("--gpu-memory-utilization", type=float, help="each engine's share of its GPU (default 0.8 when "
                    "--devices gives P and D a GPU each, else 0.35)")
     p.add_argument("--hbm-lease-ms", type=int, default=2000, help="P's pd_hbm_lease_ms: how long P keeps a P/D "
@@ -99,20 +107,6 @@ def add_parser(commands) -> None:
     p.set_defaults(run=_main, parser=p)
 
 
-def parse_devices(text: str | None, tp: int = 1) -> tuple[str, str] | None:
-    """``--devices``: ``"0,1"`` -> ``("0", "1")`` (P's devices, D's; each a ``CUDA_VISIBLE_DEVICES``
-    value of indexes or GPU UUIDs); at ``tp`` 2, ``"0,1,2,3"`` -> ``("0,1", "2,3")``. None stays
-    None (both on the visible device). Anything but ``2 * tp`` distinct non-empty items raises
-    ``ValueError``."""
-    if text is None:
-        return None
-    items = [x.strip() for x in text.split(",")]
-    if len(items) != 2 * tp or not all(items) or any(" " in x for x in items) or (tp > 1 and len(set(items)) < 2 * tp):
-        raise ValueError(f"expected {2 * tp} devices, P's {tp} then D's {tp}, like {','.join(map(str, range(2 * tp)))};"
-                         f" got {text!r}")
-    return ",".join(items[:tp]), ",".join(items[tp:])
-
-
 def memory_share(devices: tuple[str, str] | None, given: float | None) -> float:
     """Each engine's ``gpu_memory_utilization``: ``given``, else 0.8 when P and D have a GPU each,
     0.35 when they share one."""
@@ -129,7 +123,7 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         args.devices = parse_devices(args.devices, args.tp)
     except ValueError as exc:
         parser.error(f"argument --devices: {exc}")
-    if args.tp > 1 and args.devices is None:
+    if max(args.tp.p, args.tp.d) > 1 and args.devices is None:
         parser.error("argument --tp: needs --devices, P's GPUs then D's")
     if args.hbm_lease_ms < 0:
         parser.error("argument --hbm-lease-ms: expected 0 or more milliseconds")

@@ -28,6 +28,7 @@ import re
 import statistics
 
 from kvtier.bench.common import NO_MATPLOTLIB, pyplot, save_figure
+from kvtier.bench.pd_tp import recompute_note, recomputed, result_tp
 
 ROWS = ("recompute", "local hit", "kvtier pull hbm", "kvtier pull after lease", "kvtier push nixl",
         "kvtier push nixl read", "kvtier push nixl write", "kvtier pull zmq", "kvtier push zmq",
@@ -128,8 +129,8 @@ def _med(values: list[float]) -> float | None:
 
 def transfer_gbps(result: dict, row: str, n: str) -> float | None:
     """KV bytes of the loaded prompt over the time D's leg took beyond a local hit's, GB/s; pull
-    rows only (a push D leg includes P's prefill)."""
-    if "pull" not in row:
+    rows only (a push D leg includes P's prefill), where D loaded from P (not a recompute)."""
+    if "pull" not in row or recomputed(result, row):
         return None
     d_leg, local = _med(result["d_leg_ms"][row][n]), _med(result["ttft_ms"]["local hit"][n])
     if d_leg is None or local is None or d_leg <= local:
@@ -150,8 +151,11 @@ def placement(result: dict) -> str:
     devices = result.get("devices")
     if not devices:
         return "P and D on one device"
-    if result.get("tp", 1) > 1:
-        return f"TP={result['tp']} each: P on devices {devices['P']}, D on devices {devices['D']}, rank to rank"
+    tp = result_tp(result)
+    if not tp.equal:
+        return f"P at TP={tp.p} on devices {devices['P']}, D at TP={tp.d} on devices {devices['D']}"
+    if tp.p > 1:
+        return f"TP={tp.p} each: P on devices {devices['P']}, D on devices {devices['D']}, rank to rank"
     return f"P on device {devices['P']}, D on device {devices['D']}"
 
 
@@ -180,7 +184,8 @@ def format_table(result: dict) -> str:
             cells.append(f"{ttft:>10.0f} " if ttft is not None else f"{'-':>10} ")
             cells.append(f"{d_leg:>7.0f} " if d_leg is not None else f"{'-':>7} ")
             cells.append(f"{gbps:>5.1f}" if gbps is not None else f"{'-':>5}")
-        lines.append(f"{row:<24} " + "".join(cells) + f"  {transports.get(row, '-')}")
+        transport = "none: D recomputed" if recomputed(result, row) else transports.get(row, "-")
+        lines.append(f"{row:<24} " + "".join(cells) + f"  {transport}")
     legs = {row: [prefill_leg(result, row, n) for n in map(str, result["lengths"])] for row in ROWS}
     if any(None not in by_length for by_length in legs.values()):  # what a push is compared with, per connector
         lines.append("P's prefill leg of each pull (TTFT - D's leg, median ms; " + " / ".join(
@@ -201,8 +206,12 @@ def format_table(result: dict) -> str:
     lines += (result.get("d_profile") or {}).get("lines", [])
     for pair, protocols in result.get("ucx", {}).items():
         lines += [f"UCX ({pair}): {op}: {', '.join(tls) or '?'}" for op, tls in protocols.items() if _between_engines(op)]
+    if note := recompute_note(result):
+        lines.append(note)
     lines.append("every P/D answer loaded the prompt and matched P's first token: "
-                 + ("yes" if not result["failures"] else "NO: " + "; ".join(result["failures"][:5])))
+                 + ("yes" if not result["failures"] else "NO: " + "; ".join(result["failures"][:5]))
+                 + ("; the rows that recomputed loaded nothing, by design, and were checked for P's first token only"
+                    if note else ""))
     lines.append("pull TTFT = P's prefill leg + D's leg; pull after lease: the same, D asking once P's lease "
                  f"({result.get('hbm_lease_ms', '?')} ms) + 500 ms passed (the wait not counted); push TTFT = D's leg "
                  f"(both sent at once; 'kvtier push nixl': D's pd_hbm_push {result.get('hbm_push', ['read'])[0]}); "

