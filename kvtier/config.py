@@ -52,7 +52,8 @@ class KvtierConfig:
     half of cpu_bytes). disk_io:
     ``buffered`` or ``direct`` (O_DIRECT reads of disk chunks). save_replies: also save the chunks
     a request's generated tokens fill (true, the default: a conversation's next turn loads the
-    previous reply too), or only its prompt's (false).
+    previous reply too), or only its prompt's (false). veto_slower_loads: recompute a hit the cost
+    model predicts slower to load than to compute (true, the default), or load every hit (false).
 
     P/D (:mod:`kvtier.pd`): pd_bind: address the chunk server binds (loopback by default; any
     other address needs pd_secret). pd_host: address advertised to decode engines (default: the
@@ -99,6 +100,7 @@ class KvtierConfig:
     save_backlog_bytes: int | None = None
     disk_io: str = "buffered"
     save_replies: bool = True
+    veto_slower_loads: bool = True
     pd_bind: str = "127.0.0.1"
     pd_host: str | None = None
     pd_port: int | None = None

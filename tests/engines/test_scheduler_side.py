@@ -60,6 +60,19 @@ def test_load_commits_once_and_a_second_alloc_changes_nothing(side):
     assert len(job.keys) == 4 and job.first_block == 0 and len(job.block_ids) == 16
 
 
+def test_with_veto_slower_loads_off_every_hit_loads():
+    s = SchedulerSide(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24, veto_slower_loads=False), "model", BS,
+                      "ipc:///nonexistent")
+    try:
+        s.client = StubClient(["disk"] * 4, {"disk": 10.0, "cpu": 0.1}, ["disk"])  # 40 ms to load it
+        s.meter.record_step(512, 512 * 1e-5)  # 2.6 ms to recompute it: vetoed, were vetoes on
+        slow_loads(s)
+        plan = admit(s, "a")
+        assert plan.kind is PlanKind.LOAD and plan.external_tokens == 4 * CHUNK
+    finally:
+        s.close()
+
+
 def test_cost_vetoes_are_probed_every_so_often(side):
     slow_loads(side)
     kinds = [admit(side, f"r{i}").kind for i in range(PROBE_EVERY + 1)]

@@ -127,7 +127,8 @@ class SchedulerSide:
         if remote:
             tiers += ("remote",) * (len(tracked.keys) + (tracked.tail is not None) - len(tiers))
         inp = PlanInput(len(prompt), local_tokens, tiers, remote)
-        plan = self.groups.remote_plan(plan_load(inp, self.geometry, self.policy, self.meter.model()),
+        costs = self.meter.model() if self.config.veto_slower_loads else None  # None: every hit loads
+        plan = self.groups.remote_plan(plan_load(inp, self.geometry, self.policy, costs),
                                        len(prompt), local_tokens)
         if plan.cut_on_cost and self._vetoes >= PROBE_EVERY:
             # Chunks left on cost measure nothing: now and then a hit loads whole anyway, so a
