@@ -11,7 +11,6 @@ ids; its greedy answer follows its context, so KV loaded wrong would show.
 
 from __future__ import annotations
 
-import json
 import shutil
 
 import pytest
@@ -24,10 +23,11 @@ CHUNK = 64
 P = prompt(31, 4 * CHUNK + 40)  # four full chunks and a tail
 FULL = 4 * CHUNK
 TP2 = {"VLLM_CPU_OMP_THREADS_BIND": "0|1"}
+DEBUG = {"KVTIER_LOG_LEVEL": "DEBUG"}  # each load's line: how many tokens came from which tier
 
 
 def spec(model, disk, tp: int, rounds: list) -> dict:
-    return {"model": model, "tp": tp, "log_stats": True, "rounds": rounds,
+    return {"model": model, "tp": tp, "rounds": rounds,
             "kvtier": {"chunk_tokens": CHUNK, "cpu_bytes": 64 << 20, "disk_path": str(disk), "disk_bytes": 256 << 20}}
 
 
@@ -41,20 +41,16 @@ def answers(rounds) -> list:
     return [r[0] for r in rounds]
 
 
-def connector_stats(log: str) -> dict:
-    """kvtier's counters as vLLM's stat logger received them, summed over the run's rounds and ranks."""
-    line = next(line for line in log.splitlines() if line.startswith("RESULT "))
-    return json.loads(line[7:])["connector_stats"]
-
-
-def check_reader(rounds, log: str) -> None:
+def check_reader(rounds, log: str, ranks: int) -> None:
     from_disk, again, recomputed = answers(rounds)
     assert recomputed["cached"] == 0
     assert from_disk["cached"] == FULL, log[-3000:]  # every chunk counted as a hit
     assert again["cached"] == FULL
     assert from_disk["tokens"] == recomputed["tokens"] == again["tokens"]
-    stats = connector_stats(log)  # every chunk loaded: from the disk pieces, then from the CPU tier
-    assert (stats["hit_tokens_disk"], stats["hit_tokens_cpu"], stats["failed_loads"]) == (FULL, FULL, 0), stats
+    # Every chunk loaded on every rank: from the disk pieces, then from the CPU tier (kvtier's line per load;
+    # vLLM's stat logger may miss the stats of a step that produced no token).
+    assert log.count(f"({FULL} tokens from disk)") == ranks and log.count(f"({FULL} tokens from cpu)") == ranks, \
+        log[-3000:]
     assert "unusable" not in log and "evicted before it could be loaded" not in log, log[-3000:]
 
 
@@ -79,8 +75,8 @@ def test_tp1_disk_tier_reloads_at_tp2(chat_model, written):
     tmp, disks = written
     disk = tmp / "read-tp2"
     shutil.copytree(disks[1], disk)
-    rounds, log = run_engine(spec(chat_model, disk, 2, read_rounds()), tmp, "read-tp2", env=TP2)
-    check_reader(rounds, log)
+    rounds, log = run_engine(spec(chat_model, disk, 2, read_rounds()), tmp, "read-tp2", env={**TP2, **DEBUG})
+    check_reader(rounds, log, 2)
     # TP=1's four pieces, the pieces each rank built (the next load is direct), the salted recompute's
     assert len(kv_files(disk)) == 4 + 2 * 4 + 2 * 4
 
@@ -89,8 +85,8 @@ def test_tp2_disk_tier_reloads_at_tp1(chat_model, written):
     tmp, disks = written
     disk = tmp / "read-tp1"
     shutil.copytree(disks[2], disk)
-    rounds, log = run_engine(spec(chat_model, disk, 1, read_rounds()), tmp, "read-tp1")
-    check_reader(rounds, log)
+    rounds, log = run_engine(spec(chat_model, disk, 1, read_rounds()), tmp, "read-tp1", env=DEBUG)
+    check_reader(rounds, log, 1)
     assert len(kv_files(disk)) == 2 * 4 + 4 + 4  # TP=2's pieces, the chunks built from them, the recompute's
 
 
