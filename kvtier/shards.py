@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -64,6 +65,27 @@ def piece_fingerprint(base: bytes, heads: HeadRange | None) -> bytes:
         return base
     return hashlib.blake2b(base + b"heads" + heads[0].to_bytes(4, "little") + heads[1].to_bytes(4, "little"),
                            digest_size=len(base)).digest()
+
+
+@dataclass(frozen=True, slots=True)
+class PieceLayout:
+    """What :func:`kvtier.codec.verify_chunk` checks a piece against: its fingerprint, the reader's
+    block size, and the bytes one block of the piece holds (the reader's times its share of heads)."""
+
+    fingerprint: bytes
+    block_size: int
+    bytes_per_block: int
+
+    def payload_bytes(self, num_blocks: int) -> int:
+        return num_blocks * self.bytes_per_block
+
+
+def piece_layout(layout: Any, heads: HeadRange) -> PieceLayout:
+    """The piece holding ``heads`` as ``layout``'s rank (a :class:`~kvtier.layout.Layout` with ``shard``
+    set) would read it."""
+    shard = layout.shard
+    per_block = layout.bytes_per_block * (heads[1] - heads[0]) // shard.heads
+    return PieceLayout(piece_fingerprint(shard.base, heads), layout.block_size, per_block)
 
 
 def rank_heads(total: int, tp_rank: int, tp_size: int) -> HeadRange:

@@ -35,7 +35,8 @@ from kvtier.ops import describe_backend
 from kvtier.pd.engine_kv import EngineKv
 from kvtier.pd.nixl import Agent
 from kvtier.pd.nixl_start import NixlStart
-from kvtier.pd.consumer.fetch import Consumer, FetchSpec, PeerError, PushMode, fetch_chunks
+from kvtier.pd.consumer.fetch import Consumer, FetchSpec, PeerError, PushMode
+from kvtier.pd.consumer.gather import fetch_any_tp
 from kvtier.pd.producer.holds import PublishHolds
 from kvtier.pd.protocol import VERSION as PD_VERSION
 from kvtier.pd.protocol import Hello
@@ -205,18 +206,20 @@ class WorkerNode:
 
     def _fetch_remote(self, job: LoadJob, items: list[tuple[bytes, int]], targets: list[tuple[int, ...] | None]):
         remote = job.remote
-        if len(remote.endpoints) != self.world_size:
-            raise PeerError(f"the producer has {len(remote.endpoints)} TP ranks, this engine {self.world_size}")
+        hybrid = len(self.group_transfers) > 1
+        if hybrid and len(remote.endpoints) != self.world_size:
+            raise PeerError(f"the producer has {len(remote.endpoints)} TP ranks, this engine (several KV cache "
+                            f"groups) {self.world_size}")
         transfers = self.group_transfers[job.group]  # a hybrid's engines share one block size: chunks as stored
-        return fetch_chunks(Consumer(self.hello, self.config.pd_timeout_ms, self.config.secret,
-                                     lambda n: self.store.allocate(n, wait=False),
+        allocate = lambda n: self.store.allocate(n, wait=False)  # noqa: E731
+        return fetch_any_tp(Consumer(self.hello, self.config.pd_timeout_ms, self.config.secret, allocate,
                                      lambda n: chunk_bytes(transfers.layout, n), self.nixl,
-                                     0 if len(self.group_transfers) > 1 else transfers.layout.block_size,
-                                     PushMode(self.config.pd_hbm_push)),
-                            FetchSpec(remote.endpoints[self.rank], remote.transfer_id, items, remote.wait,
+                                     0 if hybrid else transfers.layout.block_size, PushMode(self.config.pd_hbm_push)),
+                            transfers.layout, remote.endpoints,
+                            FetchSpec("", remote.transfer_id, items, remote.wait,
                                       self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None,
-                                      remote.blocks if len(self.group_transfers) == 1 else (),
-                                      lambda: transfers.cancelled(job.req_id)))
+                                      remote.blocks if not hybrid else (), lambda: transfers.cancelled(job.req_id)),
+                            allocate)
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its

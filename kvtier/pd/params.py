@@ -74,13 +74,14 @@ def parse(params: dict[str, Any] | None) -> Produce | Consume | None:
                    remote_blocks=_block_ids(params.get("remote_block_ids")) if lent else ())
 
 
-def role_in(params: dict[str, Any] | None, tp_size: int, req_id: str) -> Produce | Consume | None:
-    """:func:`parse`'s role for a request of an engine of ``tp_size`` TP ranks: None for a consumer
-    whose producer has another count (one line: the prompt is recomputed)."""
+def role_in(params: dict[str, Any] | None, req_id: str) -> Produce | Consume | None:
+    """:func:`parse`'s role for a request; None for a consumer whose params name another number of
+    chunk servers than the producer's TP ranks (one line: the prompt is recomputed). A producer of
+    another TP size than this engine's is read from all the same (:mod:`kvtier.pd.consumer.gather`)."""
     role = parse(params)
-    if isinstance(role, Consume) and role.tp_size != tp_size:
-        logger.warning("kvtier P/D: request %s comes from a producer with %d TP ranks, this engine has %d; "
-                       "recomputing its prompt.", req_id, role.tp_size, tp_size)
+    if isinstance(role, Consume) and len(role.endpoints) != role.tp_size:
+        logger.warning("kvtier P/D: request %s names %d chunk servers for a producer of %d TP ranks; "
+                       "recomputing its prompt.", req_id, len(role.endpoints), role.tp_size)
         return None
     return role
 

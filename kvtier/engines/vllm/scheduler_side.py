@@ -96,7 +96,7 @@ class SchedulerSide:
         if tracked is None:
             root = namespace(self.model, cache_salt)
             keys = chunk_keys(prompt, self.chunk_tokens, root)
-            role = pd.role_in(transfer_params, self.tp_size, req_id)
+            role = pd.role_in(transfer_params, req_id)
             replies = self.config.save_replies and role is None and not self.groups.others
             tracked = self._requests[req_id] = Tracked(keys, len(prompt), root, replies)
             if role is not None:

@@ -8,7 +8,9 @@ A hello is taken once: its nonce is kept for twice :data:`~kvtier.pd.protocol.HE
 (a ZMQ routing identity) is bound to its latest hello's nonce and the engine ``num_blocks`` that
 hello gave, until it releases the transfers it began or stays quiet for ``idle_s``; past
 :data:`MAX_CONNECTIONS` bound, the quietest is forgotten (its later messages are refused, and its
-consumer recomputes). Each check returns why a message is refused, in words ("" if it is not),
+consumer recomputes). A decode engine of more TP ranks than this one's engine reads each of this
+rank's chunks from several of its ranks (each its share of the KV heads, :mod:`kvtier.pd.consumer.gather`):
+a transfer then has that many readers, one connection each, and ends with the last one's release. Each check returns why a message is refused, in words ("" if it is not),
 and records nothing for a refused one.
 
 Used by the chunk server's thread only.
@@ -32,22 +34,35 @@ MAX_BEGUN = 8  # transfers one connection may begin (a decode engine's connectio
 @dataclass(slots=True)
 class _Bound:
     """A connection's latest hello: its ``nonce``, the consumer's engine ``num_blocks``, the
-    transfers the connection began, its last message (monotonic s)."""
+    transfers the connection began, its last message (monotonic s), and how many of the consumer's
+    ranks read each transfer (``readers``)."""
 
     nonce: bytes
     num_blocks: int
     last_s: float
     began: set[str] = field(default_factory=set)
+    readers: int = 1
+
+
+@dataclass(slots=True)
+class _Readers:
+    """A transfer's reading connections: those that began it and did not release it, how many in all
+    may (``expected``) and how many did release it."""
+
+    identities: set[bytes]
+    expected: int
+    released: int = 0
 
 
 class Handshakes:
-    """``idle_s``: how long a connection that sends nothing stays bound."""
+    """``idle_s``: how long a connection that sends nothing stays bound. ``tp_size``: this engine's TP
+    ranks (a consumer of ``k`` times as many reads each transfer with ``k`` connections)."""
 
-    def __init__(self, idle_s: float):
-        self._idle_s = idle_s
+    def __init__(self, idle_s: float, tp_size: int = 1):
+        self._idle_s, self._tp_size = idle_s, tp_size
         self._nonces: OrderedDict[bytes, float] = OrderedDict()  # nonce -> when its hello came (monotonic s)
         self._bound: OrderedDict[bytes, _Bound] = OrderedDict()  # identity -> its latest hello, quietest first
-        self._began: dict[str, bytes] = {}  # transfer id -> the identity whose hello or fetch named it first
+        self._began: dict[str, _Readers] = {}  # transfer id -> the connections whose hello or fetch named it
 
     def hello(self, identity: bytes, hello: Hello) -> str:
         """Check ``hello`` (a fresh nonce, sent within the window, regions that can be) and bind
@@ -69,6 +84,7 @@ class Handshakes:
         self._nonces[hello.nonce] = now
         bound = self._bound.pop(identity, None) or _Bound(hello.nonce, hello.num_blocks, now)
         bound.nonce, bound.num_blocks, bound.last_s = hello.nonce, hello.num_blocks, now
+        bound.readers = max(1, hello.tp_size // self._tp_size)
         self._bound[identity] = bound
         if hello.transfer_id:
             self._begin(identity, bound, hello.transfer_id)
@@ -104,12 +120,17 @@ class Handshakes:
         return ""
 
     def release(self, identity: bytes, release: Release) -> str:
-        """Check a release: from the connection bound to its nonce, which began its transfer."""
+        """Check a release: from the connection bound to its nonce, which began its transfer (see
+        :meth:`readers_left`)."""
         if problem := self.message(identity, release.nonce):
             return problem
-        if self._began.get(release.transfer_id) != identity:
+        readers = self._began.get(release.transfer_id)
+        if readers is None or identity not in readers.identities:
             return f"a release of transfer {release.transfer_id} from a connection that did not begin it"
-        del self._began[release.transfer_id]
+        readers.identities.discard(identity)
+        readers.released += 1
+        if readers.released >= readers.expected:
+            del self._began[release.transfer_id]
         bound = self._bound[identity]
         bound.began.discard(release.transfer_id)
         if not bound.began:  # one connection per transfer: it is done
@@ -124,17 +145,29 @@ class Handshakes:
         while self._bound and now - next(iter(self._bound.values())).last_s > self._idle_s:
             self._unbind(next(iter(self._bound)))
 
+    def readers_left(self, transfer_id: str) -> bool:
+        """Whether a consumer's connection still reads ``transfer_id`` or may yet release it (after a
+        release: the transfer's blocks and chunks stay held for them)."""
+        return transfer_id in self._began
+
     @property
     def bound(self) -> int:
         """Connections bound now (tests, stats)."""
         return len(self._bound)
 
     def _begin(self, identity: bytes, bound: _Bound, transfer_id: str) -> None:
-        if transfer_id not in self._began and len(bound.began) < MAX_BEGUN:
-            self._began[transfer_id] = identity
+        if transfer_id in bound.began or len(bound.began) >= MAX_BEGUN:
+            return
+        readers = self._began.setdefault(transfer_id, _Readers(set(), bound.readers))
+        if len(readers.identities) + readers.released < readers.expected:
+            readers.identities.add(identity)
             bound.began.add(transfer_id)
 
     def _unbind(self, identity: bytes) -> None:
         bound = self._bound.pop(identity, None)
         for transfer_id in bound.began if bound is not None else ():
-            self._began.pop(transfer_id, None)
+            readers = self._began.get(transfer_id)
+            if readers is not None:
+                readers.identities.discard(identity)
+                if not readers.identities:
+                    del self._began[transfer_id]

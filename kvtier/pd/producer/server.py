@@ -24,6 +24,11 @@ is lent or sent from the CPU tier as above. A release that asks for an answer ge
 WRITE of its transfer runs; each WRITE is abandoned ``timeout_ms`` after its posting (:mod:`kvtier.pd.producer.writes`).
 A fetch naming engine blocks beyond the consumer's (its hello's ``num_blocks``), or not as many as its chunk's,
 is refused before any WRITE is built.
+
+A decode engine of another TP size asks for the piece of the KV heads this rank holds (its hello names
+the piece's fingerprint); one of more TP ranks reads each transfer over as many connections, and the
+transfer's chunks and blocks stay held until the last of them releases it. The server's thread and the
+state every message touches are one piece: that thread alone reads and writes it.
 """
 
 from __future__ import annotations
@@ -98,7 +103,7 @@ class ChunkServer:
         self.dropped = 0  # replies not sent: the peer's queue was full
         self._waiting = WaitingFetches()
         self.pushing = False  # WRITEs into a consumer run or wait for chunks (read by the engine thread)
-        self._handshakes = Handshakes(10 * self._active_s)  # nonces seen, connections bound to their hello
+        self._handshakes = Handshakes(10 * self._active_s, layout.tp_size)  # nonces seen, connections bound to their hello
         self._from = ""  # the address of the peer whose message is being handled (log lines)
         self._socket, self.port = bind_router(bind, secret, MAX_REQUEST_BYTES, _SEND_HWM)
         self._curve_failures = HandshakeFailures(self._socket, _LOG_EVERY)  # peers of another secret (CURVE)
@@ -186,19 +191,21 @@ class ChunkServer:
             self._routes.pop(identity, None)
             self._forget_writer(identity)
             self._hbm.forget(identity)  # its WRITEs not posted yet never are
-            if self.engine is not None:
-                self.engine.leases.release(message.transfer_id)
-            self._lent.give_back(message.transfer_id)
-            self.holds.release(message.transfer_id)
-            self._waiting.drop(message.transfer_id)
+            if not self._handshakes.readers_left(message.transfer_id):  # (a consumer of more TP ranks: its last)
+                if self.engine is not None:
+                    self.engine.leases.release(message.transfer_id)
+                self._lent.give_back(message.transfer_id)
+                self.holds.release(message.transfer_id)
+                self._waiting.drop(message.transfer_id)
             if message.answer:
                 self._writes.answer_release(identity, message.transfer_id)
 
     def _hello(self, identity: bytes, hello: Hello) -> None:
         mine = self.layout
         error = ""
-        if hello.tp_size != mine.tp_size:
-            error = f"tensor-parallel size {hello.tp_size} on the decode engine, {mine.tp_size} here"
+        if hello.tp_size != mine.tp_size and hello.fingerprint != mine.fingerprint:  # (the same heads: any TP size)
+            error = (f"the decode engine asks for another layout or other KV heads than this rank's "
+                     f"(tensor-parallel size {hello.tp_size} there, {mine.tp_size} here)")
         transport, metadata, regions, device, lending = "zmq", b"", (), 0, False
         if not error and self.nixl is not None and "nixl" in hello.transports:
             transport, metadata = "nixl", self.nixl.metadata()

@@ -1,0 +1,109 @@
+"""A decode engine rank's chunks from a producer of another TP size (:mod:`kvtier.shards`).
+
+Rank ``r`` of a decode engine of ``t`` ranks holds KV heads ``[r * H / t, (r + 1) * H / t)``; rank
+``p`` of a producer of ``s`` ranks serves its chunks as pieces of heads ``[p * H / s, (p + 1) * H / s)``.
+:func:`producer_pieces` names the producer ranks whose pieces hold this rank's heads: one wider piece
+when ``s < t`` (several of this engine's ranks read it: :mod:`kvtier.pd.producer.handshakes`), several
+narrower ones when ``s > t``. :func:`gather_chunks` fetches each piece over its own connection
+(each hello names the piece's fingerprint, which the producer rank's chunks are sealed under), checks
+each piece's KVSUM64, and joins their heads into a chunk of this rank's layout, sealed anew.
+
+Pieces travel into this engine's CPU tier (ZMQ, or NIXL READs into its pool), never straight into
+engine blocks: a block of the producer's holds other heads than this engine's. A layout without a
+head dim (MLA's latent cache) is the same on every rank: rank ``r`` reads producer rank ``r mod s``'s
+chunks as they are, over any route (:func:`producer_pieces` gives its heads as None).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable, Iterator
+
+import msgspec
+
+from kvtier import codec
+from kvtier.jobs import Landed
+from kvtier.layout import Layout
+from kvtier.pd.consumer.connection import Consumer, FetchSpec
+from kvtier.pd.consumer.fetch import fetch_chunks
+from kvtier.pd.consumer.hello import PeerError
+from kvtier.shards import HeadRange, join_pieces, piece_fingerprint, piece_layout, rank_heads
+from kvtier.storage import ChunkBuffer
+
+
+def producer_pieces(layout: Layout, producers: int, rank: int, tp_size: int) -> list[tuple[int, HeadRange | None]]:
+    """The producer ranks (of ``producers``) rank ``rank`` of ``tp_size`` (``layout``'s) reads, each with
+    the heads its piece holds (None: the producer's chunks are this rank's as they are). Raises
+    :class:`PeerError` when the producer's ranks cannot be mapped to this rank's heads."""
+    shard = layout.shard
+    if shard is None:
+        raise PeerError(f"the producer has {producers} TP ranks, this engine {tp_size}, and this engine's "
+                        f"chunks are per TP rank ({layout.description})")
+    if shard.replicated:
+        return [(rank % producers, None)]
+    if shard.total % producers:
+        raise PeerError(f"the producer's {producers} TP ranks do not split this model's {shard.total} KV heads")
+    held = [(p, rank_heads(shard.total, p, producers)) for p in range(producers)]
+    return [(p, heads) for p, heads in held if heads[0] < shard.end and shard.first < heads[1]]
+
+
+def fetch_any_tp(consumer: Consumer, layout: Layout, endpoints: tuple[str, ...], spec: FetchSpec,
+                 allocate: Callable[[int], ChunkBuffer | None]) -> Iterator[ChunkBuffer | Landed]:
+    """:func:`~kvtier.pd.consumer.fetch.fetch_chunks` of ``spec`` (its endpoint unused) from a producer
+    whose ranks' chunk servers are ``endpoints``, any number of them: this rank's own producer rank's
+    when they are as many as this engine's ranks, else :func:`gather_chunks`'s (raises
+    :class:`PeerError` when its ranks cannot be mapped to this rank's heads)."""
+    rank, tp_size = consumer.hello.rank, consumer.hello.tp_size
+    if len(endpoints) == tp_size:
+        return fetch_chunks(consumer, dataclasses.replace(spec, endpoint=endpoints[rank]))
+    pieces = producer_pieces(layout, len(endpoints), rank, tp_size)
+    if pieces[0][1] is None:  # the same KV on every rank: the producer rank's chunks as they are
+        return fetch_chunks(consumer, dataclasses.replace(spec, endpoint=endpoints[pieces[0][0]]))
+    return gather_chunks(consumer, layout, [(endpoints[p], heads) for p, heads in pieces], spec, allocate)
+
+
+def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, HeadRange]], spec: FetchSpec,
+                  allocate: Callable[[int], ChunkBuffer | None]) -> Iterator[ChunkBuffer]:
+    """Yield the chunks of ``spec`` (its endpoint unused) for ``layout``'s heads, each in a fresh
+    buffer of ``allocate`` the caller owns, joined from ``pieces`` (a producer rank's chunk server,
+    the heads its piece holds). Raises :class:`PeerError` (after the chunks that did arrive) when a
+    piece fails or is unusable."""
+    shard = layout.shard
+    streams: list[tuple[HeadRange, str, Iterator[ChunkBuffer]]] = []
+    for endpoint, heads in pieces:
+        held = piece_layout(layout, heads)
+        shaped = dataclasses.replace(
+            consumer, hello=msgspec.structs.replace(consumer.hello, fingerprint=piece_fingerprint(shard.base, heads)),
+            chunk_bytes=lambda n, held=held: codec.HEADER_BYTES + held.payload_bytes(n))
+        piece_spec = dataclasses.replace(spec, endpoint=endpoint, landing=None, producer_blocks=())
+        streams.append((heads, endpoint, fetch_chunks(shaped, piece_spec)))  # type: ignore[arg-type]
+    region_bytes = lambda n: tuple(region.block_bytes * n for region in layout.regions)  # noqa: E731
+    try:
+        for index, (_, num_blocks) in enumerate(spec.items):
+            arrived: list[tuple[HeadRange, ChunkBuffer]] = []
+            try:
+                for heads, endpoint, stream in streams:
+                    piece = next(stream, None)
+                    if piece is None:
+                        return
+                    arrived.append((heads, piece))
+                    try:
+                        codec.verify_chunk(piece.data, piece_layout(layout, heads), num_blocks)  # type: ignore[arg-type]
+                    except codec.ChunkError as exc:
+                        raise PeerError(f"{endpoint} sent chunk {index}'s piece of KV heads {heads[0]}-{heads[1]} "
+                                        f"unusable ({exc})") from exc
+                payload = layout.payload_bytes(num_blocks)
+                built = allocate(codec.HEADER_BYTES + payload)
+                if built is None:
+                    raise PeerError(f"no room in this engine's CPU tier for chunk {index}")
+                join_pieces(built.data[codec.HEADER_BYTES : codec.HEADER_BYTES + payload], shard,
+                            region_bytes(num_blocks), [(heads, piece.data[codec.HEADER_BYTES :])
+                                                       for heads, piece in arrived])
+                codec.write_header(built.data, layout, num_blocks, kind=codec.KVSUM64)
+            finally:
+                for _, piece in arrived:
+                    piece.release()
+            yield built
+    finally:
+        for _, _, stream in streams:
+            stream.close()  # each producer rank is told it is done

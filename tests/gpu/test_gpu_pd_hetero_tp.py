@@ -1,0 +1,70 @@
+"""P/D between real CUDA vLLM engines of different TP sizes, in both directions (needs three GPUs:
+skipped otherwise, with the count seen): P at TP=2 on GPUs 0 and 1 with D at TP=1 on GPU 2, then P
+at TP=1 on GPU 0 with D at TP=2 on GPUs 1 and 2. Each engine is a process of its own
+(``kvtier.bench.pd_child``) with its own ``CUDA_VISIBLE_DEVICES``.
+
+A D rank of the other TP size gathers its KV heads from the P ranks that hold them into its CPU
+tier (:mod:`kvtier.pd.consumer.gather`), never into engine blocks. This directory's random-weight
+model has 2 KV heads: a rank that got the wrong heads changes the answer. D's answer is compared
+with P's answer to the same prompt again (P's own prefix hit), closely: the two TP sizes round
+differently. Negative control: params listing P's chunk servers in the wrong order are refused
+by P's ranks (their pieces hold other heads) and D recomputes.
+
+Runs only on a CUDA vLLM; ``python -m pytest -q -m gpu tests/gpu/test_gpu_pd_hetero_tp.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+import gpu_engines as g
+
+if (_reason := g.skip_reason()) is not None:
+    pytest.skip(_reason, allow_module_level=True)
+
+from test_gpu_pd import _as_output, _ask  # noqa: E402
+
+pytestmark = [pytest.mark.gpu, pytest.mark.e2e]
+
+LENGTH = 4 * g.CHUNK + 1
+LOADED = 4 * g.CHUNK
+
+
+def _spec(model: str, tp: int) -> dict:
+    return {"model": model, "connector": "kvtier", "load_format": "auto", "block_size": g.BLOCK,
+            "max_model_len": g.MAX_MODEL_LEN, "gpu_memory_utilization": g.GPU_MEMORY_UTILIZATION,
+            "engine_args": {"tensor_parallel_size": tp}, "kvtier": g.kvtier_config(pd_transport="nixl")}
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_pd_between_tp_sizes(p_tp, d_tp, gpu_model, tmp_path, monkeypatch):
+    from kvtier.bench.pd_engine_proc import Engine
+
+    g.skip_without_gpus(p_tp + d_tp, f"P at TP={p_tp} beside D at TP={d_tp}")
+    for key, value in g.child_env(multiprocess=True).items():
+        monkeypatch.setenv(key, value)
+    engines = []
+    try:
+        p = Engine("P", _spec(gpu_model, p_tp), str(tmp_path), env={"CUDA_VISIBLE_DEVICES": g.visible_devices(0, p_tp)})
+        engines.append(p)
+        d = Engine("D", _spec(gpu_model, d_tp), str(tmp_path),
+                   env={"CUDA_VISIBLE_DEVICES": g.visible_devices(p_tp, d_tp)})
+        engines.append(d)
+
+        pulled = g.prompt(600 + p_tp, LENGTH)
+        params = p.ask(pulled, {"do_remote_decode": True})["params"]
+        assert params and params["tp_size"] == p_tp and len(params["kvtier_endpoints"]) == p_tp, params
+        got = _ask(d, pulled, params)
+        assert got["cached"] >= LOADED, f"D loaded {got['cached']} tokens, expected {LOADED}:\n{d.log_tail()}"
+        g.assert_close(_as_output(got), _as_output(_ask(p, pulled)), f"TP={p_tp} to TP={d_tp} vs P's own KV")
+
+        if p_tp == 2:
+            swapped = g.prompt(610, LENGTH)
+            params = p.ask(swapped, {"do_remote_decode": True})["params"]
+            params["kvtier_endpoints"] = params["kvtier_endpoints"][::-1]
+            got = _ask(d, swapped, params)
+            assert got["cached"] < g.CHUNK, f"D loaded {got['cached']} tokens from P's ranks in the wrong order"
+            g.assert_close(_as_output(got), _as_output(_ask(p, swapped)), "recompute vs P")
+    finally:
+        for e in engines:
+            e.stop()

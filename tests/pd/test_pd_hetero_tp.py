@@ -1,0 +1,105 @@
+"""P/D between engines of different TP sizes, through the real worker halves (each rank its own
+worker half, store and chunk server, in one process): a decode rank gathers its KV heads from the
+producer ranks that hold them (:mod:`kvtier.pd.consumer.gather`), byte for byte.
+
+KV memory as vLLM-CPU lays it out, ``[NUM_BLOCKS, heads, BLOCK, 2*head]`` per layer: an engine of
+two KV heads holds both at TP=1 and one per rank at TP=2 (rank r: head r)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from kvtier.config import KvtierConfig
+from kvtier.engines.vllm.worker_side import WorkerSide
+from pd_workers import BLOCK, CHUNK, MODEL, NUM_BLOCKS, Engine, publish, remote_job, tokens_of, wait_for
+
+PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
+P_BLOCKS = list(range(10, 17))
+D_BLOCKS = list(range(40, 47))
+HEADS = 2
+LAYERS = 2
+
+
+@pytest.fixture
+def ranks(tmp_path, transport):
+    """``make(name, tp)``: an engine's ranks, each a worker half over its heads of one full KV
+    (``[LAYERS, NUM_BLOCKS, HEADS, BLOCK, 32]``, returned too)."""
+    made: list[Engine] = []
+
+    def make(name: str, tp: int, seed: int, **config) -> tuple[list[Engine], torch.Tensor]:
+        full = torch.randn(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 32, generator=torch.Generator().manual_seed(seed))
+        cfg = KvtierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_bytes": 16 << 20, "pd_timeout_ms": 2000,
+                                      "pd_transport": transport, **config})
+        engines = []
+        per = HEADS // tp
+        for rank in range(tp):
+            kv = full[:, :, rank * per : (rank + 1) * per].contiguous()
+            side = WorkerSide(cfg, MODEL, BLOCK, NUM_BLOCKS, f"ipc://{tmp_path}/{name}.sock", rank, tp,
+                              heads=(per, HEADS))
+            side.register({f"layer.{i}": kv[i] for i in range(LAYERS)})
+            if transport == "nixl":
+                assert side.nixl_ready(), "NIXL did not start"
+            engines.append(Engine(side, kv))
+            made.append(engines[-1])
+        return engines, full
+
+    yield make
+    for engine in made:
+        engine.side.close()
+
+
+def whole(ranks: list[Engine], blocks: list[int]) -> torch.Tensor:
+    """The engine's blocks ``blocks``, its ranks' heads side by side: ``[LAYERS, n, HEADS, BLOCK, 32]``."""
+    return torch.cat([r.blocks(blocks) for r in ranks], dim=2)
+
+
+def job_from(endpoints: tuple[str, ...], transfer_id: str = "t1"):
+    """D's load of the whole prompt from a producer whose ranks' chunk servers are ``endpoints``."""
+    job = remote_job("d-req", PROMPT, D_BLOCKS, transfer_id, endpoints[0])
+    return dataclasses.replace(job, remote=dataclasses.replace(job.remote, endpoints=endpoints))
+
+
+def load(d: list[Engine], endpoints: tuple[str, ...]) -> None:
+    for rank in d:
+        rank.side.start_loads((job_from(endpoints),))
+    for rank in d:
+        assert rank.wait_loaded("d-req") == set()
+
+
+def test_tp2_producer_to_tp1_consumer_gathers_both_heads(ranks):
+    (p0, p1), _ = ranks("p", 2, 1)
+    (d,), _ = ranks("d", 1, 2)
+    for p in (p0, p1):
+        publish(p, PROMPT, P_BLOCKS, "t1")
+    load([d], (p0.endpoint, p1.endpoint))
+    assert torch.equal(d.blocks(D_BLOCKS), whole([p0, p1], P_BLOCKS))
+    wait_for(lambda: p0.side.holds.stats.released == 1 and p1.side.holds.stats.released == 1)
+
+
+def test_tp1_producer_to_tp2_consumer_each_rank_takes_its_head(ranks):
+    (p,), _ = ranks("p", 1, 1)
+    (d0, d1), _ = ranks("d", 2, 2)
+    publish(p, PROMPT, P_BLOCKS, "t1")
+    load([d0], (p.endpoint,))
+    assert p.side.holds.stats.released == 0 and p.side.holds.pinned_bytes() > 0  # rank 1 still reads them
+    load([d1], (p.endpoint,))
+    assert torch.equal(whole([d0, d1], D_BLOCKS), p.blocks(P_BLOCKS))
+    wait_for(lambda: p.side.holds.stats.released == 1)
+    assert p.side.holds.pinned_bytes() == 0
+
+
+def test_a_corrupt_piece_fails_the_load_from_that_chunk(ranks, caplog):
+    (p0, p1), _ = ranks("p", 2, 1)
+    (d,), _ = ranks("d", 1, 2)
+    keys = [publish(p, PROMPT, P_BLOCKS, "t1") for p in (p0, p1)][1]
+    p1.side.transfers.drain()
+    buffer = p1.side.store.get(p1.side.transfers.skey(keys[1]))
+    buffer.data[-1] ^= 0xFF  # one flipped byte in rank 1's piece of chunk 1
+    buffer.release()
+    d.side.start_loads((job_from((p0.endpoint, p1.endpoint)),))
+    failed = d.wait_loaded("d-req")
+    assert failed == set(D_BLOCKS[CHUNK // BLOCK :])  # chunk 0 loaded; from chunk 1 on, recomputed
+    assert "KV heads 1-2" in caplog.text and "checksum" in caplog.text
