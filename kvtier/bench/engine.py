@@ -90,6 +90,9 @@ def add_parser(commands) -> None:
                         "DIR/<engine>/<round>, and report what grew between them")
     p.add_argument("--disk-io", choices=("buffered", "direct"), default="buffered",
                    help="the disk engine's disk_io (default buffered; direct: O_DIRECT reads)")
+    p.add_argument("--disk-dir", metavar="DIR",
+                   help="the disk engine's disk tier directory (default: in the run's temp dir); on a tmpfs (a faster "
+                        "medium's stand-in) the result is named disk-<card>-<release>-tmpfs")
     p.add_argument("--disk-results", metavar="DIR", default="bench/results",
                    help="where the disk engine's disk-<card>-<release>.json and .txt go (default bench/results)")
     add_cuda_graphs_flag(p)

@@ -22,6 +22,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import statistics
 from typing import Callable
 
@@ -38,7 +39,9 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
         tmp: str, progress) -> tuple[list[dict], dict, dict]:
     """Run both engines; returns the fresh engine's rounds, its output and :func:`disk_result`.
     ``spec(rounds, kvtier_config)``: an engine child's spec; ``prompt(seed, length)``: token ids."""
-    disk = os.path.join(tmp, "disk")
+    disk = os.path.join(args.disk_dir or tmp, "kvtier-disk-bench")
+    if os.path.exists(disk):
+        raise SystemExit(f"--disk-dir: {disk} exists already; remove it or give another directory")
     config = {"cpu_bytes": 8 << 30, "disk_path": disk, "disk_bytes": 48 << 30, "disk_io": args.disk_io}
     speed = disk_read_speed(disk, args.disk_io == "direct")
     progress("disk read speed " + (speed.describe() if speed else "not measured"))
@@ -58,7 +61,24 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
     read += [{"prompts": [prompt(7 + n, n)], "max_tokens": CHECK_TOKENS, "tag": ["check-disk", n]} for n in lengths]
     out, _ = spawn(spec(read, config), tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD)
     ms = rows_ms(write, written) | rows_ms(read, out)
-    return read, out, disk_result(_card(args.tp), vllm_version(), lengths, args.repeats, args.disk_io, speed, cache, ms)
+    result = disk_result(_card(args.tp), vllm_version(), lengths, args.repeats, args.disk_io, speed, cache, ms)
+    result["medium"] = medium(disk)
+    shutil.rmtree(disk, ignore_errors=True)
+    return read, out, result
+
+
+def medium(path: str) -> str:
+    """The file system type ``path`` lies on (``/proc/mounts``' longest mount point above it), e.g. ``ext4``, ``tmpfs``."""
+    path, best, kind = os.path.realpath(path), "", "unknown"
+    try:
+        with open("/proc/mounts") as mounts:
+            for line in mounts:
+                point, fs = line.split()[1:3]
+                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
+                    best, kind = point, fs
+    except OSError:
+        pass
+    return kind
 
 
 def disk_read_speed(disk: str, o_direct: bool):
@@ -89,16 +109,17 @@ def disk_result(card: str, release: str, lengths: list[int], repeats: int, disk_
             **{name: ms.get(name, {}) for name, _ in ROWS}}
 
 
-def result_name(card: str, release: str) -> str:
-    """``disk-<card>-<release>``, e.g. ``disk-h200-v033`` for an H200 and vLLM 0.33.0."""
+def result_name(card: str, release: str, medium: str = "") -> str:
+    """``disk-<card>-<release>``, e.g. ``disk-h200-v033`` for an H200 and vLLM 0.33.0; ``-tmpfs`` added
+    for a disk tier on a ``medium`` of memory (tmpfs, ramfs)."""
     parts = release.split(".")
     tag = f"v{parts[0]}{int(parts[1]):02d}" if len(parts) > 1 and parts[0].isdigit() and parts[1].isdigit() else release
-    return f"disk-{card}-{tag}"
+    return f"disk-{card}-{tag}" + ("-tmpfs" if medium in ("tmpfs", "ramfs") else "")
 
 
 def write(result: dict, directory: str) -> str:
     """Write ``result`` as ``directory/disk-<card>-<release>.json`` and its table as ``.txt``; the JSON's path."""
-    path = os.path.join(directory, result_name(result["card"], result["vllm"]) + ".json")
+    path = os.path.join(directory, result_name(result["card"], result["vllm"], result.get("medium", "")) + ".json")
     make_parent(path)
     with open(path, "w") as f:
         json.dump(result, f, indent=1)
@@ -110,7 +131,8 @@ def write(result: dict, directory: str) -> str:
 def format_table(result: dict) -> str:
     """TTFT per length, median / best ms of each row, and first sight against recompute."""
     speed = result["disk_read_bytes_per_s"]
-    lines = [f"kvtier-bench engine, disk tier ({result['disk_io']}, {result['card']}, vLLM {result['vllm']}): "
+    lines = [f"kvtier-bench engine, disk tier ({result['disk_io']} on {result.get('medium', '?')}, {result['card']}, "
+             f"vLLM {result['vllm']}): "
              f"TTFT ms, median / best of {result['repeats']}",
              "disk read speed: " + (f"{speed / 1e9:.2f} GB/s ({result['disk_read']})" if speed else "not measured"),
              "page cache: " + describe_drop(result["page_cache"])]

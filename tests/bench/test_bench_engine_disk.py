@@ -45,7 +45,7 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
     monkeypatch.setattr(engine_disk, "drop_page_cache", lambda path: fabricated()["page_cache"])
     monkeypatch.setattr(engine_disk, "_card", lambda tp: "h200")
     monkeypatch.setattr(engine_disk, "vllm_version", lambda: "0.33.0")
-    args = argparse.Namespace(repeats=2, disk_io="direct", settle_s=0.5, tp=1)
+    args = argparse.Namespace(repeats=2, disk_io="direct", settle_s=0.5, tp=1, disk_dir=None)
     prompt = lambda seed, n: [seed % 1000] * n  # noqa: E731
     read, out, result = engine_disk.run(args, [64, 128], prompt, lambda rounds, kvtier: {"rounds": rounds,
                                         "kvtier": kvtier}, str(tmp_path), lambda line: None)
@@ -61,6 +61,7 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
     warm = [r["prompts"][0] for r in read if r.get("tag") == ["warmup"]]
     assert not set(map(tuple, warm)) & set(map(tuple, (r["prompts"][0] for r in specs[0][1]["rounds"])))
     assert result["disk_read_bytes_per_s"] == SPEED.bytes_per_s and result["page_cache"]["dropped"]
+    assert result["medium"] != "unknown"  # the file system the disk tier was on
     json.dumps(result)
 
 
@@ -69,6 +70,13 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
                                                  ("h200", "unknown", "disk-h200-unknown")])
 def test_result_names_carry_card_and_release(card, release, name):
     assert engine_disk.result_name(card, release) == name
+    assert engine_disk.result_name(card, release, "tmpfs") == name + "-tmpfs"  # a faster medium's stand-in
+    assert engine_disk.result_name(card, release, "ext4") == name
+
+
+def test_the_medium_is_the_file_system_of_the_longest_mount_point_above():
+    assert engine_disk.medium("/proc/self") == "proc"
+    assert engine_disk.medium("/") not in ("unknown", "proc")
 
 
 def test_write_puts_json_and_table_side_by_side(tmp_path):
