@@ -59,12 +59,24 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
         read.append({"prompts": [p], "pause_s": args.settle_s, "tag": ["disk", n]})
         read.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["again", n]})
     read += [{"prompts": [prompt(7 + n, n)], "max_tokens": CHECK_TOKENS, "tag": ["check-disk", n]} for n in lengths]
-    out, _ = spawn(spec(read, config), tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD)
+    out, log = spawn(spec(read, config), tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD,
+                     env={"KVTIER_LOG_LEVEL": "DEBUG"})
     ms = rows_ms(write, written) | rows_ms(read, out)
     result = disk_result(_card(args.tp), vllm_version(), lengths, args.repeats, args.disk_io, speed, cache, ms)
-    result["medium"] = medium(disk)
+    result["medium"], result["plans"] = medium(disk), plan_lines(log)
+    for line in result["plans"]:
+        progress("engine disk: " + line)
     shutil.rmtree(disk, ignore_errors=True)
     return read, out, result
+
+
+_PLAN = re.compile(r"kvtier: (request \S+ (?:loads nothing of .*|loaded \d+ of \d+ blocks .*)|disk reads .*)")
+
+
+def plan_lines(log: str, limit: int = 60) -> list[str]:
+    """The fresh engine's word on each load (kvtier's DEBUG lines: what each request loaded from which
+    tier, or why it loaded nothing), at most ``limit`` of them, in order."""
+    return [m.group(1) for m in map(_PLAN.search, log.splitlines()) if m][:limit]
 
 
 def medium(path: str) -> str:

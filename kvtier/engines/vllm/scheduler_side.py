@@ -162,9 +162,10 @@ class SchedulerSide:
             self.preempted(req_id)
         self._vetoes = self._vetoes + 1 if plan.cut_on_cost else 0 if plan.skip is None else self._vetoes
         self._promotes += [] if self.groups.others else tracked.promotions(plan, self.geometry)
-        if plan.skip is not None and tracked.tiers:
-            logger.debug("kvtier: request %s loads nothing of %d stored chunks (%s: %s)", req_id,
-                         len(tracked.tiers), plan.skip.name.lower(), plan.skip.value)
+        if (plan.skip is not None or plan.cut_on_cost) and tracked.tiers:
+            why = f"{plan.skip.name.lower()}: {plan.skip.value}" if plan.skip else "slower than recompute past it"
+            logger.debug("kvtier: request %s loads nothing of %d stored chunks from token %d (%s)", req_id,
+                         len(tracked.tiers), plan.load_end, why)
         if external_tokens == 0:
             kind = plan.kind if plan.kind is PlanKind.HANDOFF else PlanKind.NONE
             self.counts[kind.value if plan.skip is None else f"none: {plan.skip.name.lower()}"] += 1
