@@ -2,8 +2,8 @@
 take, which engine pairs run at them, and what the result says of them.
 
 ``--tp 2:1`` starts P at TP=2 and D at TP=1; ``--tp 2`` both at 2. ``--devices`` lists P's GPUs,
-then D's. kvtier's pair runs at any sizes: its D reads P only at P's own size and recomputes the
-prompt otherwise (:func:`kvtier.pd.params.role_in`), which the table says. vLLM's
+then D's. kvtier's pair runs at any sizes (its D ranks gather their KV heads from P's ranks:
+:mod:`kvtier.pd.consumer.gather`); where D loaded nothing from P, the table says so. vLLM's
 ``NixlConnector`` runs where one size divides the other (its ``TransferTopology.tp_ratio``
 asserts that); ``NixlPushConnector`` only at equal sizes.
 """
@@ -85,17 +85,17 @@ def result_tp(result: dict) -> TpSizes:
 
 
 def recomputed(result: dict, row: str) -> bool:
-    """Whether ``row``'s D loaded nothing from P in every answer (kvtier's D at a TP size other
-    than P's recomputes); False where the result counts no loads (written before it did)."""
+    """Whether ``row``'s D loaded nothing from P in every answer (it recomputed each prompt); False
+    where the result counts no loads (written before it did)."""
     loaded = [t for ts in result.get("d_loaded_tokens", {}).get(row, {}).values() for t in ts]
     return bool(loaded) and not any(loaded)
 
 
 def recompute_note(result: dict) -> str | None:
-    """The table's line on kvtier's rows whose D loaded nothing from P at unequal TP sizes."""
+    """The table's line on kvtier's rows whose D loaded nothing from P at unequal TP sizes (D's log says why)."""
     tp = result_tp(result)
     rows = [row for row in KVTIER_ROWS if recomputed(result, row)]
     if tp.equal or not rows:
         return None
     return (f"{tp.words()}: kvtier's D loaded nothing from P and recomputed every prompt in {', '.join(rows)} "
-            "(kvtier's D reads P only at P's TP size); their TTFT is a recompute's")
+            "(D's log says why); their TTFT is a recompute's")

@@ -103,8 +103,8 @@ def test_a_kvtier_d_that_recomputes_at_unequal_sizes_is_shown_so_not_failed(tmp_
     assert "P at TP=2 on devices 0,1, D at TP=1 on devices 2 (" in table
     assert re.search(r"\nkvtier pull hbm .*  none: D recomputed\n", table)
     assert ("\nP at TP=2, D at TP=1: kvtier's D loaded nothing from P and recomputed every prompt in kvtier pull hbm, "
-            "kvtier pull after lease, kvtier push nixl, kvtier pull zmq, kvtier push zmq (kvtier's D reads P only at "
-            "P's TP size); their TTFT is a recompute's\n") in table
+            "kvtier pull after lease, kvtier push nixl, kvtier pull zmq, kvtier push zmq (D's log says why); their "
+            "TTFT is a recompute's\n") in table
     assert "matched P's first token: yes; the rows that recomputed loaded nothing" in table
     # At equal sizes a D that loaded nothing failed.
     (tmp_path / "equal").mkdir()
