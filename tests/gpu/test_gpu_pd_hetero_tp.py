@@ -1,7 +1,10 @@
-"""P/D between real CUDA vLLM engines of different TP sizes, in both directions (needs three GPUs:
-skipped otherwise, with the count seen): P at TP=2 on GPUs 0 and 1 with D at TP=1 on GPU 2, then P
-at TP=1 on GPU 0 with D at TP=2 on GPUs 1 and 2. Each engine is a process of its own
-(``kvtier.bench.pd_child``) with its own ``CUDA_VISIBLE_DEVICES``.
+"""P/D and the disk tier between real CUDA vLLM engines of different TP sizes, in both directions.
+
+P/D (needs three GPUs: skipped otherwise, with the count seen): P at TP=2 on GPUs 0 and 1 with D at
+TP=1 on GPU 2, then P at TP=1 on GPU 0 with D at TP=2 on GPUs 1 and 2. Each engine is a process of
+its own (``kvtier.bench.pd_child``) with its own ``CUDA_VISIBLE_DEVICES``. The disk tier (needs two
+GPUs): a disk tier written at TP=1 is reloaded by a fresh engine at TP=2, and one written at TP=2 at
+TP=1, every chunk loaded (the reader builds its pieces from the writer's).
 
 A D rank of the other TP size gathers its KV heads from the P ranks that hold them into its CPU
 tier (:mod:`kvtier.pd.consumer.gather`), never into engine blocks. This directory's random-weight
@@ -68,3 +71,29 @@ def test_pd_between_tp_sizes(p_tp, d_tp, gpu_model, tmp_path, monkeypatch):
     finally:
         for e in engines:
             e.stop()
+
+
+PROMPT = g.prompt(620, 6 * g.CHUNK + g.BLOCK)  # whole chunks and one block: a reload hits all of it
+
+
+@pytest.mark.parametrize("write_tp,read_tp", [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+def test_disk_tier_written_at_one_tp_size_reloads_at_another(write_tp, read_tp, gpu_model, tmp_path):
+    g.skip_without_gpus(max(write_tp, read_tp), f"engines at TP={write_tp} and TP={read_tp}")
+    disk = tmp_path / "disk"
+    kvtier = g.kvtier_config(disk_path=str(disk), disk_bytes=1 << 30)
+    files = write_tp * (len(PROMPT) // g.CHUNK)  # one piece per rank and chunk, one directory
+
+    def spec(tp: int, rounds: list[dict], **extra) -> dict:
+        return g.engine_spec(gpu_model, rounds, kvtier=kvtier, multiprocess=True,
+                             engine_args={"tensor_parallel_size": tp}, **extra)
+
+    first = g.spawn(spec(write_tp, [{"prompts": [PROMPT]}], wait_disk={"path": str(disk), "files": files,
+                                                                     "timeout_s": 120}), tmp_path, "write")
+    assert first["disk_files"] == files, f"{first['disk_files']} chunk files on disk, {files} expected"
+    read = g.spawn(spec(read_tp, [{"prompts": [PROMPT]}, {"prompts": [PROMPT], "reset": True}]), tmp_path, "read")
+    out, again = g.only(read, 0), g.only(read, 1)
+    want = g.kvtier_hit(len(PROMPT))
+    assert out["cached"] == want, f"TP={read_tp} loaded {out['cached']} tokens of TP={write_tp}'s, {want} expected"
+    assert again["cached"] == want  # from its own pieces now, in its CPU tier
+    g.assert_close(out, g.only(first, 0), f"TP={write_tp} disk tier read at TP={read_tp} vs the writer's compute")
+    g.assert_strict(again, out, f"TP={read_tp}: its own pieces vs those built from TP={write_tp}'s")
