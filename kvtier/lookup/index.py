@@ -81,6 +81,15 @@ class HoldIndex:
             return None
         return tuple(self._fingerprints), [self._storage_keys(key) for key in keys]
 
+    def cover_rows(self, keys: list[bytes]) -> list[list[tuple[bytes, ...]]]:
+        """Per way other TP sizes' ranks store pieces of these ranks' heads (fewest pieces first):
+        each chain key's pieces every rank needs, storage keys without repeats (the shared tier's
+        question, :meth:`LookupServer._tiers`). Empty for ranks of per-rank or replicated layouts."""
+        if not all(self._covers) or any(len(c) != len(self._covers[0]) for c in self._covers):
+            return []
+        ways = [tuple(dict.fromkeys(fp for rank in self._covers for fp in rank[j])) for j in range(len(self._covers[0]))]
+        return [[tuple(storage_key(key, fp) for fp in way) for key in keys] for way in ways]
+
     def _storage_keys(self, key: bytes) -> tuple[bytes, ...]:
         skeys = self._memo.get(key)
         if skeys is None:

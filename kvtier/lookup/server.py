@@ -104,7 +104,12 @@ class LookupServer:
         if known is None:
             return tiers
         fingerprints, chunks = known
-        return tiers + ["shared"] * self._shared_prefix(chunks, fingerprints)
+        held = self._shared_prefix(chunks, fingerprints)
+        if held < len(chunks):  # other TP sizes' pieces of the rest, all of one way (pieces share a namespace)
+            rest = keys[len(tiers) + held : len(tiers) + len(chunks)]
+            held += max((self._shared_prefix(rows, (fingerprints[0],) * len(rows[0]))
+                         for rows in self.index.cover_rows(rest)), default=0)
+        return tiers + ["shared"] * held
 
     def _serve(self) -> None:
         poller = zmq.Poller()

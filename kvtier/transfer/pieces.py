@@ -1,7 +1,8 @@
 """A rank's chunk built from the pieces ranks of another TP size stored (see :mod:`kvtier.shards`).
 
 When a load finds no chunk under the rank's own storage key, :func:`assemble` looks for the
-pieces that hold its KV heads (at most one way per writer TP size of :data:`kvtier.shards.WRITER_TP_SIZES`),
+pieces that hold its KV heads (at most one way per writer TP size of :data:`kvtier.shards.WRITER_TP_SIZES`;
+in the local tiers first, then through ``store.get``, which reads the shared tier),
 verifies each (header and checksum, as a stored chunk), joins their heads into a chunk of the
 rank's layout sealed with a KVSUM64, and stores it under the rank's own key, so that the next
 load finds it there. A corrupt piece is removed and the chunk counts as missing (recomputed).
@@ -34,10 +35,14 @@ def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,
     shard = layout.shard
     if shard is None or shard.replicated:
         return None
-    for way in covers(shard.first, shard.end, shard.total):
-        skeys = [storage_key(key, piece_fingerprint(shard.base, heads)) for heads in way]
+    ways = [(way, [storage_key(key, piece_fingerprint(shard.base, heads)) for heads in way])
+            for way in covers(shard.first, shard.end, shard.total)]
+    for way, skeys in ways:
         if all(store.contains(skey) is not None for skey in skeys):
             return _join(layout, store, key, chunk_blocks, on_held, way, skeys)
+    for way, skeys in ways:  # none whole in the local tiers: the shared tier's, read through store.get
+        if (built := _join(layout, store, key, chunk_blocks, on_held, way, skeys)) is not None:
+            return built
     return None
 
 
