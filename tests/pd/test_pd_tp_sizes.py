@@ -8,6 +8,7 @@ two KV heads holds both at TP=1 and one per rank at TP=2 (rank r: head r)."""
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import pytest
 import torch
@@ -56,9 +57,10 @@ def whole(ranks: list[Engine], blocks: list[int]) -> torch.Tensor:
     return torch.cat([r.blocks(blocks) for r in ranks], dim=2)
 
 
-def job_from(endpoints: tuple[str, ...], transfer_id: str = "t1"):
-    """D's load of the whole prompt from a producer whose ranks' chunk servers are ``endpoints``."""
-    job = remote_job("d-req", PROMPT, D_BLOCKS, transfer_id, endpoints[0])
+def job_from(endpoints: tuple[str, ...], transfer_id: str = "t1", wait: bool = False):
+    """D's load of the whole prompt from a producer whose ranks' chunk servers are ``endpoints``
+    (``wait``: a push, D asks before P computed anything)."""
+    job = remote_job("d-req", PROMPT, D_BLOCKS, transfer_id, endpoints[0], wait=wait)
     return dataclasses.replace(job, remote=dataclasses.replace(job.remote, endpoints=endpoints))
 
 
@@ -89,6 +91,21 @@ def test_tp1_producer_to_tp2_consumer_each_rank_takes_its_head(ranks):
     assert torch.equal(whole([d0, d1], D_BLOCKS), p.blocks(P_BLOCKS))
     wait_for(lambda: p.side.holds.stats.released == 1)
     assert p.side.holds.pinned_bytes() == 0
+
+
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_push_consumers_wait_for_every_producer_rank(ranks, p_tp, d_tp):
+    p, _ = ranks("p", p_tp, 1)
+    d, _ = ranks("d", d_tp, 2)
+    endpoints = tuple(rank.endpoint for rank in p)
+    for rank in d:  # D's ranks ask first: P's ranks park their fetches until the chunks are sealed
+        rank.side.start_loads((job_from(endpoints, wait=True),))
+    time.sleep(0.3)
+    for rank in p:
+        publish(rank, PROMPT, P_BLOCKS, "t1")
+    for rank in d:
+        assert rank.wait_loaded("d-req") == set()
+    assert torch.equal(whole(d, D_BLOCKS), whole(p, P_BLOCKS))
 
 
 def test_a_corrupt_piece_fails_the_load_from_that_chunk(ranks, caplog):
