@@ -80,7 +80,8 @@ def plan_lines(log: str, limit: int = 60) -> list[str]:
 
 
 def medium(path: str) -> str:
-    """The file system type ``path`` lies on (``/proc/mounts``' longest mount point above it), e.g. ``ext4``, ``tmpfs``."""
+    """The file system type ``path`` lies on (the longest mount point above it in ``/proc/mounts``),
+    e.g. ``ext4``, ``tmpfs``; ``unknown`` where that cannot be read."""
     path, best, kind = os.path.realpath(path), "", "unknown"
     try:
         with open("/proc/mounts") as mounts:

@@ -9,8 +9,8 @@ Without ``--devices`` both share the visible device, each taking ``--gpu-memory-
 share 0.8: each has a GPU of its own). ``--tp 2`` starts both engines at TP=2 (``--devices``
 then lists P's two GPUs and D's two), ``--tp 2:1`` P at TP=2 and D at TP=1 (three devices); the
 result's ``"tp"`` is ``{"P": 2, "D": 1}``. At unequal sizes kvtier's D ranks gather their KV heads
-from P's ranks (a D that loaded nothing is noted), ``nixl`` runs where one size divides the other and ``nixl-push`` is skipped
-(:mod:`kvtier.bench.pd_tp`). Pairs (``--pairs``), one after the other:
+from P's ranks (a D that loaded nothing is noted), ``nixl`` runs where one size divides the other
+and ``nixl-push`` is skipped (:mod:`kvtier.bench.pd_tp`). Pairs (``--pairs``), one after the other:
 
 * ``kvtier``: P with kvtier (``pd_transport`` auto, ``pd_hbm_lease_ms`` ``--hbm-lease-ms``: P keeps a
   finished P/D request's engine blocks that long) and D with kvtier over NIXL; then D again over

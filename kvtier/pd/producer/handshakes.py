@@ -9,9 +9,10 @@ A hello is taken once: its nonce is kept for twice :data:`~kvtier.pd.protocol.HE
 hello gave, until it releases the transfers it began or stays quiet for ``idle_s``; past
 :data:`MAX_CONNECTIONS` bound, the quietest is forgotten (its later messages are refused, and its
 consumer recomputes). A decode engine of more TP ranks than this one's engine reads each of this
-rank's chunks from several of its ranks (each its share of the KV heads, :mod:`kvtier.pd.consumer.gather`):
-a transfer then has that many readers, one connection each, and ends with the last one's release. Each check returns why a message is refused, in words ("" if it is not),
-and records nothing for a refused one.
+rank's chunks from several of its ranks (each its share of the KV heads,
+:mod:`kvtier.pd.consumer.gather`): a transfer then has that many readers, one connection each, and
+ends with the last one's release. Each check returns why a message is refused, in words ("" if it
+is not), and records nothing for a refused one.
 
 Used by the chunk server's thread only.
 """
