@@ -1,7 +1,7 @@
 """The commit protocol with TP=2: kvtier's worker half in two real processes, each with its own
 KV memory and real LMCache store (and disk files), rank 0 serving lookups over a real IPC socket.
 
-The real-vLLM TP=2 run is in tests/e2e/test_tiers.py; here faults are injected per rank, which
+The real-vLLM TP=2 run is in tests/e2e/test_tiers_hetero_tp.py; here faults are injected per rank, which
 vLLM offers no way to do.
 """
 
