@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+import zmq
 
 from kvtier.config import KvtierConfig
 from kvtier.jobs import LoadJob, SaveJob
@@ -86,7 +87,16 @@ def test_a_node_whose_start_fails_stops_what_it_started(tmp_path):
     with pytest.raises(RuntimeError, match="listener failed"):
         WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1, endpoint=endpoint, produce=False,
                    listen=listen)
-    node = WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1, endpoint=endpoint, produce=False)
+    # ZMQ closes a socket on its I/O thread: the port is free a moment after close() returns, not at once.
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            node = WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1, endpoint=endpoint,
+                              produce=False)
+            break
+        except zmq.ZMQError as exc:
+            assert exc.errno == zmq.EADDRINUSE and time.monotonic() < deadline, exc  # never freed: a leak
+            time.sleep(0.05)
     node.close()
 
 
