@@ -19,7 +19,8 @@ from typing import Callable
 from kvtier import codec
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
-from kvtier.shards import HeadRange, covers, join_pieces, piece_fingerprint, piece_layout
+from kvtier.codec.joined import seal_joined
+from kvtier.shards import HeadRange, covers, piece_fingerprint, piece_layout
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,9 @@ def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_h
                 logger.warning("kvtier: stored piece %s (KV heads %d-%d) of chunk %s is unusable (%s); removed it "
                                "and recomputing.", skey.hex(), heads[0], heads[1], key.hex(), exc)
                 return None
-        payload = layout.payload_bytes(chunk_blocks)
-        built = store.allocate(codec.HEADER_BYTES + payload, wait=False)
+        built = seal_joined(layout, chunk_blocks, list(zip(way, pieces)), lambda n: store.allocate(n, wait=False))
         if built is None:
             return None
-        region_bytes = tuple(region.block_bytes * chunk_blocks for region in layout.regions)
-        join_pieces(built.data[codec.HEADER_BYTES : codec.HEADER_BYTES + payload], layout.shard, region_bytes,
-                    [(heads, piece.data[codec.HEADER_BYTES :]) for heads, piece in zip(way, pieces)])
-        codec.write_header(built.data, layout, chunk_blocks, kind=codec.KVSUM64)
         tier = max((piece.tier for piece in pieces), key=_SLOWER.index)
     finally:
         for piece in pieces:

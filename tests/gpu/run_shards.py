@@ -29,7 +29,7 @@ REPO = HERE.parent.parent
 # GPUs per job (default 1). A job is a module, or a module's tests selected by ``-k`` (``FILE:K``).
 NEEDS = {"test_gpu_tp.py:tp2": 2, "test_gpu_tp.py:tp4": 4, "test_gpu_served.py": 2, "test_gpu_pd.py": 2,
          "test_gpu_pd_hbm.py": 2, "test_gpu_pd_tp.py": 4, "test_gpu_pd_hybrid.py": 2, "test_gpu_pd_mamba.py": 2,
-         "test_gpu_pd_hetero_tp.py": 3}
+         "test_gpu_pd_hetero_tp.py": 3}  # 2 will do (D shares a GPU)
 # One job per TP size, and per model family of the hybrid module (one after the other they outlast
 # a module's time limit on one GPU).
 SPLIT = {"test_gpu_tp.py": ("tp2", "tp4"),

@@ -1,8 +1,10 @@
 """P/D and the disk tier between real CUDA vLLM engines of different TP sizes, in both directions.
 
-P/D (needs three GPUs: skipped otherwise, with the count seen): P at TP=2 on GPUs 0 and 1 with D at
-TP=1 on GPU 2, then P at TP=1 on GPU 0 with D at TP=2 on GPUs 1 and 2. Each engine is a process of
-its own (``kvtier.bench.pd_child``) with its own ``CUDA_VISIBLE_DEVICES``. The disk tier (needs two
+P/D (needs two GPUs: skipped otherwise, with the count seen): P at TP=2 on GPUs 0 and 1 with D at
+TP=1 on GPU 2, then P at TP=1 on GPU 0 with D at TP=2 on GPUs 1 and 2. With two GPUs D shares one
+of P's (each engine takes 0.3 of its memory, P started first): the pieces travel through the CPU
+tiers, so sharing changes no route. Each engine is a process of its own
+(``kvtier.bench.pd_child``) with its own ``CUDA_VISIBLE_DEVICES``. The disk tier (needs two
 GPUs): a disk tier written at TP=1 is reloaded by a fresh engine at TP=2, and one written at TP=2 at
 TP=1, every chunk loaded (the reader builds its pieces from the writer's).
 
@@ -43,7 +45,10 @@ def _spec(model: str, tp: int) -> dict:
 def test_pd_between_tp_sizes(p_tp, d_tp, gpu_model, tmp_path, monkeypatch):
     from kvtier.bench.pd_engine_proc import Engine
 
-    g.skip_without_gpus(p_tp + d_tp, f"P at TP={p_tp} beside D at TP={d_tp}")
+    g.skip_without_gpus(max(p_tp, d_tp), f"P at TP={p_tp} beside D at TP={d_tp}")
+    import torch
+
+    d_first = p_tp if torch.cuda.device_count() >= p_tp + d_tp else max(p_tp, d_tp) - d_tp  # else shares
     for key, value in g.child_env(multiprocess=True).items():
         monkeypatch.setenv(key, value)
     engines = []
@@ -51,7 +56,7 @@ def test_pd_between_tp_sizes(p_tp, d_tp, gpu_model, tmp_path, monkeypatch):
         p = Engine("P", _spec(gpu_model, p_tp), str(tmp_path), env={"CUDA_VISIBLE_DEVICES": g.visible_devices(0, p_tp)})
         engines.append(p)
         d = Engine("D", _spec(gpu_model, d_tp), str(tmp_path),
-                   env={"CUDA_VISIBLE_DEVICES": g.visible_devices(p_tp, d_tp)})
+                   env={"CUDA_VISIBLE_DEVICES": g.visible_devices(d_first, d_tp)})
         engines.append(d)
 
         pulled = g.prompt(600 + p_tp, LENGTH)

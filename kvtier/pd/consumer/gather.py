@@ -27,7 +27,8 @@ from kvtier.layout import Layout
 from kvtier.pd.consumer.connection import Consumer, FetchSpec
 from kvtier.pd.consumer.fetch import fetch_chunks
 from kvtier.pd.consumer.hello import PeerError
-from kvtier.shards import HeadRange, join_pieces, piece_fingerprint, piece_layout, rank_heads
+from kvtier.codec.joined import seal_joined
+from kvtier.shards import HeadRange, piece_fingerprint, piece_layout, rank_heads
 from kvtier.storage import ChunkBuffer
 
 
@@ -77,29 +78,21 @@ def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, He
             chunk_bytes=lambda n, held=held: codec.HEADER_BYTES + held.payload_bytes(n))
         piece_spec = dataclasses.replace(spec, endpoint=endpoint, landing=None, producer_blocks=())
         streams.append((heads, endpoint, fetch_chunks(shaped, piece_spec)))  # type: ignore[arg-type]
-    region_bytes = lambda n: tuple(region.block_bytes * n for region in layout.regions)  # noqa: E731
     try:
         for index, (_, num_blocks) in enumerate(spec.items):
             arrived: list[tuple[HeadRange, ChunkBuffer]] = []
             try:
                 for heads, endpoint, stream in streams:
-                    piece = next(stream, None)
-                    if piece is None:
-                        return
+                    piece = next(stream)  # fetch_chunks yields every chunk or raises
                     arrived.append((heads, piece))
                     try:
                         codec.verify_chunk(piece.data, piece_layout(layout, heads), num_blocks)  # type: ignore[arg-type]
                     except codec.ChunkError as exc:
                         raise PeerError(f"{endpoint} sent chunk {index}'s piece of KV heads {heads[0]}-{heads[1]} "
                                         f"unusable ({exc})") from exc
-                payload = layout.payload_bytes(num_blocks)
-                built = allocate(codec.HEADER_BYTES + payload)
+                built = seal_joined(layout, num_blocks, arrived, allocate)
                 if built is None:
                     raise PeerError(f"no room in this engine's CPU tier for chunk {index}")
-                join_pieces(built.data[codec.HEADER_BYTES : codec.HEADER_BYTES + payload], shard,
-                            region_bytes(num_blocks), [(heads, piece.data[codec.HEADER_BYTES :])
-                                                       for heads, piece in arrived])
-                codec.write_header(built.data, layout, num_blocks, kind=codec.KVSUM64)
             finally:
                 for _, piece in arrived:
                     piece.release()

@@ -122,7 +122,7 @@ class Handshakes:
 
     def release(self, identity: bytes, release: Release) -> str:
         """Check a release: from the connection bound to its nonce, which began its transfer (see
-        :meth:`readers_left`)."""
+        :meth:`still_read`)."""
         if problem := self.message(identity, release.nonce):
             return problem
         readers = self._began.get(release.transfer_id)
@@ -146,7 +146,7 @@ class Handshakes:
         while self._bound and now - next(iter(self._bound.values())).last_s > self._idle_s:
             self._unbind(next(iter(self._bound)))
 
-    def readers_left(self, transfer_id: str) -> bool:
+    def still_read(self, transfer_id: str) -> bool:
         """Whether a consumer's connection still reads ``transfer_id`` or may yet release it (after a
         release: the transfer's blocks and chunks stay held for them)."""
         return transfer_id in self._began

@@ -191,7 +191,7 @@ class ChunkServer:
             self._routes.pop(identity, None)
             self._forget_writer(identity)
             self._hbm.forget(identity)  # its WRITEs not posted yet never are
-            if not self._handshakes.readers_left(message.transfer_id):  # (a consumer of more TP ranks: its last)
+            if not self._handshakes.still_read(message.transfer_id):  # (a consumer of more TP ranks: its last)
                 if self.engine is not None:
                     self.engine.leases.release(message.transfer_id)
                 self._lent.give_back(message.transfer_id)
