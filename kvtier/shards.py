@@ -114,8 +114,12 @@ def head_dim(block: torch.Tensor, kv_heads: int) -> int | str:
     """The dim of ``block`` (dim 0 indexes blocks, each block one dense range of bytes) that indexes
     KV heads, from its size ``kv_heads``; the reason as a str when no dim or several dims could be
     it (then the layout is stored per rank). The last dim (head size, or K and V of vLLM-CPU's
-    ``2*head_size``) never is."""
+    ``2*head_size``) never is, nor, beside another candidate, the outermost dim of a
+    ``[2, block_size, kv_heads, head_size]`` block in any order (K and V: FlashInfer's, and vLLM
+    0.33's flash layout, where two KV heads a rank would otherwise look like it)."""
     dims = [d for d in range(1, block.dim() - 1) if block.shape[d] == kv_heads]
+    if len(dims) > 1 and block.dim() == 5 and block.shape[1] == 2 and block.stride(1) == max(block.stride()[1:]):
+        dims.remove(1)
     if len(dims) != 1:
         return (f"{len(dims)} dims of its block {tuple(block.shape[1:])} have {kv_heads} entries, the KV heads "
                 f"per rank") if dims else f"its block {tuple(block.shape[1:])} has no dim of {kv_heads} KV heads"

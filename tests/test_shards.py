@@ -62,8 +62,7 @@ def test_covers_are_other_tp_sizes_pieces_fewest_first():
 @pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer"])
 def test_one_base_fingerprint_at_every_tp_size_and_one_piece_key_per_head_range(kind):
     ref = reference(kind)
-    sizes = (1, 2) if kind == "flashinfer" else (1, 2, 4)  # FlashInfer at TP=4: 2 heads, ambiguous with K/V
-    layouts = {(t, r): layout_of(kind, ref, r, t)[0] for t in sizes for r in range(t)}
+    layouts = {(t, r): layout_of(kind, ref, r, t)[0] for t in (1, 2, 4) for r in range(t)}
     assert len({layout.shard.base for layout in layouts.values()}) == 1
     base = layouts[1, 0].shard.base
     for (t, r), layout in layouts.items():
@@ -76,8 +75,6 @@ def test_one_base_fingerprint_at_every_tp_size_and_one_piece_key_per_head_range(
 @pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer"])
 @pytest.mark.parametrize("writer, reader", [(1, 2), (2, 1), (4, 2), (2, 4), (1, 4), (4, 1)])
 def test_a_rank_joins_its_chunk_from_another_tp_sizes_pieces(kind, writer, reader):
-    if kind == "flashinfer" and 4 in (writer, reader):
-        pytest.skip("FlashInfer at TP=4 holds 2 heads per rank, as many as its K/V dim: chunks per rank")
     ref, ids = reference(kind, seed=writer * 10 + reader), [4, 1, 3]
     written = {heads: payload(layout_of(kind, ref, r, writer)[0], ids)
                for r in range(writer) for heads in [rank_heads(HEADS, r, writer)]}
@@ -121,14 +118,14 @@ def test_layouts_that_cannot_be_joined_stay_per_rank(caplog):
     with caplog.at_level("WARNING", logger="kvtier.layout"):
         replicated = build_layout(rank_kv("cpu", ref, (0, 1)), BS, NB, tp_size=2, kv_heads=1, total_kv_heads=1)
     assert replicated.shard is None and "do not split the model's 1 evenly" in caplog.text
-    flashinfer = layout_of("flashinfer", reference("flashinfer"), 0, 4)[0]  # 2 heads per rank: K/V or heads?
-    assert flashinfer.shard is None
+    both = torch.zeros(NB, BS, 2, 2, HS)  # heads or K and V? (not K and V outermost in the block)
+    assert build_layout({"l": both}, BS, NB, tp_size=4, kv_heads=2, total_kv_heads=HEADS).shard is None
     outside = torch.zeros(4, NB, BS, HS).transpose(0, 1)  # heads outside the block in memory: a region per head
     assert build_layout({"l": outside}, BS, NB, tp_size=2, kv_heads=4, total_kv_heads=HEADS).shard is None
     assert build_layout(kv, BS, NB, tp_rank=1, tp_size=2, kv_heads=3, total_kv_heads=HEADS).shard is None
 
 
-@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd"])
+@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer"])
 def test_one_head_per_rank_keeps_the_base_fingerprint(kind):
     """One head per rank makes vLLM-CPU's block ``[1, block_size, 2*head_size]`` look token-contiguous
     (its size-1 head dim is skipped): the base must still be TP=1's, block size included."""
