@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kvtier.shards import HeadShard, head_bytes, head_dim, independent_text, piece_fingerprint, rank_heads
+from kvtier.shards import HeadShard, head_bytes, head_dim, independent_text, memory_order, piece_fingerprint, rank_heads
 
 logger = logging.getLogger(__name__)
 
@@ -302,7 +302,7 @@ def _head_shard(blocks: list[tuple[str, torch.Tensor, int, int | None]], kv_head
             return f"KV tensor {name!r}: {size}"
         dims.append(dim)
         sizes.append(size)
-    tokens = token_contiguous and all(dim is None or (-block.stride(dim), dim) > (-block.stride(token), token)
+    tokens = token_contiguous and all(dim is None or memory_order(block, dim) > memory_order(block, token)
                                       for dim, (_, block, _, token) in zip(dims, blocks))
     texts = [f"v{LAYOUT_VERSION}", model, "tokens" if tokens else f"bs{block_size}",
              f"heads{total if kv_heads else 'replicated'}"]

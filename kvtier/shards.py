@@ -135,11 +135,19 @@ def head_bytes(block: torch.Tensor, dim: int, block_bytes: int) -> int | str:
     return size
 
 
+def memory_order(block: torch.Tensor, d: int) -> tuple[int, bool, int]:
+    """Sort key of ``block``'s dim ``d`` by where it lies in memory, outermost first. A dim of one
+    entry (one KV head a rank) has the stride of the dim it sits inside of in memory: vLLM 0.33's
+    ``[kv_heads, block_size, 2*head_size]`` view over ``[block_size, kv_heads, ...]`` memory gives
+    heads and tokens one stride at one head a rank, and the tokens are outer."""
+    return -block.stride(d), block.shape[d] == 1, d
+
+
 def independent_text(block: torch.Tensor, dim: int | None, token_dim: int | None) -> str:
     """``block``'s dims in memory order (outermost first) with the head dim as ``h`` and the token
     dim as ``t`` when given: what a TP-independent fingerprint covers of one region."""
     order = sorted((d for d in range(1, block.dim()) if block.shape[d] > 1 or d == dim),
-                   key=lambda d: (-block.stride(d), d))
+                   key=lambda d: memory_order(block, d))
     return ",".join("h" if d == dim else "t" if d == token_dim else str(block.shape[d]) for d in order)
 
 

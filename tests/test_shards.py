@@ -17,12 +17,13 @@ def reference(kind: str, seed: int = 0) -> torch.Tensor:
     """Every KV head of ``LAYERS`` layers in ``kind``'s layout, the head dim at :func:`head_dim_of`."""
     g = torch.Generator().manual_seed(seed)
     shape = {"cpu": (NB, LAYERS, HEADS, BS, 2 * HS), "nhd": (LAYERS, 2, NB, BS, HEADS, HS),
-             "hnd": (LAYERS, 2, NB, HEADS, BS, HS), "flashinfer": (LAYERS, NB, 2, BS, HEADS, HS)}[kind]
+             "hnd": (LAYERS, 2, NB, HEADS, BS, HS), "flashinfer": (LAYERS, NB, 2, BS, HEADS, HS),
+             "lbnhc": (LAYERS, NB, BS, HEADS, 2 * HS)}[kind]
     return torch.randn(shape, generator=g).to(torch.bfloat16 if kind != "cpu" else torch.float32)
 
 
 def head_dim_of(kind: str) -> int:
-    return {"cpu": 2, "nhd": 4, "hnd": 3, "flashinfer": 4}[kind]
+    return {"cpu": 2, "nhd": 4, "hnd": 3, "flashinfer": 4, "lbnhc": 3}[kind]
 
 
 def rank_kv(kind: str, ref: torch.Tensor, heads: tuple[int, int]) -> dict[str, torch.Tensor]:
@@ -32,6 +33,8 @@ def rank_kv(kind: str, ref: torch.Tensor, heads: tuple[int, int]) -> dict[str, t
         return {f"layer.{i}": mine[:, i] for i in range(LAYERS)}
     if kind == "hnd":  # vLLM's view: [2, num_blocks, block_size, heads, head_size] over HND memory
         return {f"layer.{i}": mine[i].transpose(2, 3) for i in range(LAYERS)}
+    if kind == "lbnhc":  # vLLM 0.33's flash view: [num_blocks, heads, block_size, 2*head_size] over NHD memory
+        return {f"layer.{i}": mine[i].transpose(1, 2) for i in range(LAYERS)}
     return {f"layer.{i}": mine[i] for i in range(LAYERS)}
 
 
@@ -59,7 +62,7 @@ def test_covers_are_other_tp_sizes_pieces_fewest_first():
     assert all(len(covers(r, r + 1, 8)) == len(WRITER_TP_SIZES) - 1 for r in range(8))
 
 
-@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer"])
+@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer", "lbnhc"])
 def test_one_base_fingerprint_at_every_tp_size_and_one_piece_key_per_head_range(kind):
     ref = reference(kind)
     layouts = {(t, r): layout_of(kind, ref, r, t)[0] for t in (1, 2, 4) for r in range(t)}
@@ -72,7 +75,7 @@ def test_one_base_fingerprint_at_every_tp_size_and_one_piece_key_per_head_range(
     assert len({layout.fingerprint for layout in layouts.values()}) == len(layouts)
 
 
-@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer"])
+@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer", "lbnhc"])
 @pytest.mark.parametrize("writer, reader", [(1, 2), (2, 1), (4, 2), (2, 4), (1, 4), (4, 1)])
 def test_a_rank_joins_its_chunk_from_another_tp_sizes_pieces(kind, writer, reader):
     ref, ids = reference(kind, seed=writer * 10 + reader), [4, 1, 3]
@@ -125,7 +128,7 @@ def test_layouts_that_cannot_be_joined_stay_per_rank(caplog):
     assert build_layout(kv, BS, NB, tp_rank=1, tp_size=2, kv_heads=3, total_kv_heads=HEADS).shard is None
 
 
-@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer"])
+@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer", "lbnhc"])
 def test_one_head_per_rank_keeps_the_base_fingerprint(kind):
     """One head per rank makes vLLM-CPU's block ``[1, block_size, 2*head_size]`` look token-contiguous
     (its size-1 head dim is skipped): the base must still be TP=1's, block size included."""
