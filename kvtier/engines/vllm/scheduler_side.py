@@ -72,9 +72,8 @@ class SchedulerSide:
         self._cancels, self._withdrawn, self._stopped, self._promotes = [], [], [], []  # ... of those aborted or preempted; keys to promote
         self._distrusted = Distrusted()
         self._step = self._completed = 0  # steps planned (StepPlans taken); steps whose output came back
-        self._warned_handoff = False
         self.counts: Counter[str] = Counter()  # admissions by committed plan kind (and skip reason)
-        self._vetoes = 0  # admissions that left stored chunks on cost since the last whole load
+        self._warned_handoff, self._vetoes = False, 0  # ...; admissions that left stored chunks on cost since the last whole load
 
     def enable_handoff(self, missing: tuple[str, ...] = ()) -> None:
         """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary, unless this
@@ -177,8 +176,7 @@ class SchedulerSide:
             return
         self.counts[plan.kind.value] += 1
         if plan.external_tokens == 0:
-            raise RuntimeError(f"kvtier: request {req_id} was given {external_tokens} external tokens "
-                               "without a load plan")
+            raise RuntimeError(f"kvtier: request {req_id} was given {external_tokens} external tokens without a load plan")
         # vLLM may trim the external count (never extend it): load what it counts, block-aligned
         # (the whole prompt's blocks, the last partial one included, when it counts them all).
         end = min(plan.load_end, plan.load_start + external_tokens)
@@ -188,11 +186,8 @@ class SchedulerSide:
         self._advance(req_id, tracked, Event.LOAD)
 
     def prefill_cap(self, req_id: str, computed_tokens: int) -> int | None:
-        """Most tokens the request may prefill from ``computed_tokens`` this step (None: no cap).
-
-        A handoff prefills only up to its chunk boundary; at admission the plan is not yet
-        committed, so the latest plan for the same local hit caps it too.
-        """
+        """Most tokens the request may prefill from ``computed_tokens`` this step (None: no cap): a handoff's up to its
+        chunk boundary; at admission, before the plan is committed, the latest plan for the same local hit's."""
         tracked = self._requests.get(req_id)
         if tracked is None:
             return None
@@ -206,8 +201,7 @@ class SchedulerSide:
 
     def hit_sources(self, req_id: str) -> dict[str, int]:
         """Tokens of the planned load per tier name (``cpu`` / ``disk``)."""
-        tracked = self._requests.get(req_id)
-        load = tracked.load if tracked else None
+        load = tracked.load if (tracked := self._requests.get(req_id)) else None
         if load is None:
             return {}
         end = min(load.start + len(load.job.block_ids) * self.block_size, tracked.prompt_tokens)
@@ -405,12 +399,15 @@ class SchedulerSide:
         return self.config.pd_hbm_lease_ms > 0 and not self.groups.others
 
     def published(self, req_id: str) -> tuple[str, tuple[bytes, ...]] | None:
-        """A P/D producer request's transfer id and the chain keys of the chunks it published (the
-        partial tail's last), if a decode engine will be told where they are; else None."""
+        """A P/D producer request's transfer id and its published chunks' chain keys (the tail's last), if a consumer will know; else None."""
         tracked = self._requests.get(req_id)
         if tracked is None or not isinstance(tracked.role, pd.Produce) or not self.endpoints():
             return None
         return tracked.transfer_id, tuple(tracked.keys + ([tracked.tail] if tracked.tail is not None else []))
+
+    def promote(self, keys: list[bytes]) -> None:
+        """Read these disk chunks into the CPU tier from the next step on (lowest priority: :mod:`kvtier.transfer.promote`)."""
+        self._promotes += keys
 
     def endpoints(self) -> list[str]:
         """This engine's P/D chunk servers, asked again while unknown (a rank may announce its own late)."""
@@ -420,6 +417,9 @@ class SchedulerSide:
 
     def state(self, req_id: str) -> ReqState | None:
         return tracked.state if (tracked := self._requests.get(req_id)) else None
+
+    def record(self, req_id: str) -> Tracked | None:
+        return self._requests.get(req_id)
 
     def close(self) -> None:
         self.client.close()
