@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import torch
 
@@ -24,13 +24,17 @@ from kvtier.layout import Layout
 from kvtier.ops import checksums_in_kernel, copies_in_background, pick_backend
 from kvtier.storage import ChunkBuffer
 
+if TYPE_CHECKING:  # a type only: kvtier.pd's consumer imports nothing of this package
+    from kvtier.pd.consumer.gather import Joined
+
 HeldChanged = Callable[[list[bytes]], None]  # storage keys this worker stored, re-confirmed or promoted
 # (job, [(chain key, blocks)] of its producer's chunks, per chunk the engine blocks it may be
 # written into directly or None) -> those chunks in order, each in a buffer the caller owns or,
-# when it was written into the engine blocks named, a Landed; raises kvtier.pd.consumer.hello.PeerError (after
+# when it was written into the engine blocks named, a Landed (a buffer joined here from another TP size's
+# pieces comes wrapped as kvtier.pd.consumer.gather.Joined); raises kvtier.pd.consumer.hello.PeerError (after
 # yielding what arrived) when the producer fails.
 Targets = list[tuple[int, ...] | None]
-FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets], Iterator[ChunkBuffer | Landed]]
+FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets], Iterator["ChunkBuffer | Landed | Joined"]]
 _EWMA = 0.2  # weight of the newest sample in the per-tier load cost
 
 

@@ -1,7 +1,8 @@
 """A load's chunks from a P/D producer: fetched, scattered one by one as they arrive, kept in the CPU tier.
 
 Runs on a ``kvtier-remote`` thread of :class:`~kvtier.transfer.load.LoadSide` (its ``_load_remote``).
-A chunk that came in a buffer is verified (its KVSUM64 while the copy scatters it), scattered and
+A chunk that came in a buffer is verified (its KVSUM64 while the copy scatters it; a chunk joined
+here from verified pieces, :class:`~kvtier.pd.consumer.gather.Joined`, its header only), scattered and
 stored; one the producer wrote straight into the engine's blocks (a :class:`~kvtier.jobs.Landed`)
 is checked against the producer's KVSUM64 by :class:`~kvtier.transfer.landed.LandedCheck`.
 """
@@ -13,6 +14,7 @@ from typing import Any
 
 from kvtier import codec
 from kvtier.jobs import Landed, LoadJob
+from kvtier.pd.consumer.gather import Joined
 from kvtier.ops import ChunkSpan
 
 logger = logging.getLogger(__name__)
@@ -31,6 +33,8 @@ def remote_pass(side: Any, job: LoadJob, done: int, first: int, land: bool) -> t
     try:
         chunks = side.fetch_remote(job, items, targets)
         for i, buffer in enumerate(chunks, start=first):
+            joined = isinstance(buffer, Joined)  # sealed here from verified pieces: no second pass over it
+            buffer = buffer.buffer if joined else buffer
             if done == len(job.block_ids):
                 if not isinstance(buffer, Landed):
                     buffer.release()
@@ -48,8 +52,8 @@ def remote_pass(side: Any, job: LoadJob, done: int, first: int, land: bool) -> t
                         break
                 continue
             try:  # a KVSUM64 chunk is checked by the copy that scatters it (one pass, not two)
-                fused = side.kernel_sums and codec.read_header(buffer.data).checksum_kind == codec.KVSUM64
-                header = codec.verify_chunk(buffer.data, side.layout, num_blocks, payload=not fused)
+                fused = side.kernel_sums and codec.read_header(buffer.data).checksum_kind == codec.KVSUM64 and not joined
+                header = codec.verify_chunk(buffer.data, side.layout, num_blocks, payload=not (fused or joined))
             except codec.ChunkError as exc:
                 buffer.release()
                 logger.warning("kvtier P/D: chunk %d of transfer %s from %s is unusable (%s); recomputing from there.",

@@ -32,6 +32,14 @@ from kvtier.shards import HeadRange, piece_fingerprint, piece_layout, rank_heads
 from kvtier.storage import ChunkBuffer
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Joined:
+    """A chunk :func:`gather_chunks` joined from pieces it verified, and sealed itself: its payload
+    needs no second check. ``buffer``: the caller's to release or store."""
+
+    buffer: ChunkBuffer
+
+
 def producer_pieces(layout: Layout, producers: int, rank: int, tp_size: int) -> list[tuple[int, HeadRange | None]]:
     """The producer ranks (of ``producers``) rank ``rank`` of ``tp_size`` (``layout``'s) reads, each with
     the heads its piece holds (None: the producer's chunks are this rank's as they are). Raises
@@ -64,9 +72,9 @@ def fetch_any_tp(consumer: Consumer, layout: Layout, endpoints: tuple[str, ...],
 
 
 def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, HeadRange]], spec: FetchSpec,
-                  allocate: Callable[[int], ChunkBuffer | None]) -> Iterator[ChunkBuffer]:
+                  allocate: Callable[[int], ChunkBuffer | None]) -> Iterator[Joined]:
     """Yield the chunks of ``spec`` (its endpoint unused) for ``layout``'s heads, each in a fresh
-    buffer of ``allocate`` the caller owns, joined from ``pieces`` (a producer rank's chunk server,
+    buffer of ``allocate`` the caller owns (as :class:`Joined`), joined from ``pieces`` (a producer rank's chunk server,
     the heads its piece holds). Raises :class:`PeerError` (after the chunks that did arrive) when a
     piece fails or is unusable."""
     shard = layout.shard
@@ -96,7 +104,7 @@ def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, He
             finally:
                 for _, piece in arrived:
                     piece.release()
-            yield built
+            yield Joined(built)
     finally:
         for _, _, stream in streams:
             stream.close()  # each producer rank is told it is done
