@@ -95,3 +95,37 @@ def test_a_test_read_that_fails_sends_the_transfer_through_the_cpu_tiers(engines
     assert d.wait_loaded("d-req") == set()
     assert hbm.emulated(p.endpoint) and p.side.chunk_server.hbm_total == 0
     assert torch.equal(d.blocks(D_BLOCKS), p.blocks(P_BLOCKS))
+
+
+@pytest.mark.parametrize("gbps, direct", [(100.0, True), (0.4, False)], ids=["direct", "emulated"])
+def test_what_every_read_costs_whatever_its_size_is_not_taken_for_a_slow_path(judged_paths, monkeypatch, gbps, direct):
+    """A stand-in for NIXL and the clock (no GPU here): every READ costs 1 ms whatever its size
+    (vLLM 0.33's engine KV is one allocation, mapped per transfer), then moves ``gbps``. A probe of
+    16 blocks of 64 KiB (1 MiB in 1.01 ms at 100 GB/s: ~1 GB/s read whole) is judged by the
+    difference with a one-block READ: direct at 100 GB/s, emulated at 0.4."""
+    from types import SimpleNamespace
+
+    from kvtier.pd.consumer import probe
+
+    judged_paths(hbm.EMULATED_GBPS)
+    block_bytes, now = 64 << 10, [0.0]
+
+    class Fence:
+        def __init__(self, *args):
+            pass
+
+        def track(self, read):
+            return read
+
+        def wait(self, read, timeout_s):
+            now[0] += 1e-3 + read.blocks * block_bytes / (gbps * 1e9)
+
+    read = lambda peer, local, remote, memory, here: SimpleNamespace(blocks=local, release=lambda: None)  # noqa: E731
+    monkeypatch.setattr(probe, "Fence", Fence)
+    monkeypatch.setattr(probe, "compatible", lambda mine, theirs: True)
+    monkeypatch.setattr(probe, "read_descriptors", lambda mine, theirs, blocks, ids: (len(blocks), len(blocks)))
+    monkeypatch.setattr(probe, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+    mine = hbm.Landing((hbm.RegionSpan(0, block_bytes, block_bytes),), "VRAM", 0, [tuple(range(16))])
+    endpoint = f"tcp://probe-{gbps}"
+    assert probe.direct_path(SimpleNamespace(read=read), "peer", endpoint, mine, mine.regions, 0, 1000) is direct
+    assert hbm.emulated(endpoint) is not direct
