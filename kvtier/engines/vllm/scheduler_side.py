@@ -73,7 +73,7 @@ class SchedulerSide:
         self._distrusted = Distrusted()
         self._step = self._completed = 0  # steps planned (StepPlans taken); steps whose output came back
         self.counts: Counter[str] = Counter()  # admissions by committed plan kind (and skip reason)
-        self._warned_handoff, self._vetoes = False, 0  # ...; admissions that left stored chunks on cost since the last whole load
+        self._warned_handoff, self._vetoes = False, 0  # (vetoes: admissions that left stored chunks on cost since a whole load)
 
     def enable_handoff(self, missing: tuple[str, ...] = ()) -> None:
         """kvtier's scheduler is installed: it can stop a prefill at a chunk boundary, unless this

@@ -22,12 +22,12 @@ from typing import Callable, Iterator
 import msgspec
 
 from kvtier import codec
+from kvtier.codec.joined import seal_joined
 from kvtier.jobs import Landed
 from kvtier.layout import Layout
 from kvtier.pd.consumer.connection import Consumer, FetchSpec
 from kvtier.pd.consumer.fetch import fetch_chunks
 from kvtier.pd.consumer.hello import PeerError
-from kvtier.codec.joined import seal_joined
 from kvtier.shards import HeadRange, piece_fingerprint, piece_layout, rank_heads
 from kvtier.storage import ChunkBuffer
 
