@@ -65,7 +65,7 @@ def test_covers_are_other_tp_sizes_pieces_fewest_first():
 @pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer", "lbnhc"])
 def test_one_base_fingerprint_at_every_tp_size_and_one_piece_key_per_head_range(kind):
     ref = reference(kind)
-    layouts = {(t, r): layout_of(kind, ref, r, t)[0] for t in (1, 2, 4) for r in range(t)}
+    layouts = {(t, r): layout_of(kind, ref, r, t)[0] for t in (1, 2, 4, 8) for r in range(t)}  # 8: a head a rank
     assert len({layout.shard.base for layout in layouts.values()}) == 1
     base = layouts[1, 0].shard.base
     for (t, r), layout in layouts.items():
@@ -76,7 +76,7 @@ def test_one_base_fingerprint_at_every_tp_size_and_one_piece_key_per_head_range(
 
 
 @pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer", "lbnhc"])
-@pytest.mark.parametrize("writer, reader", [(1, 2), (2, 1), (4, 2), (2, 4), (1, 4), (4, 1)])
+@pytest.mark.parametrize("writer, reader", [(1, 2), (2, 1), (4, 2), (2, 4), (1, 4), (4, 1), (1, 8), (8, 1)])
 def test_a_rank_joins_its_chunk_from_another_tp_sizes_pieces(kind, writer, reader):
     ref, ids = reference(kind, seed=writer * 10 + reader), [4, 1, 3]
     written = {heads: payload(layout_of(kind, ref, r, writer)[0], ids)
