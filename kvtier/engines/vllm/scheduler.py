@@ -30,7 +30,6 @@ from vllm.v1.request import Request, RequestStatus
 
 from kvtier.engines.vllm.connector import KvtierConnector
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
-from kvtier.keys import chunk_keys, namespace
 from kvtier.scheduler_hooks import ReqState
 
 
@@ -81,17 +80,17 @@ class KvtierScheduler(Scheduler):
             return
         lookups = 0
         for request in itertools.islice(self.waiting, LOOK_AHEAD):
-            req_id, record = request.request_id, side.record(request.request_id)
+            req_id = request.request_id
             if req_id in self._looked_ahead or request.status != RequestStatus.WAITING or request.kv_transfer_params \
                     or request.num_computed_tokens or request.prompt_token_ids is None:
                 continue
-            if record is not None and record.plan is not None:  # asked about this step, and not admitted
+            record = side.track(req_id, request.prompt_token_ids, request.cache_salt)  # (known since its arrival)
+            if record.plan is not None:  # asked about this step, and not admitted
                 disk = record.disk_keys() if record.state is ReqState.LOOKUP else []
-            elif lookups < LOOKUPS_PER_STEP:  # not reached (only known to the connector)
+            elif lookups < LOOKUPS_PER_STEP:  # not reached
                 lookups += 1
-                keys = chunk_keys(request.prompt_token_ids, side.chunk_tokens, namespace(side.model, request.cache_salt))
-                reply = side.client.lookup(keys)
-                disk = [key for key, tier in zip(keys, reply.tiers) if tier == "disk"] if reply else []
+                reply = side.client.lookup(record.keys)
+                disk = [key for key, tier in zip(record.keys, reply.tiers) if tier == "disk"] if reply else []
             else:
                 continue
             self._looked_ahead.add(req_id)

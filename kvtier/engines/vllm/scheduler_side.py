@@ -418,9 +418,6 @@ class SchedulerSide:
     def state(self, req_id: str) -> ReqState | None:
         return tracked.state if (tracked := self._requests.get(req_id)) else None
 
-    def record(self, req_id: str) -> Tracked | None:
-        return self._requests.get(req_id)
-
     def close(self) -> None:
         self.client.close()
 
