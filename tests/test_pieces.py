@@ -14,7 +14,7 @@ from kvtier.lookup import HoldIndex
 from kvtier.lookup.protocol import VERSION, HoldReport
 from kvtier.shards import rank_heads
 from kvtier.storage import ChunkStore, StoreConfig, Tier
-from kvtier.transfer.pieces import assemble
+from kvtier.transfer.pieces import assemble, to_read
 from test_shards import HEADS, layout_of, payload, reference
 
 KEY = bytes(range(16))
@@ -56,6 +56,17 @@ def test_a_chunk_built_from_pieces_is_the_readers_own_and_is_stored_under_its_ke
         buffer.release()
         own = storage_key(KEY, layout.fingerprint)
         assert held == [own] and store.contains(own) is Tier.CPU  # the next load finds it directly
+
+
+def test_a_load_reads_ahead_the_pieces_it_will_join_else_its_own_chunk(store):
+    ref = reference("cpu", seed=6)
+    writers = store_pieces(store, "cpu", ref, 1)
+    half, _ = layout_of("cpu", ref, 1, 2)
+    own = storage_key(KEY, half.fingerprint)
+    assert to_read(half, store, KEY) == writers  # TP=1's whole piece holds rank 1's heads
+    assert to_read(half, store, bytes(16)) == [storage_key(bytes(16), half.fingerprint)]  # nothing stored
+    assemble(half, store, KEY, len(IDS), lambda keys: None).release()
+    assert to_read(half, store, KEY) == [own]  # joined once: its own chunk from then on
 
 
 def test_a_corrupt_piece_is_removed_and_the_chunk_is_missing(store, caplog):

@@ -40,8 +40,8 @@ MODES = ("recompute", "partial", "handoff", "auto", "shared")
 # ---- one engine process -----------------------------------------------------------------------
 def run_child(spec: dict) -> dict:
     """Run ``spec`` in this process. SPEC: {"model", "kvtier": extra config or null,
-    "scheduler": bool, "block_size", "max_batched", "kv_bytes",
-    "rounds": [{"prompts": [[ids]], "reset": bool, "max_tokens": int}]}."""
+    "scheduler": bool, "block_size", "max_batched", "kv_bytes", "tp",
+    "rounds": [{"prompts": [[ids]], "reset": bool, "max_tokens": int, "salt": str}]}."""
     os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
     os.environ.setdefault("LMCACHE_LOG_LEVEL", "ERROR")
     if spec.get("switch_interval_s"):
@@ -61,7 +61,7 @@ def run_child(spec: dict) -> dict:
               block_size=spec.get("block_size", 32), kv_cache_memory_bytes=spec.get("kv_bytes", 64 << 20),
               max_model_len=spec.get("max_model_len", 4096), max_num_seqs=spec.get("max_num_seqs", 4), seed=0,
               kv_transfer_config=kv,
-              max_num_batched_tokens=spec.get("max_batched", 4096), **extra)
+              max_num_batched_tokens=spec.get("max_batched", 4096), tensor_parallel_size=spec.get("tp", 1), **extra)
     timers = _time_connector() if spec.get("time_connector") else None
     core = getattr(getattr(llm.llm_engine, "engine_core", None), "engine_core", None)  # in-process only
     side = getattr(getattr(core, "scheduler", None), "kvtier", None)
@@ -73,7 +73,8 @@ def run_child(spec: dict) -> dict:
         before = dict(side.counts) if side is not None else {}
         params = SamplingParams(temperature=0.0, max_tokens=rnd.get("max_tokens", 1), detokenize=False)
         start = time.perf_counter()
-        outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in rnd["prompts"]], params, use_tqdm=False)
+        salt = {"cache_salt": rnd["salt"]} if rnd.get("salt") else {}  # another salt: nothing hits
+        outs = llm.generate([TokensPrompt(prompt_token_ids=p, **salt) for p in rnd["prompts"]], params, use_tqdm=False)
         seconds = time.perf_counter() - start
         after = dict(side.counts) if side is not None else {}
         rounds.append({"seconds": seconds, "outputs": [

@@ -68,6 +68,9 @@ def add_parser(commands) -> None:
     p.add_argument("--hidden", type=positive, default=384, help="model width (default 384)")
     p.add_argument("--layers", type=positive, default=6, help="model depth (default 6)")
     p.add_argument("--settle-s", type=float, default=2.0, help="pause before each CPU-tier reload for saves to land (default 2)")
+    p.add_argument("--tp", metavar="W:R,...",
+                   help="instead: a cold disk-tier reload at TP=R of chunks written at TP=W, for each pair, beside "
+                        "the pair R:R (e.g. 2:2,1:2,1:1,2:1; with --hidden 512: 4 KV heads)")
     p.add_argument("--json", metavar="FILE", help="write every number to FILE")
     p.add_argument("--plot", metavar="FILE.png", help="write a bar chart (needs matplotlib)")
     p.set_defaults(run=_main, parser=p)
@@ -81,6 +84,8 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.chunk_tokens % args.block_size:
         parser.error(f"argument --chunk-tokens: not a multiple of --block-size {args.block_size}.")
     progress = Progress("ttft")
+    if args.tp:
+        return _main_tp(parser, args, lengths, progress)
     try:
         result = run(args, lengths, kinds, progress)
     except RuntimeError as exc:
@@ -95,6 +100,28 @@ def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.plot:
         progress(write_plot(result, args.plot) or f"wrote {args.plot}")
     return 0 if all(result.identical.values()) else 1
+
+
+def _main_tp(parser: argparse.ArgumentParser, args: argparse.Namespace, lengths: list[int], progress) -> int:
+    """``--tp``: :mod:`kvtier.bench.ttft_tp`."""
+    from kvtier.bench import ttft_tp
+
+    pairs = ttft_tp.parse_pairs(parser, args.tp, max(1, max(2, args.hidden // 64) // 2))
+    try:
+        result = ttft_tp.run(args, lengths, pairs, _kv_bytes_per_token(args), progress, drop_page_cache)
+    except RuntimeError as exc:
+        print(f"kvtier-bench ttft: error: {exc}", file=sys.stderr)
+        return 1
+    result["args"] = {k: v for k, v in vars(args).items() if k not in ("run", "parser")}
+    result["elapsed_s"] = progress.elapsed()
+    print(ttft_tp.format_table(result), flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+        progress(f"wrote {args.json}")
+    if args.plot:
+        progress(ttft_tp.write_plot(result, args.plot) or f"wrote {args.plot}")
+    return 0 if all(result["identical"].values()) else 1
 
 
 def _spec(args, model: str, disk: str, rounds: list[dict], max_len: int) -> dict:

@@ -111,8 +111,9 @@ class ChunkStore:
         obj = self._alloc_obj(nbytes, _WRITE_WAIT_S if wait else 0.0)
         return None if obj is None else self._wrap(obj, Tier.CPU)
 
-    def put(self, keys: list[bytes], buffers: list[ChunkBuffer]) -> None:
-        """Store each buffer under its key in CPU and write it through to disk if configured.
+    def put(self, keys: list[bytes], buffers: list[ChunkBuffer], cpu_only: bool = False) -> None:
+        """Store each buffer under its key in CPU and write it through to disk if configured
+        (``cpu_only``: to the CPU tier alone, e.g. a chunk joined from pieces stored elsewhere).
 
         Takes ownership of every buffer (do not release them afterwards). A key already stored
         in any tier, or repeated in this call, is not stored again; its new buffer is released.
@@ -149,9 +150,9 @@ class ChunkStore:
             # Each backend takes its own reference; a key stored meanwhile by another thread
             # is skipped there and its buffer freed below.
             self._cpu.batched_submit_put_task(new_keys, new_objs)
-            if self._disk is not None and self._config.write_through:
+            if self._disk is not None and self._config.write_through and not cpu_only:
                 self._disk.submit(new_keys, new_objs)
-            if self._shared is not None and self._config.write_through:
+            if self._shared is not None and self._config.write_through and not cpu_only:
                 self._shared.submit(new_keys, new_objs)
         finally:
             for obj in new_objs:

@@ -171,8 +171,8 @@ class LoadSide:
         copies: list = []  # started scatters, in span order: each has wait() -> ok per span
         launched, begin = 0, None
         local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
-        if len(local) > 1:  # disk-resident chunks: read ahead all at once, not one by one
-            self.store.will_need([self.skey(k) for k in local])
+        if len(local) > 1:  # disk-resident chunks (or other TP sizes' pieces): read ahead all at once
+            self.store.will_need([skey for k in local for skey in pieces.to_read(self.layout, self.store, k)])
         ids = self.ids(job.block_ids)  # one host-to-device copy, before any chunk copy is in flight
         try:
             for i, key in enumerate(local):

@@ -4,8 +4,9 @@ When a load finds no chunk under the rank's own storage key, :func:`assemble` lo
 pieces that hold its KV heads (at most one way per writer TP size of :data:`kvtier.shards.WRITER_TP_SIZES`;
 in the local tiers first, then through ``store.get``, which reads the shared tier),
 verifies each (header and checksum, as a stored chunk), joins their heads into a chunk of the
-rank's layout sealed with a KVSUM64, and stores it under the rank's own key, so that the next
-load finds it there. A corrupt piece is removed and the chunk counts as missing (recomputed).
+rank's layout sealed with a KVSUM64, and stores it under the rank's own key in the CPU tier (only
+there: the pieces stay the disk's and the shared tier's copy), so that the next load finds it. A
+corrupt piece is removed and the chunk counts as missing (recomputed).
 
 Buffers: each piece's buffer comes from ``store.get`` and is released here; the built chunk goes to
 ``store.put``, and the buffer returned is a ``store.get`` of it, the caller's to release.
@@ -33,11 +34,7 @@ def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,
     """Chain key ``key``'s chunk of ``chunk_blocks`` blocks for ``layout``'s heads, built from other
     TP sizes' pieces in ``store`` and stored under the rank's own key (``on_held`` hears of it);
     None when no way's pieces are all stored, one is corrupt (removed), or the CPU pool has no room."""
-    shard = layout.shard
-    if shard is None or shard.replicated:
-        return None
-    ways = [(way, [storage_key(key, piece_fingerprint(shard.base, heads)) for heads in way])
-            for way in covers(shard.first, shard.end, shard.total)]
+    ways = _ways(layout, key)
     for way, skeys in ways:
         if all(store.contains(skey) is not None for skey in skeys):
             return _join(layout, store, key, chunk_blocks, on_held, way, skeys)
@@ -45,6 +42,29 @@ def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,
         if (built := _join(layout, store, key, chunk_blocks, on_held, way, skeys)) is not None:
             return built
     return None
+
+
+def to_read(layout: Layout, store: ChunkStore, key: bytes) -> list[bytes]:
+    """Storage keys a load of chain key ``key`` reads: the rank's own chunk where a local tier holds
+    it, else the pieces :func:`assemble` would join (of the first way the local tiers hold whole),
+    else the own key (none of it stored here). What a load names to its disk tier's read-ahead."""
+    own = storage_key(key, layout.fingerprint)
+    if store.contains(own) is not None:
+        return [own]
+    for _, skeys in _ways(layout, key):
+        if all(store.contains(skey) is not None for skey in skeys):
+            return skeys
+    return [own]
+
+
+def _ways(layout: Layout, key: bytes) -> list[tuple[tuple[HeadRange, ...], list[bytes]]]:
+    """Every way of covering the rank's heads with other TP sizes' pieces, with the pieces' storage
+    keys for chain key ``key``; none for a layout without a head dim (one piece for every rank)."""
+    shard = layout.shard
+    if shard is None or shard.replicated:
+        return []
+    return [(way, [storage_key(key, piece_fingerprint(shard.base, heads)) for heads in way])
+            for way in covers(shard.first, shard.end, shard.total)]
 
 
 def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_held: Callable[[list[bytes]], None],
@@ -71,7 +91,7 @@ def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_h
         for piece in pieces:
             piece.release()
     own = storage_key(key, layout.fingerprint)
-    store.put([own], [built])
+    store.put([own], [built], cpu_only=True)  # the pieces stay the disk's and shared tier's copy: none twice
     on_held([own])
     buffer = store.get(own)
     if buffer is not None:

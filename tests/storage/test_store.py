@@ -213,6 +213,18 @@ def test_eviction_with_disk_comes_back_and_is_promoted(open_store, tmp_path):
     assert store.cpu_bytes_used() == POOL
 
 
+def test_a_cpu_only_put_writes_nothing_to_disk(open_store, tmp_path):
+    disk = tmp_path / "disk"
+    store = open_store(disk=disk)
+    buf = store.allocate(CHUNK)
+    buf.data.copy_(payload(1))
+    store.put([key(1)], [buf], cpu_only=True)
+    put_one(store, 2)
+    assert store._flush()
+    assert len(chunk_files(disk)) == 1  # only chunk 2 was written through
+    assert store.contains(key(1)) is Tier.CPU and torch.equal(read(store, 1)[1], payload(1))
+
+
 def test_restart_restores_disk_tier(open_store, tmp_path):
     disk = tmp_path / "disk"
     with ChunkStore(StoreConfig(cpu_bytes=POOL, disk_path=str(disk), disk_bytes=64 * CHUNK)) as s:
