@@ -1,8 +1,9 @@
-"""Read-ahead of a load's disk chunks with O_DIRECT: the chunks a load names in ``will_need`` are
-read in the background, several at once, into CPU pool buffers that its ``get`` calls then take.
+"""Read-ahead of a load's disk chunks: the chunks a load names in ``will_need`` are read in the
+background, several at once, into CPU pool buffers that its ``get`` calls then take.
 
-O_DIRECT reads bypass the page cache, so a ``POSIX_FADV_WILLNEED`` hint has nothing to fill; a
-load reading its chunks one ``get`` at a time would keep only one chunk's requests in flight.
+O_DIRECT reads bypass the page cache, so a ``POSIX_FADV_WILLNEED`` hint has nothing to fill; and
+through the page cache (or from a tmpfs) one thread's copy runs at one core's speed. A load
+reading its chunks one ``get`` at a time would keep one chunk's requests in flight, on one core.
 Here :meth:`ReadAhead.want` starts the reads, in the load's order, and :meth:`ReadAhead.claim`
 hands a read's buffer to the ``get`` of its key (waiting while the read is in flight).
 
@@ -57,7 +58,7 @@ class ReadAhead:
         self._queue: deque[Any] = deque()  # keys of the latest load still to start, in order
         self._starting = threading.Lock()  # one thread starts reads at a time, so room is counted once
         self._closed = False
-        self.refused = False  # the file system refused O_DIRECT: no more read-ahead
+        self.refused = False  # the file system refused O_DIRECT: no more read-ahead until the reader is buffered
 
     def want(self, eks: list[Any]) -> None:
         """Read ``eks`` (disk-only keys, in the order the load reads them) ahead, as room allows.

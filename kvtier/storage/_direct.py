@@ -1,11 +1,12 @@
-"""How chunk files are read: exactly, through the page cache, or with O_DIRECT in block-aligned
-parts read in parallel, so a fast disk sees several requests at once instead of one.
+"""How chunk files are read: in parts of at most ``part_bytes`` read in parallel on a
+:class:`DirectReader`'s own threads, each part one ``preadv``, so a fast disk sees several requests
+at once and a file in the page cache (or on a tmpfs) is copied by several cores instead of one;
+with O_DIRECT (``disk_io="direct"``) or through the page cache.
 
 Sizes and offsets are in bytes. An O_DIRECT read's file offsets, lengths and buffer address must
 be multiples of :data:`ALIGN` (the logical block size of every disk in use, 512 or 4096, divides
-it). A chunk's size is not (its 64-byte header), so the unaligned tail, under one block, is read
-through the page cache; the aligned head is cut into parts of at most ``part_bytes``, each one
-``preadv`` on the :class:`DirectReader`'s own threads.
+it). A chunk's size is not (its 64-byte header), so with O_DIRECT the unaligned tail, under one
+block, is read through the page cache and the aligned head is cut into parts.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Callable
 
 ALIGN = 4096  # bytes; the CPU pool's buffers start on this boundary too
-PART_BYTES = 4 << 20  # bytes per O_DIRECT request at most
-THREADS = 8  # O_DIRECT requests in flight at most, per reader
+PART_BYTES = 4 << 20  # bytes per read request at most
+THREADS = 8  # read requests in flight at most, per reader
 NO_DIRECT = "O_DIRECT refused"  # the problem a read reports when the file system refuses O_DIRECT
 CLOSED = "disk tier closed"
 
@@ -33,28 +34,8 @@ def size_problem(path: str, nbytes: int) -> str | None:
     return None if size == nbytes else f"{size} bytes on disk, {nbytes} expected"
 
 
-def read_exact(path: str, buf: memoryview) -> str | None:
-    """Fill ``buf`` from the file at ``path`` through the page cache; the problem if the file is
-    missing, unreadable or not exactly ``len(buf)`` bytes, else None. One open fd, so a concurrent
-    unlink cannot bite."""
-    try:
-        with open(path, "rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            if size != len(buf):
-                return f"{size} bytes on disk, {len(buf)} expected"
-            done = 0
-            while done < len(buf):  # read(2) may return short counts on huge files
-                n = f.readinto(buf[done:])
-                if not n:
-                    return "file ended early"
-                done += n
-            return None
-    except OSError as exc:
-        return exc.strerror or type(exc).__name__
-
-
 class DirectRead:
-    """One file's O_DIRECT read, in flight on a :class:`DirectReader`. ``problem`` (None: every
+    """One file's read, in flight on a :class:`DirectReader`. ``problem`` (None: every
     byte read) is final once ``done`` is set; :data:`NO_DIRECT` means read it another way. The
     caller keeps the buffer alive, and does not touch it, until then."""
 
@@ -98,13 +79,15 @@ class DirectRead:
 
 
 class DirectReader:
-    """A small fixed pool of ``threads`` threads reading chunk files with O_DIRECT, started on the
-    first read; :meth:`close` ends it. Reads queue in the order they start."""
+    """A small fixed pool of ``threads`` threads reading chunk files in parallel parts, started on
+    the first read; :meth:`close` ends it. Reads queue in the order they start. ``direct``: with
+    O_DIRECT, else through the page cache (set to False once a file system refuses O_DIRECT: the
+    disk tier then reads the same way, buffered)."""
 
-    def __init__(self, threads: int = THREADS, part_bytes: int = PART_BYTES) -> None:
+    def __init__(self, threads: int = THREADS, part_bytes: int = PART_BYTES, direct: bool = True) -> None:
         if threads < 1 or part_bytes < ALIGN or part_bytes % ALIGN:
             raise ValueError(f"threads must be >= 1 and part_bytes a multiple of {ALIGN}, got {threads}, {part_bytes}")
-        self.threads, self.part_bytes = threads, part_bytes
+        self.threads, self.part_bytes, self.direct = threads, part_bytes, direct
         self._lock = threading.Lock()
         self._pool: ThreadPoolExecutor | None = None
         self._closed = False
@@ -117,16 +100,17 @@ class DirectReader:
     def start(self, path: str, buf: memoryview, whole: bool = True,
               on_done: Callable[[DirectRead], None] | None = None) -> DirectRead:
         """Start reading the first ``len(buf)`` bytes of the file at ``path`` into ``buf``; the
-        file must be exactly that long when ``whole``, else at least that long (then ``len(buf)``
-        must be a multiple of :data:`ALIGN`). ``on_done(read)`` runs once when it ends, on
-        whichever thread ended it (a reader thread, or this one when it fails at once)."""
+        file must be exactly that long when ``whole``, else at least that long (then, with O_DIRECT,
+        ``len(buf)`` must be a multiple of :data:`ALIGN`). ``on_done(read)`` runs once when it ends,
+        on whichever thread ended it (a reader thread, or this one when it fails at once)."""
         read = DirectRead(on_done)
-        problem = self._open(read, path, buf, whole)
+        direct = self.direct
+        problem = self._open(read, path, buf, whole, direct)
         if problem is not None:
             read._fail(problem)
             read._end()
             return read
-        head = len(buf) - len(buf) % ALIGN
+        head = len(buf) - len(buf) % ALIGN if direct else len(buf)
         spans = [(off, min(self.part_bytes, head - off)) for off in range(0, head, self.part_bytes)]
         if not spans:
             read._end()
@@ -153,13 +137,14 @@ class DirectReader:
         if pool is not None:
             pool.shutdown(wait=True, cancel_futures=True)
 
-    def _open(self, read: DirectRead, path: str, buf: memoryview, whole: bool) -> str | None:
-        """Open ``path`` for ``read`` (its O_DIRECT fd) and read the unaligned tail; the problem or None."""
-        head = len(buf) - len(buf) % ALIGN
-        if head and _address(buf) % ALIGN:
+    def _open(self, read: DirectRead, path: str, buf: memoryview, whole: bool, direct: bool) -> str | None:
+        """Open ``path`` for ``read`` (its fd, O_DIRECT where ``direct``) and, with O_DIRECT, read the
+        unaligned tail; the problem or None."""
+        head = len(buf) - len(buf) % ALIGN if direct else len(buf)
+        if direct and head and _address(buf) % ALIGN:
             return NO_DIRECT  # not a pool buffer: O_DIRECT would refuse it
         try:
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECT", 0))
+            fd = os.open(path, os.O_RDONLY | (getattr(os, "O_DIRECT", 0) if direct else 0))
         except OSError as exc:
             return NO_DIRECT if exc.errno == errno.EINVAL else exc.strerror or type(exc).__name__
         read._fd = fd
@@ -180,7 +165,7 @@ class DirectReader:
 
 
 def _read_part(fd: int, view: memoryview, offset: int) -> str | None:
-    """Fill ``view`` from ``fd`` at ``offset`` (one O_DIRECT request, re-issued on a short count)."""
+    """Fill ``view`` from ``fd`` at ``offset`` (one request, re-issued on a short count)."""
     done = 0
     try:
         while done < len(view):

@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from . import _lmcache as lm
 from ._ahead import ReadAhead
-from ._direct import NO_DIRECT, DirectReader, read_exact, size_problem
+from ._direct import NO_DIRECT, DirectReader, size_problem
 from ._probe import DiskSpeed, measure_read_speed, unlink_quietly, will_need
 from .types import StoreConfig
 
@@ -38,19 +38,20 @@ class DiskTier:
       landed or failed, an eviction, a drop). It runs on LMCache's threads, sometimes under the
       disk lock: it must only record the key.
 
-    With O_DIRECT (``config.o_direct``) the tier owns a :class:`DirectReader` (a few threads) and
-    a :class:`ReadAhead` that fills buffers from ``alloc(nbytes, wait_s)`` (the CPU pool's); both
-    end when LMCache closes the backend, before the CPU pool is freed. ``cpu``: the CPU backend,
-    asked which keys it holds so that read-ahead skips them.
+    The tier owns a :class:`DirectReader` (a few threads reading each file in parallel parts: with
+    O_DIRECT where ``config.o_direct``, else through the page cache, and so once the file system
+    refuses O_DIRECT) and a :class:`ReadAhead` that fills buffers from ``alloc(nbytes, wait_s)`` (the
+    CPU pool's); both end when LMCache closes the backend, before the CPU pool is freed. ``cpu``:
+    the CPU backend, asked which keys it holds so that read-ahead skips them.
     """
 
     def __init__(self, backend: lm.LocalDiskBackend, config: StoreConfig, align: int, cpu: Any = None,
                  alloc: Callable[[int, float], Any] | None = None) -> None:
         self.backend = backend
         self._cpu = cpu
-        self._reader = DirectReader() if config.o_direct else None
+        self._reader = DirectReader(direct=config.o_direct)
         self._ahead = None
-        if self._reader is not None and cpu is not None and alloc is not None:
+        if cpu is not None and alloc is not None:
             self._ahead = ReadAhead(self._reader, backend, lambda n: alloc(n, 0.0), self._read_failed,
                                     max_bytes=config.cpu_bytes // 4)
         self._config = config
@@ -58,7 +59,6 @@ class DiskTier:
         self._cond = threading.Condition()
         self.writes_done = 0  # only grows; read without the lock to snapshot progress
         self._warned_too_big = False
-        self._warned_no_direct = False
         self.on_change: Callable[[Any], None] | None = None
         # LMCache's _key_to_path only receives the key; the size rides along in a thread-local,
         # which works because each write runs start to end on one worker thread.
@@ -211,20 +211,20 @@ class DiskTier:
         return True
 
     def will_need(self, eks: list[Any]) -> None:
-        """Start reading these chunks now, all at once: buffered, the kernel reads their files
-        into the page cache (``POSIX_FADV_WILLNEED``); with O_DIRECT, those not in the CPU tier are
-        read ahead into CPU pool buffers, in ``eks``' order (see :mod:`._ahead`). A load's reads
-        then find them there instead of waiting for the device one file at a time. Unknown keys
-        and errors are ignored; a hint, never needed."""
-        if self._ahead is not None and not self._ahead.refused and not self._warned_no_direct:
+        """Start reading these chunks now: those not in the CPU tier are read ahead into CPU pool
+        buffers, in ``eks``' order, several at once in parallel parts (see :mod:`._ahead`); a
+        load's reads then find them there instead of waiting for the device, or one core's copy
+        out of the page cache, one file at a time. Without a CPU pool to read into, a hint to the
+        kernel (``POSIX_FADV_WILLNEED``). Unknown keys and errors are ignored; a hint, never needed."""
+        if self._ahead is not None:
+            if self._ahead.refused:
+                self._buffered()
             with self._cpu.cpu_lock:
                 eks = [ek for ek in eks if ek not in self._cpu.hot_cache]
             with self.backend.disk_lock:
                 eks = [ek for ek in eks if ek in self.backend.dict]
             self._ahead.want(eks)
             return
-        if self._config.o_direct and not self._warned_no_direct:
-            return  # O_DIRECT reads bypass the page cache
         with self.backend.disk_lock:
             paths = [meta.path for ek in eks if (meta := self.backend.dict.get(ek)) is not None]
         will_need(paths)
@@ -270,15 +270,20 @@ class DiskTier:
             logger.warning("dropping disk chunk %s: %s", meta.path, problem)
 
     def _read_into(self, path: str, buf: memoryview) -> str | None:
-        if self._reader is not None:
-            problem = self._reader.read(path, buf)
-            if problem != NO_DIRECT:
-                return problem
-            if not self._warned_no_direct:
-                self._warned_no_direct = True
-                logger.warning("O_DIRECT reads are not supported under %s; reading through the page cache",
-                               self.backend.path)
-        return read_exact(path, buf)
+        problem = self._reader.read(path, buf)
+        if problem != NO_DIRECT:
+            return problem
+        self._buffered()
+        return self._reader.read(path, buf)
+
+    def _buffered(self) -> None:
+        """The file system refused O_DIRECT: read through the page cache from now on (said once)."""
+        if self._reader.direct:
+            self._reader.direct = False
+            logger.warning("O_DIRECT reads are not supported under %s; reading through the page cache",
+                           self.backend.path)
+        if self._ahead is not None:
+            self._ahead.refused = False
 
     # ------------------------------------------------------------------ restart
 

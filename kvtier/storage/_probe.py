@@ -1,11 +1,10 @@
 """How fast the disk tier reads, measured once when a worker starts, before any load.
 
 A short read, at most :data:`MAX_BYTES` bytes or :data:`MAX_S` seconds (whichever ends first),
-through the path a load's disk reads take (:class:`~kvtier.storage._disk.DiskTier`): buffered
-reads after a ``POSIX_FADV_WILLNEED`` hint on the files, as :meth:`DiskTier.will_need` gives a
-load, or (``disk_io="direct"``) O_DIRECT reads of each file's block-aligned head on the tier's
+through the path a load's disk reads take (:class:`~kvtier.storage._disk.DiskTier`): the tier's
 :class:`~kvtier.storage._direct.DirectReader`, in parallel parts and up to
-:data:`~kvtier.storage._ahead.MAX_CHUNKS` files at once, as a load's read-ahead keeps them
+:data:`~kvtier.storage._ahead.MAX_CHUNKS` files at once, as a load's read-ahead keeps them;
+through the page cache, or (``disk_io="direct"``) with O_DIRECT, each file's block-aligned head
 (buffered when the file system refuses O_DIRECT, as loads fall back too).
 
 What is read:
@@ -40,7 +39,6 @@ logger = logging.getLogger(__name__)
 MAX_BYTES = 64 << 20  # bytes read at most
 MAX_S = 0.3  # seconds of reading at most (the hint and the reads; not the scratch file's write)
 SCRATCH_BYTES = 16 << 20  # bytes of the scratch file an empty directory gets
-_READ_BYTES = 4 << 20  # bytes per buffered read call
 
 
 @dataclass(frozen=True, slots=True)
@@ -79,22 +77,24 @@ def measure_read_speed(directory: str, paths: list[str], o_direct: bool, max_byt
         paths = [scratch]
     try:
         source = "scratch" if scratch else "chunks"
-        if o_direct and hasattr(os, "O_DIRECT"):
-            speed = _direct_reads(paths, max_bytes, max_s, source, reader)
-            if speed is not NO_DIRECT:
-                return speed
-        return _timed_reads(paths, max_bytes, max_s, source)
+        direct = o_direct and hasattr(os, "O_DIRECT")
+        speed = _parallel_reads(paths, max_bytes, max_s, source, reader if reader is None or reader.direct == direct
+                                else None, direct)
+        if speed is NO_DIRECT:  # refused: loads read through the page cache, and so does this
+            speed = _parallel_reads(paths, max_bytes, max_s, source, None, False)
+        return speed
     finally:
         if scratch is not None:
             unlink_quietly(scratch)
 
 
-def _direct_reads(paths: list[str], max_bytes: int, max_s: float, source: str,
-                  reader: DirectReader | None) -> DiskSpeed | str | None:
-    """The O_DIRECT measure: each file's aligned head (within the budget) read whole on
-    ``reader``, :data:`MAX_CHUNKS` files in flight; :data:`NO_DIRECT` if the file system refuses."""
+def _parallel_reads(paths: list[str], max_bytes: int, max_s: float, source: str,
+                    reader: DirectReader | None, direct: bool) -> DiskSpeed | str | None:
+    """Each file's aligned head (within the budget) read whole on ``reader`` (one of its own,
+    O_DIRECT where ``direct``, if None), :data:`MAX_CHUNKS` files in flight; :data:`NO_DIRECT` if
+    the file system refuses O_DIRECT."""
     own = reader is None
-    reader = reader or DirectReader()
+    reader = reader or DirectReader(direct=direct)
     buf = mmap.mmap(-1, max(ALIGN, max_bytes - max_bytes % ALIGN))  # page-aligned, as O_DIRECT needs
     view = memoryview(buf)
     flight: deque[tuple[int, DirectRead]] = deque()
@@ -143,51 +143,7 @@ def _direct_reads(paths: list[str], max_bytes: int, max_s: float, source: str,
     if total == 0 or seconds <= 0:
         logger.debug("kvtier: disk read speed not measured: nothing read from %d files", len(paths))
         return None
-    return DiskSpeed(total, seconds, files, source, True)
-
-
-def _timed_reads(paths: list[str], max_bytes: int, max_s: float, source: str) -> DiskSpeed | None:
-    """The buffered measure: a ``POSIX_FADV_WILLNEED`` hint on every file, then reads in order."""
-    buf = mmap.mmap(-1, _READ_BYTES)
-    view = memoryview(buf)
-    total = files = 0
-    try:
-        start = time.perf_counter()
-        will_need(paths)
-        for path in paths:
-            if total >= max_bytes or time.perf_counter() - start >= max_s:
-                break
-            n = _read_file(path, view, max_bytes - total, start + max_s)
-            total, files = total + n, files + (n > 0)
-        seconds = time.perf_counter() - start
-    finally:
-        view.release()
-        buf.close()
-    if total == 0 or seconds <= 0:
-        logger.debug("kvtier: disk read speed not measured: nothing read from %d files", len(paths))
-        return None
-    return DiskSpeed(total, seconds, files, source, False)
-
-
-def _read_file(path: str, view: memoryview, budget: int, deadline: float) -> int:
-    """Bytes read from ``path`` through the page cache (at most ``budget``, stopping at ``deadline``)."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as exc:
-        logger.debug("kvtier: disk speed probe skipped %s: %s", path, exc)
-        return 0
-    done = 0
-    try:
-        end = min(os.fstat(fd).st_size, budget)
-        while done < end and time.perf_counter() < deadline:
-            n = os.readv(fd, [view[: min(len(view), end - done)]])
-            if not n:
-                break
-            done += n
-    except OSError as exc:
-        logger.debug("kvtier: disk speed probe stopped reading %s: %s", path, exc)
-    os.close(fd)
-    return done
+    return DiskSpeed(total, seconds, files, source, reader.direct)
 
 
 def will_need(paths: list[str]) -> None:

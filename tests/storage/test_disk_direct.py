@@ -1,6 +1,7 @@
-"""The disk tier's O_DIRECT reads: parallel block-aligned parts on its own threads, and the chunks
-a load names in will_need read ahead into CPU pool buffers. Real files, on a file system that
-takes O_DIRECT (``direct_dir``; skipped where none does)."""
+"""The disk tier's reads: parallel parts on its own threads (O_DIRECT's block-aligned, or through
+the page cache), and the chunks a load names in will_need read ahead into CPU pool buffers. Real
+files; the O_DIRECT ones on a file system that takes O_DIRECT (``direct_dir``; skipped where none
+does)."""
 
 from __future__ import annotations
 
@@ -217,3 +218,78 @@ def test_closing_with_reads_in_flight_leaks_no_buffer(direct_dir, gate):
         assert store.cpu_bytes_used() == 0
     finally:
         store.close()
+
+
+# ------------------------------------------------------------ through the page cache
+
+
+@pytest.mark.parametrize("nbytes", [3 * PART, 5 * PART + 64, 100], ids=["whole-parts", "unaligned-tail", "tail-only"])
+def test_buffered_parts_read_every_byte_into_any_buffer(tmp_path, nbytes):
+    path = tmp_path / "f"
+    data = os.urandom(nbytes)
+    path.write_bytes(data)
+    reader = DirectReader(threads=4, part_bytes=PART, direct=False)
+    buf = bytearray(nbytes + 1)
+    view = memoryview(buf)[1:]  # not page-aligned: O_DIRECT could not take it, the page cache can
+    try:
+        assert reader.read(str(path), view) is None
+        assert bytes(view) == data
+        assert reader.read(str(path), memoryview(bytearray(nbytes + 64))) == f"{nbytes} bytes on disk, {nbytes + 64} expected"
+    finally:
+        reader.close()
+        view.release()
+
+
+def test_a_buffered_tier_reads_a_loads_chunks_ahead_in_parallel_parts(tmp_path):
+    def buffered(disk):
+        return ChunkStore(StoreConfig(cpu_bytes=16 * ALIGNED, disk_path=str(disk), disk_bytes=64 * ALIGNED))
+
+    with buffered(tmp_path) as store:
+        for i in range(3):
+            buf = store.allocate(CHUNK)
+            buf.data.copy_(payload(i))
+            store.put([key(i)], [buf])
+        assert store._flush()
+    with buffered(tmp_path) as store:  # a restart: the CPU tier is empty
+        assert store._disk._reader.direct is False
+        store.will_need([key(i) for i in range(3)])
+        assert store._disk._ahead.held_bytes() == 3 * CHUNK
+        for i in range(3):
+            got = store.get(key(i))
+            assert got.tier is Tier.DISK and torch.equal(got.data, payload(i))
+            got.release()
+        assert store._disk._ahead.held_bytes() == 0
+
+
+def test_where_o_direct_is_refused_the_tier_reads_through_the_page_cache_in_parts(tmp_path, monkeypatch, caplog):
+    """A file system refusing O_DIRECT reads, stood in for (tmpfs before Linux 6.6 refused them, and
+    this machine's does not): every part read through an O_DIRECT fd fails as the kernel would."""
+    import fcntl
+
+    part = _direct._read_part
+
+    def refusing(fd, view, offset):
+        if fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0):
+            return NO_DIRECT
+        return part(fd, view, offset)
+
+    monkeypatch.setattr(_direct, "_read_part", refusing)
+    config = dict(cpu_bytes=16 * ALIGNED, disk_path=str(tmp_path), disk_bytes=64 * ALIGNED, o_direct=True)
+    with ChunkStore(StoreConfig(**config)) as store:
+        for i in range(3):
+            buf = store.allocate(CHUNK)
+            buf.data.copy_(payload(i))
+            store.put([key(i)], [buf])
+        assert store._flush()
+    with caplog.at_level(logging.WARNING), ChunkStore(StoreConfig(**config)) as store:
+        got = store.get(key(0))  # refused, then read again through the page cache
+        assert got.tier is Tier.DISK and torch.equal(got.data, payload(0))
+        got.release()
+        assert store._disk._reader.direct is False
+        store.will_need([key(1), key(2)])  # read ahead again, buffered
+        assert wait_for(lambda: store._disk._ahead.held_bytes() == 2 * CHUNK)
+        for i in (1, 2):
+            got = store.get(key(i))
+            assert torch.equal(got.data, payload(i))
+            got.release()
+    assert caplog.text.count("O_DIRECT reads are not supported") == 1
