@@ -21,6 +21,7 @@ keys per chunk, never a search.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 from dataclasses import dataclass
 from typing import Any
@@ -149,6 +150,32 @@ def independent_text(block: torch.Tensor, dim: int | None, token_dim: int | None
     order = sorted((d for d in range(1, block.dim()) if block.shape[d] > 1 or d == dim),
                    key=lambda d: memory_order(block, d))
     return ",".join("h" if d == dim else "t" if d == token_dim else str(block.shape[d]) for d in order)
+
+
+@functools.lru_cache(maxsize=64)
+def join_plan(shard: HeadShard, region_bytes: tuple[int, ...], pieces: tuple[HeadRange, ...]) -> np.ndarray:
+    """How :func:`join_pieces` fills a payload, as contiguous copies: ``int64 [copies, 4]``, each
+    (piece index, byte offset in that piece's payload, byte offset in the joined payload, bytes),
+    for pieces holding heads ``pieces`` (same arguments as :func:`join_pieces`). Together the
+    copies write every byte of the joined payload once. The same for every chunk of a load (kept:
+    read-only)."""
+    rows = []
+    at_dst, at_src = 0, [0] * len(pieces)
+    for size, hb in zip(region_bytes, shard.head_bytes):
+        runs = np.arange(size // (shard.heads * hb), dtype=np.int64)
+        for i, (first, end) in enumerate(pieces):
+            held = end - first
+            lo, hi = max(first, shard.first), min(end, shard.end)
+            if lo < hi:
+                rows.append(np.stack([np.full(runs.size, i, dtype=np.int64),
+                                      at_src[i] + runs * held * hb + (lo - first) * hb,
+                                      at_dst + runs * shard.heads * hb + (lo - shard.first) * hb,
+                                      np.full(runs.size, (hi - lo) * hb, dtype=np.int64)], axis=1))
+            at_src[i] += runs.size * held * hb
+        at_dst += size
+    plan = np.concatenate(rows) if rows else np.zeros((0, 4), dtype=np.int64)
+    plan.setflags(write=False)
+    return plan
 
 
 def join_pieces(dst: torch.Tensor, shard: HeadShard, region_bytes: tuple[int, ...],

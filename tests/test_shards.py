@@ -8,7 +8,9 @@ import pytest
 import torch
 
 from kvtier.layout import build_layout
-from kvtier.shards import WRITER_TP_SIZES, covers, join_pieces, piece_fingerprint, rank_heads
+from kvtier.ops import cpu_library
+from kvtier.ops.cpu_ops import copy_summed
+from kvtier.shards import WRITER_TP_SIZES, covers, join_pieces, join_plan, piece_fingerprint, rank_heads
 
 HEADS, NB, BS, HS, LAYERS = 8, 6, 32, 4, 2
 
@@ -86,8 +88,13 @@ def test_a_rank_joins_its_chunk_from_another_tp_sizes_pieces(kind, writer, reade
         shard = layout.shard
         way = next(w for w in covers(shard.first, shard.end, HEADS) if all(h in written for h in w))
         dst = torch.zeros(layout.payload_bytes(len(ids)), dtype=torch.uint8)
-        join_pieces(dst, shard, tuple(g.block_bytes * len(ids) for g in layout.regions), [(h, written[h]) for h in way])
+        region_bytes = tuple(g.block_bytes * len(ids) for g in layout.regions)
+        join_pieces(dst, shard, region_bytes, [(h, written[h]) for h in way])
         assert torch.equal(dst, payload(layout, ids))  # what the reader's own engine would have saved
+        if cpu_library.available():  # the same join in one C pass that also sums what it writes
+            again = torch.full_like(dst, 0xAB)
+            kvsum = copy_summed(again, [written[h] for h in way], join_plan(shard, region_bytes, tuple(way)))
+            assert torch.equal(again, dst) and kvsum == cpu_library.payload_checksum(dst)
 
 
 def test_mla_is_one_piece_on_every_rank_and_tp_size():

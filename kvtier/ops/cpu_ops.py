@@ -86,6 +86,31 @@ def run_copy(layout: Layout, spans: Sequence[ChunkSpan], *, gather: bool, want_s
     return None if sums is None else [int(v) for v in sums]
 
 
+def copy_summed(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> int:
+    """Copy ``plan``'s rows (source index, byte offset in it, byte offset in ``dst``, bytes) from the
+    contiguous host ``uint8`` ``sources`` into ``dst`` in one C call, and return the KVSUM64
+    (unsigned) of the words written at their places in ``dst``: ``dst``'s checksum when the rows
+    write every byte of it. Offsets and sizes must be multiples of 4 bytes (ValueError otherwise)."""
+    lib = loaded()
+    if len(plan) and np.any(plan[:, 1:] % 4):
+        raise ValueError("every copy's offsets and size must be multiples of 4 bytes.")
+    for t in (dst, *sources):
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError("copy_summed copies between contiguous host tensors.")
+    base = np.array([t.data_ptr() for t in sources], dtype=np.int64)
+    units = np.empty((len(plan), 5), dtype=np.int64)
+    units[:, 0] = base[plan[:, 0]] + plan[:, 1]  # read from (the "engine" side of a gather)
+    units[:, 1] = dst.data_ptr() + plan[:, 2]  # written to, summed at its word index in ``dst``
+    units[:, 2] = plan[:, 3]
+    units[:, 3] = plan[:, 2] // 4
+    units[:, 4] = 1  # span 0, written
+    sums = np.zeros(1, dtype=np.uint64)
+    count = max(1, min(default_threads(), int(plan[:, 3].sum()) // BYTES_PER_THREAD if len(plan) else 1))
+    if lib.kvt_copy(units.ctypes.data, len(units), 1, sums.ctypes.data, 1, count) != 0:
+        raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
+    return int(sums[0])
+
+
 def gather(layout: Layout, spans: Sequence[ChunkSpan], checksums_out: torch.Tensor | None = None) -> None:
     """Copy engine blocks into the spans' chunk payloads.
 
