@@ -25,6 +25,26 @@ NO_DIRECT = "O_DIRECT refused"  # the problem a read reports when the file syste
 CLOSED = "disk tier closed"
 
 
+WHOLE_FILE = 1 << 40  # part_bytes of a reader that reads each file in one request
+MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")  # no device behind their page cache
+
+
+def memory_backed(path: str) -> bool:
+    """Whether ``path`` lies on a file system held in memory (:data:`MEMORY_FILE_SYSTEMS`, by the
+    mount table): its reads are copies, faster on several cores than on one."""
+    real, best, kind = os.path.realpath(path), "", ""
+    try:
+        with open("/proc/self/mounts") as mounts:
+            for line in mounts:
+                fields = line.split()
+                if len(fields) > 2 and (real == fields[1] or real.startswith(fields[1].rstrip("/") + "/")) \
+                        and len(fields[1]) >= len(best):
+                    best, kind = fields[1], fields[2]
+    except OSError:
+        return False
+    return kind in MEMORY_FILE_SYSTEMS
+
+
 def size_problem(path: str, nbytes: int) -> str | None:
     """Why the file at ``path`` cannot hold an ``nbytes`` chunk, or None if it can."""
     try:

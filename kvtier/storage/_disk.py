@@ -15,7 +15,7 @@ from typing import Any, Callable
 
 from . import _lmcache as lm
 from ._ahead import ReadAhead
-from ._direct import NO_DIRECT, DirectReader, size_problem
+from ._direct import NO_DIRECT, PART_BYTES, WHOLE_FILE, DirectReader, memory_backed, size_problem
 from ._probe import DiskSpeed, measure_read_speed, unlink_quietly, will_need
 from .types import StoreConfig
 
@@ -38,20 +38,25 @@ class DiskTier:
       landed or failed, an eviction, a drop). It runs on LMCache's threads, sometimes under the
       disk lock: it must only record the key.
 
-    The tier owns a :class:`DirectReader` (a few threads reading each file in parallel parts: with
-    O_DIRECT where ``config.o_direct``, else through the page cache, and so once the file system
-    refuses O_DIRECT) and a :class:`ReadAhead` that fills buffers from ``alloc(nbytes, wait_s)`` (the
-    CPU pool's); both end when LMCache closes the backend, before the CPU pool is freed. ``cpu``:
-    the CPU backend, asked which keys it holds so that read-ahead skips them.
+    The tier owns a :class:`DirectReader` (a few threads reading files: with O_DIRECT where
+    ``config.o_direct``, else through the page cache, and so once the file system refuses O_DIRECT)
+    and, with O_DIRECT or on a file system in memory (tmpfs), reads each file in parallel parts and
+    keeps a :class:`ReadAhead` that fills buffers from ``alloc(nbytes, wait_s)`` (the CPU pool's);
+    both end when LMCache closes the backend, before the CPU pool is freed. ``cpu``: the CPU
+    backend, asked which keys it holds so that read-ahead skips them.
     """
 
     def __init__(self, backend: lm.LocalDiskBackend, config: StoreConfig, align: int, cpu: Any = None,
                  alloc: Callable[[int, float], Any] | None = None) -> None:
         self.backend = backend
         self._cpu = cpu
-        self._reader = DirectReader(direct=config.o_direct)
+        # In parallel parts and read ahead with O_DIRECT or from memory; a disk through the page
+        # cache reads each file whole, the kernel reading the load's files ahead (WILLNEED): parallel
+        # parts of cold buffered files slowed such loads (2 x at 8k tokens on a 2-core virtual disk).
+        parallel = config.o_direct or memory_backed(backend.path)
+        self._reader = DirectReader(direct=config.o_direct, part_bytes=PART_BYTES if parallel else WHOLE_FILE)
         self._ahead = None
-        if cpu is not None and alloc is not None:
+        if parallel and cpu is not None and alloc is not None:
             self._ahead = ReadAhead(self._reader, backend, lambda n: alloc(n, 0.0), self._read_failed,
                                     max_bytes=config.cpu_bytes // 4)
         self._config = config
@@ -214,20 +219,20 @@ class DiskTier:
         """Start reading these chunks now: those not in the CPU tier are read ahead into CPU pool
         buffers, in ``eks``' order, several at once in parallel parts (see :mod:`._ahead`); a
         load's reads then find them there instead of waiting for the device, or one core's copy
-        out of the page cache, one file at a time. Without a CPU pool to read into, a hint to the
-        kernel (``POSIX_FADV_WILLNEED``). Unknown keys and errors are ignored; a hint, never needed."""
-        if self._ahead is not None:
-            if self._ahead.refused:
-                self._buffered()
+        out of the page cache, one file at a time. Buffered, the kernel is also told to read every
+        file now (``POSIX_FADV_WILLNEED``): the device sees the whole load at once, not the
+        read-ahead's few chunks. Unknown keys and errors are ignored; a hint, never needed."""
+        if self._ahead is not None and self._ahead.refused:
+            self._buffered()
+        if self._cpu is not None:
             with self._cpu.cpu_lock:
                 eks = [ek for ek in eks if ek not in self._cpu.hot_cache]
-            with self.backend.disk_lock:
-                eks = [ek for ek in eks if ek in self.backend.dict]
-            self._ahead.want(eks)
-            return
         with self.backend.disk_lock:
-            paths = [meta.path for ek in eks if (meta := self.backend.dict.get(ek)) is not None]
-        will_need(paths)
+            metas = [(ek, meta) for ek in eks if (meta := self.backend.dict.get(ek)) is not None]
+        if not self._reader.direct:  # the kernel reads every file at once; the read-ahead copies them out
+            will_need([meta.path for _, meta in metas])
+        if self._ahead is not None:
+            self._ahead.want([ek for ek, _ in metas])
 
     def read_speed(self) -> DiskSpeed | None:
         """The tier's read speed, measured now from its least recently used chunk files (a

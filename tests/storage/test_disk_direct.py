@@ -240,18 +240,31 @@ def test_buffered_parts_read_every_byte_into_any_buffer(tmp_path, nbytes):
         view.release()
 
 
-def test_a_buffered_tier_reads_a_loads_chunks_ahead_in_parallel_parts(tmp_path):
+@pytest.fixture
+def memory_dir():
+    """An empty directory on a file system held in memory (``/dev/shm``); skips where there is none."""
+    import shutil
+    import tempfile
+
+    if not os.path.isdir("/dev/shm") or not _direct.memory_backed("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    path = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-test-")
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_buffered_tier_in_memory_reads_a_loads_chunks_ahead_in_parallel_parts(memory_dir):
     def buffered(disk):
         return ChunkStore(StoreConfig(cpu_bytes=16 * ALIGNED, disk_path=str(disk), disk_bytes=64 * ALIGNED))
 
-    with buffered(tmp_path) as store:
+    with buffered(memory_dir) as store:
         for i in range(3):
             buf = store.allocate(CHUNK)
             buf.data.copy_(payload(i))
             store.put([key(i)], [buf])
         assert store._flush()
-    with buffered(tmp_path) as store:  # a restart: the CPU tier is empty
-        assert store._disk._reader.direct is False
+    with buffered(memory_dir) as store:  # a restart: the CPU tier is empty
+        assert store._disk._reader.direct is False and store._disk._reader.part_bytes == _direct.PART_BYTES
         store.will_need([key(i) for i in range(3)])
         assert store._disk._ahead.held_bytes() == 3 * CHUNK
         for i in range(3):
@@ -259,6 +272,22 @@ def test_a_buffered_tier_reads_a_loads_chunks_ahead_in_parallel_parts(tmp_path):
             assert got.tier is Tier.DISK and torch.equal(got.data, payload(i))
             got.release()
         assert store._disk._ahead.held_bytes() == 0
+
+
+def test_a_buffered_tier_on_a_disk_reads_each_file_whole_and_leaves_read_ahead_to_the_kernel(tmp_path):
+    if _direct.memory_backed(str(tmp_path)):
+        pytest.skip("the test directory is on a tmpfs here")
+    with ChunkStore(StoreConfig(cpu_bytes=16 * ALIGNED, disk_path=str(tmp_path), disk_bytes=64 * ALIGNED)) as store:
+        buf = store.allocate(CHUNK)
+        buf.data.copy_(payload(0))
+        store.put([key(0)], [buf])
+        assert store._flush()
+        assert store._disk._ahead is None and store._disk._reader.part_bytes == _direct.WHOLE_FILE
+        store.will_need([key(0)])  # a WILLNEED hint, nothing held
+    with ChunkStore(StoreConfig(cpu_bytes=16 * ALIGNED, disk_path=str(tmp_path), disk_bytes=64 * ALIGNED)) as store:
+        got = store.get(key(0))
+        assert got.tier is Tier.DISK and torch.equal(got.data, payload(0))
+        got.release()
 
 
 def test_where_o_direct_is_refused_the_tier_reads_through_the_page_cache_in_parts(tmp_path, monkeypatch, caplog):
