@@ -95,8 +95,8 @@ def run(args, lengths: list[int], pairs: list[TpSizes], kv_token_bytes: int, pro
             disk = os.path.join(tmp, f"disk-{pair.p}-{pair.d}")
             os.makedirs(disk)
             progress(f"{name}: writer at TP={pair.p} computes {len(timed)} prompts")
-            spawn(_spec(args, model, disk, pair.p, write, max_len, kv_token_bytes), tmp,
-                             f"write-{pair.p}-{pair.d}", env=_cores(pair.p))
+            spawn(_spec(args, model, disk, pair.p, write, max_len, kv_token_bytes), tmp, f"write-{pair.p}-{pair.d}",
+                  env=_cores(pair.p))
             result["dropped"][name] = drop_page_cache(disk)
             progress(f"{name}: dropped {result['dropped'][name]} chunk files from the page cache; "
                      f"reader at TP={pair.d} reloads them")
