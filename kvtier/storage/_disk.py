@@ -51,8 +51,7 @@ class DiskTier:
         self.backend = backend
         self._cpu = cpu
         # In parallel parts and read ahead with O_DIRECT or from memory; a disk through the page
-        # cache reads each file whole, the kernel reading the load's files ahead (WILLNEED): parallel
-        # parts of cold buffered files slowed such loads (2 x at 8k tokens on a 2-core virtual disk).
+        # cache reads each file whole, as before, the kernel reading the whole load ahead (WILLNEED).
         parallel = config.o_direct or memory_backed(backend.path)
         self._reader = DirectReader(direct=config.o_direct, part_bytes=PART_BYTES if parallel else WHOLE_FILE)
         self._ahead = None
