@@ -1,11 +1,12 @@
 """How fast the disk tier reads, measured once when a worker starts, before any load.
 
 A short read, at most :data:`MAX_BYTES` bytes or :data:`MAX_S` seconds (whichever ends first),
-through the path a load's disk reads take (:class:`~kvtier.storage._disk.DiskTier`): the tier's
-:class:`~kvtier.storage._direct.DirectReader`, in parallel parts and up to
-:data:`~kvtier.storage._ahead.MAX_CHUNKS` files at once, as a load's read-ahead keeps them;
-through the page cache, or (``disk_io="direct"``) with O_DIRECT, each file's block-aligned head
-(buffered when the file system refuses O_DIRECT, as loads fall back too).
+on the tier's own :class:`~kvtier.storage._direct.DirectReader` (:class:`~kvtier.storage._disk.DiskTier`),
+up to :data:`~kvtier.storage._ahead.MAX_CHUNKS` files at once: with O_DIRECT (``disk_io="direct"``)
+each file's block-aligned head in parallel parts, as a load's read-ahead keeps them; through the
+page cache as the tier reads (each file whole on a disk, in parallel parts on a tmpfs); buffered
+when the file system refuses O_DIRECT, as loads fall back too. No ``POSIX_FADV_WILLNEED`` hint on
+the tier's files: that would read the whole tier into the page cache at start.
 
 What is read:
 
@@ -37,7 +38,7 @@ from ._direct import ALIGN, NO_DIRECT, DirectRead, DirectReader
 logger = logging.getLogger(__name__)
 
 MAX_BYTES = 64 << 20  # bytes read at most
-MAX_S = 0.3  # seconds of reading at most (the hint and the reads; not the scratch file's write)
+MAX_S = 0.3  # seconds of reading at most (not counting the scratch file's write)
 SCRATCH_BYTES = 16 << 20  # bytes of the scratch file an empty directory gets
 
 
