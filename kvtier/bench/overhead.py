@@ -23,7 +23,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from kvtier.bench.common import NO_MATPLOTLIB, Progress, parse_tokens, positive, pyplot, save_figure
-from kvtier.bench.ttft import make_model, prompt, spawn
+from kvtier.bench.ttft import kv_bytes_per_token, make_model, prompt, spawn
 
 ENGINES = ("none", "kvtier")
 
@@ -99,7 +99,7 @@ def run(args, progress) -> OverheadResult:
     result = OverheadResult(per_round, args.rounds)
     max_len = max(args.long_len, args.short_len) + args.decode + 64
     kv_bytes = max(256 << 20, 2 * (args.long * args.long_len + args.short * (args.short_len + args.decode))
-                   * _kv_bytes_per_token(args))
+                   * kv_bytes_per_token(args.hidden, args.layers))
     tokens: dict[str, list] = {}
     with tempfile.TemporaryDirectory(prefix="kvtier-overhead-") as tmp:
         progress("building a random-weight Llama")
@@ -126,10 +126,6 @@ def run(args, progress) -> OverheadResult:
     result.identical = tokens.get("none") == tokens.get("kvtier")
     return result
 
-
-def _kv_bytes_per_token(args) -> int:
-    heads = max(2, args.hidden // 64)
-    return args.layers * 2 * max(1, heads // 2) * 64 * 4
 
 
 def format_table(result: OverheadResult, args) -> str:

@@ -182,12 +182,21 @@ def make_model(path: str, hidden: int, layers: int, max_positions: int = 8192) -
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    heads = max(2, hidden // 64)
     config = LlamaConfig(hidden_size=hidden, intermediate_size=3 * hidden, num_hidden_layers=layers,
-                         num_attention_heads=heads, num_key_value_heads=max(1, heads // 2), vocab_size=VOCAB,
+                         num_attention_heads=max(2, hidden // 64), num_key_value_heads=kv_heads(hidden), vocab_size=VOCAB,
                          max_position_embeddings=max_positions, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(path)
     return path
+
+
+def kv_heads(hidden: int) -> int:
+    """KV heads of :func:`make_model`'s model ``hidden`` wide (64-dim heads, GQA 2:1)."""
+    return max(1, max(2, hidden // 64) // 2)
+
+
+def kv_bytes_per_token(hidden: int, layers: int) -> int:
+    """Bytes of KV one token takes in :func:`make_model`'s model (K and V, float32)."""
+    return layers * 2 * kv_heads(hidden) * 64 * 4
 
 
 def prompt(seed: int, length: int) -> list[int]:

@@ -30,7 +30,7 @@ import tempfile
 from dataclasses import dataclass, field
 
 from kvtier.bench.common import NO_MATPLOTLIB, Progress, names_from, positive, pyplot, save_figure, token_lengths
-from kvtier.bench.ttft import make_model, prompt, spawn
+from kvtier.bench.ttft import kv_bytes_per_token, kv_heads, make_model, prompt, spawn
 
 MODES = ("recompute", "local", "cpu", "disk")
 KINDS = ("in-process", "multi-process")
@@ -106,9 +106,9 @@ def _main_tp(parser: argparse.ArgumentParser, args: argparse.Namespace, lengths:
     """``--tp``: :mod:`kvtier.bench.ttft_tp`."""
     from kvtier.bench import ttft_tp
 
-    pairs = ttft_tp.parse_pairs(parser, args.tp, max(1, max(2, args.hidden // 64) // 2))
+    pairs = ttft_tp.parse_pairs(parser, args.tp, kv_heads(args.hidden))
     try:
-        result = ttft_tp.run(args, lengths, pairs, _kv_bytes_per_token(args), progress, drop_page_cache)
+        result = ttft_tp.run(args, lengths, pairs, kv_bytes_per_token(args.hidden, args.layers), progress, drop_page_cache)
     except RuntimeError as exc:
         print(f"kvtier-bench ttft: error: {exc}", file=sys.stderr)
         return 1
@@ -129,14 +129,10 @@ def _spec(args, model: str, disk: str, rounds: list[dict], max_len: int) -> dict
     # prompt computes about as fast as a disk load's extra engine step).
     config = {"chunk_tokens": args.chunk_tokens, "cpu_bytes": 1 << 30, "disk_path": disk, "disk_bytes": 4 << 30,
               "veto_slower_loads": False}
-    kv_bytes = max(256 << 20, 4 * max_len * _kv_bytes_per_token(args))
+    kv_bytes = max(256 << 20, 4 * max_len * kv_bytes_per_token(args.hidden, args.layers))
     return {"model": model, "kvtier": config, "block_size": args.block_size, "max_batched": max_len,
             "kv_bytes": kv_bytes, "max_model_len": max_len + 64, "rounds": rounds}
 
-
-def _kv_bytes_per_token(args) -> int:
-    heads = max(2, args.hidden // 64)
-    return args.layers * 2 * max(1, heads // 2) * 64 * 4  # K and V, float32
 
 
 def run(args, lengths: list[int], kinds: list[str], progress) -> TtftResult:

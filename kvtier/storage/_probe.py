@@ -79,8 +79,9 @@ def measure_read_speed(directory: str, paths: list[str], o_direct: bool, max_byt
     try:
         source = "scratch" if scratch else "chunks"
         direct = o_direct and hasattr(os, "O_DIRECT")
-        speed = _parallel_reads(paths, max_bytes, max_s, source, reader if reader is None or reader.direct == direct
-                                else None, direct)
+        if reader is not None and reader.direct != direct:
+            reader = None  # the tier's reader reads another way: the probe opens its own
+        speed = _parallel_reads(paths, max_bytes, max_s, source, reader, direct)
         if speed is NO_DIRECT:  # refused: loads read through the page cache, and so does this
             speed = _parallel_reads(paths, max_bytes, max_s, source, None, False)
         return speed

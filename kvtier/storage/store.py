@@ -19,7 +19,7 @@ import os
 import threading
 import time
 import weakref
-from typing import Callable
+from typing import Callable, Iterable
 
 import torch
 
@@ -228,9 +228,10 @@ class ChunkStore:
         """The shared tier's counters (see ``SharedTier.stats``); empty without one."""
         return {} if self._shared is None else self._shared.stats()
 
-    def will_need(self, keys: list[bytes]) -> None:
+    def will_need(self, keys: Iterable[bytes]) -> None:
         """Hint that ``keys`` are about to be read, in this order: those held only on disk start loading
-        now, in parallel (into the page cache; with O_DIRECT, into CPU buffers the gets take)."""
+        now, in parallel (into the page cache; with O_DIRECT, into CPU buffers the gets take). Without
+        a disk tier ``keys`` is not iterated (a generator's lookups are never run)."""
         self._check_open()
         if self._disk is not None:
             self._disk.will_need([lm.engine_key(k, self._config) for k in keys])

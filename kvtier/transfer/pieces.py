@@ -15,7 +15,7 @@ Buffers: each piece's buffer comes from ``store.get`` and is released here; the 
 from __future__ import annotations
 
 import logging
-from typing import Callable
+from typing import Callable, Iterator
 
 from kvtier import codec
 from kvtier.keys import storage_key
@@ -35,26 +35,28 @@ def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,
     TP sizes' pieces in ``store`` and stored under the rank's own key (``on_held`` hears of it);
     None when no way's pieces are all stored, one is corrupt (removed), or the CPU pool has no room."""
     ways = _ways(layout, key)
-    for way, skeys in ways:
-        if all(store.contains(skey) is not None for skey in skeys):
-            return _join(layout, store, key, chunk_blocks, on_held, way, skeys)
+    if (held := _held_way(store, ways)) is not None:
+        return _join(layout, store, key, chunk_blocks, on_held, *held)
     for way, skeys in ways:  # none whole in the local tiers: the shared tier's, read through store.get
         if (built := _join(layout, store, key, chunk_blocks, on_held, way, skeys)) is not None:
             return built
     return None
 
 
-def to_read(layout: Layout, store: ChunkStore, key: bytes) -> list[bytes]:
-    """Storage keys a load of chain key ``key`` reads: the rank's own chunk where a local tier holds
-    it, else the pieces :func:`assemble` would join (of the first way the local tiers hold whole),
-    else the own key (none of it stored here). What a load names to its disk tier's read-ahead."""
-    own = storage_key(key, layout.fingerprint)
-    if store.contains(own) is not None:
-        return [own]
-    for _, skeys in _ways(layout, key):
-        if all(store.contains(skey) is not None for skey in skeys):
-            return skeys
-    return [own]
+def to_read(layout: Layout, store: ChunkStore, keys: list[bytes], own_keys: list[bytes]) -> Iterator[bytes]:
+    """Storage keys a load of chain keys ``keys`` (storage keys ``own_keys``) reads, in order: for
+    each, its own chunk where a local tier holds it, else the pieces :func:`assemble` would join (of
+    the first way the local tiers hold whole), else its own key (none of it stored here). What a
+    load names to its disk tier's read-ahead; lazy, so nothing is looked up where none is read."""
+    for key, own in zip(keys, own_keys):
+        held = None if store.contains(own) is not None else _held_way(store, _ways(layout, key))
+        yield from [own] if held is None else held[1]
+
+
+def _held_way(store: ChunkStore, ways: list[tuple[tuple[HeadRange, ...], list[bytes]]]
+              ) -> tuple[tuple[HeadRange, ...], list[bytes]] | None:
+    """The first of ``ways`` whose pieces the local tiers (CPU, disk) hold whole, or None."""
+    return next(((way, skeys) for way, skeys in ways if all(store.contains(s) is not None for s in skeys)), None)
 
 
 def _ways(layout: Layout, key: bytes) -> list[tuple[tuple[HeadRange, ...], list[bytes]]]:

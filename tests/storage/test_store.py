@@ -437,3 +437,17 @@ def test_a_store_leaves_the_environment_as_it_found_it(open_store, monkeypatch):
     monkeypatch.setenv("PROMETHEUS_MULTIPROC_DIR", "/somewhere/chosen")
     open_store()
     assert os.environ["PROMETHEUS_MULTIPROC_DIR"] == "/somewhere/chosen"
+
+
+def test_will_need_looks_up_nothing_without_a_disk_tier(open_store, tmp_path):
+    asked: list[bytes] = []
+
+    def keys():
+        for i in range(3):
+            asked.append(key(i))
+            yield key(i)
+
+    open_store().will_need(keys())
+    assert asked == []  # a load's read-ahead costs a CPU-only store no lookups
+    open_store(disk=tmp_path).will_need(keys())
+    assert len(asked) == 3
