@@ -93,6 +93,8 @@ def add_parser(commands) -> None:
     p.add_argument("--disk-dir", metavar="DIR",
                    help="the disk engine's disk tier directory (default: in the run's temp dir); on a tmpfs (a faster "
                         "medium's stand-in) the result is named disk-<card>-<release>-tmpfs")
+    p.add_argument("--disk-queue", type=int, default=0, metavar="N",
+                   help="the disk engine also gets N prompts of the longest length on disk at once (default 0: none)")
     p.add_argument("--disk-results", metavar="DIR", default="bench/results",
                    help="where the disk engine's disk-<card>-<release>.json and .txt go (default bench/results)")
     add_cuda_graphs_flag(p)
@@ -288,7 +290,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
 
 
 def _run_disk(args, lengths, model, shape, tmp, result, progress) -> None:
-    spec = lambda rounds, kvtier: _spec(args, model, shape, "kvtier", rounds, kvtier)  # noqa: E731
+    spec = lambda rounds, kvtier: _spec(args, model, shape, "kvtier", rounds, kvtier, count_transfers=True)  # noqa: E731
     read, out, result["disk"] = engine_disk.run(args, lengths, prompt, spec, tmp, progress)
     _collect(result, "disk", read, out)
     progress("engine disk: " + _summary(result, "disk"))

@@ -158,7 +158,8 @@ def run_child(spec: dict) -> dict:
             llm.stop_profile()  # the workers write their traces before it returns
             result["profiles"][rnd["profile"]] = collect(spec["profile_dir"], rnd["profile"])
         result["rounds"].append({"seconds": seconds, "transfers": moved, "outputs": [
-            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0} for o in outs]})
+            {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0, "id": o.request_id}
+            for o in outs]})
     return result
 
 

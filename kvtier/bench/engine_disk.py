@@ -9,7 +9,10 @@ their TTFT, kvtier saving them through to disk) and exits; their chunk files lea
 ``POSIX_FADV_DONTNEED`` per file, then the pages still resident are counted); a fresh engine on
 the same directory serves each prompt (``first_sight_ms``: its chunks read from disk), then the
 same prompt again after ``reset_prefix_cache()`` (``again_ms``: the chunks the first sight
-promoted, a CPU-tier hit).
+promoted, a CPU-tier hit). With ``--disk-queue N``, N more prompts of the longest length are
+written, and the fresh engine gets them last, all at once: ``queue`` says which tier each one's
+load came from (those that wait should find their chunks promoted to the CPU tier meanwhile).
+The CPU tier is ``--cpu-gib``.
 
 The result (:func:`disk_result`), ``{length: [ms, ...]}`` per row, is written on its own as
 ``disk-<card>-<release>.json`` (:func:`result_name`) beside its table as ``.txt``.
@@ -42,7 +45,7 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
     disk = os.path.join(args.disk_dir or tmp, "kvtier-disk-bench")
     if os.path.exists(disk):
         raise SystemExit(f"--disk-dir: {disk} exists already; remove it or give another directory")
-    config = {"cpu_bytes": 8 << 30, "disk_path": disk, "disk_bytes": 48 << 30, "disk_io": args.disk_io}
+    config = {"cpu_bytes": args.cpu_gib << 30, "disk_path": disk, "disk_bytes": 48 << 30, "disk_io": args.disk_io}
     speed = disk_read_speed(disk, args.disk_io == "direct")
     progress("disk read speed " + (speed.describe() if speed else "not measured"))
     ttft = [(n, prompt(300_000 + 1000 * r + n, n)) for n in lengths for r in range(args.repeats)]
@@ -50,6 +53,8 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
     warm += [{"prompts": [prompt(400_000 + n, n)], "tag": ["warmup"]} for n in lengths]  # long-context first steps
     write = warm + [{"prompts": [p], "tag": ["recompute", n]} for n, p in ttft]
     write += [{"prompts": [prompt(7 + n, n)], "tag": ["write", n]} for n in lengths]
+    queue = [prompt(800_000 + i, max(lengths)) for i in range(args.disk_queue)]
+    write += [{"prompts": [p], "tag": ["write-queue"]} for p in queue]
     progress("engine disk-write: computes the disk prompts (written through to the disk tier)")
     written, _ = spawn(spec(write, config), tmp, "disk-write", timeout_s=900, multiprocess=True, module=CHILD)
     cache = drop_page_cache(disk)
@@ -59,10 +64,12 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
         read.append({"prompts": [p], "pause_s": args.settle_s, "tag": ["disk", n]})
         read.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["again", n]})
     read += [{"prompts": [prompt(7 + n, n)], "max_tokens": CHECK_TOKENS, "tag": ["check-disk", n]} for n in lengths]
+    read += [{"prompts": queue, "pause_s": args.settle_s, "tag": ["queue", max(lengths)]}] if queue else []
     out, log = spawn(spec(read, config), tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD,
                      env={"KVTIER_LOG_LEVEL": "DEBUG"})
     ms = rows_ms(write, written) | rows_ms(read, out)
     result = disk_result(_card(args.tp), vllm_version(), lengths, args.repeats, args.disk_io, speed, cache, ms)
+    result["queue"] = queue_result(out["rounds"][-1], max(lengths), log) if queue else None
     result["medium"], result["plans"] = medium(disk), plan_lines(log)
     for line in result["plans"]:
         progress("engine disk: " + line)
@@ -77,6 +84,28 @@ def plan_lines(log: str, limit: int = 60) -> list[str]:
     """The fresh engine's word on each load (kvtier's DEBUG lines: what each request loaded from which
     tier, or why it loaded nothing), at most ``limit`` of them, in order."""
     return [m.group(1) for m in map(_PLAN.search, log.splitlines()) if m][:limit]
+
+
+_LOADED = re.compile(r"kvtier: request (\S+) (?:loaded \d+ of \d+ blocks \(([^)]*)\)|loads nothing of )")
+_TOKENS = re.compile(r"(\d+) tokens from (\w+)")
+
+
+def queue_result(round_out: dict, length: int, log: str) -> dict:
+    """The queue round (``--disk-queue`` prompts of ``length`` tokens on disk, arriving at once):
+    ``{"requests": n, "tokens": length, "seconds": until the last one's first token, "tiers": per
+    request in arrival order, "cpu" | "disk" | "cpu+disk" | "none" (recomputed), from its first
+    load line in ``log``, "transfers": tokens per tier the engine reported for the round}``."""
+    lines = [(m.group(1), dict((t, int(n)) for n, t in _TOKENS.findall(m.group(2) or "")))
+             for m in map(_LOADED.search, log.splitlines()) if m]
+    tiers = []
+    for output in round_out["outputs"]:
+        rid = output.get("id")
+        first = next((tokens for line_id, tokens in lines if rid and (line_id == rid or line_id.startswith(rid + "-"))),
+                     None)
+        tiers.append("?" if first is None else "+".join(t for t in ("cpu", "disk") if first.get(t)) or "none")
+    moved = round_out.get("transfers") or {}
+    return {"requests": len(round_out["outputs"]), "tokens": length, "seconds": round_out["seconds"], "tiers": tiers,
+            "transfers": {tier: moved.get(f"hit_tokens_{tier}", 0) for tier in ("cpu", "disk")}}
 
 
 def medium(path: str) -> str:
@@ -160,6 +189,11 @@ def format_table(result: dict) -> str:
         ratio = (f"{med['first_sight_ms'] / med['recompute_ms']:.2f}" if med["first_sight_ms"] and med["recompute_ms"]
                  else "-")
         lines.append(f"{n:>6} " + " ".join(f"{c:>18}" for c in cells) + f" {ratio:>23}")
+    if queue := result.get("queue"):
+        moved = queue["transfers"]
+        lines.append(f"queue: {queue['requests']} prompts of {queue['tokens']} tokens on disk at once, last first token "
+                     f"after {queue['seconds']:.2f} s; loaded from, in arrival order: {', '.join(queue['tiers'])} "
+                     f"({moved['cpu']} tokens from cpu, {moved['disk']} from disk)")
     return "\n".join(lines)
 
 

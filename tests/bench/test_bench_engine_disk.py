@@ -37,15 +37,20 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
 
     def spawn(spec, workdir, name, **kw):
         specs.append((name, spec))
-        return {"rounds": [{"seconds": 0.001 * (i + 1), "outputs": [{"tokens": [1], "cached": 0}]}
-                           for i in range(len(spec["rounds"]))]}, ""
+        rounds = [{"seconds": 0.001 * (i + 1), "outputs": [{"tokens": [1], "cached": 0, "id": f"{i}.{j}"}
+                                                           for j in range(len(r["prompts"]))]}
+                  for i, r in enumerate(spec["rounds"])]
+        rounds[-1]["transfers"] = {"hit_tokens_cpu": 128, "hit_tokens_disk": 128}
+        last = len(rounds) - 1  # the queue's: one loaded from disk, one from the CPU tier it was promoted to
+        return {"rounds": rounds}, (f"kvtier: request {last}.0-ab12 loaded 8 of 8 blocks (128 tokens from disk) in 3 ms\n"
+                                    f"kvtier: request {last}.1-cd34 loaded 8 of 8 blocks (128 tokens from cpu) in 1 ms\n")
 
     monkeypatch.setattr(engine_disk, "spawn", spawn)
     monkeypatch.setattr(engine_disk, "disk_read_speed", lambda disk, direct: SPEED)
     monkeypatch.setattr(engine_disk, "drop_page_cache", lambda path: fabricated()["page_cache"])
     monkeypatch.setattr(engine_disk, "_card", lambda tp: "h200")
     monkeypatch.setattr(engine_disk, "vllm_version", lambda: "0.33.0")
-    args = argparse.Namespace(repeats=2, disk_io="direct", settle_s=0.5, tp=1, disk_dir=None)
+    args = argparse.Namespace(repeats=2, disk_io="direct", settle_s=0.5, tp=1, disk_dir=None, cpu_gib=4, disk_queue=2)
     prompt = lambda seed, n: [seed % 1000] * n  # noqa: E731
     read, out, result = engine_disk.run(args, [64, 128], prompt, lambda rounds, kvtier: {"rounds": rounds,
                                         "kvtier": kvtier}, str(tmp_path), lambda line: None)
@@ -62,6 +67,12 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
     assert not set(map(tuple, warm)) & set(map(tuple, (r["prompts"][0] for r in specs[0][1]["rounds"])))
     assert result["disk_read_bytes_per_s"] == SPEED.bytes_per_s and result["page_cache"]["dropped"]
     assert result["medium"] != "unknown"  # the file system the disk tier was on
+    queue = [r["prompts"] for r in read if r["tag"][0] == "queue"]
+    assert len(queue) == 1 and len(queue[0]) == 2 and all(len(p) == 128 for p in queue[0])
+    assert sum(r["tag"] == ["write-queue"] for r in specs[0][1]["rounds"]) == 2  # written first, by the other engine
+    assert result["queue"]["tiers"] == ["disk", "cpu"] and result["queue"]["transfers"] == {"cpu": 128, "disk": 128}
+    assert specs[1][1]["kvtier"]["cpu_bytes"] == 4 << 30
+    assert "loaded from, in arrival order: disk, cpu" in engine_disk.format_table(result)
     json.dumps(result)
 
 
