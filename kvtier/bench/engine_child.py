@@ -14,10 +14,13 @@ profiler, its traces go to ``profile_dir/tag``, see :mod:`kvtier.bench.engine_pr
 ``{"sessions": [[ids]], "turns": [[[ids] per session] per round], "max_tokens": int}`` (a
 multi-turn chat: every round sends all sessions at once; a session's next prompt is its last
 prompt, the tokens it got back and the new user turn; with ``profile``, one more turn, not
-measured, runs under the profiler).
+measured, runs under the profiler). A round may also carry ``"until_files": {"dir": path,
+"count": n, "timeout_s": s}``: after its call, it waits until ``dir`` holds ``n`` files of one size
+(a disk tier's write-through has landed: nothing of it is lost when the engine ends) or ``timeout_s``
+passed; the round's ``files`` says what it found.
 
 RESULT: ``{"start_s": seconds to build the engine, "hybrid": whether vLLM kept its hybrid KV cache
-manager on (None: this vLLM does not say), "rounds": [{"seconds", "outputs": [{"tokens", "cached"}],
+manager on (None: this vLLM does not say), "rounds": [{"seconds", "outputs": [{"tokens", "cached", "id"}],
 "transfers"}], "profiles": {tag: [trace paths]}}``; a multi-turn round gives one entry per chat round,
 with its ``prompt_tokens`` (summed over the sessions).
 
@@ -160,7 +163,22 @@ def run_child(spec: dict) -> dict:
         result["rounds"].append({"seconds": seconds, "transfers": moved, "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0, "id": o.request_id}
             for o in outs]})
+        if "until_files" in rnd:
+            result["rounds"][-1]["files"] = wait_for_files(**rnd["until_files"])
     return result
+
+
+def wait_for_files(dir: str, count: int, timeout_s: float) -> dict:  # noqa: A002 - the spec's key
+    """Wait until ``dir`` holds ``count`` files (or more), all of one size, or ``timeout_s`` passed;
+    ``{"files": n, "sizes": distinct sizes, "waited_s": s, "landed": bool}``."""
+    start = time.monotonic()
+    while True:
+        sizes = [os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(dir) for name in names]
+        landed = len(sizes) >= count and len(set(sizes)) <= 1
+        if landed or time.monotonic() - start > timeout_s:
+            return {"files": len(sizes), "sizes": len(set(sizes)), "waited_s": round(time.monotonic() - start, 1),
+                    "landed": landed}
+        time.sleep(0.2)  # polling the files the engine's disk tier writes
 
 
 if __name__ == "__main__":

@@ -4,15 +4,15 @@ from the disk tier by a fresh engine, against computing it, with the page cache 
 Steps: the disk's own read speed is measured on the disk tier's directory, the way a worker's
 speed probe measures it at start (``ChunkStore.disk_read_speed``: a scratch file, buffered or
 O_DIRECT as ``--disk-io`` says); an engine with a disk tier computes the prompts (``recompute_ms``:
-their TTFT, kvtier saving them through to disk) and exits; their chunk files leave the page cache
-(:func:`drop_page_cache`: ``/proc/sys/vm/drop_caches`` where this process may write it, else
-``POSIX_FADV_DONTNEED`` per file, then the pages still resident are counted); a fresh engine on
-the same directory serves each prompt (``first_sight_ms``: its chunks read from disk), then the
-same prompt again after ``reset_prefix_cache()`` (``again_ms``: the chunks the first sight
-promoted, a CPU-tier hit). With ``--disk-queue N``, N more prompts of the longest length are
-written, and the fresh engine gets them last, all at once: ``queue`` says which tier each one's
-load came from (those that wait should find their chunks promoted to the CPU tier meanwhile).
-The CPU tier is ``--cpu-gib``.
+their TTFT, kvtier saving them through to disk) and ends once the directory holds every chunk
+file (the write-through landed); their chunk files leave the page cache (:func:`drop_page_cache`:
+``/proc/sys/vm/drop_caches`` where this process may write it, else ``POSIX_FADV_DONTNEED`` per
+file, then the pages still resident are counted); a fresh engine on the same directory serves
+each prompt (``first_sight_ms``: its chunks read from disk), then the same prompt again after
+``reset_prefix_cache()`` (``again_ms``: the chunks the first sight promoted, a CPU-tier hit).
+With ``--disk-queue N``, N more prompts of the longest length are written, and the fresh engine
+gets them last, all at once: ``queue`` says which tier each one's load came from (those that wait
+should find their chunks promoted to the CPU tier meanwhile). The CPU tier is ``--cpu-gib``.
 
 The result (:func:`disk_result`), ``{length: [ms, ...]}`` per row, is written on its own as
 ``disk-<card>-<release>.json`` (:func:`result_name`) beside its table as ``.txt``.
@@ -34,6 +34,7 @@ from kvtier.bench.ttft import spawn
 
 CHILD = "kvtier.bench.engine_child"
 CHECK_TOKENS = 16
+CHUNK_TOKENS = 256  # kvtier's chunk_tokens, left at its default by the bench
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 ROWS = (("recompute_ms", "recompute"), ("first_sight_ms", "first sight (disk)"), ("again_ms", "again (cpu)"))
 
@@ -55,8 +56,11 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
     write += [{"prompts": [prompt(7 + n, n)], "tag": ["write", n]} for n in lengths]
     queue = [prompt(800_000 + i, max(lengths)) for i in range(args.disk_queue)]
     write += [{"prompts": [p], "tag": ["write-queue"]} for p in queue]
+    write[-1]["until_files"] = {"dir": disk, "count": chunk_files(write, CHUNK_TOKENS), "timeout_s": 600}
     progress("engine disk-write: computes the disk prompts (written through to the disk tier)")
     written, _ = spawn(spec(write, config), tmp, "disk-write", timeout_s=900, multiprocess=True, module=CHILD)
+    if not (files := written["rounds"][-1].get("files", {})).get("landed"):
+        progress(f"the write-through had not landed when the writing engine ended: {files}; first sights may recompute")
     cache = drop_page_cache(disk)
     progress("page cache: " + describe_drop(cache) + "; engine disk (fresh, same directory)")
     read = [{**r, "prompts": [prompt(500_000 + i, len(r["prompts"][0]))]} for i, r in enumerate(warm)]  # not on disk
@@ -84,6 +88,13 @@ def plan_lines(log: str, limit: int = 60) -> list[str]:
     """The fresh engine's word on each load (kvtier's DEBUG lines: what each request loaded from which
     tier, or why it loaded nothing), at most ``limit`` of them, in order."""
     return [m.group(1) for m in map(_PLAN.search, log.splitlines()) if m][:limit]
+
+
+def chunk_files(rounds: list[dict], chunk_tokens: int) -> int:
+    """How many chunk files the disk tier holds once ``rounds``' prompts are all written: their
+    distinct prompts' whole chunks (random prompts share no chunk)."""
+    prompts = {tuple(p) for r in rounds for p in r["prompts"]}
+    return sum(len(p) // chunk_tokens for p in prompts)
 
 
 _LOADED = re.compile(r"kvtier: request (\S+) (?:loaded \d+ of \d+ blocks \(([^)]*)\)|loads nothing of )")

@@ -4,6 +4,7 @@ and the JSON they make (engines faked), the file name, the table, and the page c
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 
@@ -11,6 +12,7 @@ import pytest
 
 from kvtier.bench import engine_disk
 from kvtier.bench.cli import build_parser
+from kvtier.config import KvtierConfig
 from kvtier.storage import DiskSpeed
 
 SPEED = DiskSpeed(16 << 20, 0.01, 1, "scratch", True)
@@ -73,6 +75,10 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
     assert result["queue"]["tiers"] == ["disk", "cpu"] and result["queue"]["transfers"] == {"cpu": 128, "disk": 128}
     assert specs[1][1]["kvtier"]["cpu_bytes"] == 4 << 30
     assert "loaded from, in arrival order: disk, cpu" in engine_disk.format_table(result)
+    # the writing engine ends once every chunk file it wrote is on disk: none of the write-through is lost
+    last = specs[0][1]["rounds"][-1]
+    assert last["until_files"]["count"] == engine_disk.chunk_files(specs[0][1]["rounds"], engine_disk.CHUNK_TOKENS)
+    assert engine_disk.CHUNK_TOKENS == next(f.default for f in dataclasses.fields(KvtierConfig) if f.name == "chunk_tokens")
     json.dumps(result)
 
 
@@ -119,3 +125,19 @@ def test_drop_page_cache_reports_what_stays_resident(tmp_path, monkeypatch):
     assert report["dropped"] == (report["resident_bytes"] == 0)
     assert report["dropped"] or "not writable" in report["problem"]
     assert engine_disk.resident_bytes(str(path)) == report["resident_bytes"]
+
+
+def test_chunk_files_counts_each_distinct_prompts_whole_chunks():
+    rounds = [{"prompts": [[1] * 1024]}, {"prompts": [[1] * 1024]}, {"prompts": [[2] * 600, [3] * 256]}]
+    assert engine_disk.chunk_files(rounds, 256) == 4 + 2 + 1  # the repeated prompt once; 600 tokens: 2 whole chunks
+
+
+def test_the_engine_child_waits_for_a_directory_of_whole_files(tmp_path):
+    from kvtier.bench.engine_child import wait_for_files
+
+    (tmp_path / "a").write_bytes(b"x" * 8)
+    (tmp_path / "b").write_bytes(b"x" * 3)  # still being written
+    assert wait_for_files(str(tmp_path), 2, 0.3)["landed"] is False
+    (tmp_path / "b").write_bytes(b"x" * 8)
+    found = wait_for_files(str(tmp_path), 2, 5)
+    assert found["landed"] and found["files"] == 2 and found["sizes"] == 1
