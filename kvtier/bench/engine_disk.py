@@ -56,7 +56,8 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
     write += [{"prompts": [prompt(7 + n, n)], "tag": ["write", n]} for n in lengths]
     queue = [prompt(800_000 + i, max(lengths)) for i in range(args.disk_queue)]
     write += [{"prompts": [p], "tag": ["write-queue"]} for p in queue]
-    write[-1]["until_files"] = {"dir": disk, "count": chunk_files(write, CHUNK_TOKENS), "timeout_s": 600}
+    files = chunk_files(write, CHUNK_TOKENS) * args.tp  # each rank writes its piece of a chunk
+    write[-1]["until_files"] = {"dir": disk, "count": files, "timeout_s": 600}
     progress("engine disk-write: computes the disk prompts (written through to the disk tier)")
     written, _ = spawn(spec(write, config), tmp, "disk-write", timeout_s=900, multiprocess=True, module=CHILD)
     if not (files := written["rounds"][-1].get("files", {})).get("landed"):

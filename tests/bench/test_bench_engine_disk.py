@@ -52,7 +52,7 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
     monkeypatch.setattr(engine_disk, "drop_page_cache", lambda path: fabricated()["page_cache"])
     monkeypatch.setattr(engine_disk, "_card", lambda tp: "h200")
     monkeypatch.setattr(engine_disk, "vllm_version", lambda: "0.33.0")
-    args = argparse.Namespace(repeats=2, disk_io="direct", settle_s=0.5, tp=1, disk_dir=None, cpu_gib=4, disk_queue=2)
+    args = argparse.Namespace(repeats=2, disk_io="direct", settle_s=0.5, tp=2, disk_dir=None, cpu_gib=4, disk_queue=2)
     prompt = lambda seed, n: [seed % 1000] * n  # noqa: E731
     read, out, result = engine_disk.run(args, [64, 128], prompt, lambda rounds, kvtier: {"rounds": rounds,
                                         "kvtier": kvtier}, str(tmp_path), lambda line: None)
@@ -77,7 +77,7 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
     assert "loaded from, in arrival order: disk, cpu" in engine_disk.format_table(result)
     # the writing engine ends once every chunk file it wrote is on disk: none of the write-through is lost
     last = specs[0][1]["rounds"][-1]
-    assert last["until_files"]["count"] == engine_disk.chunk_files(specs[0][1]["rounds"], engine_disk.CHUNK_TOKENS)
+    assert last["until_files"]["count"] == engine_disk.chunk_files(specs[0][1]["rounds"], engine_disk.CHUNK_TOKENS) * args.tp
     assert engine_disk.CHUNK_TOKENS == next(f.default for f in dataclasses.fields(KvtierConfig) if f.name == "chunk_tokens")
     json.dumps(result)
 
