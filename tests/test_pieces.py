@@ -65,9 +65,9 @@ def test_a_load_reads_ahead_the_pieces_it_will_join_else_its_own_chunk(store):
     own = storage_key(KEY, half.fingerprint)
     other = storage_key(bytes(16), half.fingerprint)
     # TP=1's whole piece holds rank 1's heads; nothing is stored for the other key
-    assert list(to_read(half, store, [KEY, bytes(16)], [own, other])) == writers + [other]
+    assert list(to_read(half, store, [KEY, bytes(16)])) == writers + [other]
     assemble(half, store, KEY, len(IDS), lambda keys: None).release()
-    assert list(to_read(half, store, [KEY], [own])) == [own]  # joined once: its own chunk from then on
+    assert list(to_read(half, store, [KEY])) == [own]  # joined once: its own chunk from then on
 
 
 def test_a_corrupt_piece_is_removed_and_the_chunk_is_missing(store, caplog):

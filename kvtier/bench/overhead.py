@@ -127,7 +127,6 @@ def run(args, progress) -> OverheadResult:
     return result
 
 
-
 def format_table(result: OverheadResult, args) -> str:
     med = {e: statistics.median(v) for e, v in result.tokens_per_s.items()}
     ratio = med["kvtier"] / med["none"]

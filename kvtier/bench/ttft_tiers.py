@@ -134,7 +134,6 @@ def _spec(args, model: str, disk: str, rounds: list[dict], max_len: int) -> dict
             "kv_bytes": kv_bytes, "max_model_len": max_len + 64, "rounds": rounds}
 
 
-
 def run(args, lengths: list[int], kinds: list[str], progress) -> TtftResult:
     result = TtftResult(lengths, args.repeats)
     max_len = max(lengths)

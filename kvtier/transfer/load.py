@@ -172,7 +172,7 @@ class LoadSide:
         launched, begin = 0, None
         local = job.keys if job.remote is None else job.keys[: job.remote.first_chunk]
         if len(local) > 1:  # disk-resident chunks (or other TP sizes' pieces): read ahead all at once
-            self.store.will_need(pieces.to_read(self.layout, self.store, list(local), [self.skey(k) for k in local]))
+            self.store.will_need(pieces.to_read(self.layout, self.store, local))
         ids = self.ids(job.block_ids)  # one host-to-device copy, before any chunk copy is in flight
         try:
             for i, key in enumerate(local):

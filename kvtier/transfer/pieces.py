@@ -15,7 +15,7 @@ Buffers: each piece's buffer comes from ``store.get`` and is released here; the 
 from __future__ import annotations
 
 import logging
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 from kvtier import codec
 from kvtier.keys import storage_key
@@ -43,12 +43,13 @@ def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,
     return None
 
 
-def to_read(layout: Layout, store: ChunkStore, keys: list[bytes], own_keys: list[bytes]) -> Iterator[bytes]:
-    """Storage keys a load of chain keys ``keys`` (storage keys ``own_keys``) reads, in order: for
-    each, its own chunk where a local tier holds it, else the pieces :func:`assemble` would join (of
-    the first way the local tiers hold whole), else its own key (none of it stored here). What a
-    load names to its disk tier's read-ahead; lazy, so nothing is looked up where none is read."""
-    for key, own in zip(keys, own_keys):
+def to_read(layout: Layout, store: ChunkStore, keys: Sequence[bytes]) -> Iterator[bytes]:
+    """Storage keys a load of chain keys ``keys`` reads, in order: for each, its own chunk where a
+    local tier holds it, else the pieces :func:`assemble` would join (of the first way the local
+    tiers hold whole), else its own key (none of it stored here). What a load names to its disk
+    tier's read-ahead; lazy, so nothing is looked up where none is read."""
+    for key in keys:
+        own = storage_key(key, layout.fingerprint)
         held = None if store.contains(own) is not None else _held_way(store, _ways(layout, key))
         yield from [own] if held is None else held[1]
 
