@@ -54,3 +54,22 @@ def test_keys_past_the_bound_are_dropped():
         assert promoter.wait_idle(10) and len(store.reads) == 3
     finally:
         promoter.close()
+
+
+def test_the_latest_submission_goes_first_each_in_order():
+    """A step's keys (prompts further back in the queue) before an earlier step's that are still queued."""
+    earlier, later = [b"a1", b"a2", b"a3"], [b"b1", b"b2"]
+    store, busy = StubStore(earlier + later), threading.Event()
+    busy.set()
+    promoter = Promoter(store, chunk_bytes=100, max_bytes=1000, busy=busy.is_set)
+    try:
+        promoter.submit(earlier)
+        promoter.submit(later)
+        busy.clear()
+        assert promoter.wait_idle(10)
+    finally:
+        promoter.close()
+    reads = store.reads
+    assert sorted(reads) == sorted(earlier + later)
+    # (the thread may have taken a1 before the later keys came)
+    assert reads.index(b"b2") < reads.index(b"a2") < reads.index(b"a3") and reads.index(b"b1") < reads.index(b"b2")

@@ -2,7 +2,11 @@
 in the background, so the prompt's next sight is a CPU hit.
 
 Lowest priority of the rank's work: one thread, nicer than the save thread, that reads a chunk
-only while no load runs and no save is pending (``busy``), one chunk at a time. A read is the
+only while no load runs and no save is pending (``busy``), one chunk at a time. The latest
+submission goes first, its keys in order: a step's keys are those of prompts further back in the
+queue than the last step's, which have longer to wait, so they are the ones a promotion can still
+reach before their turn (behind a slow disk, a burst of prompts would otherwise be promoted in
+the order they are recomputed, each too late). A read is the
 store's own: :meth:`ChunkStore.get` promotes a disk chunk into CPU (and reports it), and the
 buffer is released at once. Bounded: at most ``max_bytes`` of chunks queued or being read; keys
 beyond that are dropped and counted (a later sight of the prompt asks again).
@@ -37,7 +41,7 @@ class Promoter:
         self.store, self.busy = store, busy
         self.max_chunks = max(1, max_bytes // max(1, chunk_bytes))
         self.promoted = self.dropped = 0  # chunks read into CPU; keys dropped (queue full)
-        self._queue: deque[bytes] = deque()
+        self._queue: deque[deque[bytes]] = deque()  # submissions, the latest last; each its keys in order
         self._queued: set[bytes] = set()
         self._reading = 0  # chunks taken from the queue and not yet read
         self._cond = threading.Condition()
@@ -48,20 +52,20 @@ class Promoter:
     def submit(self, keys: Iterable[bytes]) -> int:
         """Queue storage ``keys`` for promotion (those queued already are skipped); returns how many
         were queued. Never waits. Any thread."""
-        queued = 0
+        batch: deque[bytes] = deque()
         with self._cond:
             for key in keys:
                 if key in self._queued:
                     continue
-                if len(self._queue) + self._reading >= self.max_chunks:
+                if len(self._queued) + self._reading >= self.max_chunks:
                     self.dropped += 1
                     continue
-                self._queue.append(key)
+                batch.append(key)
                 self._queued.add(key)
-                queued += 1
-            if queued:
+            if batch:
+                self._queue.append(batch)
                 self._cond.notify()
-        return queued
+        return len(batch)
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Wait until nothing is queued or being read (False after ``timeout_s`` seconds)."""
@@ -87,7 +91,9 @@ class Promoter:
                 self._cond.wait_for(lambda: self._queue or self._closing)
                 if self._closing:
                     return
-                key = self._queue.popleft()
+                key = self._queue[-1].popleft()  # the latest submission first
+                if not self._queue[-1]:
+                    self._queue.pop()
                 self._queued.discard(key)
                 self._reading += 1
             try:

@@ -66,8 +66,9 @@ def test_prompts_waiting_unreached_have_their_disk_chunks_promoted_before_their_
     h.drain()
     assert h.stats.plans["LOAD"] == 0, h.stats.plans  # every disk hit vetoed: each prompt waited its turn
     assert [r for r in ids if ahead(h, steps, r)] == ids[1:]  # the head had its turn at once
-    # vLLM asked only about the head: the others were looked up, a few a step, from the step after on
-    assert steps[1][0] == [k for r in ids[1 : 1 + scheduler.LOOKUPS_PER_STEP] for k in h.keys[r]]
+    # vLLM asked only about the head: the others were looked up, a few a step, from the step after on,
+    # those further back in the queue first (they wait longer), each prompt's chunks in order
+    assert steps[1][0] == [k for r in reversed(ids[1 : 1 + scheduler.LOOKUPS_PER_STEP]) for k in h.keys[r]]
 
 
 def test_negative_control_nothing_is_looked_up_ahead_without_a_disk_tier(queued):

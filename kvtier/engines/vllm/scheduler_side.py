@@ -406,8 +406,9 @@ class SchedulerSide:
         return tracked.transfer_id, tuple(tracked.keys + ([tracked.tail] if tracked.tail is not None else []))
 
     def promote(self, keys: list[bytes]) -> None:
-        """Read these disk chunks into the CPU tier from the next step on (lowest priority: :mod:`kvtier.transfer.promote`)."""
-        self._promotes += keys
+        """Read these disk chunks of a prompt still waiting into the CPU tier from the next step on (lowest priority:
+        :mod:`kvtier.transfer.promote`), before the step's earlier ones: a prompt looked at later waits longer."""
+        self._promotes[:0] = keys
 
     def endpoints(self) -> list[str]:
         """This engine's P/D chunk servers, asked again while unknown (a rank may announce its own late)."""
