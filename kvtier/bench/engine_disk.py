@@ -121,18 +121,11 @@ def queue_result(round_out: dict, length: int, log: str) -> dict:
 
 
 def medium(path: str) -> str:
-    """The file system type ``path`` lies on (the longest mount point above it in ``/proc/mounts``),
-    e.g. ``ext4``, ``tmpfs``; ``unknown`` where that cannot be read."""
-    path, best, kind = os.path.realpath(path), "", "unknown"
-    try:
-        with open("/proc/mounts") as mounts:
-            for line in mounts:
-                point, fs = line.split()[1:3]
-                if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > len(best):
-                    best, kind = point, fs
-    except OSError:
-        pass
-    return kind
+    """The file system type ``path`` lies on, as the disk tier sees it (e.g. ``ext4``, ``tmpfs``;
+    ``unknown`` where that cannot be read)."""
+    from kvtier.storage import file_system
+
+    return file_system(path)
 
 
 def disk_read_speed(disk: str, o_direct: bool):
@@ -168,7 +161,9 @@ def result_name(card: str, release: str, medium: str = "") -> str:
     for a disk tier on a ``medium`` of memory (tmpfs, ramfs)."""
     parts = release.split(".")
     tag = f"v{parts[0]}{int(parts[1]):02d}" if len(parts) > 1 and parts[0].isdigit() and parts[1].isdigit() else release
-    return f"disk-{card}-{tag}" + ("-tmpfs" if medium in ("tmpfs", "ramfs") else "")
+    from kvtier.storage import MEMORY_FILE_SYSTEMS
+
+    return f"disk-{card}-{tag}" + ("-tmpfs" if medium in MEMORY_FILE_SYSTEMS else "")
 
 
 def write(result: dict, directory: str) -> str:

@@ -29,10 +29,11 @@ WHOLE_FILE = 1 << 40  # part_bytes of a reader that reads each file in one reque
 MEMORY_FILE_SYSTEMS = ("tmpfs", "ramfs")  # no device behind their page cache
 
 
-def memory_backed(path: str) -> bool:
-    """Whether ``path`` lies on a file system held in memory (:data:`MEMORY_FILE_SYSTEMS`, by the
-    mount table): its reads are copies, faster on several cores than on one."""
-    real, best, kind = os.path.realpath(path), "", ""
+def file_system(path: str) -> str:
+    """The type of the file system ``path`` lies on (that of the longest mount point above it in
+    the mount table, the last one mounted there), e.g. ``ext4``, ``tmpfs``; ``unknown`` where the
+    mount table cannot be read."""
+    real, best, kind = os.path.realpath(path), "", "unknown"
     try:
         with open("/proc/self/mounts") as mounts:
             for line in mounts:
@@ -41,8 +42,14 @@ def memory_backed(path: str) -> bool:
                         and len(fields[1]) >= len(best):
                     best, kind = fields[1], fields[2]
     except OSError:
-        return False
-    return kind in MEMORY_FILE_SYSTEMS
+        return "unknown"
+    return kind
+
+
+def memory_backed(path: str) -> bool:
+    """Whether ``path`` lies on a file system held in memory (:data:`MEMORY_FILE_SYSTEMS`, by the
+    mount table): its reads are copies, faster on several cores than on one."""
+    return file_system(path) in MEMORY_FILE_SYSTEMS
 
 
 def size_problem(path: str, nbytes: int) -> str | None:
