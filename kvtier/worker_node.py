@@ -43,7 +43,7 @@ from kvtier.pd.protocol import Hello
 from kvtier.pd.producer.server import ChunkServer, ServedLayout
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker
-from kvtier.transfer.promote import Promoter
+from kvtier.transfer.promote import Promoter, beside_loads
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +157,10 @@ class WorkerNode:
             for other, blocks in zip(layouts[1:], chunk_blocks[1:]))]
         # Measured before the first lookup is answered, so that it already carries the disk's figure.
         disk = store.disk_read_speed() if disk_path else None
-        if disk_path:  # an eighth of the CPU tier at most, after every load and save
-            self.promoter = Promoter(store, self.transfers.chunk_bytes, config.cpu_bytes // 8, lambda: any(
-                t.loads.running() or t.pending_save_bytes() for t in self.group_transfers))
+        if disk_path:  # half the CPU tier at most, after every save (and load, unless the disk has room for both)
+            yields_to_loads = not beside_loads(disk)
+            self.promoter = Promoter(store, self.transfers.chunk_bytes, config.cpu_bytes // 2, lambda: any(
+                (yields_to_loads and t.loads.running()) or t.pending_save_bytes() for t in self.group_transfers))
         if disk is not None:
             self.transfers.seed_read_speed("disk", disk.bytes_per_s)
         pd = "no P/D chunk server (kv_consumer)"

@@ -6,8 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
-from kvtier.storage import Tier
-from kvtier.transfer.promote import Promoter
+from kvtier.storage import DiskSpeed, Tier
+from kvtier.transfer.promote import Promoter, beside_loads
 
 
 class StubStore:
@@ -18,7 +18,8 @@ class StubStore:
     def contains(self, key):
         return self.tiers.get(key)
 
-    def get(self, key):
+    def get(self, key, background=False):
+        assert background  # promotions read on the disk tier's second reader
         self.reads.append(key)
         self.tiers[key] = Tier.CPU
         store = self
@@ -73,3 +74,13 @@ def test_the_latest_submission_goes_first_each_in_order():
     assert sorted(reads) == sorted(earlier + later)
     # (the thread may have taken a1 before the later keys came)
     assert reads.index(b"b2") < reads.index(b"a2") < reads.index(b"a3") and reads.index(b"b1") < reads.index(b"b2")
+
+
+def test_only_a_disk_with_room_to_spare_is_read_beside_loads():
+    def speed(gb_per_s, memory=False):
+        return DiskSpeed(int(gb_per_s * 1e9), 1.0, 1, "scratch", False, memory)
+
+    assert not beside_loads(None)  # not measured: the loads' alone
+    assert not beside_loads(speed(1.5))  # the device's disk: promotions would slow the loads they wait for
+    assert beside_loads(speed(1.5, memory=True))  # a tmpfs: copies, whatever the probe's few files said
+    assert beside_loads(speed(12))  # NVMe RAID

@@ -3,6 +3,7 @@ lookup index and loads it back into other blocks; and importing it loads no vLLM
 
 from __future__ import annotations
 
+import os
 import socket
 import subprocess
 import sys
@@ -150,3 +151,49 @@ def test_a_disk_chunk_named_for_promotion_ends_up_in_the_cpu_tier(tmp_path):
         assert node.promoter.promoted == 1
     finally:
         node.close()
+
+
+@pytest.mark.parametrize("medium", ["tmpfs", "disk"])
+def test_promotions_read_beside_loads_only_where_the_disk_has_room_for_both(tmp_path, medium):
+    """Behind a tmpfs a burst's loads run back to back: promotions read beside them. Behind a disk
+    they wait for the loads (a load stands running here for the whole test)."""
+    import shutil
+    import tempfile
+
+    from kvtier.storage import Tier
+    from kvtier.storage._direct import memory_backed
+
+    if medium == "tmpfs" and not (os.path.isdir("/dev/shm") and memory_backed("/dev/shm")):
+        pytest.skip("no tmpfs at /dev/shm")
+    if medium == "disk" and memory_backed(str(tmp_path)):
+        pytest.skip("the test directory is on a tmpfs here")
+    disk = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-test-") if medium == "tmpfs" else str(tmp_path / "disk")
+    kv = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8)
+    layout = build_layout({f"layer.{i}": kv[i] for i in range(2)}, BLOCK, NUM_BLOCKS, model="tiny")
+    config = KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24, disk_path=disk)
+    keys = chunk_keys(list(range(2 * CHUNK)), CHUNK, b"root")
+
+    def start(name):
+        return WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1,
+                          endpoint=f"ipc://{tmp_path}/{name}.sock", produce=False, engine="a test")
+
+    try:
+        node = start("first")
+        try:
+            node.save((SaveJob("a", tuple(keys), (3, 4, 5, 6)),))
+            assert node.settle()
+        finally:
+            node.close()
+        node = start("second")
+        try:
+            node.transfers.loads.running = lambda: 1
+            node.start_loads((), promotes=(keys[1],))
+            promoted = node.promoter.wait_idle(10 if medium == "tmpfs" else 0.5)
+            assert promoted is (medium == "tmpfs")
+            assert node.store.contains(node.transfers.skey(keys[1])) is (Tier.CPU if promoted else Tier.DISK)
+            node.transfers.loads.running = lambda: 0
+        finally:
+            node.close()
+    finally:
+        if medium == "tmpfs":
+            shutil.rmtree(disk, ignore_errors=True)

@@ -42,8 +42,10 @@ class DiskTier:
     ``config.o_direct``, else through the page cache, and so once the file system refuses O_DIRECT)
     and, with O_DIRECT or on a file system in memory (tmpfs), reads each file in parallel parts and
     keeps a :class:`ReadAhead` that fills buffers from ``alloc(nbytes, wait_s)`` (the CPU pool's);
-    both end when LMCache closes the backend, before the CPU pool is freed. ``cpu``: the CPU
-    backend, asked which keys it holds so that read-ahead skips them.
+    both end when LMCache closes the backend, before the CPU pool is freed. Reads for no load
+    (``read(..., background=True)``: promotions) go to a second reader of the same kind, so that
+    a load's parts never queue behind theirs. ``cpu``: the CPU backend, asked which keys it holds
+    so that read-ahead skips them.
     """
 
     def __init__(self, backend: lm.LocalDiskBackend, config: StoreConfig, align: int, cpu: Any = None,
@@ -54,6 +56,7 @@ class DiskTier:
         # cache reads each file whole, as before, the kernel reading the whole load ahead (WILLNEED).
         parallel = config.o_direct or memory_backed(backend.path)
         self._reader = DirectReader(direct=config.o_direct, part_bytes=PART_BYTES if parallel else WHOLE_FILE)
+        self._background = DirectReader(direct=config.o_direct, part_bytes=self._reader.part_bytes)  # threads on first use
         self._ahead = None
         if parallel and cpu is not None and alloc is not None:
             self._ahead = ReadAhead(self._reader, backend, lambda n: alloc(n, 0.0), self._read_failed,
@@ -149,6 +152,7 @@ class DiskTier:
             self._ahead.close()
         if self._reader is not None:
             self._reader.close()
+            self._background.close()
         self._orig_close()
 
     def _changed(self, key: Any) -> None:
@@ -157,7 +161,7 @@ class DiskTier:
 
     # ------------------------------------------------------------------ reads and removal
 
-    def read(self, ek: Any, alloc: Callable[[int], Any]) -> Any:
+    def read(self, ek: Any, alloc: Callable[[int], Any], background: bool = False) -> Any:
         """The chunk read into ``alloc(nbytes)``'s buffer (+1 reference, the caller's), or None.
 
         Reads the file here rather than via LocalDiskBackend.get_blocking: that path allocates
@@ -165,6 +169,7 @@ class DiskTier:
         unread buffer) and drops the index entry without fixing the capacity accounting.
         None if the key is not on disk, ``alloc`` returns None, or the file is bad (then the
         entry and file are dropped with a warning). A chunk read ahead is taken as it is.
+        ``background``: a read no load waits for, on the tier's second reader.
         """
         if self._ahead is not None and (obj := self._ahead.claim(ek)) is not None:
             return obj
@@ -184,7 +189,7 @@ class DiskTier:
                 obj = alloc(nbytes)
                 if obj is None:
                     return None
-                problem = self._read_into(meta.path, obj.byte_array)
+                problem = self._read_into(meta.path, obj.byte_array, self._background if background else self._reader)
             if problem is None:
                 ok = True
                 return obj
@@ -273,17 +278,17 @@ class DiskTier:
         if self.drop(ek, meta):
             logger.warning("dropping disk chunk %s: %s", meta.path, problem)
 
-    def _read_into(self, path: str, buf: memoryview) -> str | None:
-        problem = self._reader.read(path, buf)
+    def _read_into(self, path: str, buf: memoryview, reader: DirectReader) -> str | None:
+        problem = reader.read(path, buf)
         if problem != NO_DIRECT:
             return problem
         self._buffered()
-        return self._reader.read(path, buf)
+        return reader.read(path, buf)
 
     def _buffered(self) -> None:
         """The file system refused O_DIRECT: read through the page cache from now on (said once)."""
         if self._reader.direct:
-            self._reader.direct = False
+            self._reader.direct = self._background.direct = False
             logger.warning("O_DIRECT reads are not supported under %s; reading through the page cache",
                            self.backend.path)
         if self._ahead is not None:

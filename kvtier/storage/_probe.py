@@ -25,6 +25,7 @@ blocks), so it is a lower bound on a disk load's time: a veto it supports is sou
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import mmap
 import os
@@ -33,7 +34,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from ._ahead import MAX_CHUNKS
-from ._direct import ALIGN, NO_DIRECT, DirectRead, DirectReader
+from ._direct import ALIGN, NO_DIRECT, DirectRead, DirectReader, memory_backed
 
 logger = logging.getLogger(__name__)
 
@@ -45,13 +46,16 @@ SCRATCH_BYTES = 16 << 20  # bytes of the scratch file an empty directory gets
 @dataclass(frozen=True, slots=True)
 class DiskSpeed:
     """``nbytes`` bytes read from ``files`` files in ``seconds`` (wall clock). ``source``:
-    ``"chunks"`` (the tier's own files) or ``"scratch"``; ``direct``: read with O_DIRECT."""
+    ``"chunks"`` (the tier's own files) or ``"scratch"``; ``direct``: read with O_DIRECT;
+    ``memory``: the files lie on a file system held in memory (tmpfs), whose reads are copies
+    that scale with cores (the probe's few files understate it)."""
 
     nbytes: int
     seconds: float
     files: int
     source: str
     direct: bool
+    memory: bool = False
 
     @property
     def bytes_per_s(self) -> float:
@@ -61,7 +65,8 @@ class DiskSpeed:
         """E.g. ``1.52 GB/s (64 MiB of 2 chunk files, O_DIRECT, 42 ms)``."""
         what = "chunk files" if self.source == "chunks" else "scratch file"
         return (f"{self.bytes_per_s / 1e9:.2f} GB/s ({self.nbytes / (1 << 20):.0f} MiB of {self.files} {what}, "
-                f"{'O_DIRECT' if self.direct else 'buffered'}, {self.seconds * 1e3:.0f} ms)")
+                f"{'O_DIRECT' if self.direct else 'buffered'}{', in memory' if self.memory else ''}, "
+                f"{self.seconds * 1e3:.0f} ms)")
 
 
 def measure_read_speed(directory: str, paths: list[str], o_direct: bool, max_bytes: int = MAX_BYTES,
@@ -84,7 +89,7 @@ def measure_read_speed(directory: str, paths: list[str], o_direct: bool, max_byt
         speed = _parallel_reads(paths, max_bytes, max_s, source, reader, direct)
         if speed is NO_DIRECT:  # refused: loads read through the page cache, and so does this
             speed = _parallel_reads(paths, max_bytes, max_s, source, None, False)
-        return speed
+        return dataclasses.replace(speed, memory=True) if speed is not None and memory_backed(directory) else speed
     finally:
         if scratch is not None:
             unlink_quietly(scratch)

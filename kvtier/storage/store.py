@@ -180,11 +180,12 @@ class ChunkStore:
             tiers.append(tier)
         return tiers
 
-    def get(self, key: bytes, cpu_only: bool = False) -> ChunkBuffer | None:
+    def get(self, key: bytes, cpu_only: bool = False, background: bool = False) -> ChunkBuffer | None:
         """The chunk's bytes, from CPU if there (refreshing its LRU position), else (unless
-        ``cpu_only``) from disk (promoting it into CPU). None if it is gone (evicted after contains,
-        its file vanished or was truncated), or if a disk chunk cannot get CPU room. The caller must
-        release() the buffer and must not write to it (the memory is the cached chunk itself)."""
+        ``cpu_only``) from disk (promoting it into CPU; ``background``: a read no load waits for, see
+        ``DiskTier``). None if it is gone (evicted after contains, its file vanished or was truncated),
+        or if a disk chunk cannot get CPU room. The caller must release() the buffer and must not
+        write to it (the memory is the cached chunk itself)."""
         self._check_open()
         ek = lm.engine_key(key, self._config)
         obj = self._sm.get(ek, location=lm.CPU_BACKEND)  # +1 reference, ours to give away
@@ -198,7 +199,7 @@ class ChunkStore:
             return None
         tier, obj = Tier.DISK, None
         if self._disk is not None:
-            obj = self._disk.read(ek, self._alloc_obj)
+            obj = self._disk.read(ek, self._alloc_obj, background)
         if obj is None and self._shared is not None:
             tier, obj = Tier.SHARED, self._shared.read(ek)
         if obj is None:

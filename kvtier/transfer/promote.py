@@ -2,13 +2,17 @@
 in the background, so the prompt's next sight is a CPU hit.
 
 Lowest priority of the rank's work: one thread, nicer than the save thread, that reads a chunk
-only while no load runs and no save is pending (``busy``), one chunk at a time. The latest
+only while no load runs and no save is pending (``busy``), one chunk at a time. On a medium with
+bandwidth to spare (:func:`beside_loads`: a tmpfs, or a disk the probe measured at
+:data:`FAST_BYTES_PER_S` or more) it reads beside loads too, on the disk tier's second reader:
+behind such a disk, loads of a burst of prompts run back to back, and a promoter that waited for
+them would never run ahead of the queue. The latest
 submission goes first, its keys in order: a step's keys are those of prompts further back in the
 queue than the last step's, which have longer to wait, so they are the ones a promotion can still
 reach before their turn (behind a slow disk, a burst of prompts would otherwise be promoted in
 the order they are recomputed, each too late). A read is the
-store's own: :meth:`ChunkStore.get` promotes a disk chunk into CPU (and reports it), and the
-buffer is released at once. Bounded: at most ``max_bytes`` of chunks queued or being read; keys
+store's own: :meth:`ChunkStore.get` (``background``) promotes a disk chunk into CPU (and reports
+it), and the buffer is released at once. Bounded: at most ``max_bytes`` of chunks queued or being read; keys
 beyond that are dropped and counted (a later sight of the prompt asks again).
 """
 
@@ -21,12 +25,20 @@ import time
 from collections import deque
 from typing import Callable, Iterable
 
-from kvtier.storage import ChunkStore, Tier
+from kvtier.storage import ChunkStore, DiskSpeed, Tier
 
 logger = logging.getLogger(__name__)
 
 PROMOTE_NICE = 15  # nicer than the save thread (+10): promotions yield to saves under CPU contention
 _YIELD_S = 0.002  # seconds between looks while loads or saves run
+FAST_BYTES_PER_S = 8e9  # a disk tier at least this fast (NVMe RAID) has room for promotions beside loads
+
+
+def beside_loads(speed: DiskSpeed | None) -> bool:
+    """Whether promotions may read while loads run, given the disk tier's measured ``speed``: on a
+    file system in memory its reads are copies that scale with cores, and a disk of
+    :data:`FAST_BYTES_PER_S` or more serves both; a slower disk is the loads' alone."""
+    return speed is not None and (speed.memory or speed.bytes_per_s >= FAST_BYTES_PER_S)
 
 
 class Promoter:
@@ -109,7 +121,7 @@ class Promoter:
         try:
             if self._closing or self.store.contains(key) is not Tier.DISK:
                 return  # evicted, removed, or promoted by a load meanwhile
-            buf = self.store.get(key)  # a disk read promotes into CPU
+            buf = self.store.get(key, background=True)  # a disk read promotes into CPU
             if buf is not None:
                 buf.release()
                 self.promoted += 1

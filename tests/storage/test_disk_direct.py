@@ -274,6 +274,41 @@ def test_a_buffered_tier_in_memory_reads_a_loads_chunks_ahead_in_parallel_parts(
         assert store._disk._ahead.held_bytes() == 0
 
 
+def test_a_background_read_never_waits_behind_a_loads_reads(memory_dir):
+    """A promotion's read (``background``) goes to the tier's second reader: with the load's reader
+    stuck, it still lands, and both readers' threads end with the store."""
+    def buffered(disk):
+        return ChunkStore(StoreConfig(cpu_bytes=16 * ALIGNED, disk_path=str(disk), disk_bytes=64 * ALIGNED))
+
+    with buffered(memory_dir) as store:
+        for i in range(2):
+            buf = store.allocate(CHUNK)
+            buf.data.copy_(payload(i))
+            store.put([key(i)], [buf])
+        assert store._flush()
+    store = buffered(memory_dir)
+    stuck, loads_reader = threading.Event(), store._disk._reader
+    read = loads_reader.read
+    loads_reader.read = lambda path, buf: (stuck.wait(10), read(path, buf))[1]
+    got = []
+    load = threading.Thread(target=lambda: got.append(store.get(key(0))))
+    try:
+        load.start()
+        promoted = store.get(key(1), background=True)
+        assert promoted.tier is Tier.DISK and torch.equal(promoted.data, payload(1)) and not got
+        promoted.release()
+        assert store.contains(key(1)) is Tier.CPU
+    finally:
+        stuck.set()
+        load.join(10)
+    assert got[0].tier is Tier.DISK and torch.equal(got[0].data, payload(0))
+    got[0].release()
+    background = store._disk._background
+    store.close()
+    assert loads_reader._pool is None and background._pool is None
+    assert not any(t.name.startswith("kvtier-disk-read") for t in threading.enumerate())
+
+
 def test_a_buffered_tier_on_a_disk_reads_each_file_whole_and_leaves_read_ahead_to_the_kernel(tmp_path):
     if _direct.memory_backed(str(tmp_path)):
         pytest.skip("the test directory is on a tmpfs here")

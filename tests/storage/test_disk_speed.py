@@ -7,13 +7,17 @@ import errno
 import hashlib
 import mmap
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 from kvtier.storage import ChunkStore, StoreConfig
+from kvtier.storage._direct import memory_backed
 from kvtier.storage._probe import SCRATCH_BYTES, measure_read_speed
+
 CHUNK = 64 * 1024  # bytes per chunk (4 KiB-aligned)
 POOL = 4 * CHUNK
 
@@ -105,3 +109,19 @@ def test_missing_files_and_an_unwritable_directory_measure_nothing(tmp_path):
 def test_no_disk_tier_no_speed():
     with ChunkStore(StoreConfig(cpu_bytes=POOL)) as store:
         assert store.disk_read_speed() is None
+
+
+def test_a_tier_in_memory_is_said_to_be(tmp_path):
+    """On a tmpfs the probe's figure understates reads that scale with cores: the speed says so."""
+    if not os.path.isdir("/dev/shm") or not memory_backed("/dev/shm"):
+        pytest.skip("no tmpfs at /dev/shm")
+    on_disk = measure_read_speed(str(tmp_path), [], False)
+    if memory_backed(str(tmp_path)):
+        pytest.skip("the test directory is on a tmpfs here")
+    assert not on_disk.memory and "in memory" not in on_disk.describe()
+    in_memory = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-test-")
+    try:
+        speed = measure_read_speed(in_memory, [], False)
+    finally:
+        shutil.rmtree(in_memory, ignore_errors=True)
+    assert speed.memory and "in memory" in speed.describe()
