@@ -145,6 +145,28 @@ def test_a_load_never_waits_for_a_stuck_save(stores):
         worker.close()
 
 
+def test_the_save_thread_stores_the_chunks_that_landed_meanwhile_in_one_put(stores):
+    """One wait (and so one return to the interpreter) per batch, not per chunk."""
+    alloc, layout = engine_kv()
+    store, puts = GatedStore(stores()), []
+    put = store.put
+    store.put = lambda ks, buffers: (puts.append(len(ks)), put(ks, buffers))[1]
+    worker = TierWorker(layout, store, CHUNK_BLOCKS)
+    ks = keys(6)
+    try:
+        worker.save([save_job(ks[:1])])
+        assert store.entered.wait(5)  # the save thread holds the first chunk, in put()
+        assert worker.save([save_job(ks[1:], first_block=2)]) == 5
+        store.gate.set()
+        worker.drain()
+        assert puts == [1, 5] and worker.stats.saved_chunks == 6
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(40, 52)))) == set()
+        assert torch.equal(blocks(alloc, range(40, 52)), blocks(alloc, range(12)))
+    finally:
+        store.gate.set()
+        worker.close()
+
+
 def test_a_full_save_backlog_drops_the_oldest_pending_chunks_and_counts_them(stores, caplog):
     _, layout = engine_kv()
     store = GatedStore(stores())

@@ -6,7 +6,7 @@
 SPEC: ``{"model": dir, "connector": "none" | "kvtier" | "offload", "kvtier": extra config,
 "offload_gib": GiB, "num_gpu_blocks": blocks or "kv_cache_bytes": bytes (the engine's KV cache),
 "max_model_len": tokens, "block_size": tokens or absent, "gpu_memory_utilization": fraction,
-"count_transfers": bool,
+"count_transfers": bool, "scheduler": bool (kvtier's scheduler_cls),
 "profile_dir": absolute path or absent, "rounds": [round, ...]}``. A round is ``{"prompts":
 [[token ids]], "max_tokens": int, "reset": bool, "pause_s": s, "profile": tag}`` (one ``generate``
 call; ``reset`` empties vLLM's prefix cache first; ``profile``: the call runs under vLLM's torch
@@ -39,6 +39,7 @@ import time
 from typing import Callable
 
 from kvtier.bench.engine_profile import collect, profiler_kwargs
+from kvtier.bench.ttft import SCHEDULER
 
 
 def build_engine(spec: dict):
@@ -54,6 +55,8 @@ def build_engine(spec: dict):
             kv_connector_extra_config=spec["kvtier"])
     elif spec["connector"] == "offload":
         extra["kv_offloading_size"] = spec["offload_gib"]
+    if spec.get("scheduler"):  # kvtier's scheduler: its look-ahead promotes the disk chunks of prompts waiting in the queue
+        extra["scheduler_cls"] = SCHEDULER
     if spec.get("num_gpu_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
     if spec.get("block_size"):  # tokens; a CPU vLLM's default is 128

@@ -12,7 +12,8 @@ each prompt (``first_sight_ms``: its chunks read from disk), then the same promp
 ``reset_prefix_cache()`` (``again_ms``: the chunks the first sight promoted, a CPU-tier hit).
 With ``--disk-queue N``, N more prompts of the longest length are written, and the fresh engine
 gets them last, all at once: ``queue`` says which tier each one's load came from (those that wait
-should find their chunks promoted to the CPU tier meanwhile). The CPU tier is ``--cpu-gib``.
+should find their chunks promoted to the CPU tier meanwhile, by the look-ahead of kvtier's
+scheduler, which the fresh engine runs). The CPU tier is ``--cpu-gib``.
 
 The result (:func:`disk_result`), ``{length: [ms, ...]}`` per row, is written on its own as
 ``disk-<card>-<release>.json`` (:func:`result_name`) beside its table as ``.txt``.
@@ -70,7 +71,7 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
         read.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["again", n]})
     read += [{"prompts": [prompt(7 + n, n)], "max_tokens": CHECK_TOKENS, "tag": ["check-disk", n]} for n in lengths]
     read += [{"prompts": queue, "pause_s": args.settle_s, "tag": ["queue", max(lengths)]}] if queue else []
-    out, log = spawn(spec(read, config), tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD,
+    out, log = spawn({**spec(read, config), "scheduler": True}, tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD,
                      env={"KVTIER_LOG_LEVEL": "DEBUG"})
     ms = rows_ms(write, written) | rows_ms(read, out)
     result = disk_result(_card(args.tp), vllm_version(), lengths, args.repeats, args.disk_io, speed, cache, ms)

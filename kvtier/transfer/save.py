@@ -9,7 +9,9 @@ Threads:
   given one of those blocks does (:class:`ReuseGuard`, also the engine thread's).
 * One save thread (``kvtier-save``) seals and stores each chunk once it is out, at a lower OS
   priority, and only while no load is running (``loads_running``, from the load side): saves
-  yield to loads, never the reverse.
+  yield to loads, never the reverse. It waits for the oldest chunk's copy, then stores it with
+  every later one landed meanwhile in one ``put``: each wait lets go of the interpreter, which
+  beside an engine thread running Python can take a switch interval (5 ms) to come back.
 
 The backlog is bounded in bytes: where it could not take another save of the same size, a save
 waits for its step's forward (see :meth:`SaveSide._ids`); overflow drops the oldest pending
@@ -20,14 +22,14 @@ Buffers: :meth:`SaveSide.save` allocates each chunk's buffer from the store (nev
 room). The save thread hands it to ``store.put``, which takes it, or releases it if storing fails;
 a dropped chunk's buffer is released once its copy has landed. A backend that computes KVSUM64
 while copying puts each batch's checksums in a host tensor (pinned on CUDA) the save thread
-reads. A save's block-id device tensor lives in the :class:`ReuseGuard` until its blocks are read
-when reads are deferred.
+reads. A save's block-id device tensor lives in the :class:`ReuseGuard` until its blocks are read.
 
 Locks: only the save side's own condition (backlog, its bytes, keys being saved, counters), never
 held during a copy or a store; the store's own locks guard its index updates only."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import threading
@@ -54,6 +56,7 @@ logger = logging.getLogger(__name__)
 SAVE_NICE = 10  # the save thread's extra niceness: under CPU contention the load thread runs first
 _YIELD_S = 0.0005  # how often a save waiting for loads to finish looks again
 _SAY_EVERY_S = 60.0  # saves given up for one reason: one log line at most this often
+STORE_BATCH = 64  # landed chunks the save thread seals and stores at once, at most
 
 
 @dataclass(slots=True)
@@ -83,11 +86,10 @@ class SaveSide:
     ``chunk_blocks``: engine blocks per chunk. ``copies``: the backend's copy functions (this side
     gathers). ``stats``: counters shared with the load side. ``batch_ms``: ms per save batch,
     appended here. ``on_held``: called with storage keys stored or found already stored.
-    ``on_lost``: called with storage keys whose save was given up (dropped from a full backlog, no
-    room in it, no pool buffer, or the store failed): they will not be stored, so whoever waits
-    for them (a P/D consumer) need not.
-    ``checksum``: the chunk checksum computed after the copy when the backend does not compute
-    KVSUM64 while copying (:mod:`kvtier.codec.checksums`; None: the codec's default).
+    ``on_lost``: called with storage keys whose save was given up (dropped, no room, the store
+    failed), so whoever waits for them (a P/D consumer) need not. ``checksum``: the chunk checksum
+    computed after the copy when the backend does not compute KVSUM64 while copying
+    (:mod:`kvtier.codec.checksums`; None: the codec's default).
     ``backlog_bytes``: most bytes of gathered chunks waiting to be stored (None: unbounded).
     ``reuse``: when the engine may reuse blocks read here. ``loads_running``: local loads running
     now; the save thread waits while there are any. ``pipeline_bytes``: with a backend that copies
@@ -129,13 +131,11 @@ class SaveSide:
 
         Not waited for while the backlog could take another save of this one's ``nbytes``: waiting
         holds the engine thread until the step's forward is done (0.7 s of a 1.35 s prefill batch
-        at TP=2; the step's sampling and the next step cannot be queued meanwhile). With async
-        scheduling the next step's save comes while this forward still runs, so this save's chunks
-        and the previous step's are still pending then; past that, the save thread is falling
-        behind (it stores chunk by chunk and needs the CPU and the GIL the engine thread keeps busy
-        when it never waits), and the engine thread waits for its forward as before: the save
-        thread catches up and the next save drops no chunk for want of room. ``wait``: wait for
-        the forward anyway (see :meth:`save`)."""
+        at TP=2; nothing more is queued meanwhile). With async scheduling this save's chunks and
+        the previous step's are still pending then; past that the save thread is falling behind
+        (it needs the CPU and the interpreter the engine thread keeps busy), and the engine thread
+        waits for its forward: the save thread catches up and the next save drops no chunk for
+        want of room. ``wait``: wait for the forward anyway (see :meth:`save`)."""
         host = torch.tensor(block_ids, dtype=torch.int64)
         if self.layout.device.type != "cuda":
             return host
@@ -153,12 +153,10 @@ class SaveSide:
         copies have read them; with ``dma`` they run on in the background, a batch of about
         ``pipeline_bytes`` at a time, and the save thread stores each chunk as it lands).
         Never waits for storage. ``wait_forward``: wait for the step's forward whatever the
-        backlog: a P/D producer pushing into a consumer's GPU does. With a step queued behind the
-        running one, a 32k push's first WRITE from engine blocks took 754 ms and the rest went out
-        as one WRITE after the prefill (vLLM 0.26, two H200s): posting a WRITE maps the consumer's
-        GPU memory, which there waited for the work queued on this GPU. ``after``: the copies
-        start after this CUDA event too (a P/D producer's checksum pass, :mod:`kvtier.pd.producer.sums`,
-        whose few bytes would otherwise reach the host behind the whole copy-out).
+        backlog, as a P/D producer pushing into a consumer's GPU does (posting a WRITE maps the
+        consumer's memory, which waits for the work queued on this GPU: a 32k push's first WRITE
+        took 754 ms behind a queued step, vLLM 0.26, two H200s). ``after``: the copies start after
+        this CUDA event too (a P/D producer's checksum pass, :mod:`kvtier.pd.producer.sums`).
 
         Chunks already stored are not saved again (they are reported held again, so a chunk
         withdrawn because another rank lost it becomes visible once that rank saves it anew).
@@ -310,55 +308,74 @@ class SaveSide:
 
     def _save_loop(self) -> None:
         on_device(self.layout.device)()
-        try:
+        with contextlib.suppress(AttributeError, OSError):
             os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), SAVE_NICE)  # this thread only
-        except (AttributeError, OSError):
-            pass
         while True:
             with self._cond:
-                while not self._backlog and not self._closing:
-                    self._cond.wait()
+                self._cond.wait_for(lambda: self._backlog or self._closing)
                 if not self._backlog:
                     return
-                item = self._backlog.popleft()
+                first = self._backlog.popleft()
             while self._loads_running() and not self._closing:
                 time.sleep(_YIELD_S)  # a latency-critical load has the CPU and memory bandwidth
+            items = self._landed_after(first)
             start = now_ms()
-            stored = self._seal_and_put(item)
+            stored = self._seal_and_put(items)
+            if stored:  # reported before the backlog shrinks: a wait for the saves sees them held
+                self._on_held([item.key for item in items if item.key in stored])
+            if len(stored) < len(items):
+                self._on_lost([item.key for item in items if item.key not in stored])
             with self._cond:
-                self._backlog_bytes -= codec.chunk_bytes(self.layout, item.num_blocks)
-                self._saving.discard(item.key)
+                for item in items:
+                    self._backlog_bytes -= codec.chunk_bytes(self.layout, item.num_blocks)
+                    self._saving.discard(item.key)
+                    if item.key in stored:
+                        self.stats.saved_chunks += 1
+                        self.stats.saved_bytes += self.layout.payload_bytes(item.num_blocks)
+                    self._batch_item_done(item)
                 self.stats.save_ms += now_ms() - start
-                if stored:
-                    self.stats.saved_chunks += 1
-                    self.stats.saved_bytes += self.layout.payload_bytes(item.num_blocks)
-                self._batch_item_done(item)
                 self._cond.notify_all()
-            if stored:
-                self._on_held([item.key])
-            else:
-                self._on_lost([item.key])
+
+    def _landed_after(self, first: _PendingSave) -> list[_PendingSave]:
+        """``first`` once landed (the batch's one wait), then those after it landed too (:data:`STORE_BATCH` in all)."""
+        with contextlib.suppress(Exception):  # a failed copy fails when sealed
+            if first.ready is not None:
+                first.ready.synchronize()
+        taken = [first]
+        with self._cond:
+            while self._backlog and len(taken) < STORE_BATCH and (self._backlog[0].ready is None
+                                                                  or self._backlog[0].ready.query()):
+                taken.append(self._backlog.popleft())
+        return taken
 
     def _batch_item_done(self, item: _PendingSave) -> None:
-        batch = item.batch
-        if batch is not None:
+        if (batch := item.batch) is not None:
             batch.left -= 1  # under _cond
             if batch.left == 0:
                 self.batch_ms.append(now_ms() - batch.start_ms)
 
     @torch.inference_mode()  # buffers may be inference tensors made on the engine's thread
-    def _seal_and_put(self, item: _PendingSave) -> bool:
+    def _seal_and_put(self, items: list[_PendingSave]) -> set[bytes]:
+        """Seal each landed chunk (its header) and store them in one ``put``; the keys stored."""
+        sealed: list[_PendingSave] = []
+        for item in items:
+            try:
+                if item.ready is not None:
+                    item.ready.synchronize()  # landed already: returns at once
+                kvsum = None if item.sums is None else to_unsigned(int(item.sums[item.index]))
+                codec.write_header(item.buffer.data, self.layout, item.num_blocks, kvsum, self._host_checksum)
+                sealed.append(item)
+            except Exception:
+                logger.exception("kvtier: saving chunk %s failed; it will be recomputed when needed", item.key.hex())
+                item.buffer.release()
         try:
-            if item.ready is not None:
-                item.ready.synchronize()
-            kvsum = None if item.sums is None else to_unsigned(int(item.sums[item.index]))
-            codec.write_header(item.buffer.data, self.layout, item.num_blocks, kvsum, self._host_checksum)
-            self.store.put([item.key], [item.buffer])
-            return True
+            self.store.put([item.key for item in sealed], [item.buffer for item in sealed])
+            return {item.key for item in sealed}
         except Exception:
-            logger.exception("kvtier: saving chunk %s failed; it will be recomputed when needed", item.key.hex())
-            item.buffer.release()
-            return False
+            logger.exception("kvtier: storing %d chunks failed; they will be recomputed when needed", len(sealed))
+            for item in sealed:
+                item.buffer.release()
+            return set()
 
     def pending_bytes(self) -> int:
         """Bytes of chunks gathered and not stored yet."""

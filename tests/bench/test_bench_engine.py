@@ -126,7 +126,9 @@ def test_cuda_graphs_reach_every_engine_and_the_table_says_so(monkeypatch):
     spec = {"model": "/m", "connector": "none", "max_model_len": 1024}
     engine_child.build_engine(spec)
     engine_child.build_engine({**spec, "cuda_graphs": True})
-    assert [kw["enforce_eager"] for kw in built] == [True, False]
+    engine_child.build_engine({**spec, "scheduler": True})
+    assert [kw["enforce_eager"] for kw in built] == [True, False, True]
+    assert [kw.get("scheduler_cls") for kw in built] == [None, None, "kvtier.engines.vllm.scheduler.KvtierScheduler"]
     graphs = {**made_up(), "identical": True, "args": {"cuda_graphs": True}}
     assert "; CUDA graphs; TTFT ms" in engine.format_table(graphs)
     assert "; eager; TTFT ms" in engine.format_table({**made_up(), "identical": True})  # results before the flag

@@ -74,6 +74,7 @@ def test_both_engines_rounds_make_the_json(monkeypatch, tmp_path):
     assert sum(r["tag"] == ["write-queue"] for r in specs[0][1]["rounds"]) == 2  # written first, by the other engine
     assert result["queue"]["tiers"] == ["disk", "cpu"] and result["queue"]["transfers"] == {"cpu": 128, "disk": 128}
     assert specs[1][1]["kvtier"]["cpu_bytes"] == 4 << 30
+    assert specs[1][1]["scheduler"]  # the fresh engine runs kvtier's scheduler: its look-ahead promotes the queue
     assert "loaded from, in arrival order: disk, cpu" in engine_disk.format_table(result)
     # the writing engine ends once every chunk file it wrote is on disk: none of the write-through is lost
     last = specs[0][1]["rounds"][-1]
