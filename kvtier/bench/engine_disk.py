@@ -35,6 +35,7 @@ from kvtier.bench.ttft import spawn
 
 CHILD = "kvtier.bench.engine_child"
 CHECK_TOKENS = 16
+DISK_BYTES = 96 << 30  # the disk tier: room for every prompt the bench writes (12 of 32k: 48 GiB), none evicted
 CHUNK_TOKENS = 256  # kvtier's chunk_tokens, left at its default by the bench
 DROP_CACHES = "/proc/sys/vm/drop_caches"
 ROWS = (("recompute_ms", "recompute"), ("first_sight_ms", "first sight (disk)"), ("again_ms", "again (cpu)"))
@@ -47,7 +48,7 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
     disk = os.path.join(args.disk_dir or tmp, "kvtier-disk-bench")
     if os.path.exists(disk):
         raise SystemExit(f"--disk-dir: {disk} exists already; remove it or give another directory")
-    config = {"cpu_bytes": args.cpu_gib << 30, "disk_path": disk, "disk_bytes": 48 << 30, "disk_io": args.disk_io}
+    config = {"cpu_bytes": args.cpu_gib << 30, "disk_path": disk, "disk_bytes": DISK_BYTES, "disk_io": args.disk_io}
     speed = disk_read_speed(disk, args.disk_io == "direct")
     progress("disk read speed " + (speed.describe() if speed else "not measured"))
     ttft = [(n, prompt(300_000 + 1000 * r + n, n)) for n in lengths for r in range(args.repeats)]
