@@ -151,3 +151,19 @@ def save_figure(fig, path: str, dpi: int = 120) -> None:
     make_parent(path)
     fig.savefig(path, dpi=dpi)
     plt.close(fig)
+
+
+def evict_from_page_cache(files) -> int:
+    """Write back each of ``files`` (paths) and ask the kernel to drop its pages
+    (``POSIX_FADV_DONTNEED``), so that the next read comes from the device; returns how many.
+    Whether the pages left is for the caller to check (a tmpfs keeps them)."""
+    count = 0
+    for file in files:
+        fd = os.open(file, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            count += 1
+        finally:
+            os.close(fd)
+    return count

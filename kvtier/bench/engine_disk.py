@@ -30,7 +30,7 @@ import shutil
 import statistics
 from typing import Callable
 
-from kvtier.bench.common import make_parent, vllm_version
+from kvtier.bench.common import evict_from_page_cache, make_parent, vllm_version
 from kvtier.bench.ttft import spawn
 
 CHILD = "kvtier.bench.engine_child"
@@ -221,13 +221,7 @@ def drop_page_cache(path: str) -> dict:
     cached, "problem": why not dropped, or None}``."""
     files = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
     problem = None
-    for file in files:
-        fd = os.open(file, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    evict_from_page_cache(files)
     how = "fadvise"
     try:
         os.sync()

@@ -13,7 +13,7 @@ import time
 import torch
 
 from kvtier import keys as chain
-from kvtier.bench.common import BenchError, Progress
+from kvtier.bench.common import BenchError, Progress, evict_from_page_cache
 from kvtier.bench.engine_kv import EngineKV, clobber_blocks, verify_blocks
 from kvtier.bench.reload_spec import NAMESPACE, PathTimes, ReloadResult, ReloadSpec
 from kvtier.bench.reload_timing import Clock, TimedStore, load_prompt, prompt_jobs, save_prompt
@@ -87,12 +87,6 @@ def _forget(store: ChunkStore, skeys: list[bytes]) -> None:
 
 def _drop_page_cache(path: str) -> None:
     """Write back and evict the bench's chunk files from the OS page cache: the next read is cold."""
-    for entry in os.scandir(path):
-        if entry.is_file(follow_symlinks=False) and entry.name.startswith(f"{NAMESPACE}@"):
-            fd = os.open(entry.path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    evict_from_page_cache(entry.path for entry in os.scandir(path)
+                          if entry.is_file(follow_symlinks=False) and entry.name.startswith(f"{NAMESPACE}@"))
 
