@@ -72,7 +72,8 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
         read.append({"prompts": [p], "reset": True, "pause_s": args.settle_s, "tag": ["again", n]})
     read += [{"prompts": [prompt(7 + n, n)], "max_tokens": CHECK_TOKENS, "tag": ["check-disk", n]} for n in lengths]
     read += [{"prompts": queue, "pause_s": args.settle_s, "tag": ["queue", max(lengths)]}] if queue else []
-    out, log = spawn({**spec(read, config), "scheduler": True}, tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD,
+    fresh = {**spec(read, config), "scheduler": True}
+    out, log = spawn(fresh, tmp, "disk", timeout_s=900, multiprocess=True, module=CHILD,
                      env={"KVTIER_LOG_LEVEL": "DEBUG"})
     ms = rows_ms(write, written) | rows_ms(read, out)
     result = disk_result(_card(args.tp), vllm_version(), lengths, args.repeats, args.disk_io, speed, cache, ms)

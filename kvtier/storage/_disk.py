@@ -56,7 +56,7 @@ class DiskTier:
         # cache reads each file whole, as before, the kernel reading the whole load ahead (WILLNEED).
         parallel = config.o_direct or memory_backed(backend.path)
         self._reader = DirectReader(direct=config.o_direct, part_bytes=PART_BYTES if parallel else WHOLE_FILE)
-        self._background = DirectReader(direct=config.o_direct, part_bytes=self._reader.part_bytes)  # threads on first use
+        self._background = DirectReader(direct=config.o_direct, part_bytes=self._reader.part_bytes)  # promotions
         self._ahead = None
         if parallel and cpu is not None and alloc is not None:
             self._ahead = ReadAhead(self._reader, backend, lambda n: alloc(n, 0.0), self._read_failed,

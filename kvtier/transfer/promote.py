@@ -5,15 +5,16 @@ Lowest priority of the rank's work: one thread, nicer than the save thread, that
 only while no load runs and no save is pending (``busy``), one chunk at a time. On a medium with
 bandwidth to spare (:func:`beside_loads`: a tmpfs, or a disk the probe measured at
 :data:`FAST_BYTES_PER_S` or more) it reads beside loads too, on the disk tier's second reader:
-behind such a disk, loads of a burst of prompts run back to back, and a promoter that waited for
-them would never run ahead of the queue. The latest
-submission goes first, its keys in order: a step's keys are those of prompts further back in the
-queue than the last step's, which have longer to wait, so they are the ones a promotion can still
-reach before their turn (behind a slow disk, a burst of prompts would otherwise be promoted in
-the order they are recomputed, each too late). A read is the
-store's own: :meth:`ChunkStore.get` (``background``) promotes a disk chunk into CPU (and reports
-it), and the buffer is released at once. Bounded: at most ``max_bytes`` of chunks queued or being read; keys
-beyond that are dropped and counted (a later sight of the prompt asks again).
+behind such a disk the loads of a burst of prompts run back to back, and a promoter that waited
+for them would never run ahead of the queue.
+
+The latest submission goes first, its keys in order: a step's keys are those of prompts further
+back in the queue than the last step's, which have longer to wait, so they are the ones a
+promotion can still reach before their turn (behind a slow disk, a burst of prompts would
+otherwise be promoted in the order they are recomputed, each too late). A read is the store's
+own: :meth:`ChunkStore.get` (``background``) promotes a disk chunk into CPU (and reports it), and
+the buffer is released at once. Bounded: at most ``max_bytes`` of chunks queued or being read;
+keys beyond that are dropped and counted (a later sight of the prompt asks again).
 """
 
 from __future__ import annotations

@@ -256,7 +256,7 @@ class SaveSide:
                     self._backlog_bytes -= item.buffer.data.numel()
                     self._saving.discard(item.key)
                     self._batch_item_done(item)
-                # The chunk being stored right now cannot be dropped; what still won't fit is.
+                # The chunks being stored right now cannot be dropped; what still won't fit is.
                 room, total = 0, self._backlog_bytes
                 while room < len(sizes) and total + sizes[room] <= limit:
                     total += sizes[room]
@@ -337,7 +337,7 @@ class SaveSide:
                 self._cond.notify_all()
 
     def _landed_after(self, first: _PendingSave) -> list[_PendingSave]:
-        """``first`` once landed (the batch's one wait), then those after it landed too (:data:`STORE_BATCH` in all)."""
+        """``first`` once landed (the one wait), then those landed after it: :data:`STORE_BATCH` in all."""
         with contextlib.suppress(Exception):  # a failed copy fails when sealed
             if first.ready is not None:
                 first.ready.synchronize()
