@@ -121,14 +121,12 @@ def test_a_node_with_a_disk_tier_measures_it_and_the_first_lookup_carries_its_fi
     assert "disk reads" in caplog.text and "GB/s" in caplog.text
 
 
-def test_a_disk_chunk_named_for_promotion_ends_up_in_the_cpu_tier(tmp_path):
-    """A plan that leaves disk chunks to recompute names them; the node reads them into CPU in
-    the background, so the prompt's next sight is a CPU hit."""
-    from kvtier.storage import Tier
-
+def restarted_on_disk(tmp_path, disk: str) -> tuple[WorkerNode, list[bytes]]:
+    """A node restarted on ``disk`` after another wrote two chunks there: they are on disk only;
+    the node and the chunks' chain keys."""
     kv = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8)
     layout = build_layout({f"layer.{i}": kv[i] for i in range(2)}, BLOCK, NUM_BLOCKS, model="tiny")
-    config = KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24, disk_path=str(tmp_path / "disk"))
+    config = KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24, disk_path=disk)
     keys = chunk_keys(list(range(2 * CHUNK)), CHUNK, b"root")
 
     def start(name):
@@ -141,7 +139,15 @@ def test_a_disk_chunk_named_for_promotion_ends_up_in_the_cpu_tier(tmp_path):
         assert node.settle()
     finally:
         node.close()
-    node = start("second")  # a fresh CPU tier: the chunks are on disk only
+    return start("second"), keys
+
+
+def test_a_disk_chunk_named_for_promotion_ends_up_in_the_cpu_tier(tmp_path):
+    """A plan that leaves disk chunks to recompute names them; the node reads them into CPU in
+    the background, so the prompt's next sight is a CPU hit."""
+    from kvtier.storage import Tier
+
+    node, keys = restarted_on_disk(tmp_path, str(tmp_path / "disk"))  # a fresh CPU tier: the chunks are on disk only
     try:
         skeys = [node.transfers.skey(k) for k in keys]
         assert [node.store.contains(k) for k in skeys] == [Tier.DISK, Tier.DISK]
@@ -168,23 +174,8 @@ def test_promotions_read_beside_loads_only_where_the_disk_has_room_for_both(tmp_
     if medium == "disk" and memory_backed(str(tmp_path)):
         pytest.skip("the test directory is on a tmpfs here")
     disk = tempfile.mkdtemp(dir="/dev/shm", prefix="kvtier-test-") if medium == "tmpfs" else str(tmp_path / "disk")
-    kv = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8)
-    layout = build_layout({f"layer.{i}": kv[i] for i in range(2)}, BLOCK, NUM_BLOCKS, model="tiny")
-    config = KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24, disk_path=disk)
-    keys = chunk_keys(list(range(2 * CHUNK)), CHUNK, b"root")
-
-    def start(name):
-        return WorkerNode(config, [layout], (CHUNK // BLOCK,), rank=0, world_size=1,
-                          endpoint=f"ipc://{tmp_path}/{name}.sock", produce=False, engine="a test")
-
     try:
-        node = start("first")
-        try:
-            node.save((SaveJob("a", tuple(keys), (3, 4, 5, 6)),))
-            assert node.settle()
-        finally:
-            node.close()
-        node = start("second")
+        node, keys = restarted_on_disk(tmp_path, disk)
         try:
             node.transfers.loads.running = lambda: 1
             node.start_loads((), promotes=(keys[1],))

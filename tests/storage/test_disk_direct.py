@@ -253,16 +253,22 @@ def memory_dir():
     shutil.rmtree(path, ignore_errors=True)
 
 
-def test_a_buffered_tier_in_memory_reads_a_loads_chunks_ahead_in_parallel_parts(memory_dir):
-    def buffered(disk):
-        return ChunkStore(StoreConfig(cpu_bytes=16 * ALIGNED, disk_path=str(disk), disk_bytes=64 * ALIGNED))
+def buffered(disk) -> ChunkStore:
+    return ChunkStore(StoreConfig(cpu_bytes=16 * ALIGNED, disk_path=str(disk), disk_bytes=64 * ALIGNED))
 
-    with buffered(memory_dir) as store:
-        for i in range(3):
+
+def write_buffered(disk, count: int) -> None:
+    """``count`` chunks written through a buffered store that is closed after (a restart's CPU tier is empty)."""
+    with buffered(disk) as store:
+        for i in range(count):
             buf = store.allocate(CHUNK)
             buf.data.copy_(payload(i))
             store.put([key(i)], [buf])
         assert store._flush()
+
+
+def test_a_buffered_tier_in_memory_reads_a_loads_chunks_ahead_in_parallel_parts(memory_dir):
+    write_buffered(memory_dir, 3)
     with buffered(memory_dir) as store:  # a restart: the CPU tier is empty
         assert store._disk._reader.direct is False and store._disk._reader.part_bytes == _direct.PART_BYTES
         store.will_need([key(i) for i in range(3)])
@@ -277,15 +283,7 @@ def test_a_buffered_tier_in_memory_reads_a_loads_chunks_ahead_in_parallel_parts(
 def test_a_background_read_never_waits_behind_a_loads_reads(memory_dir):
     """A promotion's read (``background``) goes to the tier's second reader: with the load's reader
     stuck, it still lands, and both readers' threads end with the store."""
-    def buffered(disk):
-        return ChunkStore(StoreConfig(cpu_bytes=16 * ALIGNED, disk_path=str(disk), disk_bytes=64 * ALIGNED))
-
-    with buffered(memory_dir) as store:
-        for i in range(2):
-            buf = store.allocate(CHUNK)
-            buf.data.copy_(payload(i))
-            store.put([key(i)], [buf])
-        assert store._flush()
+    write_buffered(memory_dir, 2)
     store = buffered(memory_dir)
     stuck, loads_reader = threading.Event(), store._disk._reader
     read = loads_reader.read
