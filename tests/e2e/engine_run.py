@@ -94,4 +94,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from engine_exit import exit_now  # this file's directory is on sys.path when run as a script
+
     main()
+    exit_now()

@@ -334,4 +334,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    from engine_exit import exit_now
+
     main()
+    exit_now()
