@@ -16,8 +16,9 @@ multi-turn chat: every round sends all sessions at once; a session's next prompt
 prompt, the tokens it got back and the new user turn; with ``profile``, one more turn, not
 measured, runs under the profiler). A round may also carry ``"until_files": {"dir": path,
 "count": n, "timeout_s": s}``: after its call, it waits until ``dir`` holds ``n`` files of one size
-(a disk tier's write-through has landed: nothing of it is lost when the engine ends) or ``timeout_s``
-passed; the round's ``files`` says what it found.
+(a disk tier's write-through has landed: nothing of it is lost when the engine ends), ``timeout_s``
+passed, or no file came or grew for :data:`STALL_S` (files the tier evicted never come); the round's
+``files`` says what it found.
 
 RESULT: ``{"start_s": seconds to build the engine, "hybrid": whether vLLM kept its hybrid KV cache
 manager on (None: this vLLM does not say), "rounds": [{"seconds", "outputs": [{"tokens", "cached", "id"}],
@@ -41,6 +42,8 @@ from typing import Callable
 from kvtier.bench.engine_profile import collect, profiler_kwargs
 from kvtier.bench.ttft import SCHEDULER
 
+STALL_S = 60.0  # seconds without a new or growing file after which a wait for the write-through gives up
+
 
 def build_engine(spec: dict):
     """The ``vllm.LLM`` that ``spec`` asks for (dummy weights, token-id prompts, eager unless
@@ -55,7 +58,7 @@ def build_engine(spec: dict):
             kv_connector_extra_config=spec["kvtier"])
     elif spec["connector"] == "offload":
         extra["kv_offloading_size"] = spec["offload_gib"]
-    if spec.get("scheduler"):  # kvtier's scheduler: its look-ahead promotes the disk chunks of prompts waiting in the queue
+    if spec.get("scheduler"):  # kvtier's scheduler: its look-ahead promotes the disk chunks of waiting prompts
         extra["scheduler_cls"] = SCHEDULER
     if spec.get("num_gpu_blocks"):
         extra["num_gpu_blocks_override"] = spec["num_gpu_blocks"]
@@ -171,16 +174,22 @@ def run_child(spec: dict) -> dict:
     return result
 
 
-def wait_for_files(dir: str, count: int, timeout_s: float) -> dict:  # noqa: A002 - the spec's key
-    """Wait until ``dir`` holds ``count`` files (or more), all of one size, or ``timeout_s`` passed;
-    ``{"files": n, "sizes": distinct sizes, "waited_s": s, "landed": bool}``."""
-    start = time.monotonic()
+def wait_for_files(dir: str, count: int, timeout_s: float, stall_s: float = STALL_S) -> dict:  # noqa: A002 - spec key
+    """Wait until ``dir`` holds ``count`` files (or more), all of one size, or ``timeout_s`` passed,
+    or nothing in it changed for ``stall_s`` (no more writes are coming: files the tier evicted, say);
+    ``{"files": n, "sizes": distinct sizes, "waited_s": s, "landed": bool, "stalled": bool}``."""
+    start = changed = time.monotonic()
+    seen = None
     while True:
         sizes = [os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(dir) for name in names]
         landed = len(sizes) >= count and len(set(sizes)) <= 1
-        if landed or time.monotonic() - start > timeout_s:
-            return {"files": len(sizes), "sizes": len(set(sizes)), "waited_s": round(time.monotonic() - start, 1),
-                    "landed": landed}
+        now = time.monotonic()
+        if (len(sizes), sum(sizes)) != seen:
+            seen, changed = (len(sizes), sum(sizes)), now
+        stalled = not landed and now - changed > stall_s
+        if landed or stalled or now - start > timeout_s:
+            return {"files": len(sizes), "sizes": len(set(sizes)), "waited_s": round(now - start, 1),
+                    "landed": landed, "stalled": stalled}
         time.sleep(0.2)  # polling the files the engine's disk tier writes
 
 

@@ -7,6 +7,7 @@ import argparse
 import dataclasses
 import json
 import os
+import time
 
 import pytest
 
@@ -141,4 +142,15 @@ def test_the_engine_child_waits_for_a_directory_of_whole_files(tmp_path):
     assert wait_for_files(str(tmp_path), 2, 0.3)["landed"] is False
     (tmp_path / "b").write_bytes(b"x" * 8)
     found = wait_for_files(str(tmp_path), 2, 5)
-    assert found["landed"] and found["files"] == 2 and found["sizes"] == 1
+    assert found["landed"] and found["files"] == 2 and found["sizes"] == 1 and not found["stalled"]
+
+
+def test_the_engine_child_stops_waiting_once_no_file_comes_any_more(tmp_path):
+    """Files the tier evicted never come back: the wait ends once nothing changed for ``stall_s``."""
+    from kvtier.bench.engine_child import wait_for_files
+
+    (tmp_path / "a").write_bytes(b"x" * 8)
+    begin = time.monotonic()
+    found = wait_for_files(str(tmp_path), 3, timeout_s=60, stall_s=0.5)
+    assert found["stalled"] and not found["landed"] and found["files"] == 1
+    assert time.monotonic() - begin < 10  # not the 60 s timeout
