@@ -64,7 +64,8 @@ def run(args, lengths: list[int], prompt: Callable[[int, int], list[int]], spec:
     written, _ = spawn(spec(write, config), tmp, "disk-write", timeout_s=900, multiprocess=True, module=CHILD)
     if not (files := written["rounds"][-1].get("files", {})).get("landed"):
         why = " (no file came for a minute: some were evicted?)" if files.get("stalled") else ""
-        progress(f"the write-through had not landed when the writing engine ended: {files}{why}; first sights may recompute")
+        progress(f"the write-through had not landed when the writing engine ended: {files}{why}; "
+                 "first sights may recompute")
     cache = drop_page_cache(disk)
     progress("page cache: " + describe_drop(cache) + "; engine disk (fresh, same directory)")
     read = [{**r, "prompts": [prompt(500_000 + i, len(r["prompts"][0]))]} for i, r in enumerate(warm)]  # not on disk
