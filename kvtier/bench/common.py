@@ -153,6 +153,11 @@ def save_figure(fig, path: str, dpi: int = 120) -> None:
     plt.close(fig)
 
 
+def files_under(path: str) -> list[str]:
+    """Every file under directory ``path``, at any depth (none if it does not exist)."""
+    return [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+
+
 def evict_from_page_cache(files) -> int:
     """Write back each of ``files`` (paths) and ask the kernel to drop its pages
     (``POSIX_FADV_DONTNEED``), so that the next read comes from the device; returns how many.

@@ -39,6 +39,7 @@ import sys
 import time
 from typing import Callable
 
+from kvtier.bench.common import files_under
 from kvtier.bench.engine_profile import collect, profiler_kwargs
 from kvtier.bench.ttft import SCHEDULER
 
@@ -181,11 +182,11 @@ def wait_for_files(dir: str, count: int, timeout_s: float, stall_s: float = STAL
     start = changed = time.monotonic()
     seen = None
     while True:
-        sizes = [os.path.getsize(os.path.join(root, name)) for root, _, names in os.walk(dir) for name in names]
+        sizes = [os.path.getsize(file) for file in files_under(dir)]
         landed = len(sizes) >= count and len(set(sizes)) <= 1
         now = time.monotonic()
-        if (len(sizes), sum(sizes)) != seen:
-            seen, changed = (len(sizes), sum(sizes)), now
+        if (state := (len(sizes), sum(sizes))) != seen:  # a file came or grew
+            seen, changed = state, now
         stalled = not landed and now - changed > stall_s
         if landed or stalled or now - start > timeout_s:
             return {"files": len(sizes), "sizes": len(set(sizes)), "waited_s": round(now - start, 1),

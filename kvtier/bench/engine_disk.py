@@ -30,7 +30,7 @@ import shutil
 import statistics
 from typing import Callable
 
-from kvtier.bench.common import evict_from_page_cache, make_parent, vllm_version
+from kvtier.bench.common import evict_from_page_cache, files_under, make_parent, vllm_version
 from kvtier.bench.ttft import spawn
 
 CHILD = "kvtier.bench.engine_child"
@@ -222,7 +222,7 @@ def drop_page_cache(path: str) -> dict:
     """Write back and evict every file under ``path`` from the page cache, and say how it went:
     ``{"dropped": bool, "how": "drop_caches" | "fadvise", "files": n, "resident_bytes": bytes still
     cached, "problem": why not dropped, or None}``."""
-    files = [os.path.join(root, name) for root, _, names in os.walk(path) for name in names]
+    files = files_under(path)
     problem = None
     evict_from_page_cache(files)
     how = "fadvise"

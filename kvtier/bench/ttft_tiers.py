@@ -29,8 +29,8 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 
-from kvtier.bench.common import (NO_MATPLOTLIB, Progress, evict_from_page_cache, names_from, positive, pyplot, save_figure,
-                                 token_lengths)
+from kvtier.bench.common import (NO_MATPLOTLIB, Progress, evict_from_page_cache, files_under, names_from, positive,
+                                 pyplot, save_figure, token_lengths)
 from kvtier.bench.ttft import kv_bytes_per_token, kv_heads, make_model, prompt, spawn
 
 MODES = ("recompute", "local", "cpu", "disk")
@@ -195,7 +195,7 @@ def _collect(result: TtftResult, kind: str, first, out_a, second, out_b) -> None
 
 def drop_page_cache(path: str) -> int:
     """Write back and evict every chunk file under ``path`` from the page cache; returns how many."""
-    return evict_from_page_cache(os.path.join(root, name) for root, _, names in os.walk(path) for name in names)
+    return evict_from_page_cache(files_under(path))
 
 
 def _med(values: list[float]) -> float:
