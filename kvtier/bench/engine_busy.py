@@ -13,7 +13,8 @@ Zero-hit: ``--zero-hit`` N prompts of ``--zero-hit-len`` tokens that share no pr
 the engine saw, in one ``generate`` call of ``--chat-gen`` tokens each (greedy, ``ignore_eos``):
 output tokens per second of that call, after the chat (a warm, full engine). Through the ``LLM``
 API (``zero_hit_via: "llm"``), not the OpenAI server: the engine bench's engines have dummy weights
-and no tokenizer, and it has no served mode.
+and no tokenizer, and it has no served mode. With ``--profile``, 16 more such prompts run after it
+under the profiler, not measured (tag ``zero-hit``).
 
 JSON (keys of the engine bench's result): ``chat_s`` {engine: [seconds per round]},
 ``chat_cached_tokens`` {engine: [prompt tokens cached per round, summed over the sessions]},
@@ -27,6 +28,7 @@ import argparse
 from kvtier.bench.common import parse_tokens, positive
 
 ZERO_HIT_SEED = 2_000_000  # prompt seeds of their own: no prefix shared with the bench's other prompts
+PROFILED_ZERO_HIT = 16  # prompts in the profiled zero-hit round (a trace of 64 is too large to read back)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -78,6 +80,10 @@ def busy_rounds(args, prompt) -> list[dict]:
     if args.zero_hit:
         rounds.append({"prompts": [prompt(ZERO_HIT_SEED + i, args.zero_hit_len) for i in range(args.zero_hit)],
                        "max_tokens": args.chat_gen, "tag": ["zero-hit"]})
+        if getattr(args, "profile", None):  # and 16 more, not measured, under the profiler
+            rounds.append({"prompts": [prompt(ZERO_HIT_SEED + 10_000 + i, args.zero_hit_len)
+                                       for i in range(min(args.zero_hit, PROFILED_ZERO_HIT))],
+                           "max_tokens": args.chat_gen, "tag": ["profiled"], "profile": "zero-hit"})
     return rounds
 
 
