@@ -80,9 +80,9 @@ class KvtierConfig:
     within min(this, lookup_timeout_ms / 2).
 
     switch_interval_us: Python's thread switch interval to set in each engine worker process, in µs
-    (default: env ``KVTIER_SWITCH_INTERVAL_US``, else 0: Python's own 5 ms is left). While vLLM's
-    engine loop runs Python, kvtier's transfer threads wait up to this long for the interpreter
-    each time they come back from a copy, a socket or NIXL. idle_wait_us: how long at most an
+    (default: env ``KVTIER_SWITCH_INTERVAL_US``, else 500; 0: Python's own 5 ms is left). Each time
+    one thread comes back from a wait (vLLM's engine loop from its GPU sync, kvtier's threads from
+    a copy, a socket or NIXL) it waits up to this long for the interpreter another thread holds. idle_wait_us: how long at most an
     engine step that computes nothing (its requests all wait for loads, or a producer's lent blocks
     for their decode engines) waits for a load or a lease to end, the interpreter released, in µs
     (default: env ``KVTIER_IDLE_WAIT_US``, else 2000; 0: step on at once, as vLLM does).
@@ -142,8 +142,9 @@ class KvtierConfig:
 
     @property
     def switch_interval_s(self) -> float:
-        """The thread switch interval to set, in seconds (setting, else environment); 0: leave Python's."""
-        return _micros(self.switch_interval_us, "KVTIER_SWITCH_INTERVAL_US", 0)
+        """The thread switch interval to set, in seconds (setting, else environment, else 500 µs); 0:
+        leave Python's."""
+        return _micros(self.switch_interval_us, "KVTIER_SWITCH_INTERVAL_US", 500)
 
     @property
     def idle_wait_s(self) -> float:

@@ -53,10 +53,10 @@ def test_an_unknown_key_names_the_setting_meant(key, hint):
 
 def test_the_thread_switch_interval_comes_from_the_setting_else_the_environment(monkeypatch):
     monkeypatch.delenv("KVTIER_SWITCH_INTERVAL_US", raising=False)
-    assert KvtierConfig.from_dict({}).switch_interval_s == 0  # Python's own is left
-    monkeypatch.setenv("KVTIER_SWITCH_INTERVAL_US", "500")
     assert KvtierConfig.from_dict({}).switch_interval_s == 0.0005
-    assert KvtierConfig.from_dict({"switch_interval_us": 0}).switch_interval_s == 0
+    monkeypatch.setenv("KVTIER_SWITCH_INTERVAL_US", "250")
+    assert KvtierConfig.from_dict({}).switch_interval_s == 0.00025
+    assert KvtierConfig.from_dict({"switch_interval_us": 0}).switch_interval_s == 0  # Python's own is left
     monkeypatch.setenv("KVTIER_SWITCH_INTERVAL_US", "fast")
     with pytest.raises(ConfigError, match="KVTIER_SWITCH_INTERVAL_US"):
         KvtierConfig.from_dict({}).switch_interval_s
