@@ -27,14 +27,15 @@ def store():
         yield s
 
 
-def store_pieces(store, kind, ref, tp_size):
-    """Every rank's chunk of ``KEY`` as a TP=``tp_size`` engine saves it, all in ``store``; their keys."""
+def store_pieces(store, kind, ref, tp_size, checksum=codec.KVSUM64):
+    """Every rank's chunk of ``KEY`` as a TP=``tp_size`` engine saves it (sealed with ``checksum``;
+    an engine's copy kernels seal with KVSUM64), all in ``store``; their keys."""
     skeys = []
     for r in range(tp_size):
         layout, _ = layout_of(kind, ref, r, tp_size)
         buf = store.allocate(codec.chunk_bytes(layout, len(IDS)))
         buf.data[codec.HEADER_BYTES:] = payload(layout, IDS)
-        codec.write_header(buf.data, layout, len(IDS))
+        codec.write_header(buf.data, layout, len(IDS), kind=checksum)
         skeys.append(storage_key(KEY, layout.fingerprint))
         store.put([skeys[-1]], [buf])
     return skeys
@@ -81,6 +82,21 @@ def test_a_corrupt_piece_is_removed_and_the_chunk_is_missing(store, caplog):
     assert store.contains(skeys[1]) is None and store.contains(skeys[0]) is Tier.CPU
     assert store.contains(storage_key(KEY, layout.fingerprint)) is None
     assert "KV heads 4-8" in caplog.text and "checksum mismatch" in caplog.text
+
+
+@pytest.mark.parametrize("checksum", [codec.KVSUM64, codec.DEFAULT_HOST_CHECKSUM])  # in the join's pass; one of its own
+def test_a_flipped_byte_in_heads_the_reader_does_not_take_still_fails_the_piece(store, caplog, checksum):
+    ref = reference("cpu", seed=7)
+    (whole,) = store_pieces(store, "cpu", ref, 1, checksum)
+    piece_layout, _ = layout_of("cpu", ref, 0, 1)
+    head_bytes = piece_layout.regions[0].block_bytes // HEADS  # vLLM-CPU blocks: heads outermost
+    bad = store.get(whole)
+    bad.data[codec.HEADER_BYTES + (HEADS - 1) * head_bytes + 8] ^= 0x01  # the last head: rank 1's, not rank 0's
+    bad.release()
+    layout, _ = layout_of("cpu", ref, 0, 2)
+    assert assemble(layout, store, KEY, len(IDS), lambda keys: None) is None
+    assert store.contains(whole) is None and store.contains(storage_key(KEY, layout.fingerprint)) is None
+    assert f"KV heads 0-{HEADS}" in caplog.text and "checksum mismatch" in caplog.text
 
 
 def test_missing_pieces_or_a_per_rank_layout_build_nothing(store):

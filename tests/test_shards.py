@@ -9,7 +9,7 @@ import torch
 
 from kvtier.layout import build_layout
 from kvtier.ops import cpu_library
-from kvtier.ops.cpu_ops import copy_summed
+from kvtier.ops.cpu_ops import copy_summed, join_checked
 from kvtier.shards import WRITER_TP_SIZES, covers, join_pieces, join_plan, piece_fingerprint, rank_heads
 
 HEADS, NB, BS, HS, LAYERS = 8, 6, 32, 4, 2
@@ -95,6 +95,12 @@ def test_a_rank_joins_its_chunk_from_another_tp_sizes_pieces(kind, writer, reade
             again = torch.full_like(dst, 0xAB)
             kvsum = copy_summed(again, [written[h] for h in way], join_plan(shard, region_bytes, tuple(way)))
             assert torch.equal(again, dst) and kvsum == cpu_library.payload_checksum(dst)
+            # and checking each piece as it copies: every byte of each summed at its own place,
+            # those of heads it does not copy (a piece holding more heads than the reader's) too
+            again.fill_(0xCD)
+            kvsum, piece_sums = join_checked(again, [written[h] for h in way], join_plan(shard, region_bytes, tuple(way)))
+            assert torch.equal(again, dst) and kvsum == cpu_library.payload_checksum(dst)
+            assert piece_sums == [cpu_library.payload_checksum(written[h]) for h in way]
 
 
 def test_mla_is_one_piece_on_every_rank_and_tp_size():

@@ -6,35 +6,56 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from kvtier.codec.chunk import CHECKSUM_KVSUM64, write_header
+from kvtier.codec.chunk import CHECKSUM_KVSUM64, ChunkError, ChunkHeader, checksum, write_header
 from kvtier.codec.geometry import HEADER_BYTES
 from kvtier.layout import Layout
 from kvtier.ops import cpu_library
-from kvtier.ops.cpu_ops import copy_summed
+from kvtier.ops.cpu_ops import join_checked
 from kvtier.shards import HeadRange, join_pieces, join_plan
 
 if TYPE_CHECKING:
     from kvtier.storage import ChunkBuffer
 
 
-def seal_joined(layout: Layout, num_blocks: int, pieces: list[tuple[HeadRange, ChunkBuffer]],
+class CorruptPiece(ChunkError):
+    """Piece ``index`` of a join failed its checksum: it must be removed, the chunk recomputed."""
+
+    def __init__(self, index: int, message: str):
+        super().__init__(message)
+        self.index = index
+
+
+def seal_joined(layout: Layout, num_blocks: int, pieces: list[tuple[HeadRange, ChunkBuffer, ChunkHeader]],
                 allocate: Callable[[int], ChunkBuffer | None]) -> ChunkBuffer | None:
     """A chunk of ``num_blocks`` blocks of ``layout``'s heads in a fresh buffer of ``allocate(bytes)``,
-    its payload joined from ``pieces`` (the heads each holds, its buffer: header and payload, already
-    verified by the caller) and sealed with a KVSUM64, summed while the heads are copied where the C
-    library is built (one pass over the bytes, not two). None when ``allocate`` has no room. The
-    pieces stay the caller's to release."""
+    its payload joined from ``pieces`` (the heads each holds, its buffer, its header, already
+    checked) and sealed with a KVSUM64. Each piece's payload is checked against its header's
+    checksum: where the C library is built and the pieces carry KVSUM64s, in the same pass that
+    copies their heads and sums the joined payload (each piece byte read once), else in a pass of
+    its own first. Raises :class:`CorruptPiece` for the first piece that fails (the fresh buffer
+    released); None when ``allocate`` has no room. The pieces stay the caller's to release."""
     payload = layout.payload_bytes(num_blocks)
+    region_bytes = tuple(region.block_bytes * num_blocks for region in layout.regions)
+    sources = [piece.data[HEADER_BYTES : HEADER_BYTES + header.payload_bytes] for _, piece, header in pieces]
+    plan = join_plan(layout.shard, region_bytes, tuple(heads for heads, _, _ in pieces))
+    one_pass = (cpu_library.available() and not np.any(plan[:, 1:] % 4) and all(s.numel() % 4 == 0 for s in sources)
+                and all(header.checksum_kind == CHECKSUM_KVSUM64 for _, _, header in pieces))
+    if not one_pass:
+        for i, (source, (_, _, header)) in enumerate(zip(sources, pieces)):
+            if checksum(source, header.checksum_kind) != header.checksum:
+                raise CorruptPiece(i, "piece payload checksum mismatch (corrupt bytes)")
     built = allocate(HEADER_BYTES + payload)
     if built is None:
         return None
-    region_bytes = tuple(region.block_bytes * num_blocks for region in layout.regions)
     dst = built.data[HEADER_BYTES : HEADER_BYTES + payload]
-    plan = join_plan(layout.shard, region_bytes, tuple(heads for heads, _ in pieces))
-    if cpu_library.available() and not np.any(plan[:, 1:] % 4):  # one pass: the copy sums as it writes
-        kvsum = copy_summed(dst, [piece.data[HEADER_BYTES:] for _, piece in pieces], plan)
+    if one_pass:  # copies the heads, sums what it writes and every byte of each piece
+        kvsum, sums = join_checked(dst, sources, plan)
+        bad = next((i for i, (got, (_, _, header)) in enumerate(zip(sums, pieces)) if got != header.checksum), None)
+        if bad is not None:
+            built.release()
+            raise CorruptPiece(bad, "piece payload kvsum64 checksum mismatch (corrupt bytes)")
         write_header(built.data, layout, num_blocks, kvsum64=kvsum)
-    else:  # a copy, then the checksum's own pass
-        join_pieces(dst, layout.shard, region_bytes, [(heads, piece.data[HEADER_BYTES:]) for heads, piece in pieces])
+    else:
+        join_pieces(dst, layout.shard, region_bytes, [(heads, source) for (heads, _, _), source in zip(pieces, sources)])
         write_header(built.data, layout, num_blocks, kind=CHECKSUM_KVSUM64)
     return built

@@ -1,7 +1,8 @@
 """The host copy library (``csrc/cpu_copy.c``): built on first use, loaded with ctypes.
 
-One C entry point, ``kvt_copy``, walks a table of units (one per region and chunk block), copies
-them over a few threads and adds their KVSUM64 terms (:mod:`kvtier.ops.checksum`); ctypes
+Its entry point ``kvt_copy`` walks a table of units (one per region and chunk block), copies them
+over a few threads and adds their KVSUM64 terms (:mod:`kvtier.ops.checksum`; ``kvt_copy2`` sums
+each unit at two positions, for a join of pieces that checks them as it copies); ctypes
 releases the GIL for the whole call. :mod:`kvtier.ops.cpu_ops` copies spans with it, and
 :func:`payload_checksum` reads a payload with it, which is how the codec checks a chunk's KVSUM64
 on the host (:mod:`kvtier.codec.checksums`).
@@ -66,6 +67,8 @@ def load() -> ctypes.CDLL | None:
             lib = ctypes.CDLL(str(target))
             lib.kvt_copy.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
             lib.kvt_copy.restype = ctypes.c_int
+            lib.kvt_copy2.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+            lib.kvt_copy2.restype = ctypes.c_int
             _lib = lib
         except Exception as exc:  # noqa: BLE001 - optional backend: record why and carry on
             _error = f"{type(exc).__name__}: {exc}"

@@ -111,6 +111,49 @@ def copy_summed(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.nda
     return int(sums[0])
 
 
+def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> tuple[int, list[int]]:
+    """:func:`copy_summed` that also sums every byte of each source at its own place: (the KVSUM64
+    of the words written at their places in ``dst``, each source's KVSUM64), all unsigned, from one
+    C call that reads each source byte once. A join of pieces checks the pieces this way while it
+    copies their heads, instead of in a pass of its own. ``sources`` whole payloads (their sizes
+    multiples of 4 bytes, as ``plan``'s offsets and sizes; ValueError otherwise)."""
+    lib = loaded()
+    if (len(plan) and np.any(plan[:, 1:] % 4)) or any(t.numel() % 4 for t in sources):
+        raise ValueError("every copy's offsets and size, and every source's size, must be multiples of 4 bytes.")
+    for t in (dst, *sources):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != torch.uint8:
+            raise ValueError("join_checked copies between contiguous host uint8 tensors.")
+    base = np.array([t.data_ptr() for t in sources], dtype=np.int64)
+    copies = np.empty((len(plan), 7), dtype=np.int64)
+    copies[:, 0] = base[plan[:, 0]] + plan[:, 1]
+    copies[:, 1] = dst.data_ptr() + plan[:, 2]
+    copies[:, 2] = plan[:, 3]
+    copies[:, 3], copies[:, 4] = plan[:, 2] // 4, 0  # the joined chunk's sum: sums[0]
+    copies[:, 5], copies[:, 6] = plan[:, 1] // 4, 1 + plan[:, 0]  # the source's: sums[1 + source]
+    rest = [_uncopied(i, plan, t.numel(), base[i]) for i, t in enumerate(sources)]
+    units = np.ascontiguousarray(np.concatenate([copies, *rest]))
+    sums = np.zeros(1 + len(sources), dtype=np.uint64)
+    count = max(1, min(default_threads(), int(units[:, 2].sum()) // BYTES_PER_THREAD if len(units) else 1))
+    if lib.kvt_copy2(units.ctypes.data, len(units), sums.ctypes.data, len(sums), count) != 0:
+        raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
+    return int(sums[0]), [int(v) for v in sums[1:]]
+
+
+def _uncopied(i: int, plan: np.ndarray, size: int, address: int) -> np.ndarray:
+    """Units that only sum source ``i``'s bytes ``plan`` copies nowhere (``size`` bytes at
+    ``address``), at their places in it: ``int64 [gaps, 7]``."""
+    rows = plan[plan[:, 0] == i]
+    rows = rows[np.argsort(rows[:, 1], kind="stable")]
+    starts = np.concatenate([[0], rows[:, 1] + rows[:, 3]])
+    ends = np.concatenate([rows[:, 1], [size]])
+    gap = ends > starts
+    starts, ends = starts[gap], ends[gap]
+    units = np.empty((starts.size, 7), dtype=np.int64)
+    units[:, 0], units[:, 1], units[:, 2] = address + starts, 0, ends - starts
+    units[:, 3], units[:, 4], units[:, 5], units[:, 6] = starts // 4, 1 + i, 0, -1
+    return units
+
+
 def gather(layout: Layout, spans: Sequence[ChunkSpan], checksums_out: torch.Tensor | None = None) -> None:
     """Copy engine blocks into the spans' chunk payloads.
 

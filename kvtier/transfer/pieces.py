@@ -2,11 +2,12 @@
 
 When a load finds no chunk under the rank's own storage key, :func:`assemble` looks for the
 pieces that hold its KV heads (at most one way per writer TP size of :data:`kvtier.shards.WRITER_TP_SIZES`;
-in the local tiers first, then through ``store.get``, which reads the shared tier),
-verifies each (header and checksum, as a stored chunk), joins their heads into a chunk of the
-rank's layout sealed with a KVSUM64, and stores it under the rank's own key in the CPU tier (only
-there: the pieces stay the disk's and the shared tier's copy), so that the next load finds it. A
-corrupt piece is removed and the chunk counts as missing (recomputed).
+in the local tiers first, then through ``store.get``, which reads the shared tier), checks each
+piece's header, joins their heads into a chunk of the rank's layout (checking each piece's
+checksum in the same pass, :func:`kvtier.codec.joined.seal_joined`) sealed with a KVSUM64, and
+stores it under the rank's own key in the CPU tier (only there: the pieces stay the disk's and
+the shared tier's copy), so that the next load finds it. A corrupt piece is removed and the chunk
+counts as missing (recomputed).
 
 Buffers: each piece's buffer comes from ``store.get`` and is released here; the built chunk goes to
 ``store.put``, and the buffer returned is a ``store.get`` of it, the caller's to release.
@@ -20,7 +21,7 @@ from typing import Callable, Iterator, Sequence
 from kvtier import codec
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
-from kvtier.codec.joined import seal_joined
+from kvtier.codec.joined import CorruptPiece, seal_joined
 from kvtier.shards import HeadRange, covers, piece_fingerprint, piece_layout
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 
@@ -73,20 +74,24 @@ def _ways(layout: Layout, key: bytes) -> list[tuple[tuple[HeadRange, ...], list[
 def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_held: Callable[[list[bytes]], None],
           way: tuple[HeadRange, ...], skeys: list[bytes]) -> ChunkBuffer | None:
     pieces: list[ChunkBuffer] = []
+    headers: list[codec.ChunkHeader] = []
+    unusable = lambda i, exc: _unusable(store, key, skeys[i], way[i], exc)  # noqa: E731
     try:
-        for heads, skey in zip(way, skeys):
+        for i, (heads, skey) in enumerate(zip(way, skeys)):
             piece = store.get(skey)
             if piece is None:
                 return None
             pieces.append(piece)
-            try:
-                codec.verify_chunk(piece.data, piece_layout(layout, heads), chunk_blocks)  # type: ignore[arg-type]
+            try:  # the header here; the payload's checksum as the join copies it
+                headers.append(codec.verify_chunk(piece.data, piece_layout(layout, heads), chunk_blocks,  # type: ignore[arg-type]
+                                                  payload=False))
             except codec.ChunkError as exc:
-                store.remove(skey)
-                logger.warning("kvtier: stored piece %s (KV heads %d-%d) of chunk %s is unusable (%s); removed it "
-                               "and recomputing.", skey.hex(), heads[0], heads[1], key.hex(), exc)
-                return None
-        built = seal_joined(layout, chunk_blocks, list(zip(way, pieces)), lambda n: store.allocate(n, wait=False))
+                return unusable(i, exc)
+        try:
+            built = seal_joined(layout, chunk_blocks, list(zip(way, pieces, headers)),
+                                lambda n: store.allocate(n, wait=False))
+        except CorruptPiece as exc:
+            return unusable(exc.index, exc)
         if built is None:
             return None
         tier = max((piece.tier for piece in pieces), key=_SLOWER.index)
@@ -100,3 +105,10 @@ def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_h
     if buffer is not None:
         buffer.tier = tier  # counted as a hit of the tier the pieces came from
     return buffer
+
+
+def _unusable(store: ChunkStore, key: bytes, skey: bytes, heads: HeadRange, exc: Exception) -> None:
+    """Remove stored piece ``skey`` (of chain key ``key``, KV ``heads``) that failed a check, and say so."""
+    store.remove(skey)
+    logger.warning("kvtier: stored piece %s (KV heads %d-%d) of chunk %s is unusable (%s); removed it and recomputing.",
+                   skey.hex(), heads[0], heads[1], key.hex(), exc)

@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 import msgspec
 
 from kvtier import codec
-from kvtier.codec.joined import seal_joined
+from kvtier.codec.joined import CorruptPiece, seal_joined
 from kvtier.jobs import Landed
 from kvtier.layout import Layout
 from kvtier.pd.consumer.connection import Consumer, FetchSpec
@@ -89,16 +89,23 @@ def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, He
     try:
         for index, (_, num_blocks) in enumerate(spec.items):
             arrived: list[tuple[HeadRange, ChunkBuffer]] = []
+            headers: list[codec.ChunkHeader] = []
+            unusable = lambda i, exc: PeerError(  # noqa: E731
+                f"{streams[i][1]} sent chunk {index}'s piece of KV heads {streams[i][0][0]}-{streams[i][0][1]} "
+                f"unusable ({exc})")
             try:
-                for heads, endpoint, stream in streams:
+                for i, (heads, _, stream) in enumerate(streams):
                     piece = next(stream)  # fetch_chunks yields every chunk or raises
                     arrived.append((heads, piece))
-                    try:
-                        codec.verify_chunk(piece.data, piece_layout(layout, heads), num_blocks)  # type: ignore[arg-type]
+                    try:  # the header here; the payload's checksum as the join copies it
+                        headers.append(codec.verify_chunk(piece.data, piece_layout(layout, heads),  # type: ignore[arg-type]
+                                                          num_blocks, payload=False))
                     except codec.ChunkError as exc:
-                        raise PeerError(f"{endpoint} sent chunk {index}'s piece of KV heads {heads[0]}-{heads[1]} "
-                                        f"unusable ({exc})") from exc
-                built = seal_joined(layout, num_blocks, arrived, allocate)
+                        raise unusable(i, exc) from exc
+                try:
+                    built = seal_joined(layout, num_blocks, [(h, p, hd) for (h, p), hd in zip(arrived, headers)], allocate)
+                except CorruptPiece as exc:
+                    raise unusable(exc.index, exc) from exc
                 if built is None:
                     raise PeerError(f"no room in this engine's CPU tier for chunk {index}")
             finally:
