@@ -75,9 +75,8 @@ def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_h
           way: tuple[HeadRange, ...], skeys: list[bytes]) -> ChunkBuffer | None:
     pieces: list[ChunkBuffer] = []
     headers: list[codec.ChunkHeader] = []
-    unusable = lambda i, exc: _unusable(store, key, skeys[i], way[i], exc)  # noqa: E731
     try:
-        for i, (heads, skey) in enumerate(zip(way, skeys)):
+        for heads, skey in zip(way, skeys):
             piece = store.get(skey)
             if piece is None:
                 return None
@@ -86,12 +85,12 @@ def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_h
                 headers.append(codec.verify_chunk(piece.data, piece_layout(layout, heads), chunk_blocks,  # type: ignore[arg-type]
                                                   payload=False))
             except codec.ChunkError as exc:
-                return unusable(i, exc)
+                return _unusable(store, key, skey, heads, exc)
         try:
             built = seal_joined(layout, chunk_blocks, list(zip(way, pieces, headers)),
                                 lambda n: store.allocate(n, wait=False))
         except CorruptPiece as exc:
-            return unusable(exc.index, exc)
+            return _unusable(store, key, skeys[exc.index], way[exc.index], exc)
         if built is None:
             return None
         tier = max((piece.tier for piece in pieces), key=_SLOWER.index)

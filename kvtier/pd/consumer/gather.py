@@ -90,22 +90,20 @@ def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, He
         for index, (_, num_blocks) in enumerate(spec.items):
             arrived: list[tuple[HeadRange, ChunkBuffer]] = []
             headers: list[codec.ChunkHeader] = []
-            unusable = lambda i, exc: PeerError(  # noqa: E731
-                f"{streams[i][1]} sent chunk {index}'s piece of KV heads {streams[i][0][0]}-{streams[i][0][1]} "
-                f"unusable ({exc})")
             try:
-                for i, (heads, _, stream) in enumerate(streams):
+                for heads, endpoint, stream in streams:
                     piece = next(stream)  # fetch_chunks yields every chunk or raises
                     arrived.append((heads, piece))
                     try:  # the header here; the payload's checksum as the join copies it
                         headers.append(codec.verify_chunk(piece.data, piece_layout(layout, heads),  # type: ignore[arg-type]
                                                           num_blocks, payload=False))
                     except codec.ChunkError as exc:
-                        raise unusable(i, exc) from exc
+                        raise _unusable(endpoint, index, heads, exc) from exc
                 try:
                     built = seal_joined(layout, num_blocks, [(h, p, hd) for (h, p), hd in zip(arrived, headers)], allocate)
                 except CorruptPiece as exc:
-                    raise unusable(exc.index, exc) from exc
+                    heads, endpoint, _ = streams[exc.index]
+                    raise _unusable(endpoint, index, heads, exc) from exc
                 if built is None:
                     raise PeerError(f"no room in this engine's CPU tier for chunk {index}")
             finally:
@@ -115,3 +113,7 @@ def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, He
     finally:
         for _, _, stream in streams:
             stream.close()  # each producer rank is told it is done
+
+
+def _unusable(endpoint: str, index: int, heads: HeadRange, exc: Exception) -> PeerError:
+    return PeerError(f"{endpoint} sent chunk {index}'s piece of KV heads {heads[0]}-{heads[1]} unusable ({exc})")
