@@ -10,7 +10,7 @@ import json
 
 import torch
 
-from kvtier.bench import engine, engine_profile
+from kvtier.bench import engine, engine_busy, engine_profile
 
 
 def _trace(path, step_ms: float, compile_ms: float = 0.0) -> str:
@@ -106,3 +106,16 @@ def test_kvtiers_hooks_are_named_in_a_profile():
         assert hook() == 7
     assert "kvtier.start_load_kv" in {e.key for e in prof.key_averages()}
     assert KvtierConnector.start_load_kv.__wrapped__.__qualname__ == "KvtierConnector.start_load_kv"
+
+def test_profile_adds_a_zero_hit_round_of_fresh_prompts_after_the_measured_one():
+    args = argparse.Namespace(profile="/tmp/p", sessions=1, session_len=16, chat_rounds=1, chat_new=8, chat_gen=4,
+                              zero_hit=64, zero_hit_len=32)
+    rounds = engine_busy.busy_rounds(args, engine.prompt)
+    measured, profiled = rounds[-2], rounds[-1]
+    assert measured["tag"] == ["zero-hit"] and "profile" not in measured and len(measured["prompts"]) == 64
+    assert profiled["tag"] == ["profiled"] and profiled["profile"] == "zero-hit"  # _collect counts none
+    assert len(profiled["prompts"]) == engine_busy.PROFILED_ZERO_HIT and profiled["max_tokens"] == 4
+    seen = {tuple(p) for r in rounds[:-1] for p in [*r.get("prompts", ()), *r.get("sessions", ())]}
+    assert not seen & {tuple(p) for p in profiled["prompts"]}  # nothing to hit: prompts of their own
+    args.profile = None
+    assert [r["tag"] for r in engine_busy.busy_rounds(args, engine.prompt)] == [["chat"], ["zero-hit"]]
