@@ -9,7 +9,10 @@ import torch
 
 from kvtier.layout import build_layout
 from kvtier.ops import cpu_library
-from kvtier.ops.cpu_ops import copy_summed, join_checked
+from kvtier.codec import HEADER_BYTES
+from kvtier.ops.cpu_ops import scatter
+from kvtier.ops.cpu_pieces import join_checked
+from kvtier.ops.span import PieceSpan
 from kvtier.shards import WRITER_TP_SIZES, covers, join_pieces, join_plan, piece_fingerprint, rank_heads
 
 HEADS, NB, BS, HS, LAYERS = 8, 6, 32, 4, 2
@@ -91,13 +94,10 @@ def test_a_rank_joins_its_chunk_from_another_tp_sizes_pieces(kind, writer, reade
         region_bytes = tuple(g.block_bytes * len(ids) for g in layout.regions)
         join_pieces(dst, shard, region_bytes, [(h, written[h]) for h in way])
         assert torch.equal(dst, payload(layout, ids))  # what the reader's own engine would have saved
-        if cpu_library.available():  # the same join in one C pass that also sums what it writes
-            again = torch.full_like(dst, 0xAB)
-            kvsum = copy_summed(again, [written[h] for h in way], join_plan(shard, region_bytes, tuple(way)))
-            assert torch.equal(again, dst) and kvsum == cpu_library.payload_checksum(dst)
-            # and checking each piece as it copies: every byte of each summed at its own place,
-            # those of heads it does not copy (a piece holding more heads than the reader's) too
-            again.fill_(0xCD)
+        if cpu_library.available():  # the same join in one C pass that sums what it writes and checks
+            # each piece: every byte of it summed at its own place, those of heads it does not copy
+            # (a piece holding more heads than the reader's) too
+            again = torch.full_like(dst, 0xCD)
             kvsum, piece_sums = join_checked(again, [written[h] for h in way], join_plan(shard, region_bytes, tuple(way)))
             assert torch.equal(again, dst) and kvsum == cpu_library.payload_checksum(dst)
             assert piece_sums == [cpu_library.payload_checksum(written[h]) for h in way]
@@ -149,3 +149,30 @@ def test_one_head_per_rank_keeps_the_base_fingerprint(kind):
     bases = {build_layout(rank_kv(kind, ref, rank_heads(2, r, t)), BS, NB, model="m", tp_rank=r, tp_size=t,
                           kv_heads=2 // t, total_kv_heads=2).shard.base for t in (1, 2) for r in range(t)}
     assert len(bases) == 1
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="the C copy library does not build here")
+@pytest.mark.parametrize("kind", ["cpu", "nhd", "lbnhc"])
+@pytest.mark.parametrize("writer, reader", [(1, 2), (2, 1), (1, 4), (4, 2)])
+def test_pieces_scatter_straight_into_the_readers_head_slices_checked_whole(kind, writer, reader):
+    ref, src = reference(kind, seed=writer * 7 + reader), [4, 1, 3]
+    pieces = {}
+    for r in range(writer):
+        data = payload(layout_of(kind, ref, r, writer)[0], src)
+        whole = torch.zeros(HEADER_BYTES + data.numel(), dtype=torch.uint8)
+        whole[HEADER_BYTES:] = data
+        pieces[rank_heads(HEADS, r, writer)] = (whole, cpu_library.payload_checksum(data))
+    for r in range(reader):
+        engine, _ = layout_of(kind, torch.zeros_like(ref), r, reader)
+        want, _ = layout_of(kind, ref, r, reader)
+        shard = engine.shard
+        way = next(w for w in covers(shard.first, shard.end, HEADS) if all(h in pieces for h in w))
+        span = PieceSpan(tuple((h, pieces[h][0]) for h in way), len(src), 1, torch.tensor([5, 0]))  # blocks 1, 2
+        assert scatter(engine, [span], [tuple(pieces[h][1] for h in way)]) == [True]
+        assert torch.equal(payload(engine, [5, 0]), payload(want, src[1:]))
+        assert not payload(engine, [1, 2, 3, 4]).any()  # no other block written
+        # a flipped byte in the first piece's last word (heads the reader may not hold) fails the span
+        bad = pieces[way[0]][0].clone()
+        bad[-1] ^= 0x01
+        spoilt = PieceSpan(((way[0], bad), *span.pieces[1:]), len(src), 0, torch.tensor([1, 2, 3]))
+        assert scatter(engine, [spoilt], [tuple(pieces[h][1] for h in way)]) == [False]

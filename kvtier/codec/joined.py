@@ -10,7 +10,7 @@ from kvtier.codec.chunk import CHECKSUM_KVSUM64, ChunkError, ChunkHeader, checks
 from kvtier.codec.geometry import HEADER_BYTES
 from kvtier.layout import Layout
 from kvtier.ops import cpu_library
-from kvtier.ops.cpu_ops import join_checked
+from kvtier.ops.cpu_pieces import join_checked
 from kvtier.shards import HeadRange, join_pieces, join_plan
 
 if TYPE_CHECKING:

@@ -23,7 +23,8 @@ from kvtier.layout import Layout
 from kvtier.ops.checksum import to_signed, to_unsigned
 from kvtier.ops.cpu_library import BYTES_PER_THREAD, default_threads, loaded
 from kvtier.ops.cpu_library import available, build_error  # noqa: F401 - this backend is there when its library is
-from kvtier.ops.span import ChunkSpan
+from kvtier.ops.cpu_pieces import piece_units
+from kvtier.ops.span import ChunkSpan, PieceSpan
 
 
 def build_units(layout: Layout, spans: Sequence[ChunkSpan], *, complement: bool = False) -> np.ndarray:
@@ -72,86 +73,25 @@ def build_units(layout: Layout, spans: Sequence[ChunkSpan], *, complement: bool 
 def run_copy(layout: Layout, spans: Sequence[ChunkSpan], *, gather: bool, want_sums: bool, complement: bool = False,
              threads: int | None = None) -> list[int] | None:
     """Copy ``spans`` in one C call; the spans' KVSUM64s (unsigned) when ``want_sums``."""
+    return _walk(layout, build_units(layout, spans, complement=complement), gather, len(spans) if want_sums else None,
+                 threads)
+
+
+def _walk(layout: Layout, units: np.ndarray, gather: bool, n_sums: int | None, threads: int | None = None
+          ) -> list[int] | None:
+    """Run ``kvt_copy`` over ``units``; its ``n_sums`` sums (unsigned), or None without sums."""
     lib = loaded()
     if layout.device.type != "cpu":
         raise ValueError(f"the cpu ops backend copies host memory; this layout is on {layout.device}.")
-    units = np.ascontiguousarray(build_units(layout, spans, complement=complement))
-    sums = np.zeros(len(spans), dtype=np.uint64) if want_sums else None
+    units = np.ascontiguousarray(units)
+    sums = np.zeros(n_sums, dtype=np.uint64) if n_sums is not None else None
     nbytes = int(units[:, 2].sum()) if len(units) else 0
     count = max(1, min(threads or default_threads(), nbytes // BYTES_PER_THREAD))
     rc = lib.kvt_copy(units.ctypes.data, len(units), int(gather), None if sums is None else sums.ctypes.data,
-                      len(spans), count)
+                      n_sums or 0, count)
     if rc != 0:
         raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
     return None if sums is None else [int(v) for v in sums]
-
-
-def copy_summed(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> int:
-    """Copy ``plan``'s rows (source index, byte offset in it, byte offset in ``dst``, bytes) from the
-    contiguous host ``uint8`` ``sources`` into ``dst`` in one C call, and return the KVSUM64
-    (unsigned) of the words written at their places in ``dst``: ``dst``'s checksum when the rows
-    write every byte of it. Offsets and sizes must be multiples of 4 bytes (ValueError otherwise)."""
-    lib = loaded()
-    if len(plan) and np.any(plan[:, 1:] % 4):
-        raise ValueError("every copy's offsets and size must be multiples of 4 bytes.")
-    for t in (dst, *sources):
-        if t.device.type != "cpu" or not t.is_contiguous():
-            raise ValueError("copy_summed copies between contiguous host tensors.")
-    base = np.array([t.data_ptr() for t in sources], dtype=np.int64)
-    units = np.empty((len(plan), 5), dtype=np.int64)
-    units[:, 0] = base[plan[:, 0]] + plan[:, 1]  # read from (the "engine" side of a gather)
-    units[:, 1] = dst.data_ptr() + plan[:, 2]  # written to, summed at its word index in ``dst``
-    units[:, 2] = plan[:, 3]
-    units[:, 3] = plan[:, 2] // 4
-    units[:, 4] = 1  # span 0, written
-    sums = np.zeros(1, dtype=np.uint64)
-    count = max(1, min(default_threads(), int(plan[:, 3].sum()) // BYTES_PER_THREAD if len(plan) else 1))
-    if lib.kvt_copy(units.ctypes.data, len(units), 1, sums.ctypes.data, 1, count) != 0:
-        raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
-    return int(sums[0])
-
-
-def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> tuple[int, list[int]]:
-    """:func:`copy_summed` that also sums every byte of each source at its own place: (the KVSUM64
-    of the words written at their places in ``dst``, each source's KVSUM64), all unsigned, from one
-    C call that reads each source byte once. A join of pieces checks the pieces this way while it
-    copies their heads, instead of in a pass of its own. ``sources`` whole payloads (their sizes
-    multiples of 4 bytes, as ``plan``'s offsets and sizes; ValueError otherwise)."""
-    lib = loaded()
-    if (len(plan) and np.any(plan[:, 1:] % 4)) or any(t.numel() % 4 for t in sources):
-        raise ValueError("every copy's offsets and size, and every source's size, must be multiples of 4 bytes.")
-    for t in (dst, *sources):
-        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != torch.uint8:
-            raise ValueError("join_checked copies between contiguous host uint8 tensors.")
-    base = np.array([t.data_ptr() for t in sources], dtype=np.int64)
-    copies = np.empty((len(plan), 7), dtype=np.int64)
-    copies[:, 0] = base[plan[:, 0]] + plan[:, 1]
-    copies[:, 1] = dst.data_ptr() + plan[:, 2]
-    copies[:, 2] = plan[:, 3]
-    copies[:, 3], copies[:, 4] = plan[:, 2] // 4, 0  # the joined chunk's sum: sums[0]
-    copies[:, 5], copies[:, 6] = plan[:, 1] // 4, 1 + plan[:, 0]  # the source's: sums[1 + source]
-    rest = [_uncopied(i, plan, t.numel(), base[i]) for i, t in enumerate(sources)]
-    units = np.ascontiguousarray(np.concatenate([copies, *rest]))
-    sums = np.zeros(1 + len(sources), dtype=np.uint64)
-    count = max(1, min(default_threads(), int(units[:, 2].sum()) // BYTES_PER_THREAD if len(units) else 1))
-    if lib.kvt_copy2(units.ctypes.data, len(units), sums.ctypes.data, len(sums), count) != 0:
-        raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
-    return int(sums[0]), [int(v) for v in sums[1:]]
-
-
-def _uncopied(i: int, plan: np.ndarray, size: int, address: int) -> np.ndarray:
-    """Units that only sum source ``i``'s bytes ``plan`` copies nowhere (``size`` bytes at
-    ``address``), at their places in it: ``int64 [gaps, 7]``."""
-    rows = plan[plan[:, 0] == i]
-    rows = rows[np.argsort(rows[:, 1], kind="stable")]
-    starts = np.concatenate([[0], rows[:, 1] + rows[:, 3]])
-    ends = np.concatenate([rows[:, 1], [size]])
-    gap = ends > starts
-    starts, ends = starts[gap], ends[gap]
-    units = np.empty((starts.size, 7), dtype=np.int64)
-    units[:, 0], units[:, 1], units[:, 2] = address + starts, 0, ends - starts
-    units[:, 3], units[:, 4], units[:, 5], units[:, 6] = starts // 4, 1 + i, 0, -1
-    return units
 
 
 def gather(layout: Layout, spans: Sequence[ChunkSpan], checksums_out: torch.Tensor | None = None) -> None:
@@ -165,23 +105,44 @@ def gather(layout: Layout, spans: Sequence[ChunkSpan], checksums_out: torch.Tens
         checksums_out.copy_(torch.tensor([to_signed(v) for v in sums], dtype=torch.int64))
 
 
-def scatter(layout: Layout, spans: Sequence[ChunkSpan],
-            expected_checksums: Sequence[int] | torch.Tensor | None = None) -> list[bool]:
+def scatter(layout: Layout, spans: Sequence[ChunkSpan | PieceSpan],
+            expected_checksums: Sequence[int | tuple[int, ...]] | torch.Tensor | None = None) -> list[bool]:
     """Copy the spans' chunk payloads into engine blocks, verifying while copying.
 
     ``expected_checksums``: per span, the KVSUM64 of its WHOLE chunk payload (unsigned ints or
-    ``int64``); a partial span also reads the rest of its chunk. Returns ``ok`` per span; a span
-    with ``ok == False`` has written garbage into its engine blocks, which the caller must report
-    as failed (recomputed), never use.
+    ``int64``); a partial span also reads the rest of its chunk. A :class:`PieceSpan`'s entry is
+    the tuple of its pieces' KVSUM64s: each piece is checked whole as its heads are scattered
+    (:func:`kvtier.ops.cpu_pieces.piece_units`). Returns ``ok`` per span; a span with ``ok ==
+    False`` has written garbage into its engine blocks, which the caller must report as failed
+    (recomputed), never use.
     """
+    pieces = any(isinstance(span, PieceSpan) for span in spans)
     if expected_checksums is None:
+        if pieces:
+            raise ValueError("pieces are scattered only with their checksums.")
         run_copy(layout, spans, gather=False, want_sums=False)
         return [True] * len(spans)
     if isinstance(expected_checksums, torch.Tensor):
-        expected = [to_unsigned(v) for v in expected_checksums.tolist()]
-    else:
-        expected = [to_unsigned(int(v)) for v in expected_checksums]
+        expected_checksums = expected_checksums.tolist()
+    expected = [tuple(to_unsigned(int(x)) for x in v) if isinstance(v, tuple) else (to_unsigned(int(v)),)
+                for v in expected_checksums]
     if len(expected) != len(spans):
         raise ValueError(f"{len(expected)} expected checksums for {len(spans)} spans.")
-    sums = run_copy(layout, spans, gather=False, want_sums=True, complement=True)
-    return [a == b for a, b in zip(sums, expected)]
+    if not pieces:
+        sums = run_copy(layout, spans, gather=False, want_sums=True, complement=True)
+        return [a == b for a, b in zip(sums, (want for (want,) in expected))]
+    units, slots = [], []  # slots: each span's [first, end) of the sums
+    for span, want in zip(spans, expected):
+        first = slots[-1][1] if slots else 0
+        if isinstance(span, PieceSpan):
+            if len(want) != len(span.pieces):
+                raise ValueError(f"{len(want)} expected checksums for {len(span.pieces)} pieces.")
+            units.append(piece_units(layout, span, first))
+        else:
+            chunk = build_units(layout, [span], complement=True)
+            chunk[:, 4] = (first << 1) | (chunk[:, 4] & 1)
+            units.append(chunk)
+        slots.append((first, first + len(want)))
+    sums = _walk(layout, np.concatenate(units), False, slots[-1][1])
+    flat = [x for want in expected for x in want]
+    return [sums[a:b] == flat[a:b] for a, b in slots]

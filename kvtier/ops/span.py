@@ -23,7 +23,29 @@ class ChunkSpan:
     block_ids: torch.Tensor
 
     def __post_init__(self) -> None:
-        if not (0 <= self.first and self.first + self.block_ids.numel() <= self.num_blocks):
-            raise ValueError(
-                f"span of {self.block_ids.numel()} blocks from {self.first} exceeds a chunk of {self.num_blocks} blocks."
-            )
+        _within(self.first, self.block_ids.numel(), self.num_blocks)
+
+
+@dataclass(frozen=True, slots=True)
+class PieceSpan:
+    """Blocks ``first .. first + len(block_ids) - 1`` of a chunk held as pieces other TP sizes' ranks
+    stored (:mod:`kvtier.shards`), scattered from them straight into the engine's head slices.
+
+    ``pieces``: (the KV heads a piece holds, its whole buffer: header and payload, host memory),
+    in head order, together holding the engine's heads; each piece is checked against its own
+    KVSUM64 as it is copied (every byte of it summed, those of heads the engine does not hold
+    too). Only the ``cpu`` ops backend takes these.
+    """
+
+    pieces: tuple[tuple[tuple[int, int], torch.Tensor], ...]
+    num_blocks: int
+    first: int
+    block_ids: torch.Tensor
+
+    def __post_init__(self) -> None:
+        _within(self.first, self.block_ids.numel(), self.num_blocks)
+
+
+def _within(first: int, count: int, num_blocks: int) -> None:
+    if not (0 <= first and first + count <= num_blocks):
+        raise ValueError(f"span of {count} blocks from {first} exceeds a chunk of {num_blocks} blocks.")

@@ -41,7 +41,8 @@ from kvtier import codec
 from kvtier.jobs import LoadJob
 from kvtier.keys import storage_key
 from kvtier.layout import Layout
-from kvtier.ops import ChunkSpan
+from kvtier.ops import ChunkSpan, cpu_ops, cpu_pieces
+from kvtier.ops.span import PieceSpan
 from kvtier.storage import ChunkBuffer, ChunkStore, Tier
 from kvtier.timeline import mark
 from kvtier.transfer import pieces
@@ -94,6 +95,9 @@ class LoadSide:
         self._loads_running = 0  # written by whichever thread runs local loads; the save thread yields while > 0
         self.landed: LandedCheck | None = None  # set when producers may write chunks into the engine's blocks
         self._polled = PolledLoads(self) if self.scatter_async is not None else None  # CPU-tier loads, no thread
+        # another TP size's pieces go straight into the engine's blocks where the host copy checks them as it goes
+        self._scatters_pieces = (self._scatter is cpu_ops.scatter and self.kernel_sums and layout.shard is not None
+                                 and not layout.shard.replicated)
 
     def accept_landings(self) -> None:
         """P/D producers may write chunks straight into this engine's blocks from now on (its KV
@@ -187,10 +191,15 @@ class LoadSide:
                     self.store.drop_unreadable([self.skey(k) for k in local[i + 1:]])
                     break
                 buffer, checksum = fetched
-                buffers.append(buffer)
+                if isinstance(buffer, pieces.Taken):  # scattered straight from the pieces, each checked as it goes
+                    buffers += buffer.buffers
+                    spans.append(PieceSpan(tuple(zip(buffer.way, (piece.data for piece in buffer.buffers))),
+                                           self.chunk_blocks, first, ids[done : done + count]))
+                else:
+                    buffers.append(buffer)
+                    spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids[done : done + count]))
                 sums.append(checksum)
                 tiers.append(buffer.tier.value)
-                spans.append(ChunkSpan(buffer.data, self.chunk_blocks, first, ids[done : done + count]))
                 done += count
                 pending = (len(spans) - launched) * self.chunk_bytes
                 if self.scatter_async is not None and pending >= self._pipeline_bytes:
@@ -287,7 +296,11 @@ class LoadSide:
         From that chunk on every block counts as failed: vLLM recomputes from the first failed
         block, and the bad chunk's blocks hold garbage until then."""
         bad = ok.index(False)
-        self._discard(job.keys[bad], "payload checksum mismatch in the copy kernel")
+        if isinstance(spans[bad], PieceSpan):  # which piece failed is not known: none of them is kept
+            for heads, _ in spans[bad].pieces:
+                pieces.unusable(self.layout, self.store, job.keys[bad], heads, "a payload checksum mismatch in the copy")
+        else:
+            self._discard(job.keys[bad], "payload checksum mismatch in the copy kernel")
         return sum(span.block_ids.numel() for span in spans[:bad])
 
     def _discard(self, key: bytes, reason: str) -> None:
@@ -304,6 +317,11 @@ class LoadSide:
         buffer = self.store.get(skey, cpu_only=cpu_only)
         if buffer is None and cpu_only:
             return None  # (a chunk joined from another TP size's pieces is joined on the load thread)
+        if buffer is None and self._scatters_pieces and (taken := self._take(key)) is not None:
+            self.cost.fetched(taken.tier.value, now_ms() - start)
+            if taken.tier in (Tier.DISK, Tier.SHARED):
+                self.on_held(taken.skeys)  # promoted into the CPU tier
+            return taken, tuple(header.checksum for header in taken.headers)
         buffer = buffer or pieces.assemble(self.layout, self.store, key, self.chunk_blocks, self.on_held)
         if buffer is None:
             logger.warning("kvtier: chunk %s was evicted before it could be loaded; recomputing.", key.hex())
@@ -318,6 +336,15 @@ class LoadSide:
         if buffer.tier in (Tier.DISK, Tier.SHARED):
             self.on_held([skey])  # promoted into the CPU tier
         return buffer, header.checksum
+
+    def _take(self, key: bytes) -> pieces.Taken | None:
+        """Chain key ``key``'s pieces, when the copy can scatter them as they are (each sealed with a
+        KVSUM64, heads in whole words), else None (then they are joined into a chunk first)."""
+        taken = pieces.take(self.layout, self.store, key, self.chunk_blocks)
+        if taken is not None and not (taken.kvsum64 and cpu_pieces.aligned(self.layout, taken.way, self.chunk_blocks)):
+            taken.release()
+            return None
+        return taken
 
     def take_finished(self) -> tuple[set[str], set[int]]:
         """Requests whose loads ended since the last call, and the block ids that failed."""

@@ -1,21 +1,25 @@
-"""A rank's chunk built from the pieces ranks of another TP size stored (see :mod:`kvtier.shards`).
+"""A rank's chunk from the pieces ranks of another TP size stored (see :mod:`kvtier.shards`).
 
-When a load finds no chunk under the rank's own storage key, :func:`assemble` looks for the
-pieces that hold its KV heads (at most one way per writer TP size of :data:`kvtier.shards.WRITER_TP_SIZES`;
-in the local tiers first, then through ``store.get``, which reads the shared tier), checks each
-piece's header, joins their heads into a chunk of the rank's layout (checking each piece's
-checksum in the same pass, :func:`kvtier.codec.joined.seal_joined`) sealed with a KVSUM64, and
-stores it under the rank's own key in the CPU tier (only there: the pieces stay the disk's and
-the shared tier's copy), so that the next load finds it. A corrupt piece is removed and the chunk
-counts as missing (recomputed).
+When a load finds no chunk under the rank's own storage key, :func:`take` gets the pieces that
+hold its KV heads (at most one way per writer TP size of :data:`kvtier.shards.WRITER_TP_SIZES`; in
+the local tiers first, then through ``store.get``, which reads the shared tier) and checks each
+piece's header. On a CPU engine the load scatters them straight into its blocks, each piece
+checked against its checksum as it is copied (:class:`kvtier.ops.span.PieceSpan`); elsewhere
+:func:`assemble` joins their heads into a chunk of the rank's layout (checking each piece in the
+same pass, :func:`kvtier.codec.joined.seal_joined`) sealed with a KVSUM64 and stores it under the
+rank's own key in the CPU tier (only there: the pieces stay the disk's and the shared tier's
+copy), so that the next load finds it. A corrupt piece is removed and the chunk counts as missing
+(recomputed).
 
-Buffers: each piece's buffer comes from ``store.get`` and is released here; the built chunk goes to
-``store.put``, and the buffer returned is a ``store.get`` of it, the caller's to release.
+Buffers: each piece's buffer comes from ``store.get``; :class:`Taken` holds them for the caller to
+release (:func:`assemble` releases them itself). The built chunk goes to ``store.put``, and the
+buffer :func:`assemble` returns is a ``store.get`` of it, the caller's to release.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import Callable, Iterator, Sequence
 
 from kvtier import codec
@@ -30,18 +34,70 @@ logger = logging.getLogger(__name__)
 _SLOWER = (Tier.CPU, Tier.DISK, Tier.SHARED)
 
 
+@dataclass(slots=True)
+class Taken:
+    """One chunk's pieces as :func:`take` got them: their heads (``way``), storage keys, buffers
+    (the caller's to :meth:`release`) and checked headers (their payloads not checked yet)."""
+
+    way: tuple[HeadRange, ...]
+    skeys: list[bytes]
+    buffers: list[ChunkBuffer]
+    headers: list[codec.ChunkHeader]
+
+    @property
+    def tier(self) -> Tier:
+        """The slowest tier a piece came from: the tier the chunk counts as a hit of."""
+        return max((buffer.tier for buffer in self.buffers), key=_SLOWER.index)
+
+    @property
+    def kvsum64(self) -> bool:
+        """Every piece is sealed with a KVSUM64, which a copy can check as it goes."""
+        return all(header.checksum_kind == codec.KVSUM64 for header in self.headers)
+
+    def release(self) -> None:
+        for buffer in self.buffers:
+            buffer.release()
+
+
+def take(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int) -> Taken | None:
+    """Chain key ``key``'s pieces that hold ``layout``'s heads (of chunks of ``chunk_blocks`` blocks),
+    their headers checked: the first way the local tiers hold whole, else the first whose pieces
+    ``store.get`` finds (the shared tier's). None when none is whole; a piece whose header fails is
+    removed."""
+    ways = _ways(layout, key)
+    held = _held_way(store, ways)
+    for way, skeys in [held] if held is not None else ways:
+        if (taken := _take_way(layout, store, key, chunk_blocks, way, skeys)) is not None:
+            return taken
+    return None
+
+
 def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,
              on_held: Callable[[list[bytes]], None]) -> ChunkBuffer | None:
     """Chain key ``key``'s chunk of ``chunk_blocks`` blocks for ``layout``'s heads, built from other
-    TP sizes' pieces in ``store`` and stored under the rank's own key (``on_held`` hears of it);
-    None when no way's pieces are all stored, one is corrupt (removed), or the CPU pool has no room."""
-    ways = _ways(layout, key)
-    if (held := _held_way(store, ways)) is not None:
-        return _join(layout, store, key, chunk_blocks, on_held, *held)
-    for way, skeys in ways:  # none whole in the local tiers: the shared tier's, read through store.get
-        if (built := _join(layout, store, key, chunk_blocks, on_held, way, skeys)) is not None:
-            return built
-    return None
+    TP sizes' pieces in ``store`` (:func:`take`) and stored under the rank's own key (``on_held``
+    hears of it); None when no way's pieces are all stored, one is corrupt (removed), or the CPU
+    pool has no room."""
+    taken = take(layout, store, key, chunk_blocks)
+    if taken is None:
+        return None
+    tier = taken.tier
+    try:
+        built = seal_joined(layout, chunk_blocks, list(zip(taken.way, taken.buffers, taken.headers)),
+                            lambda n: store.allocate(n, wait=False))
+    except CorruptPiece as exc:
+        return unusable(layout, store, key, taken.way[exc.index], exc)
+    finally:
+        taken.release()
+    if built is None:
+        return None
+    own = storage_key(key, layout.fingerprint)
+    store.put([own], [built], cpu_only=True)  # the pieces stay the disk's and shared tier's copy: none twice
+    on_held([own])
+    buffer = store.get(own)
+    if buffer is not None:
+        buffer.tier = tier  # counted as a hit of the tier the pieces came from
+    return buffer
 
 
 def to_read(layout: Layout, store: ChunkStore, keys: Sequence[bytes]) -> Iterator[bytes]:
@@ -71,43 +127,28 @@ def _ways(layout: Layout, key: bytes) -> list[tuple[tuple[HeadRange, ...], list[
             for way in covers(shard.first, shard.end, shard.total)]
 
 
-def _join(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, on_held: Callable[[list[bytes]], None],
-          way: tuple[HeadRange, ...], skeys: list[bytes]) -> ChunkBuffer | None:
-    pieces: list[ChunkBuffer] = []
-    headers: list[codec.ChunkHeader] = []
-    try:
-        for heads, skey in zip(way, skeys):
-            piece = store.get(skey)
-            if piece is None:
-                return None
-            pieces.append(piece)
-            try:  # the header here; the payload's checksum as the join copies it
-                headers.append(codec.verify_chunk(piece.data, piece_layout(layout, heads), chunk_blocks,  # type: ignore[arg-type]
-                                                  payload=False))
-            except codec.ChunkError as exc:
-                return _unusable(store, key, skey, heads, exc)
-        try:
-            built = seal_joined(layout, chunk_blocks, list(zip(way, pieces, headers)),
-                                lambda n: store.allocate(n, wait=False))
-        except CorruptPiece as exc:
-            return _unusable(store, key, skeys[exc.index], way[exc.index], exc)
-        if built is None:
+def _take_way(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, way: tuple[HeadRange, ...],
+              skeys: list[bytes]) -> Taken | None:
+    taken = Taken(way, skeys, [], [])
+    for heads, skey in zip(way, skeys):
+        piece = store.get(skey)
+        if piece is None:
+            taken.release()
             return None
-        tier = max((piece.tier for piece in pieces), key=_SLOWER.index)
-    finally:
-        for piece in pieces:
-            piece.release()
-    own = storage_key(key, layout.fingerprint)
-    store.put([own], [built], cpu_only=True)  # the pieces stay the disk's and shared tier's copy: none twice
-    on_held([own])
-    buffer = store.get(own)
-    if buffer is not None:
-        buffer.tier = tier  # counted as a hit of the tier the pieces came from
-    return buffer
+        taken.buffers.append(piece)
+        try:  # the header here; the payload's checksum as it is copied
+            taken.headers.append(codec.verify_chunk(piece.data, piece_layout(layout, heads), chunk_blocks,  # type: ignore[arg-type]
+                                                    payload=False))
+        except codec.ChunkError as exc:
+            taken.release()
+            return unusable(layout, store, key, heads, exc)
+    return taken
 
 
-def _unusable(store: ChunkStore, key: bytes, skey: bytes, heads: HeadRange, exc: Exception) -> None:
-    """Remove stored piece ``skey`` (of chain key ``key``, KV ``heads``) that failed a check, and say so."""
+def unusable(layout: Layout, store: ChunkStore, key: bytes, heads: HeadRange, problem: object) -> None:
+    """Remove chain key ``key``'s stored piece of KV ``heads`` (another TP size's, for ``layout``'s
+    heads), which failed a check (``problem``), and say so."""
+    skey = storage_key(key, piece_fingerprint(layout.shard.base, heads))
     store.remove(skey)
     logger.warning("kvtier: stored piece %s (KV heads %d-%d) of chunk %s is unusable (%s); removed it and recomputing.",
-                   skey.hex(), heads[0], heads[1], key.hex(), exc)
+                   skey.hex(), heads[0], heads[1], key.hex(), problem)

@@ -1,0 +1,127 @@
+"""Host copies of pieces other TP sizes' ranks stored (:mod:`kvtier.shards`), each checked against its
+own KVSUM64 in the pass that copies it (``kvt_copy`` / ``kvt_copy2`` of :mod:`kvtier.ops.cpu_library`).
+
+* :func:`join_checked` joins pieces into a chunk of the reader's heads, summing the joined chunk
+  as it writes it (its seal) and each piece at its own places (its check).
+* :func:`piece_units` is what :func:`kvtier.ops.cpu_ops.scatter` does with a
+  :class:`~kvtier.ops.span.PieceSpan`: each piece's heads of the engine's go straight into the
+  engine's blocks, no joined chunk in between, the piece checked as it is copied.
+
+Either way every byte of a piece is read once and summed, the bytes of heads the reader does not
+hold included (a piece wider than the reader's share): a piece with one flipped byte anywhere fails.
+Offsets and sizes are multiples of 4 bytes (:func:`aligned`).
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import torch
+
+from kvtier.codec.geometry import HEADER_BYTES
+from kvtier.layout import Layout
+from kvtier.ops.cpu_library import BYTES_PER_THREAD, default_threads, loaded
+from kvtier.ops.span import PieceSpan
+from kvtier.shards import HeadRange, join_plan, piece_layout
+
+
+def aligned(layout: Layout, heads: Sequence[HeadRange], num_blocks: int) -> bool:
+    """Whether pieces holding ``heads`` join into (or scatter into) ``layout``'s blocks in whole
+    4-byte words: what the C copies need."""
+    plan = join_plan(layout.shard, _region_bytes(layout, num_blocks), tuple(heads))
+    return not np.any(plan[:, 1:] % 4)
+
+
+def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> tuple[int, list[int]]:
+    """Copy ``plan``'s rows (source index, byte offset in it, byte offset in ``dst``, bytes) from the
+    contiguous host ``uint8`` ``sources`` (whole piece payloads) into ``dst`` in one C call that reads
+    each source byte once: (the KVSUM64 of the words written at their places in ``dst``, each
+    source's KVSUM64), all unsigned. ValueError for offsets, sizes or sources not in 4-byte words."""
+    lib = loaded()
+    if (len(plan) and np.any(plan[:, 1:] % 4)) or any(t.numel() % 4 for t in sources):
+        raise ValueError("every copy's offsets and size, and every source's size, must be multiples of 4 bytes.")
+    for t in (dst, *sources):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != torch.uint8:
+            raise ValueError("join_checked copies between contiguous host uint8 tensors.")
+    base = np.array([t.data_ptr() for t in sources], dtype=np.int64)
+    copies = np.empty((len(plan), 7), dtype=np.int64)
+    copies[:, 0] = base[plan[:, 0]] + plan[:, 1]
+    copies[:, 1] = dst.data_ptr() + plan[:, 2]
+    copies[:, 2] = plan[:, 3]
+    copies[:, 3], copies[:, 4] = plan[:, 2] // 4, 0  # the joined chunk's sum: sums[0]
+    copies[:, 5], copies[:, 6] = plan[:, 1] // 4, 1 + plan[:, 0]  # the source's: sums[1 + source]
+    rest = []
+    for i, t in enumerate(sources):
+        starts, sizes = _gaps(plan, i, t.numel())
+        units = np.zeros((starts.size, 7), dtype=np.int64)
+        units[:, 0], units[:, 2], units[:, 3], units[:, 4], units[:, 6] = base[i] + starts, sizes, starts // 4, 1 + i, -1
+        rest.append(units)
+    units = np.ascontiguousarray(np.concatenate([copies, *rest]))
+    sums = np.zeros(1 + len(sources), dtype=np.uint64)
+    if lib.kvt_copy2(units.ctypes.data, len(units), sums.ctypes.data, len(sums), _threads(units)) != 0:
+        raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
+    return int(sums[0]), [int(v) for v in sums[1:]]
+
+
+def piece_units(layout: Layout, span: PieceSpan, slot: int) -> np.ndarray:
+    """``kvt_copy`` units (``int64 [units, 5]``, scatter direction) that copy ``span``'s pieces'
+    heads of ``layout``'s into its engine blocks and sum every byte of piece ``i`` at its place in
+    that piece into sums slot ``slot + i``. Blocks of the chunk outside the span are only summed."""
+    shard, n = layout.shard, span.num_blocks
+    region_bytes = _region_bytes(layout, n)
+    heads = tuple(h for h, _ in span.pieces)
+    plan = join_plan(shard, region_bytes, heads)
+    if np.any(plan[:, 1:] % 4):
+        raise ValueError("the pieces' heads are not whole 4-byte words of the engine's blocks.")
+    payloads = []
+    for (held, buffer) in span.pieces:
+        size = piece_layout(layout, held).payload_bytes(n)
+        if buffer.device.type != "cpu" or not buffer.is_contiguous() or buffer.numel() < HEADER_BYTES + size:
+            raise ValueError(f"piece of KV heads {held[0]}-{held[1]}: not a whole contiguous host chunk of {n} blocks.")
+        payloads.append((buffer.data_ptr() + HEADER_BYTES, size))
+    regions = layout.regions
+    block_bytes = np.array([r.block_bytes for r in regions], dtype=np.int64)
+    stride = np.array([r.block_stride for r in regions], dtype=np.int64)
+    base = np.array([r.blocks.data_ptr() for r in regions], dtype=np.int64)
+    starts = np.concatenate([[0], np.cumsum(region_bytes)[:-1]]).astype(np.int64)
+    region = np.searchsorted(starts, plan[:, 2], side="right") - 1  # each row lies inside one block of one region
+    within = plan[:, 2] - starts[region]
+    block, inner = within // block_bytes[region], within % block_bytes[region]
+    ids = span.block_ids.reshape(-1).to("cpu", torch.int64).numpy()
+    if ids.size and (ids.min() < 0 or ids.max() >= layout.num_blocks):
+        raise ValueError(f"block ids outside 0..{layout.num_blocks - 1}.")
+    write = (block >= span.first) & (block < span.first + ids.size)
+    at = np.clip(block - span.first, 0, max(ids.size - 1, 0))
+    address = np.array([a for a, _ in payloads], dtype=np.int64)
+    copies = np.empty((len(plan), 5), dtype=np.int64)
+    copies[:, 0] = np.where(write, base[region] + (ids[at] if ids.size else 0) * stride[region] + inner, 0)
+    copies[:, 1] = address[plan[:, 0]] + plan[:, 1]
+    copies[:, 2] = plan[:, 3]
+    copies[:, 3] = plan[:, 1] // 4
+    copies[:, 4] = ((slot + plan[:, 0]) << 1) | write
+    rest = []
+    for i, (addr, size) in enumerate(payloads):
+        gap, sizes = _gaps(plan, i, size)
+        units = np.zeros((gap.size, 5), dtype=np.int64)
+        units[:, 1], units[:, 2], units[:, 3], units[:, 4] = addr + gap, sizes, gap // 4, (slot + i) << 1
+        rest.append(units)
+    return np.concatenate([copies, *rest])
+
+
+def _gaps(plan: np.ndarray, i: int, size: int) -> tuple[np.ndarray, np.ndarray]:
+    """(Starts, sizes) of source ``i``'s bytes in ``[0, size)`` that ``plan`` copies nowhere."""
+    rows = plan[plan[:, 0] == i]
+    rows = rows[np.argsort(rows[:, 1], kind="stable")]
+    starts = np.concatenate([[0], rows[:, 1] + rows[:, 3]])
+    ends = np.concatenate([rows[:, 1], [size]])
+    gap = ends > starts
+    return starts[gap], (ends - starts)[gap]
+
+
+def _region_bytes(layout: Layout, num_blocks: int) -> tuple[int, ...]:
+    return tuple(region.block_bytes * num_blocks for region in layout.regions)
+
+
+def _threads(units: np.ndarray) -> int:
+    return max(1, min(default_threads(), int(units[:, 2].sum()) // BYTES_PER_THREAD if len(units) else 1))
