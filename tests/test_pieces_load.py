@@ -37,11 +37,11 @@ def store():
         yield s
 
 
-def save_all(store, ref, tp, ks):
+def save_all(store, ref, tp, ks, backend="auto"):
     """Every rank of a TP=``tp`` engine saves ``ks``' chunks from blocks 0.. into ``store``."""
     for rank in range(tp):
         _, layout = engine(ref, rank, tp)
-        worker = TierWorker(layout, store, CHUNK_BLOCKS)
+        worker = TierWorker(layout, store, CHUNK_BLOCKS, backend=backend)
         try:
             assert worker.save([SaveJob("w", tuple(ks), tuple(range(len(ks) * CHUNK_BLOCKS)))]) == len(ks)
             worker.drain()
@@ -89,3 +89,17 @@ def test_a_flipped_byte_in_a_piece_fails_its_chunk_and_removes_its_pieces(store,
     assert store.contains(whole) is None and store.contains(storage_key(ks[0], piece_fingerprint(
         layout.shard.base, (0, HEADS)))) is not None
     assert f"KV heads 0-{HEADS}" in caplog.text and "unusable" in caplog.text
+
+
+def test_pieces_a_copy_cannot_check_as_it_goes_are_joined_first(store):
+    ref = torch.randn(NUM_BLOCKS, LAYERS, HEADS, BLOCK, 32, generator=torch.Generator().manual_seed(5))
+    ks = chunk_keys(list(range(2 * CHUNK_BLOCKS * BLOCK)), CHUNK_BLOCKS * BLOCK, namespace("m"))
+    save_all(store, ref, 2, ks, backend="torch")  # sealed with the host's checksum, not a KVSUM64
+    kv, layout = engine(torch.zeros_like(ref), 0, 1)
+    worker = TierWorker(layout, store, CHUNK_BLOCKS)
+    try:
+        assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(4)))) == set()
+    finally:
+        worker.close()
+    assert torch.equal(kv[:4], ref[:4])
+    assert all(store.contains(storage_key(k, layout.fingerprint)) is not None for k in ks)  # joined, kept

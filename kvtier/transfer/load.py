@@ -308,24 +308,30 @@ class LoadSide:
         self.store.remove(self.skey(key))
         logger.warning("kvtier: stored chunk %s is unusable (%s); removed it and recomputing.", key.hex(), reason)
 
-    def fetch(self, key: bytes, cpu_only: bool = False) -> tuple[ChunkBuffer, int] | None:
+    def fetch(self, key: bytes, cpu_only: bool = False
+              ) -> tuple[ChunkBuffer, int] | tuple[pieces.Taken, tuple[int, ...]] | None:
         """The stored chunk for chain key ``key`` and its header checksum, or None (missing or
         corrupt; ``cpu_only``: or not in the CPU tier, said nowhere). The payload is verified here
-        unless the copy kernel verifies it while loading."""
+        unless the copy kernel verifies it while loading. Where only another TP size's pieces hold
+        it, on a CPU engine: those pieces and their checksums, for the copy to check as it goes."""
         skey = self.skey(key)
         start = now_ms()
         buffer = self.store.get(skey, cpu_only=cpu_only)
         if buffer is None and cpu_only:
             return None  # (a chunk joined from another TP size's pieces is joined on the load thread)
-        if buffer is None and self._scatters_pieces and (taken := self._take(key)) is not None:
-            self.cost.fetched(taken.tier.value, now_ms() - start)
-            if taken.tier in (Tier.DISK, Tier.SHARED):
-                self.on_held(taken.skeys)  # promoted into the CPU tier
-            return taken, tuple(header.checksum for header in taken.headers)
-        buffer = buffer or pieces.assemble(self.layout, self.store, key, self.chunk_blocks, self.on_held)
+        taken = None
+        if buffer is None and self._scatters_pieces:
+            taken = pieces.take(self.layout, self.store, key, self.chunk_blocks)
+            if taken is None:
+                return self._evicted(key)
+            if taken.kvsum64 and cpu_pieces.aligned(self.layout, taken.way, self.chunk_blocks):  # as they are
+                self.cost.fetched(taken.tier.value, now_ms() - start)
+                if taken.tier in (Tier.DISK, Tier.SHARED):
+                    self.on_held(taken.skeys)  # promoted into the CPU tier
+                return taken, tuple(header.checksum for header in taken.headers)
+        buffer = buffer or pieces.assemble(self.layout, self.store, key, self.chunk_blocks, self.on_held, taken)
         if buffer is None:
-            logger.warning("kvtier: chunk %s was evicted before it could be loaded; recomputing.", key.hex())
-            return None
+            return self._evicted(key)
         try:
             header = codec.verify_chunk(buffer.data, self.layout, self.chunk_blocks, payload=not self.kernel_sums)
         except codec.ChunkError as exc:
@@ -337,14 +343,9 @@ class LoadSide:
             self.on_held([skey])  # promoted into the CPU tier
         return buffer, header.checksum
 
-    def _take(self, key: bytes) -> pieces.Taken | None:
-        """Chain key ``key``'s pieces, when the copy can scatter them as they are (each sealed with a
-        KVSUM64, heads in whole words), else None (then they are joined into a chunk first)."""
-        taken = pieces.take(self.layout, self.store, key, self.chunk_blocks)
-        if taken is not None and not (taken.kvsum64 and cpu_pieces.aligned(self.layout, taken.way, self.chunk_blocks)):
-            taken.release()
-            return None
-        return taken
+    @staticmethod
+    def _evicted(key: bytes) -> None:
+        logger.warning("kvtier: chunk %s was evicted before it could be loaded; recomputing.", key.hex())
 
     def take_finished(self) -> tuple[set[str], set[int]]:
         """Requests whose loads ended since the last call, and the block ids that failed."""

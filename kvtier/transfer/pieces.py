@@ -73,12 +73,12 @@ def take(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int) -> Ta
 
 
 def assemble(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int,
-             on_held: Callable[[list[bytes]], None]) -> ChunkBuffer | None:
+             on_held: Callable[[list[bytes]], None], taken: Taken | None = None) -> ChunkBuffer | None:
     """Chain key ``key``'s chunk of ``chunk_blocks`` blocks for ``layout``'s heads, built from other
-    TP sizes' pieces in ``store`` (:func:`take`) and stored under the rank's own key (``on_held``
-    hears of it); None when no way's pieces are all stored, one is corrupt (removed), or the CPU
-    pool has no room."""
-    taken = take(layout, store, key, chunk_blocks)
+    TP sizes' pieces in ``store`` (``taken``, released here; else :func:`take`'s) and stored under
+    the rank's own key (``on_held`` hears of it); None when no way's pieces are all stored, one is
+    corrupt (removed), or the CPU pool has no room."""
+    taken = taken or take(layout, store, key, chunk_blocks)
     if taken is None:
         return None
     tier = taken.tier
