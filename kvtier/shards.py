@@ -60,6 +60,7 @@ class HeadShard:
         return self.end - self.first
 
 
+@functools.lru_cache(maxsize=256)
 def piece_fingerprint(base: bytes, heads: HeadRange | None) -> bytes:
     """The fingerprint a piece holding ``heads`` is stored and sealed under (16 bytes); ``base``
     itself when ``heads`` is None (a layout without a head dim)."""

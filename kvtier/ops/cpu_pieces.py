@@ -14,6 +14,7 @@ Offsets and sizes are multiples of 4 bytes (:func:`aligned`).
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import numpy as np
@@ -29,8 +30,12 @@ from kvtier.shards import HeadRange, join_plan, piece_layout
 def aligned(layout: Layout, heads: Sequence[HeadRange], num_blocks: int) -> bool:
     """Whether pieces holding ``heads`` join into (or scatter into) ``layout``'s blocks in whole
     4-byte words: what the C copies need."""
-    plan = join_plan(layout.shard, _region_bytes(layout, num_blocks), tuple(heads))
-    return not np.any(plan[:, 1:] % 4)
+    return _aligned(layout.shard, _region_bytes(layout, num_blocks), tuple(heads))
+
+
+@functools.lru_cache(maxsize=64)
+def _aligned(shard, region_bytes: tuple[int, ...], heads: tuple[HeadRange, ...]) -> bool:
+    return not np.any(join_plan(shard, region_bytes, heads)[:, 1:] % 4)
 
 
 def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> tuple[int, list[int]]:
@@ -68,45 +73,53 @@ def piece_units(layout: Layout, span: PieceSpan, slot: int) -> np.ndarray:
     """``kvt_copy`` units (``int64 [units, 5]``, scatter direction) that copy ``span``'s pieces'
     heads of ``layout``'s into its engine blocks and sum every byte of piece ``i`` at its place in
     that piece into sums slot ``slot + i``. Blocks of the chunk outside the span are only summed."""
-    shard, n = layout.shard, span.num_blocks
-    region_bytes = _region_bytes(layout, n)
-    heads = tuple(h for h, _ in span.pieces)
-    plan = join_plan(shard, region_bytes, heads)
-    if np.any(plan[:, 1:] % 4):
-        raise ValueError("the pieces' heads are not whole 4-byte words of the engine's blocks.")
-    payloads = []
-    for (held, buffer) in span.pieces:
-        size = piece_layout(layout, held).payload_bytes(n)
+    n, heads = span.num_blocks, tuple(h for h, _ in span.pieces)
+    regions = layout.regions
+    sizes = tuple(piece_layout(layout, held).payload_bytes(n) for held in heads)
+    plan, region, block, inner, gaps = _scatter_plan(layout.shard, _region_bytes(layout, n),
+                                                     tuple(r.block_bytes for r in regions), heads, sizes)
+    for (held, buffer), size in zip(span.pieces, sizes):
         if buffer.device.type != "cpu" or not buffer.is_contiguous() or buffer.numel() < HEADER_BYTES + size:
             raise ValueError(f"piece of KV heads {held[0]}-{held[1]}: not a whole contiguous host chunk of {n} blocks.")
-        payloads.append((buffer.data_ptr() + HEADER_BYTES, size))
-    regions = layout.regions
-    block_bytes = np.array([r.block_bytes for r in regions], dtype=np.int64)
     stride = np.array([r.block_stride for r in regions], dtype=np.int64)
     base = np.array([r.blocks.data_ptr() for r in regions], dtype=np.int64)
-    starts = np.concatenate([[0], np.cumsum(region_bytes)[:-1]]).astype(np.int64)
-    region = np.searchsorted(starts, plan[:, 2], side="right") - 1  # each row lies inside one block of one region
-    within = plan[:, 2] - starts[region]
-    block, inner = within // block_bytes[region], within % block_bytes[region]
     ids = span.block_ids.reshape(-1).to("cpu", torch.int64).numpy()
     if ids.size and (ids.min() < 0 or ids.max() >= layout.num_blocks):
         raise ValueError(f"block ids outside 0..{layout.num_blocks - 1}.")
     write = (block >= span.first) & (block < span.first + ids.size)
     at = np.clip(block - span.first, 0, max(ids.size - 1, 0))
-    address = np.array([a for a, _ in payloads], dtype=np.int64)
+    address = np.array([buffer.data_ptr() + HEADER_BYTES for _, buffer in span.pieces], dtype=np.int64)
     copies = np.empty((len(plan), 5), dtype=np.int64)
     copies[:, 0] = np.where(write, base[region] + (ids[at] if ids.size else 0) * stride[region] + inner, 0)
     copies[:, 1] = address[plan[:, 0]] + plan[:, 1]
     copies[:, 2] = plan[:, 3]
     copies[:, 3] = plan[:, 1] // 4
     copies[:, 4] = ((slot + plan[:, 0]) << 1) | write
-    rest = []
-    for i, (addr, size) in enumerate(payloads):
-        gap, sizes = _gaps(plan, i, size)
-        units = np.zeros((gap.size, 5), dtype=np.int64)
-        units[:, 1], units[:, 2], units[:, 3], units[:, 4] = addr + gap, sizes, gap // 4, (slot + i) << 1
-        rest.append(units)
-    return np.concatenate([copies, *rest])
+    rest = gaps.copy()  # sum-only: [piece, start, size]
+    units = np.zeros((len(rest), 5), dtype=np.int64)
+    units[:, 1], units[:, 2], units[:, 3], units[:, 4] = address[rest[:, 0]] + rest[:, 1], rest[:, 2], rest[:, 1] // 4, \
+        (slot + rest[:, 0]) << 1
+    return np.concatenate([copies, units])
+
+
+@functools.lru_cache(maxsize=64)
+def _scatter_plan(shard, region_bytes: tuple[int, ...], block_bytes: tuple[int, ...], heads: tuple[HeadRange, ...],
+                  sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    """What every chunk's :func:`piece_units` shares (kept, read-only): the join plan, each row's
+    region, chunk block and offset inside that block, and ``int64 [gaps, 3]`` (piece, start, size)
+    of the pieces' bytes no row copies."""
+    plan = join_plan(shard, region_bytes, heads)
+    if np.any(plan[:, 1:] % 4):
+        raise ValueError("the pieces' heads are not whole 4-byte words of the engine's blocks.")
+    starts = np.concatenate([[0], np.cumsum(region_bytes)[:-1]]).astype(np.int64)
+    region = np.searchsorted(starts, plan[:, 2], side="right") - 1  # each row lies inside one block of one region
+    within = plan[:, 2] - starts[region]
+    size = np.array(block_bytes, dtype=np.int64)[region]
+    gaps = [np.stack([np.full(g.size, i), g, z], axis=1) for i in range(len(heads)) for g, z in [_gaps(plan, i, sizes[i])]]
+    out = (plan, region, within // size, within % size, np.concatenate(gaps).astype(np.int64))
+    for array in out:
+        array.setflags(write=False)
+    return out
 
 
 def _gaps(plan: np.ndarray, i: int, size: int) -> tuple[np.ndarray, np.ndarray]:
