@@ -24,7 +24,7 @@ from kvtier.codec.geometry import HEADER_BYTES
 from kvtier.layout import Layout
 from kvtier.ops.cpu_library import BYTES_PER_THREAD, default_threads, loaded
 from kvtier.ops.span import PieceSpan
-from kvtier.shards import HeadRange, join_plan, piece_layout
+from kvtier.shards import HeadRange, HeadShard, join_plan, piece_layout
 
 
 def aligned(layout: Layout, heads: Sequence[HeadRange], num_blocks: int) -> bool:
@@ -34,7 +34,7 @@ def aligned(layout: Layout, heads: Sequence[HeadRange], num_blocks: int) -> bool
 
 
 @functools.lru_cache(maxsize=64)
-def _aligned(shard, region_bytes: tuple[int, ...], heads: tuple[HeadRange, ...]) -> bool:
+def _aligned(shard: HeadShard, region_bytes: tuple[int, ...], heads: tuple[HeadRange, ...]) -> bool:
     return not np.any(join_plan(shard, region_bytes, heads)[:, 1:] % 4)
 
 
@@ -95,15 +95,16 @@ def piece_units(layout: Layout, span: PieceSpan, slot: int) -> np.ndarray:
     copies[:, 2] = plan[:, 3]
     copies[:, 3] = plan[:, 1] // 4
     copies[:, 4] = ((slot + plan[:, 0]) << 1) | write
-    rest = gaps.copy()  # sum-only: [piece, start, size]
-    units = np.zeros((len(rest), 5), dtype=np.int64)
-    units[:, 1], units[:, 2], units[:, 3], units[:, 4] = address[rest[:, 0]] + rest[:, 1], rest[:, 2], rest[:, 1] // 4, \
-        (slot + rest[:, 0]) << 1
-    return np.concatenate([copies, units])
+    summed = np.zeros((len(gaps), 5), dtype=np.int64)  # bytes no row copies: only summed
+    summed[:, 1] = address[gaps[:, 0]] + gaps[:, 1]
+    summed[:, 2] = gaps[:, 2]
+    summed[:, 3] = gaps[:, 1] // 4
+    summed[:, 4] = (slot + gaps[:, 0]) << 1
+    return np.concatenate([copies, summed])
 
 
 @functools.lru_cache(maxsize=64)
-def _scatter_plan(shard, region_bytes: tuple[int, ...], block_bytes: tuple[int, ...], heads: tuple[HeadRange, ...],
+def _scatter_plan(shard: HeadShard, region_bytes: tuple[int, ...], block_bytes: tuple[int, ...], heads: tuple[HeadRange, ...],
                   sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
     """What every chunk's :func:`piece_units` shares (kept, read-only): the join plan, each row's
     region, chunk block and offset inside that block, and ``int64 [gaps, 3]`` (piece, start, size)
