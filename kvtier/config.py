@@ -82,10 +82,11 @@ class KvtierConfig:
     switch_interval_us: Python's thread switch interval to set in each engine worker process, in µs
     (default: env ``KVTIER_SWITCH_INTERVAL_US``, else 500; 0: Python's own 5 ms is left). Each time
     one thread comes back from a wait (vLLM's engine loop from its GPU sync, kvtier's threads from
-    a copy, a socket or NIXL) it waits up to this long for the interpreter another thread holds. idle_wait_us: how long at most an
-    engine step that computes nothing (its requests all wait for loads, or a producer's lent blocks
-    for their decode engines) waits for a load or a lease to end, the interpreter released, in µs
-    (default: env ``KVTIER_IDLE_WAIT_US``, else 2000; 0: step on at once, as vLLM does).
+    a copy, a socket or NIXL) it waits up to this long for the interpreter another thread holds.
+    idle_wait_us: how long at most an engine step that computes nothing (its requests all wait for
+    loads, or a producer's lent blocks for their decode engines) waits for a load or a lease to
+    end, the interpreter released, in µs (default: env ``KVTIER_IDLE_WAIT_US``, else 2000; 0: step
+    on at once, as vLLM does).
     """
 
     cpu_bytes: int = field(default_factory=_default_cpu_bytes)

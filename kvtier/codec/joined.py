@@ -56,6 +56,7 @@ def seal_joined(layout: Layout, num_blocks: int, pieces: list[tuple[HeadRange, C
             raise CorruptPiece(bad, "piece payload kvsum64 checksum mismatch (corrupt bytes)")
         write_header(built.data, layout, num_blocks, kvsum64=kvsum)
     else:
-        join_pieces(dst, layout.shard, region_bytes, [(heads, source) for (heads, _, _), source in zip(pieces, sources)])
+        heads = [heads for heads, _, _ in pieces]
+        join_pieces(dst, layout.shard, region_bytes, list(zip(heads, sources)))
         write_header(built.data, layout, num_blocks, kind=CHECKSUM_KVSUM64)
     return built
