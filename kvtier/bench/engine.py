@@ -86,8 +86,8 @@ def add_parser(commands) -> None:
                    help="local hits per prompt (default 1; at TP > 1 one engine's local hits spread by ±10 ms)")
     p.add_argument("--profile", metavar="DIR",
                    help="also run extra rounds, not measured, under vLLM's torch profiler (at the first length: a local "
-                        "hit, the first reload after start, a later one; a prefill batch; a chat turn; 16 zero-hit prompts), traces into "
-                        "DIR/<engine>/<round>, and report what grew between them")
+                        "hit, the first reload after start, a later one; a prefill batch; a chat turn; 16 zero-hit "
+                        "prompts), traces into DIR/<engine>/<round>, and report what grew between them")
     p.add_argument("--disk-io", choices=("buffered", "direct"), default="buffered",
                    help="the disk engine's disk_io (default buffered; direct: O_DIRECT reads)")
     p.add_argument("--disk-dir", metavar="DIR",

@@ -17,6 +17,11 @@ def chunk_bytes(layout: Layout, num_blocks: int) -> int:
     return HEADER_BYTES + layout.payload_bytes(num_blocks)
 
 
+def region_bytes(layout: Layout, num_blocks: int) -> tuple[int, ...]:
+    """Bytes of each region in a payload of ``num_blocks`` blocks (the payload is region-major)."""
+    return tuple(num_blocks * region.block_bytes for region in layout.regions)
+
+
 def region_offsets(layout: Layout, num_blocks: int) -> list[int]:
     """Byte offset, from the start of the chunk buffer, of block 0 of each region."""
     offsets, at = [], HEADER_BYTES

@@ -4,13 +4,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-import numpy as np
-
 from kvtier.codec.chunk import CHECKSUM_KVSUM64, ChunkError, ChunkHeader, checksum, write_header
-from kvtier.codec.geometry import HEADER_BYTES
+from kvtier.codec.geometry import HEADER_BYTES, region_bytes
 from kvtier.layout import Layout
 from kvtier.ops import cpu_library
-from kvtier.ops.cpu_pieces import join_checked
+from kvtier.ops.cpu_pieces import aligned, join_checked
 from kvtier.shards import HeadRange, join_pieces, join_plan
 
 if TYPE_CHECKING:
@@ -35,10 +33,11 @@ def seal_joined(layout: Layout, num_blocks: int, pieces: list[tuple[HeadRange, C
     its own first. Raises :class:`CorruptPiece` for the first piece that fails (the fresh buffer
     released); None when ``allocate`` has no room. The pieces stay the caller's to release."""
     payload = layout.payload_bytes(num_blocks)
-    region_bytes = tuple(region.block_bytes * num_blocks for region in layout.regions)
+    sizes = region_bytes(layout, num_blocks)
+    heads = tuple(held for held, _, _ in pieces)
     sources = [piece.data[HEADER_BYTES : HEADER_BYTES + header.payload_bytes] for _, piece, header in pieces]
-    plan = join_plan(layout.shard, region_bytes, tuple(heads for heads, _, _ in pieces))
-    one_pass = (cpu_library.available() and not np.any(plan[:, 1:] % 4) and all(s.numel() % 4 == 0 for s in sources)
+    one_pass = (cpu_library.available() and aligned(layout, heads, num_blocks)
+                and all(s.numel() % 4 == 0 for s in sources)
                 and all(header.checksum_kind == CHECKSUM_KVSUM64 for _, _, header in pieces))
     if not one_pass:
         for i, (source, (_, _, header)) in enumerate(zip(sources, pieces)):
@@ -49,14 +48,13 @@ def seal_joined(layout: Layout, num_blocks: int, pieces: list[tuple[HeadRange, C
         return None
     dst = built.data[HEADER_BYTES : HEADER_BYTES + payload]
     if one_pass:  # copies the heads, sums what it writes and every byte of each piece
-        kvsum, sums = join_checked(dst, sources, plan)
+        kvsum, sums = join_checked(dst, sources, join_plan(layout.shard, sizes, heads))
         bad = next((i for i, (got, (_, _, header)) in enumerate(zip(sums, pieces)) if got != header.checksum), None)
         if bad is not None:
             built.release()
             raise CorruptPiece(bad, "piece payload kvsum64 checksum mismatch (corrupt bytes)")
         write_header(built.data, layout, num_blocks, kvsum64=kvsum)
     else:
-        heads = [heads for heads, _, _ in pieces]
-        join_pieces(dst, layout.shard, region_bytes, list(zip(heads, sources)))
+        join_pieces(dst, layout.shard, sizes, list(zip(heads, sources)))
         write_header(built.data, layout, num_blocks, kind=CHECKSUM_KVSUM64)
     return built

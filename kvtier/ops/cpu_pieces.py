@@ -20,7 +20,7 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from kvtier.codec.geometry import HEADER_BYTES
+from kvtier.codec.geometry import HEADER_BYTES, region_bytes
 from kvtier.layout import Layout
 from kvtier.ops.cpu_library import BYTES_PER_THREAD, default_threads, loaded
 from kvtier.ops.span import PieceSpan
@@ -30,12 +30,12 @@ from kvtier.shards import HeadRange, HeadShard, join_plan, piece_layout
 def aligned(layout: Layout, heads: Sequence[HeadRange], num_blocks: int) -> bool:
     """Whether pieces holding ``heads`` join into (or scatter into) ``layout``'s blocks in whole
     4-byte words: what the C copies need."""
-    return _aligned(layout.shard, _region_bytes(layout, num_blocks), tuple(heads))
+    return _aligned(layout.shard, region_bytes(layout, num_blocks), tuple(heads))
 
 
 @functools.lru_cache(maxsize=64)
-def _aligned(shard: HeadShard, region_bytes: tuple[int, ...], heads: tuple[HeadRange, ...]) -> bool:
-    return not np.any(join_plan(shard, region_bytes, heads)[:, 1:] % 4)
+def _aligned(shard: HeadShard, sizes: tuple[int, ...], heads: tuple[HeadRange, ...]) -> bool:
+    return not np.any(join_plan(shard, sizes, heads)[:, 1:] % 4)
 
 
 def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> tuple[int, list[int]]:
@@ -76,7 +76,7 @@ def piece_units(layout: Layout, span: PieceSpan, slot: int) -> np.ndarray:
     n, heads = span.num_blocks, tuple(h for h, _ in span.pieces)
     regions = layout.regions
     sizes = tuple(piece_layout(layout, held).payload_bytes(n) for held in heads)
-    plan, region, block, inner, gaps = _scatter_plan(layout.shard, _region_bytes(layout, n),
+    plan, region, block, inner, gaps = _scatter_plan(layout.shard, region_bytes(layout, n),
                                                      tuple(r.block_bytes for r in regions), heads, sizes)
     for (held, buffer), size in zip(span.pieces, sizes):
         if buffer.device.type != "cpu" or not buffer.is_contiguous() or buffer.numel() < HEADER_BYTES + size:
@@ -104,15 +104,15 @@ def piece_units(layout: Layout, span: PieceSpan, slot: int) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=64)
-def _scatter_plan(shard: HeadShard, region_bytes: tuple[int, ...], block_bytes: tuple[int, ...], heads: tuple[HeadRange, ...],
+def _scatter_plan(shard: HeadShard, sizes_of_regions: tuple[int, ...], block_bytes: tuple[int, ...], heads: tuple[HeadRange, ...],
                   sizes: tuple[int, ...]) -> tuple[np.ndarray, ...]:
     """What every chunk's :func:`piece_units` shares (kept, read-only): the join plan, each row's
     region, chunk block and offset inside that block, and ``int64 [gaps, 3]`` (piece, start, size)
     of the pieces' bytes no row copies."""
-    plan = join_plan(shard, region_bytes, heads)
+    plan = join_plan(shard, sizes_of_regions, heads)
     if np.any(plan[:, 1:] % 4):
         raise ValueError("the pieces' heads are not whole 4-byte words of the engine's blocks.")
-    starts = np.concatenate([[0], np.cumsum(region_bytes)[:-1]]).astype(np.int64)
+    starts = np.concatenate([[0], np.cumsum(sizes_of_regions)[:-1]]).astype(np.int64)
     region = np.searchsorted(starts, plan[:, 2], side="right") - 1  # each row lies inside one block of one region
     within = plan[:, 2] - starts[region]
     size = np.array(block_bytes, dtype=np.int64)[region]
@@ -131,10 +131,6 @@ def _gaps(plan: np.ndarray, i: int, size: int) -> tuple[np.ndarray, np.ndarray]:
     ends = np.concatenate([rows[:, 1], [size]])
     gap = ends > starts
     return starts[gap], (ends - starts)[gap]
-
-
-def _region_bytes(layout: Layout, num_blocks: int) -> tuple[int, ...]:
-    return tuple(region.block_bytes * num_blocks for region in layout.regions)
 
 
 def _threads(units: np.ndarray) -> int:

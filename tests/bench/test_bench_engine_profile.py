@@ -107,6 +107,7 @@ def test_kvtiers_hooks_are_named_in_a_profile():
     assert "kvtier.start_load_kv" in {e.key for e in prof.key_averages()}
     assert KvtierConnector.start_load_kv.__wrapped__.__qualname__ == "KvtierConnector.start_load_kv"
 
+
 def test_profile_adds_a_zero_hit_round_of_fresh_prompts_after_the_measured_one():
     args = argparse.Namespace(profile="/tmp/p", sessions=1, session_len=16, chat_rounds=1, chat_new=8, chat_gen=4,
                               zero_hit=64, zero_hit_len=32)
