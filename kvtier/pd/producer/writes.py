@@ -140,9 +140,9 @@ class PeerWrites:
         for w in self._writes:
             state = w.transfer.state()
             (running if state == "PROC" and now <= w.deadline_s else late if state == "PROC" else ended).append(w)
-        self._writes = running  # each write below is answered, and its buffer released, once
-        if late:
+        if late:  # counted, and the consumer's agent dropped, before the WRITEs stop showing as busy
             self._abandon(late)
+        self._writes = running  # each write below is answered, and its buffer released, once
         landed: dict[bytes, list[ChunkReply]] = {}
         for w in ended + late:
             try:
