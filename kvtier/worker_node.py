@@ -220,7 +220,7 @@ class WorkerNode:
                             FetchSpec("", remote.transfer_id, items, remote.wait,
                                       self.engine_kv.landing(targets) if self.engine_kv and self.nixl else None,
                                       remote.blocks if not hybrid else (), lambda: transfers.cancelled(job.req_id)),
-                            allocate)
+                            allocate, transfers.loads.scatters_pieces)
 
     def _shared_prefix(self, chunks: list[tuple[bytes, ...]], fingerprints: tuple[bytes, ...]) -> int:
         """Leading ``chunks`` the shared tier holds for every rank (rank r's store namespace is its

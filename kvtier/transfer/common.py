@@ -25,16 +25,16 @@ from kvtier.ops import checksums_in_kernel, copies_in_background, pick_backend
 from kvtier.storage import ChunkBuffer
 
 if TYPE_CHECKING:  # a type only: kvtier.pd's consumer imports nothing of this package
-    from kvtier.pd.consumer.gather import Joined
+    from kvtier.pd.consumer.gather import Gathered, Joined
 
 HeldChanged = Callable[[list[bytes]], None]  # storage keys this worker stored, re-confirmed or promoted
 # (job, [(chain key, blocks)] of its producer's chunks, per chunk the engine blocks it may be
 # written into directly or None) -> those chunks in order, each in a buffer the caller owns or,
 # when it was written into the engine blocks named, a Landed (a buffer joined here from another TP size's
-# pieces comes wrapped as kvtier.pd.consumer.gather.Joined); raises kvtier.pd.consumer.hello.PeerError (after
-# yielding what arrived) when the producer fails.
+# pieces comes wrapped as kvtier.pd.consumer.gather.Joined, the pieces themselves as its Gathered); raises
+# kvtier.pd.consumer.hello.PeerError (after yielding what arrived) when the producer fails.
 Targets = list[tuple[int, ...] | None]
-FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets], Iterator["ChunkBuffer | Landed | Joined"]]
+FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets], Iterator["ChunkBuffer | Landed | Joined | Gathered"]]
 _EWMA = 0.2  # weight of the newest sample in the per-tier load cost
 
 

@@ -96,7 +96,7 @@ class LoadSide:
         self.landed: LandedCheck | None = None  # set when producers may write chunks into the engine's blocks
         self._polled = PolledLoads(self) if self.scatter_async is not None else None  # CPU-tier loads, no thread
         # another TP size's pieces go straight into the engine's blocks where the host copy checks them as it goes
-        self._scatters_pieces = (self._scatter is cpu_ops.scatter and self.kernel_sums and layout.shard is not None
+        self.scatters_pieces = (self._scatter is cpu_ops.scatter and self.kernel_sums and layout.shard is not None
                                  and not layout.shard.replicated)
 
     def accept_landings(self) -> None:
@@ -320,7 +320,7 @@ class LoadSide:
         if buffer is None and cpu_only:
             return None  # (a chunk joined from another TP size's pieces is joined on the load thread)
         taken = None
-        if buffer is None and self._scatters_pieces:
+        if buffer is None and self.scatters_pieces:
             taken = pieces.take(self.layout, self.store, key, self.chunk_blocks)
             if taken is None:
                 return self._evicted(key)

@@ -111,6 +111,11 @@ def to_read(layout: Layout, store: ChunkStore, keys: Sequence[bytes]) -> Iterato
         yield from [own] if held is None else held[1]
 
 
+def piece_keys(layout: Layout, key: bytes, way: Sequence[HeadRange]) -> list[bytes]:
+    """The storage keys of chain key ``key``'s pieces of KV heads ``way`` (of ``layout``'s model)."""
+    return [storage_key(key, piece_fingerprint(layout.shard.base, heads)) for heads in way]
+
+
 def _held_way(store: ChunkStore, ways: list[tuple[tuple[HeadRange, ...], list[bytes]]]
               ) -> tuple[tuple[HeadRange, ...], list[bytes]] | None:
     """The first of ``ways`` whose pieces the local tiers (CPU, disk) hold whole, or None."""
@@ -123,8 +128,7 @@ def _ways(layout: Layout, key: bytes) -> list[tuple[tuple[HeadRange, ...], list[
     shard = layout.shard
     if shard is None or shard.replicated:
         return []
-    return [(way, [storage_key(key, piece_fingerprint(shard.base, heads)) for heads in way])
-            for way in covers(shard.first, shard.end, shard.total)]
+    return [(way, piece_keys(layout, key, way)) for way in covers(shard.first, shard.end, shard.total)]
 
 
 def _take_way(layout: Layout, store: ChunkStore, key: bytes, chunk_blocks: int, way: tuple[HeadRange, ...],

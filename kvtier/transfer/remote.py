@@ -4,7 +4,9 @@ Runs on a ``kvtier-remote`` thread of :class:`~kvtier.transfer.load.LoadSide` (i
 A chunk that came in a buffer is verified (its KVSUM64 while the copy scatters it; a chunk joined
 here from verified pieces, :class:`~kvtier.pd.consumer.gather.Joined`, its header only), scattered and
 stored; one the producer wrote straight into the engine's blocks (a :class:`~kvtier.jobs.Landed`)
-is checked against the producer's KVSUM64 by :class:`~kvtier.transfer.landed.LandedCheck`.
+is checked against the producer's KVSUM64 by :class:`~kvtier.transfer.landed.LandedCheck`. Pieces
+of another TP size's ranks (:class:`~kvtier.pd.consumer.gather.Gathered`) are scattered straight
+into the engine's head slices, each checked as it is copied, and stored as the pieces they are.
 """
 
 from __future__ import annotations
@@ -14,8 +16,11 @@ from typing import Any
 
 from kvtier import codec
 from kvtier.jobs import Landed, LoadJob
-from kvtier.pd.consumer.gather import Joined
+from kvtier.pd.consumer.gather import Gathered, Joined
+from kvtier.shards import piece_layout
 from kvtier.ops import ChunkSpan
+from kvtier.ops.span import PieceSpan
+from kvtier.transfer import pieces
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +42,15 @@ def remote_pass(side: Any, job: LoadJob, done: int, first: int, land: bool) -> t
             buffer = buffer.buffer if joined else buffer
             if done == len(job.block_ids):
                 if not isinstance(buffer, Landed):
-                    buffer.release()
+                    buffer.release()  # (a Gathered's pieces too)
                 break
             num_blocks = side.num_blocks(job, i)
+            if isinstance(buffer, Gathered):
+                count = _scatter_pieces(side, job, i, done, buffer, held)
+                if count is None:
+                    break
+                done, count_chunks = done + count, count_chunks + 1
+                continue
             if isinstance(buffer, Landed):  # written straight into this engine's blocks: checked below
                 count = side.span(job, i, done)[1]
                 landed.append((i, done, count, buffer))
@@ -92,6 +103,40 @@ def remote_pass(side: Any, job: LoadJob, done: int, first: int, land: bool) -> t
     if held:
         side.on_held(held)
     return done, count_chunks, mismatch
+
+def _scatter_pieces(side: Any, job: LoadJob, i: int, done: int, gathered: Gathered, held: list[bytes]) -> int | None:
+    """Scatter chunk ``i``'s pieces into its blocks (``done`` loaded before it), each checked as it
+    is copied, and store them (a whole chunk's: their keys join ``held``); the blocks loaded, or None
+    when a piece failed its check (its blocks hold garbage until vLLM recomputes them)."""
+    num_blocks = side.num_blocks(job, i)
+    block, count = side.span(job, i, done)
+    span = PieceSpan(tuple(zip(gathered.way, (b.data for b in gathered.buffers))), num_blocks, block,
+                     side.ids(job.block_ids[done : done + count]))
+    try:
+        intact = side.start_scatter([span], [tuple(h.checksum for h in gathered.headers)]).wait()[0]
+    except BaseException:
+        gathered.release()
+        raise
+    if not intact:  # which piece: each checked again, on this rare path only
+        try:
+            for heads, endpoint, buffer in zip(gathered.way, gathered.endpoints, gathered.buffers):
+                try:
+                    codec.verify_chunk(buffer.data, piece_layout(side.layout, heads), num_blocks)
+                except codec.ChunkError as exc:
+                    logger.warning("kvtier P/D: chunk %d of transfer %s: its piece of KV heads %d-%d from %s is "
+                                   "unusable (%s); recomputing from there.", i, job.remote.transfer_id,
+                                   heads[0], heads[1], endpoint, exc)
+        finally:
+            gathered.release()
+        return None
+    if num_blocks == side.chunk_blocks:
+        skeys = pieces.piece_keys(side.layout, job.keys[i], gathered.way)
+        side.store.put(skeys, list(gathered.buffers))  # takes the buffers; keys already stored are skipped
+        held += skeys
+    else:
+        gathered.release()  # a prompt's partial tail: no later prompt can look it up
+    return count
+
 
 def _targets(side: Any, job: LoadJob, done: int, first: int, land: bool) -> list[tuple[int, ...] | None]:
     """Per producer chunk of ``job`` from chunk ``first`` (``done`` blocks loaded before them): the engine

@@ -15,7 +15,9 @@ import torch
 
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.worker_side import WorkerSide
-from pd_workers import BLOCK, CHUNK, MODEL, NUM_BLOCKS, Engine, publish, remote_job, tokens_of, wait_for
+from pd_workers import BLOCK, CHUNK, MODEL, NUM_BLOCKS, Engine, prompt_keys, publish, remote_job, tokens_of, wait_for
+from kvtier.keys import storage_key
+from kvtier.transfer.pieces import piece_keys
 
 PROMPT = tokens_of(100)  # three full chunks and a 4-token tail: 7 blocks
 P_BLOCKS = list(range(10, 17))
@@ -79,6 +81,11 @@ def test_tp2_producer_to_tp1_consumer_gathers_both_heads(ranks):
     load([d], (p0.endpoint, p1.endpoint))
     assert torch.equal(d.blocks(D_BLOCKS), whole([p0, p1], P_BLOCKS))
     wait_for(lambda: p0.side.holds.stats.released == 1 and p1.side.holds.stats.released == 1)
+    keys, _ = prompt_keys(PROMPT)  # scattered straight from P's pieces, kept as those pieces (nothing joined)
+    layout = d.side.transfers.layout
+    assert all(d.side.store.contains(k) is not None for key in keys
+               for k in piece_keys(layout, key, ((0, 1), (1, 2))))
+    assert all(d.side.store.contains(storage_key(key, layout.fingerprint)) is None for key in keys)
 
 
 def test_tp1_producer_to_tp2_consumer_each_rank_takes_its_head(ranks):
@@ -91,6 +98,9 @@ def test_tp1_producer_to_tp2_consumer_each_rank_takes_its_head(ranks):
     assert torch.equal(whole([d0, d1], D_BLOCKS), p.blocks(P_BLOCKS))
     wait_for(lambda: p.side.holds.stats.released == 1)
     assert p.side.holds.pinned_bytes() == 0
+    keys, _ = prompt_keys(PROMPT)  # P's piece is wider than a rank's heads: joined, kept as the rank's own chunk
+    for d in (d0, d1):
+        assert all(d.side.store.contains(storage_key(key, d.side.transfers.layout.fingerprint)) for key in keys)
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])

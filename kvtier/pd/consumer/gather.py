@@ -5,8 +5,12 @@ Rank ``r`` of a decode engine of ``t`` ranks holds KV heads ``[r * H / t, (r + 1
 :func:`producer_pieces` names the producer ranks whose pieces hold this rank's heads: one wider piece
 when ``s < t`` (several of this engine's ranks read it: :mod:`kvtier.pd.producer.handshakes`), several
 narrower ones when ``s > t``. :func:`gather_chunks` fetches each piece over its own connection
-(each hello names the piece's fingerprint, which the producer rank's chunks are sealed under), checks
-each piece's KVSUM64, and joins their heads into a chunk of this rank's layout, sealed anew.
+(each hello names the piece's fingerprint, which the producer rank's chunks are sealed under) and
+checks each piece's header. Narrower pieces that together hold exactly this rank's heads go on as
+they came (:class:`Gathered`) where the consumer scatters them into its blocks itself, each checked
+against its KVSUM64 as it is copied (a CPU engine: :class:`kvtier.ops.span.PieceSpan`), and are kept
+in its CPU tier as pieces, as another TP size's rank stored them. Else their heads are joined into
+a chunk of this rank's layout, each piece checked as it is copied, sealed anew (:class:`Joined`).
 
 Pieces travel into this engine's CPU tier (ZMQ, or NIXL READs into its pool), never straight into
 engine blocks: a block of the producer's holds other heads than this engine's. A layout without a
@@ -28,6 +32,7 @@ from kvtier.layout import Layout
 from kvtier.pd.consumer.connection import Consumer, FetchSpec
 from kvtier.pd.consumer.fetch import fetch_chunks
 from kvtier.pd.consumer.hello import PeerError
+from kvtier.ops.cpu_pieces import aligned
 from kvtier.shards import HeadRange, piece_fingerprint, piece_layout, rank_heads
 from kvtier.storage import ChunkBuffer
 
@@ -38,6 +43,23 @@ class Joined:
     needs no second check. ``buffer``: the caller's to release or store."""
 
     buffer: ChunkBuffer
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Gathered:
+    """A chunk's pieces as :func:`gather_chunks` got them, in head order, together holding exactly
+    this rank's heads: the heads each holds (``way``), the chunk server each came from, their buffers
+    (the caller's to release or store) and their headers (checked; the payloads not yet: each is
+    checked against its KVSUM64 as it is scattered)."""
+
+    way: tuple[HeadRange, ...]
+    endpoints: tuple[str, ...]
+    buffers: tuple[ChunkBuffer, ...]
+    headers: tuple[codec.ChunkHeader, ...]
+
+    def release(self) -> None:
+        for buffer in self.buffers:
+            buffer.release()
 
 
 def producer_pieces(layout: Layout, producers: int, rank: int, tp_size: int) -> list[tuple[int, HeadRange | None]]:
@@ -57,27 +79,34 @@ def producer_pieces(layout: Layout, producers: int, rank: int, tp_size: int) -> 
 
 
 def fetch_any_tp(consumer: Consumer, layout: Layout, endpoints: tuple[str, ...], spec: FetchSpec,
-                 allocate: Callable[[int], ChunkBuffer | None]) -> Iterator[ChunkBuffer | Landed]:
+                 allocate: Callable[[int], ChunkBuffer | None], scatters_pieces: bool = False,
+                 ) -> Iterator[ChunkBuffer | Landed | Joined | Gathered]:
     """:func:`~kvtier.pd.consumer.fetch.fetch_chunks` of ``spec`` (its endpoint unused) from a producer
     whose ranks' chunk servers are ``endpoints``, any number of them: this rank's own producer rank's
     when they are as many as this engine's ranks, else :func:`gather_chunks`'s (raises
-    :class:`PeerError` when its ranks cannot be mapped to this rank's heads)."""
+    :class:`PeerError` when its ranks cannot be mapped to this rank's heads). ``scatters_pieces``:
+    the consumer scatters :class:`Gathered` pieces itself, checking each as it copies it."""
     rank, tp_size = consumer.hello.rank, consumer.hello.tp_size
     if len(endpoints) == tp_size:
         return fetch_chunks(consumer, dataclasses.replace(spec, endpoint=endpoints[rank]))
     pieces = producer_pieces(layout, len(endpoints), rank, tp_size)
     if pieces[0][1] is None:  # the same KV on every rank: the producer rank's chunks as they are
         return fetch_chunks(consumer, dataclasses.replace(spec, endpoint=endpoints[pieces[0][0]]))
-    return gather_chunks(consumer, layout, [(endpoints[p], heads) for p, heads in pieces], spec, allocate)
+    return gather_chunks(consumer, layout, [(endpoints[p], heads) for p, heads in pieces], spec, allocate,
+                         scatters_pieces)
 
 
 def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, HeadRange]], spec: FetchSpec,
-                  allocate: Callable[[int], ChunkBuffer | None]) -> Iterator[Joined]:
-    """Yield the chunks of ``spec`` (its endpoint unused) for ``layout``'s heads, each in a fresh
-    buffer of ``allocate`` the caller owns (as :class:`Joined`), joined from ``pieces`` (a producer rank's chunk server,
-    the heads its piece holds). Raises :class:`PeerError` (after the chunks that did arrive) when a
-    piece fails or is unusable."""
+                  allocate: Callable[[int], ChunkBuffer | None], scatters_pieces: bool = False,
+                  ) -> Iterator[Joined | Gathered]:
+    """Yield the chunks of ``spec`` (its endpoint unused) for ``layout``'s heads from ``pieces`` (a
+    producer rank's chunk server, the heads its piece holds): as :class:`Gathered` where
+    ``scatters_pieces`` and the pieces hold exactly these heads in KVSUM64-sealed 4-byte words, else
+    joined into a fresh buffer of ``allocate`` the caller owns (as :class:`Joined`). Raises
+    :class:`PeerError` (after the chunks that did arrive) when a piece fails or is unusable."""
     shard = layout.shard
+    exact = pieces[0][1][0] == shard.first and pieces[-1][1][1] == shard.end  # no piece wider than these heads
+    way = tuple(heads for _, heads in pieces)
     streams: list[tuple[HeadRange, str, Iterator[ChunkBuffer]]] = []
     for endpoint, heads in pieces:
         held = piece_layout(layout, heads)
@@ -99,6 +128,12 @@ def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, He
                                                           num_blocks, payload=False))
                     except codec.ChunkError as exc:
                         raise _unusable(endpoint, index, heads, exc) from exc
+                if (scatters_pieces and exact and aligned(layout, way, num_blocks)
+                        and all(h.checksum_kind == codec.KVSUM64 for h in headers)):
+                    gathered = Gathered(way, tuple(e for _, e, _ in streams), tuple(p for _, p in arrived), tuple(headers))
+                    arrived = []  # the caller's now
+                    yield gathered
+                    continue
                 try:
                     built = seal_joined(layout, num_blocks, [(h, p, hd) for (h, p), hd in zip(arrived, headers)], allocate)
                 except CorruptPiece as exc:
