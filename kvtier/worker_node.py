@@ -167,7 +167,8 @@ class WorkerNode:
         if self.produce:
             bind, advertised = config.pd_endpoints(self.rank)
             served = ServedLayout(layout.fingerprint, layout.description, config.chunk_tokens, self.world_size,
-                                  () if hybrid else layout.token_bytes)  # hybrid: one block size, no re-cut
+                                  () if hybrid else layout.token_bytes,  # hybrid: one block size, no re-cut
+                                  None if hybrid or layout.shard is None else layout)
             self.chunk_server = ChunkServer(bind, store, self.holds, served, self.transfers.saving, config.secret,
                                             config.pd_timeout_ms)
             pd = f"P/D chunk server at {advertised.rsplit(':', 1)[0]}:{self.chunk_server.port}"

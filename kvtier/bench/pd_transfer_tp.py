@@ -21,8 +21,8 @@ every rank has NIXL, over NIXL (pull). TP 1→1 takes the default pair's path, i
 their heads.
 
 Bytes: ``kv_bytes``, the prompt's KV of all heads, is the same for every pair. ``fetched_bytes``
-(:func:`fetched_bytes`) is what D's ranks fetch: a D rank reads whole pieces, so when P has fewer
-ranks than D, each of P's pieces travels to as many D ranks as hold some of its heads.
+(:func:`fetched_bytes`) is what D's ranks fetch: when P has fewer ranks than D, P cuts each D
+rank's heads out of its piece, so every head crosses once.
 """
 
 from __future__ import annotations
@@ -107,16 +107,20 @@ def heads_problem(pairs: tuple[TpSizes, ...], kv_heads: int) -> str | None:
 
 
 def fetched_bytes(kv_bytes: int, kv_heads: int, tp: TpSizes) -> int:
-    """Bytes D's ranks fetch to hold ``kv_bytes`` of KV (all heads): each D rank reads every P piece
-    holding some of its heads, whole (headers left out)."""
+    """Bytes D's ranks fetch to hold ``kv_bytes`` of KV (all heads), headers left out: a D rank whose
+    heads one P piece holds gets its own heads only (P cuts them out: :mod:`kvtier.pd.producer.slicing`),
+    else it reads every P piece holding some of its heads whole."""
     from kvtier.shards import rank_heads
 
     def overlap(a: tuple[int, int], b: tuple[int, int]) -> bool:
         return a[0] < b[1] and b[0] < a[1]
 
-    pieces = sum(overlap(rank_heads(kv_heads, r, tp.d), rank_heads(kv_heads, q, tp.p))
-                 for r in range(tp.d) for q in range(tp.p))
-    return kv_bytes * pieces // tp.p
+    total = 0
+    for r in range(tp.d):
+        mine = rank_heads(kv_heads, r, tp.d)
+        held = [q for q in range(tp.p) if overlap(mine, rank_heads(kv_heads, q, tp.p))]
+        total += kv_bytes // tp.d if len(held) == 1 else kv_bytes * len(held) // tp.p
+    return total
 
 
 @dataclass(frozen=True, slots=True)

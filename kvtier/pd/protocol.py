@@ -70,7 +70,7 @@ from __future__ import annotations
 
 import hmac
 from dataclasses import dataclass
-from typing import Annotated, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import blake3
 import msgspec
@@ -106,13 +106,16 @@ WallMs = Annotated[int, msgspec.Meta(ge=0, le=1 << 53)]  # wall-clock ms since t
 class ServedLayout:
     """This rank's side of the handshake. ``fingerprint``: 16 bytes; ``description``: in words.
     ``token_bytes``: bytes per token of each region when the layout is token-contiguous (a chunk
-    may then be re-cut to the token count a consumer with another block size asks for), else empty."""
+    may then be re-cut to the token count a consumer with another block size asks for), else empty.
+    ``layout``: this rank's :class:`~kvtier.layout.Layout` when its chunks are keyed by the KV heads
+    they hold (a decode rank of a larger TP size is sent its part of them), else None."""
 
     fingerprint: bytes
     description: str
     chunk_tokens: int
     tp_size: int
     token_bytes: tuple[int, ...] = ()
+    layout: Any = None
 
 
 class Hello(msgspec.Struct, frozen=True, tag="hello"):

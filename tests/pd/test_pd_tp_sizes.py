@@ -98,9 +98,27 @@ def test_tp1_producer_to_tp2_consumer_each_rank_takes_its_head(ranks):
     assert torch.equal(whole([d0, d1], D_BLOCKS), p.blocks(P_BLOCKS))
     wait_for(lambda: p.side.holds.stats.released == 1)
     assert p.side.holds.pinned_bytes() == 0
-    keys, _ = prompt_keys(PROMPT)  # P's piece is wider than a rank's heads: joined, kept as the rank's own chunk
+    assert p.side.chunk_server.cut_total == 2 * 4  # P cut each rank's head out of its 4 chunks: half the bytes sent
+    keys, _ = prompt_keys(PROMPT)  # each rank loads and keeps its part as its own chunk
     for d in (d0, d1):
         assert all(d.side.store.contains(storage_key(key, d.side.transfers.layout.fingerprint)) for key in keys)
+
+
+def test_a_corrupt_stored_chunk_is_never_cut_for_a_larger_tp_size(ranks, caplog):
+    """P checks its stored chunk as it cuts a decode rank's heads out of it: a flipped byte in the
+    head the rank does not take still fails it (removed, answered missing, recomputed from there)."""
+    (p,), _ = ranks("p", 1, 1)
+    (d0, d1), _ = ranks("d", 2, 2)
+    keys = publish(p, PROMPT, P_BLOCKS, "t1")
+    p.side.transfers.drain()
+    skey = p.side.transfers.skey(keys[1])
+    buffer = p.side.store.get(skey)
+    buffer.data[-1] ^= 0xFF  # the last byte: head 1's, which rank 0 does not take
+    buffer.release()
+    d0.side.start_loads((job_from((p.endpoint,)),))
+    assert d0.wait_loaded("d-req") == set(D_BLOCKS[CHUNK // BLOCK :])  # chunk 0 loaded; from chunk 1 on, recomputed
+    assert "unusable" in caplog.text and skey.hex() in caplog.text
+    assert p.side.store.contains(skey) is None
 
 
 @pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])

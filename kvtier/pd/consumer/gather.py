@@ -3,8 +3,10 @@
 Rank ``r`` of a decode engine of ``t`` ranks holds KV heads ``[r * H / t, (r + 1) * H / t)``; rank
 ``p`` of a producer of ``s`` ranks serves its chunks as pieces of heads ``[p * H / s, (p + 1) * H / s)``.
 :func:`producer_pieces` names the producer ranks whose pieces hold this rank's heads: one wider piece
-when ``s < t`` (several of this engine's ranks read it: :mod:`kvtier.pd.producer.handshakes`), several
-narrower ones when ``s > t``. :func:`gather_chunks` fetches each piece over its own connection
+when ``s < t`` (several of this engine's ranks read it: :mod:`kvtier.pd.producer.handshakes`), which
+cuts this rank's heads out of its chunks and seals them under this rank's fingerprint
+(:mod:`kvtier.pd.producer.slicing`): they come as this rank's own chunks. Several narrower ones when
+``s > t``. :func:`gather_chunks` fetches each piece over its own connection
 (each hello names the piece's fingerprint, which the producer rank's chunks are sealed under) and
 checks each piece's header. Narrower pieces that together hold exactly this rank's heads go on as
 they came (:class:`Gathered`) where the consumer scatters them into its blocks itself, each checked
@@ -92,6 +94,10 @@ def fetch_any_tp(consumer: Consumer, layout: Layout, endpoints: tuple[str, ...],
     pieces = producer_pieces(layout, len(endpoints), rank, tp_size)
     if pieces[0][1] is None:  # the same KV on every rank: the producer rank's chunks as they are
         return fetch_chunks(consumer, dataclasses.replace(spec, endpoint=endpoints[pieces[0][0]]))
+    if len(pieces) == 1 and len(endpoints) < tp_size:  # one producer rank holds these heads and more: it sends this rank's part,
+        # sealed under this rank's fingerprint (kvtier.pd.producer.slicing), through its CPU tier
+        return fetch_chunks(consumer, dataclasses.replace(spec, endpoint=endpoints[pieces[0][0]], landing=None,
+                                                          producer_blocks=()))
     return gather_chunks(consumer, layout, [(endpoints[p], heads) for p, heads in pieces], spec, allocate,
                          scatters_pieces)
 

@@ -50,6 +50,7 @@ from kvtier.pd.producer.holds import PublishHolds
 from kvtier.pd.producer.lending import LentBuffers
 from kvtier.pd.nixl import Agent
 from kvtier.pd.producer.recut import recut
+from kvtier.pd.producer.slicing import HeadSlice, cut, head_slice
 from kvtier.pd.producer.waiting import WaitingFetches
 from kvtier.pd.producer.writes import PeerWrites
 from kvtier.pd.route import Route, producer_route
@@ -57,6 +58,7 @@ from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, ServedLayout,
     check_mac, decode_request, encode, mac,
 )
+from kvtier.shards import rank_heads
 from kvtier.storage import ChunkBuffer, ChunkStore
 
 logger = logging.getLogger(__name__)
@@ -88,9 +90,11 @@ class ChunkServer:
         self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
         self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
         self._routes: dict[bytes, Route] = {}  # identity -> its transfer's route, settled by its hello (else ZMQ)
+        self._slices: dict[bytes, HeadSlice] = {}  # identity -> the heads a decode rank of a larger TP size takes
         self._writes = PeerWrites(self._send, self._retry, timeout_ms / 1000)  # WRITEs not done yet, releases to answer
         self._hbm = HbmServing(self._send, self._writes)
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
+        self.cut_total = 0  # of those, chunks cut to a decode rank's part of the heads
         self._lend_s = 2 * timeout_ms / 1000
         self._lent = LentBuffers(self._send, self._lend_s)  # CPU-tier buffers lent to NIXL peers
         self.holds = holds
@@ -189,6 +193,7 @@ class ChunkServer:
         elif isinstance(message, Release):
             self._nixl_peers.pop(identity, None)  # one connection per transfer
             self._routes.pop(identity, None)
+            self._slices.pop(identity, None)
             self._forget_writer(identity)
             self._hbm.forget(identity)  # its WRITEs not posted yet never are
             if not self._handshakes.still_read(message.transfer_id):  # (a consumer of more TP ranks: its last)
@@ -203,7 +208,12 @@ class ChunkServer:
     def _hello(self, identity: bytes, hello: Hello) -> None:
         mine = self.layout
         error = ""
-        if hello.tp_size != mine.tp_size and hello.fingerprint != mine.fingerprint:  # (the same heads: any TP size)
+        part = self._part(hello)  # a decode rank of a larger TP size taking its part of this rank's heads
+        if part is not None:
+            self._slices[identity] = part
+        else:
+            self._slices.pop(identity, None)
+        if hello.tp_size != mine.tp_size and hello.fingerprint != mine.fingerprint and part is None:  # (the same heads: any TP size)
             error = (f"the decode engine asks for another layout or other KV heads than this rank's "
                      f"(tensor-parallel size {hello.tp_size} there, {mine.tp_size} here)")
         transport, metadata, regions, device, lending = "zmq", b"", (), 0, False
@@ -225,10 +235,21 @@ class ChunkServer:
         self._routes[identity] = producer_route(nixl=transport == "nixl", regions=bool(regions),
                                                 writable=identity in self._writers)
         num_blocks = self.engine.num_blocks if self.engine is not None else 0
-        self._send(identity, HelloReply(VERSION, mine.fingerprint, mine.description, mine.chunk_tokens, mine.tp_size,
+        fingerprint = mine.fingerprint if part is None else part.fingerprint  # what its chunks are sealed under
+        self._send(identity, HelloReply(VERSION, fingerprint, mine.description, mine.chunk_tokens, mine.tp_size,
                                         error, transport, metadata, regions, device, lending, num_blocks, hello.nonce))
         for fetch in self._hbm.carried(hello) if lending else ():  # a pull's first fetches: answered now
             self._fetch(identity, fetch, time.monotonic())  # (not lending: dropped, D sends them again)
+
+    def _part(self, hello: Hello) -> HeadSlice | None:
+        """The part of this rank's heads a decode rank of a larger TP size takes, when its hello
+        names that part's fingerprint (:mod:`kvtier.pd.producer.slicing`); else None."""
+        layout = self.layout.layout
+        shard = layout.shard if layout is not None else None
+        if shard is None or shard.replicated or hello.tp_size <= self.layout.tp_size or shard.total % hello.tp_size:
+            return None
+        part = head_slice(layout, rank_heads(shard.total, hello.rank, hello.tp_size))
+        return part if part is not None and part.fingerprint == hello.fingerprint else None
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
@@ -272,6 +293,14 @@ class ChunkServer:
             if buffer is None:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
                 return True
+        if (part := self._slices.get(identity)) is not None:
+            skey = storage_key(fetch.key, self.layout.fingerprint)
+            buffer = cut(self.store, buffer, skey, self.layout.layout, part,
+                         f"stored chunk {skey.hex()} (chunk {fetch.index} of transfer {fetch.transfer_id})")
+            if buffer is None:
+                self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
+                return True
+            self.cut_total += 1
         self.served_total += 1
         route = self._routes.get(identity, Route.ZMQ)  # ZMQ once its NIXL peer is dropped
         if route.hbm and self._hbm.answer(identity, fetch, buffer):
@@ -300,6 +329,7 @@ class ChunkServer:
         for identity in [i for i, last_s in self._nixl_peers.items() if now - last_s > self._lend_s]:
             del self._nixl_peers[identity]
             self._routes.pop(identity, None)
+            self._slices.pop(identity, None)
             self._hbm.forget(identity)
             self._forget_writer(identity)
         if self.nixl is not None:

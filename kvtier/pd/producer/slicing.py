@@ -1,0 +1,81 @@
+"""A stored chunk cut down to the KV heads of a decode rank of a larger TP size (:mod:`kvtier.shards`).
+
+A decode engine of more TP ranks than this producer's reads each of this rank's chunks from
+several ranks, each wanting only its own heads: its hello names the piece fingerprint of those
+heads (inside this rank's). The chunk server cuts them out of the stored chunk, checking the stored
+chunk's KVSUM64 in the same pass that copies them (:func:`kvtier.codec.joined.seal_joined`: a
+corrupt stored chunk is never sealed anew), and seals the cut under the decode rank's fingerprint.
+Each decode rank then gets its share of the bytes, not the whole chunk, and loads it as its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+from kvtier import codec
+from kvtier.codec.joined import seal_joined
+from kvtier.layout import Layout
+from kvtier.shards import HeadRange, HeadShard, piece_fingerprint
+from kvtier.storage import ChunkBuffer, ChunkStore
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class _Region:
+    block_bytes: int  # bytes of one unit (a block, or a token of a token-contiguous layout)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class HeadSlice:
+    """What :func:`~kvtier.codec.joined.seal_joined` reads of the decode rank's layout: its heads
+    (``shard``), the fingerprint its chunks are sealed under, and the bytes of one unit of each
+    region. A unit is a block, or one token where the producer's layout is token-contiguous (a
+    prompt's tail re-cut to the decode engine's block size holds any number of tokens)."""
+
+    regions: tuple[_Region, ...]
+    block_size: int  # tokens per unit
+    fingerprint: bytes
+    shard: HeadShard
+    per_token: bool
+
+    def payload_bytes(self, units: int) -> int:
+        return units * sum(r.block_bytes for r in self.regions)
+
+
+def head_slice(layout: Layout, heads: HeadRange) -> HeadSlice | None:
+    """The slice of ``layout``'s chunks holding ``heads``, a proper part of the heads its rank
+    holds; None when its chunks are not keyed by heads or ``heads`` is not such a part."""
+    shard = layout.shard
+    if shard is None or shard.replicated or not shard.first <= heads[0] < heads[1] <= shard.end:
+        return None
+    if heads == (shard.first, shard.end):
+        return None
+    held = heads[1] - heads[0]
+    per_token = layout.token_contiguous
+    sizes = layout.token_bytes if per_token else tuple(r.block_bytes for r in layout.regions)
+    return HeadSlice(tuple(_Region(size * held // shard.heads) for size in sizes), 1 if per_token else layout.block_size,
+                     piece_fingerprint(shard.base, heads), dataclasses.replace(shard, first=heads[0], end=heads[1]),
+                     per_token)
+
+
+def cut(store: ChunkStore, buffer: ChunkBuffer, skey: bytes, layout: Layout, to: HeadSlice, what: str
+        ) -> ChunkBuffer | None:
+    """``buffer``'s chunk (stored under ``skey``, of ``layout``) cut to ``to``'s heads, in a fresh
+    buffer from ``store``. Takes ``buffer``; None when there is no room, or the stored chunk is
+    unusable (removed from ``store`` then, and said for ``what``, the chunk's name in the line)."""
+    try:
+        header = codec.read_header(buffer.data)
+        unit = sum(layout.token_bytes) if to.per_token else layout.bytes_per_block
+        units = header.tokens if to.per_token else header.payload_bytes // unit
+        if header.fingerprint != layout.fingerprint or not units or header.payload_bytes != units * unit:
+            raise codec.ChunkError("its header does not match this rank's layout")
+        return seal_joined(to, units, [((layout.shard.first, layout.shard.end), buffer, header)],
+                           lambda n: store.allocate(n, wait=False))
+    except codec.ChunkError as exc:  # a CorruptPiece too: a flipped byte in the stored copy
+        store.remove(skey)
+        logger.warning("kvtier P/D chunk server: %s is unusable (%s); removed it and answered missing.", what, exc)
+        return None
+    finally:
+        buffer.release()
