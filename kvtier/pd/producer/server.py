@@ -50,7 +50,7 @@ from kvtier.pd.producer.holds import PublishHolds
 from kvtier.pd.producer.lending import LentBuffers
 from kvtier.pd.nixl import Agent
 from kvtier.pd.producer.recut import recut
-from kvtier.pd.producer.slicing import HeadSlice, cut, head_slice
+from kvtier.pd.producer.slicing import HeadSlice, cut, rank_part
 from kvtier.pd.producer.waiting import WaitingFetches
 from kvtier.pd.producer.writes import PeerWrites
 from kvtier.pd.route import Route, producer_route
@@ -58,7 +58,6 @@ from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, ServedLayout,
     check_mac, decode_request, encode, mac,
 )
-from kvtier.shards import rank_heads
 from kvtier.storage import ChunkBuffer, ChunkStore
 
 logger = logging.getLogger(__name__)
@@ -208,7 +207,7 @@ class ChunkServer:
     def _hello(self, identity: bytes, hello: Hello) -> None:
         mine = self.layout
         error = ""
-        part = self._part(hello)  # a decode rank of a larger TP size taking its part of this rank's heads
+        part = rank_part(self.layout.layout, mine.tp_size, hello)  # a decode rank of a larger TP size: its heads
         if part is not None:
             self._slices[identity] = part
         else:
@@ -240,16 +239,6 @@ class ChunkServer:
                                         error, transport, metadata, regions, device, lending, num_blocks, hello.nonce))
         for fetch in self._hbm.carried(hello) if lending else ():  # a pull's first fetches: answered now
             self._fetch(identity, fetch, time.monotonic())  # (not lending: dropped, D sends them again)
-
-    def _part(self, hello: Hello) -> HeadSlice | None:
-        """The part of this rank's heads a decode rank of a larger TP size takes, when its hello
-        names that part's fingerprint (:mod:`kvtier.pd.producer.slicing`); else None."""
-        layout = self.layout.layout
-        shard = layout.shard if layout is not None else None
-        if shard is None or shard.replicated or hello.tp_size <= self.layout.tp_size or shard.total % hello.tp_size:
-            return None
-        part = head_slice(layout, rank_heads(shard.total, hello.rank, hello.tp_size))
-        return part if part is not None and part.fingerprint == hello.fingerprint else None
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""

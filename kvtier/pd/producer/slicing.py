@@ -16,7 +16,8 @@ import logging
 from kvtier import codec
 from kvtier.codec.joined import seal_joined
 from kvtier.layout import Layout
-from kvtier.shards import HeadRange, HeadShard, piece_fingerprint
+from kvtier.pd.protocol import Hello
+from kvtier.shards import HeadRange, HeadShard, piece_fingerprint, rank_heads
 from kvtier.storage import ChunkBuffer, ChunkStore
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,17 @@ def head_slice(layout: Layout, heads: HeadRange) -> HeadSlice | None:
     return HeadSlice(tuple(_Region(size * held // shard.heads) for size in sizes), 1 if per_token else layout.block_size,
                      piece_fingerprint(shard.base, heads), dataclasses.replace(shard, first=heads[0], end=heads[1]),
                      per_token)
+
+
+def rank_part(layout: Layout | None, tp_size: int, hello: Hello) -> HeadSlice | None:
+    """The part of the heads of this rank (``layout``, None: not keyed by heads; of ``tp_size``) that
+    ``hello``'s decode rank of a larger TP size holds, when its hello names that part's fingerprint;
+    else None."""
+    shard = layout.shard if layout is not None else None
+    if shard is None or shard.replicated or hello.tp_size <= tp_size or shard.total % hello.tp_size:
+        return None
+    part = head_slice(layout, rank_heads(shard.total, hello.rank, hello.tp_size))
+    return part if part is not None and part.fingerprint == hello.fingerprint else None
 
 
 def cut(store: ChunkStore, buffer: ChunkBuffer, skey: bytes, layout: Layout, to: HeadSlice, what: str
