@@ -16,10 +16,10 @@ from typing import Any
 
 from kvtier import codec
 from kvtier.jobs import Landed, LoadJob
-from kvtier.pd.consumer.gather import Gathered, Joined
-from kvtier.shards import piece_layout
 from kvtier.ops import ChunkSpan
 from kvtier.ops.span import PieceSpan
+from kvtier.pd.consumer.gather import Gathered, Joined
+from kvtier.shards import piece_layout
 from kvtier.transfer import pieces
 
 logger = logging.getLogger(__name__)
@@ -104,6 +104,7 @@ def remote_pass(side: Any, job: LoadJob, done: int, first: int, land: bool) -> t
         side.on_held(held)
     return done, count_chunks, mismatch
 
+
 def _scatter_pieces(side: Any, job: LoadJob, i: int, done: int, gathered: Gathered, held: list[bytes]) -> int | None:
     """Scatter chunk ``i``'s pieces into its blocks (``done`` loaded before it), each checked as it
     is copied, and store them (a whole chunk's: their keys join ``held``); the blocks loaded, or None
@@ -119,15 +120,13 @@ def _scatter_pieces(side: Any, job: LoadJob, i: int, done: int, gathered: Gather
         raise
     if not intact:  # which piece: each checked again, on this rare path only
         try:
-            for heads, endpoint, buffer in zip(gathered.way, gathered.endpoints, gathered.buffers):
-                try:
-                    codec.verify_chunk(buffer.data, piece_layout(side.layout, heads), num_blocks)
-                except codec.ChunkError as exc:
-                    logger.warning("kvtier P/D: chunk %d of transfer %s: its piece of KV heads %d-%d from %s is "
-                                   "unusable (%s); recomputing from there.", i, job.remote.transfer_id,
-                                   heads[0], heads[1], endpoint, exc)
+            problems = [f"its piece of KV heads {heads[0]}-{heads[1]} from {endpoint} is unusable ({problem})"
+                        for heads, endpoint, buffer in zip(gathered.way, gathered.endpoints, gathered.buffers)
+                        if (problem := _problem(buffer, piece_layout(side.layout, heads), num_blocks))]
         finally:
             gathered.release()
+        logger.warning("kvtier P/D: chunk %d of transfer %s: %s; recomputing from there.", i, job.remote.transfer_id,
+                       "; ".join(problems) or "a piece failed its KVSUM64 checksum in the copy")
         return None
     if num_blocks == side.chunk_blocks:
         skeys = pieces.piece_keys(side.layout, job.keys[i], gathered.way)
@@ -136,6 +135,14 @@ def _scatter_pieces(side: Any, job: LoadJob, i: int, done: int, gathered: Gather
     else:
         gathered.release()  # a prompt's partial tail: no later prompt can look it up
     return count
+
+
+def _problem(buffer: Any, layout: Any, num_blocks: int) -> str:
+    try:
+        codec.verify_chunk(buffer.data, layout, num_blocks)
+    except codec.ChunkError as exc:
+        return str(exc)
+    return ""
 
 
 def _targets(side: Any, job: LoadJob, done: int, first: int, land: bool) -> list[tuple[int, ...] | None]:
