@@ -16,6 +16,7 @@ import torch
 from kvtier.config import KvtierConfig
 from kvtier.engines.vllm.worker_side import WorkerSide
 from pd_workers import BLOCK, CHUNK, MODEL, NUM_BLOCKS, Engine, prompt_keys, publish, remote_job, tokens_of, wait_for
+from kvtier.jobs import LoadJob
 from kvtier.keys import storage_key
 from kvtier.transfer.pieces import piece_keys
 
@@ -86,6 +87,10 @@ def test_tp2_producer_to_tp1_consumer_gathers_both_heads(ranks):
     assert all(d.side.store.contains(k) is not None for key in keys
                for k in piece_keys(layout, key, ((0, 1), (1, 2))))
     assert all(d.side.store.contains(storage_key(key, layout.fingerprint)) is None for key in keys)
+    again = list(range(50, 50 + 3 * CHUNK // BLOCK))  # a later request of the prompt: a local hit of those pieces
+    d.side.start_loads((LoadJob("again", tuple(keys), 0, tuple(again)),))
+    assert d.wait_loaded("again") == set()
+    assert torch.equal(d.blocks(again), whole([p0, p1], P_BLOCKS[: len(again)]))
 
 
 def test_tp1_producer_to_tp2_consumer_each_rank_takes_its_head(ranks):
