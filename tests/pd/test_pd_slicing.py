@@ -12,17 +12,8 @@ from kvtier.codec.chunk import CHECKSUM_BLAKE3
 from kvtier.keys import storage_key
 from kvtier.pd.producer.slicing import cut, head_slice
 from kvtier.shards import rank_heads
-from kvtier.storage import ChunkStore, StoreConfig
+from test_pieces import IDS, KEY, store  # noqa: F401 (store: a fixture)
 from test_shards import HEADS, layout_of, payload, reference
-
-KEY = bytes(range(16))
-IDS = [2, 0, 5]
-
-
-@pytest.fixture
-def store():
-    with ChunkStore(StoreConfig(cpu_bytes=16 << 20)) as s:
-        yield s
 
 
 def stored(store, layout, checksum=codec.KVSUM64):
