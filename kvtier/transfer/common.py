@@ -34,7 +34,8 @@ HeldChanged = Callable[[list[bytes]], None]  # storage keys this worker stored, 
 # pieces comes wrapped as kvtier.pd.consumer.gather.Joined, the pieces themselves as its Gathered); raises
 # kvtier.pd.consumer.hello.PeerError (after yielding what arrived) when the producer fails.
 Targets = list[tuple[int, ...] | None]
-FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets], Iterator["ChunkBuffer | Landed | Joined | Gathered"]]
+FetchRemote = Callable[[LoadJob, list[tuple[bytes, int]], Targets],
+                       Iterator["ChunkBuffer | Landed | Joined | Gathered"]]
 _EWMA = 0.2  # weight of the newest sample in the per-tier load cost
 
 

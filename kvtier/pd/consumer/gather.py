@@ -31,10 +31,10 @@ from kvtier import codec
 from kvtier.codec.joined import CorruptPiece, seal_joined
 from kvtier.jobs import Landed
 from kvtier.layout import Layout
+from kvtier.ops.cpu_pieces import aligned
 from kvtier.pd.consumer.connection import Consumer, FetchSpec
 from kvtier.pd.consumer.fetch import fetch_chunks
 from kvtier.pd.consumer.hello import PeerError
-from kvtier.ops.cpu_pieces import aligned
 from kvtier.shards import HeadRange, piece_fingerprint, piece_layout, rank_heads
 from kvtier.storage import ChunkBuffer
 
@@ -94,8 +94,8 @@ def fetch_any_tp(consumer: Consumer, layout: Layout, endpoints: tuple[str, ...],
     pieces = producer_pieces(layout, len(endpoints), rank, tp_size)
     if pieces[0][1] is None:  # the same KV on every rank: the producer rank's chunks as they are
         return fetch_chunks(consumer, dataclasses.replace(spec, endpoint=endpoints[pieces[0][0]]))
-    if len(pieces) == 1 and len(endpoints) < tp_size:  # one producer rank holds these heads and more: it sends this rank's part,
-        # sealed under this rank's fingerprint (kvtier.pd.producer.slicing), through its CPU tier
+    if len(pieces) == 1 and len(endpoints) < tp_size:  # one producer rank holds these heads and more: it
+        # sends this rank's part, sealed under this rank's fingerprint (kvtier.pd.producer.slicing), from its CPU tier
         return fetch_chunks(consumer, dataclasses.replace(spec, endpoint=endpoints[pieces[0][0]], landing=None,
                                                           producer_blocks=()))
     return gather_chunks(consumer, layout, [(endpoints[p], heads) for p, heads in pieces], spec, allocate,
@@ -136,7 +136,8 @@ def gather_chunks(consumer: Consumer, layout: Layout, pieces: list[tuple[str, He
                         raise _unusable(endpoint, index, heads, exc) from exc
                 if (scatters_pieces and exact and aligned(layout, way, num_blocks)
                         and all(h.checksum_kind == codec.KVSUM64 for h in headers)):
-                    gathered = Gathered(way, tuple(e for _, e, _ in streams), tuple(p for _, p in arrived), tuple(headers))
+                    gathered = Gathered(way, tuple(e for _, e, _ in streams), tuple(p for _, p in arrived),
+                                        tuple(headers))
                     arrived = []  # the caller's now
                     yield gathered
                     continue

@@ -212,7 +212,7 @@ class ChunkServer:
             self._slices[identity] = part
         else:
             self._slices.pop(identity, None)
-        if hello.tp_size != mine.tp_size and hello.fingerprint != mine.fingerprint and part is None:  # (the same heads: any TP size)
+        if hello.tp_size != mine.tp_size and hello.fingerprint != mine.fingerprint and part is None:  # (same heads: any TP)
             error = (f"the decode engine asks for another layout or other KV heads than this rank's "
                      f"(tensor-parallel size {hello.tp_size} there, {mine.tp_size} here)")
         transport, metadata, regions, device, lending = "zmq", b"", (), 0, False

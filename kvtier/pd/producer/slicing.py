@@ -56,9 +56,9 @@ def head_slice(layout: Layout, heads: HeadRange) -> HeadSlice | None:
     held = heads[1] - heads[0]
     per_token = layout.token_contiguous
     sizes = layout.token_bytes if per_token else tuple(r.block_bytes for r in layout.regions)
-    return HeadSlice(tuple(_Region(size * held // shard.heads) for size in sizes), 1 if per_token else layout.block_size,
-                     piece_fingerprint(shard.base, heads), dataclasses.replace(shard, first=heads[0], end=heads[1]),
-                     per_token)
+    regions = tuple(_Region(size * held // shard.heads) for size in sizes)
+    return HeadSlice(regions, 1 if per_token else layout.block_size, piece_fingerprint(shard.base, heads),
+                     dataclasses.replace(shard, first=heads[0], end=heads[1]), per_token)
 
 
 def rank_part(layout: Layout | None, tp_size: int, hello: Hello) -> HeadSlice | None:
