@@ -111,11 +111,11 @@ def _scatter_pieces(side: Any, job: LoadJob, i: int, done: int, gathered: Gather
     when a piece failed its check (its blocks hold garbage until vLLM recomputes them)."""
     num_blocks = side.num_blocks(job, i)
     block, count = side.span(job, i, done)
-    span = PieceSpan(tuple(zip(gathered.way, (b.data for b in gathered.buffers))), num_blocks, block,
-                     side.ids(job.block_ids[done : done + count]))
     try:
+        span = PieceSpan(tuple(zip(gathered.way, (b.data for b in gathered.buffers))), num_blocks, block,
+                         side.ids(job.block_ids[done : done + count]))
         intact = side.start_scatter([span], [tuple(h.checksum for h in gathered.headers)]).wait()[0]
-    except BaseException:
+    except BaseException:  # its blocks count as not loaded (the caller's except): the pieces go back
         gathered.release()
         raise
     if not intact:  # which piece: each checked again, on this rare path only
