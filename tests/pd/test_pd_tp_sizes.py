@@ -30,18 +30,24 @@ LAYERS = 2
 @pytest.fixture
 def ranks(tmp_path, transport):
     """``make(name, tp)``: an engine's ranks, each a worker half over its heads of one full KV
-    (``[LAYERS, NUM_BLOCKS, HEADS, BLOCK, 32]``, returned too)."""
+    (``[LAYERS, NUM_BLOCKS, HEADS, BLOCK, 32]``, returned too; ``nhd``: flash attention's
+    ``[LAYERS, 2, NUM_BLOCKS, block, HEADS, 16]``, token-contiguous, any ``block`` size)."""
     made: list[Engine] = []
 
-    def make(name: str, tp: int, seed: int, **config) -> tuple[list[Engine], torch.Tensor]:
-        full = torch.randn(LAYERS, NUM_BLOCKS, HEADS, BLOCK, 32, generator=torch.Generator().manual_seed(seed))
+    def make(name: str, tp: int, seed: int, block: int = BLOCK, nhd: bool = False,
+             **config) -> tuple[list[Engine], torch.Tensor]:
+        generator = torch.Generator().manual_seed(seed)
+        if nhd:
+            full = torch.randn(LAYERS, 2, NUM_BLOCKS, block, HEADS, 16, generator=generator).to(torch.bfloat16)
+        else:
+            full = torch.randn(LAYERS, NUM_BLOCKS, HEADS, block, 32, generator=generator)
         cfg = KvtierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_bytes": 16 << 20, "pd_timeout_ms": 2000,
                                       "pd_transport": transport, **config})
         engines = []
         per = HEADS // tp
         for rank in range(tp):
-            kv = full[:, :, rank * per : (rank + 1) * per].contiguous()
-            side = WorkerSide(cfg, MODEL, BLOCK, NUM_BLOCKS, f"ipc://{tmp_path}/{name}.sock", rank, tp,
+            kv = full.narrow(4 if nhd else 2, rank * per, per).contiguous()
+            side = WorkerSide(cfg, MODEL, block, NUM_BLOCKS, f"ipc://{tmp_path}/{name}.sock", rank, tp,
                               heads=(per, HEADS))
             side.register({f"layer.{i}": kv[i] for i in range(LAYERS)})
             if transport == "nixl":
@@ -60,10 +66,11 @@ def whole(ranks: list[Engine], blocks: list[int]) -> torch.Tensor:
     return torch.cat([r.blocks(blocks) for r in ranks], dim=2)
 
 
-def job_from(endpoints: tuple[str, ...], transfer_id: str = "t1", wait: bool = False):
-    """D's load of the whole prompt from a producer whose ranks' chunk servers are ``endpoints``
-    (``wait``: a push, D asks before P computed anything)."""
-    job = remote_job("d-req", PROMPT, D_BLOCKS, transfer_id, endpoints[0], wait=wait)
+def job_from(endpoints: tuple[str, ...], transfer_id: str = "t1", wait: bool = False, blocks: list[int] = D_BLOCKS,
+             block: int = BLOCK):
+    """D's load of the whole prompt into ``blocks`` (of ``block`` tokens) from a producer whose ranks'
+    chunk servers are ``endpoints`` (``wait``: a push, D asks before P computed anything)."""
+    job = remote_job("d-req", PROMPT, blocks, transfer_id, endpoints[0], wait=wait, block=block)
     return dataclasses.replace(job, remote=dataclasses.replace(job.remote, endpoints=endpoints))
 
 
@@ -153,3 +160,27 @@ def test_a_corrupt_piece_fails_the_load_from_that_chunk(ranks, caplog):
     failed = d.wait_loaded("d-req")
     assert failed == set(D_BLOCKS[CHUNK // BLOCK :])  # chunk 0 loaded; from chunk 1 on, recomputed
     assert "KV heads 1-2" in caplog.text and "checksum" in caplog.text
+
+
+def token_kv(ranks: list[Engine], block_ids: list[int]) -> torch.Tensor:
+    """The prompt's KV in ``block_ids`` of an NHD engine's ranks, token by token, their heads side by
+    side: ``[LAYERS, 2, len(PROMPT), HEADS, 16]``."""
+    return torch.cat([r.kv[:, :, block_ids].flatten(2, 3)[:, :, : len(PROMPT)] for r in ranks], dim=3)
+
+
+@pytest.mark.parametrize("p_tp, d_tp", [(1, 2), (2, 1)], ids=["tp1-to-tp2", "tp2-to-tp1"])
+@pytest.mark.parametrize("p_block, d_block", [(16, 32), (32, 16)])
+def test_nhd_across_tp_and_block_sizes_every_token_arrives(ranks, p_tp, d_tp, p_block, d_block):
+    """Token-contiguous layouts: P's cut or D's pieces, the partial tail re-cut to D's blocks by P."""
+    p, _ = ranks("p", p_tp, 1, block=p_block, nhd=True)
+    d, _ = ranks("d", d_tp, 2, block=d_block, nhd=True)
+    p_blocks = list(range(10, 10 + -(-len(PROMPT) // p_block)))
+    d_blocks = list(range(40, 40 + -(-len(PROMPT) // d_block)))
+    for rank in p:
+        publish(rank, PROMPT, p_blocks, "t1")
+    for rank in d:
+        rank.side.start_loads((job_from(tuple(r.endpoint for r in p), blocks=d_blocks, block=d_block),))
+    for rank in d:
+        assert rank.wait_loaded("d-req") == set()
+    assert torch.equal(token_kv(d, d_blocks), token_kv(p, p_blocks))
+    assert sum(rank.side.chunk_server.cut_total for rank in p) == (2 * 4 if p_tp < d_tp else 0)  # 4 chunks a D rank
