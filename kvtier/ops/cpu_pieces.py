@@ -38,11 +38,14 @@ def _aligned(shard: HeadShard, sizes: tuple[int, ...], heads: tuple[HeadRange, .
     return not np.any(join_plan(shard, sizes, heads)[:, 1:] % 4)
 
 
-def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> tuple[int, list[int]]:
+def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray,
+                 check: bool = True) -> tuple[int, list[int]]:
     """Copy ``plan``'s rows (source index, byte offset in it, byte offset in ``dst``, bytes) from the
     contiguous host ``uint8`` ``sources`` (whole piece payloads) into ``dst`` in one C call that reads
     each source byte once: (the KVSUM64 of the words written at their places in ``dst``, each
-    source's KVSUM64), all unsigned. ValueError for offsets, sizes or sources not in 4-byte words."""
+    source's KVSUM64), all unsigned. ``check`` False: sources checked already; only the bytes the
+    rows copy are read, and no source's sum is taken (an empty list). ValueError for offsets, sizes
+    or sources not in 4-byte words."""
     lib = loaded()
     if (len(plan) and np.any(plan[:, 1:] % 4)) or any(t.numel() % 4 for t in sources):
         raise ValueError("every copy's offsets and size, and every source's size, must be multiples of 4 bytes.")
@@ -56,8 +59,10 @@ def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.nd
     copies[:, 2] = plan[:, 3]
     copies[:, 3], copies[:, 4] = plan[:, 2] // 4, 0  # the joined chunk's sum: sums[0]
     copies[:, 5], copies[:, 6] = plan[:, 1] // 4, 1 + plan[:, 0]  # the source's: sums[1 + source]
+    if not check:
+        copies[:, 6] = -1
     rest = []
-    for i, t in enumerate(sources):
+    for i, t in enumerate(sources if check else ()):
         starts, sizes = _gaps(plan, i, t.numel())
         units = np.zeros((starts.size, 7), dtype=np.int64)
         units[:, 0], units[:, 2], units[:, 3], units[:, 4], units[:, 6] = base[i] + starts, sizes, starts // 4, 1 + i, -1
@@ -66,7 +71,7 @@ def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.nd
     sums = np.zeros(1 + len(sources), dtype=np.uint64)
     if lib.kvt_copy2(units.ctypes.data, len(units), sums.ctypes.data, len(sums), _threads(units)) != 0:
         raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
-    return int(sums[0]), [int(v) for v in sums[1:]]
+    return int(sums[0]), [int(v) for v in sums[1:]] if check else []
 
 
 def piece_units(layout: Layout, span: PieceSpan, slot: int) -> np.ndarray:

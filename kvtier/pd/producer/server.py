@@ -50,7 +50,7 @@ from kvtier.pd.producer.holds import PublishHolds
 from kvtier.pd.producer.lending import LentBuffers
 from kvtier.pd.nixl import Agent
 from kvtier.pd.producer.recut import recut
-from kvtier.pd.producer.slicing import HeadSlice, cut, rank_part
+from kvtier.pd.producer.slicing import Cutter, HeadSlice, rank_part
 from kvtier.pd.producer.waiting import WaitingFetches
 from kvtier.pd.producer.writes import PeerWrites
 from kvtier.pd.route import Route, producer_route
@@ -93,7 +93,7 @@ class ChunkServer:
         self._writes = PeerWrites(self._send, self._retry, timeout_ms / 1000)  # WRITEs not done yet, releases to answer
         self._hbm = HbmServing(self._send, self._writes)
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
-        self.cut_total = 0  # of those, chunks cut to a decode rank's part of the heads
+        self._cutter = Cutter(store)  # chunks cut to a decode rank's part of the heads
         self._lend_s = 2 * timeout_ms / 1000
         self._lent = LentBuffers(self._send, self._lend_s)  # CPU-tier buffers lent to NIXL peers
         self.holds = holds
@@ -157,6 +157,7 @@ class ChunkServer:
             except Exception:  # the server must outlive any one message
                 logger.exception("kvtier P/D chunk server: unexpected error; still serving")
         self._lent.close()
+        self._cutter.close()
         self._writes.settle(self._lend_s)
         self._curve_failures.close()
         self._socket.close()
@@ -284,12 +285,11 @@ class ChunkServer:
                 return True
         if (part := self._slices.get(identity)) is not None:
             skey = storage_key(fetch.key, self.layout.fingerprint)
-            buffer = cut(self.store, buffer, skey, self.layout.layout, part,
-                         f"stored chunk {skey.hex()} (chunk {fetch.index} of transfer {fetch.transfer_id})")
+            buffer = self._cutter.cut(buffer, skey, self.layout.layout, part,
+                                      f"stored chunk {skey.hex()} (chunk {fetch.index} of transfer {fetch.transfer_id})")
             if buffer is None:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
                 return True
-            self.cut_total += 1
         self.served_total += 1
         route = self._routes.get(identity, Route.ZMQ)  # ZMQ once its NIXL peer is dropped
         if route.hbm and self._hbm.answer(identity, fetch, buffer):
@@ -324,6 +324,7 @@ class ChunkServer:
         if self.nixl is not None:
             self.nixl.forget_idle(PEER_IDLE_S)
         self._lent.expire(now)
+        self._cutter.expire()
 
     @property
     def engine(self) -> EngineBlocks | None:
@@ -358,6 +359,11 @@ class ChunkServer:
     def writes_failed_total(self) -> int:
         """Chunks whose WRITE into a NIXL peer failed since start (each sent from its stored copy)."""
         return self._writes.failed_total
+
+    @property
+    def cut_total(self) -> int:
+        """Chunks answered with a decode rank's part of their heads since start (of ``served_total``)."""
+        return self._cutter.total
 
     @property
     def writes_abandoned_total(self) -> int:

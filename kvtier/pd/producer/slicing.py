@@ -6,12 +6,15 @@ heads (inside this rank's). The chunk server cuts them out of the stored chunk, 
 chunk's KVSUM64 in the same pass that copies them (:func:`kvtier.codec.joined.seal_joined`: a
 corrupt stored chunk is never sealed anew), and seals the cut under the decode rank's fingerprint.
 Each decode rank then gets its share of the bytes, not the whole chunk, and loads it as its own.
+The other ranks' cuts of a copy checked so read only their own heads (:class:`Cutter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
+import time
+from collections import OrderedDict
 
 from kvtier import codec
 from kvtier.codec.joined import seal_joined
@@ -21,6 +24,9 @@ from kvtier.shards import HeadRange, HeadShard, piece_fingerprint, rank_heads
 from kvtier.storage import ChunkBuffer, ChunkStore
 
 logger = logging.getLogger(__name__)
+
+CHECKED_KEPT = 64  # stored chunks a Cutter holds, checked whole, for the other ranks' cuts
+HELD_S = 2.0  # how long at most it holds one (the other ranks' fetches of a chunk come together)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -72,22 +78,66 @@ def rank_part(layout: Layout | None, tp_size: int, hello: Hello) -> HeadSlice | 
     return part if part is not None and part.fingerprint == hello.fingerprint else None
 
 
-def cut(store: ChunkStore, buffer: ChunkBuffer, skey: bytes, layout: Layout, to: HeadSlice, what: str
-        ) -> ChunkBuffer | None:
-    """``buffer``'s chunk (stored under ``skey``, of ``layout``) cut to ``to``'s heads, in a fresh
-    buffer from ``store``. Takes ``buffer``; None when there is no room, or the stored chunk is
-    unusable (removed from ``store`` then, and said for ``what``, the chunk's name in the line)."""
-    try:
-        header = codec.read_header(buffer.data)
-        unit = sum(layout.token_bytes) if to.per_token else layout.bytes_per_block
-        units = header.tokens if to.per_token else header.payload_bytes // unit
-        if header.fingerprint != layout.fingerprint or not units or header.payload_bytes != units * unit:
-            raise codec.ChunkError("its header does not match this rank's layout")
-        return seal_joined(to, units, [((layout.shard.first, layout.shard.end), buffer, header)],
-                           lambda n: store.allocate(n, wait=False))
-    except codec.ChunkError as exc:  # a CorruptPiece too: a flipped byte in the stored copy
-        store.remove(skey)
-        logger.warning("kvtier P/D chunk server: %s is unusable (%s); removed it and answered missing.", what, exc)
-        return None
-    finally:
-        buffer.release()
+class Cutter:
+    """A chunk server's cuts, from ``store``'s chunks. A stored chunk that the first decode rank's
+    cut checked whole stays held here (one reference: its memory can be neither freed nor used for
+    another chunk meanwhile) until the other ranks reading this rank's heads cut it too, each
+    reading only its own heads; at most :data:`CHECKED_KEPT` are held, each for :data:`HELD_S` at
+    most (the oldest let go first: a chunk held is one the CPU tier cannot evict meanwhile)."""
+
+    def __init__(self, store: ChunkStore):
+        self._store = store
+        self._checked: OrderedDict[tuple[bytes, int, int], list] = OrderedDict()  # (key, address, checksum)
+        # -> [the held buffer, cuts of it still to come, when it was first cut (monotonic s)]
+        self.total = 0  # chunks cut
+        self.checked_once = 0  # of those, cut from a copy held here, checked by an earlier cut
+
+    def cut(self, buffer: ChunkBuffer, skey: bytes, layout: Layout, to: HeadSlice, what: str) -> ChunkBuffer | None:
+        """``buffer``'s chunk (stored under ``skey``, of ``layout``) cut to ``to``'s heads, in a fresh
+        buffer from the store. Takes ``buffer``; None when there is no room, or the stored chunk is
+        unusable (removed from the store then, and said for ``what``, the chunk's name in the line)."""
+        keep = False
+        try:
+            header = codec.read_header(buffer.data)
+            unit = sum(layout.token_bytes) if to.per_token else layout.bytes_per_block
+            units = header.tokens if to.per_token else header.payload_bytes // unit
+            if header.fingerprint != layout.fingerprint or not units or header.payload_bytes != units * unit:
+                raise codec.ChunkError("its header does not match this rank's layout")
+            copy = (skey, buffer.data.data_ptr(), header.checksum)
+            held = self._checked.get(copy)
+            out = seal_joined(to, units, [((layout.shard.first, layout.shard.end), buffer, header)],
+                              lambda n: self._store.allocate(n, wait=False), checked=held is not None)
+            if out is None:
+                return None
+            self.total += 1
+            if held is not None:
+                self.checked_once += 1
+                held[1] -= 1
+                if held[1] <= 0:
+                    self._checked.pop(copy)[0].release()
+            elif (left := layout.shard.heads // to.shard.heads - 1) > 0:
+                self._checked[copy], keep = [buffer, left, time.monotonic()], True
+            self.expire()
+            return out
+        except codec.ChunkError as exc:  # a CorruptPiece too: a flipped byte in the stored copy
+            self._store.remove(skey)
+            logger.warning("kvtier P/D chunk server: %s is unusable (%s); removed it and answered missing.", what, exc)
+            return None
+        finally:
+            if not keep:
+                buffer.release()
+
+    def expire(self) -> None:
+        """Let go of the chunks held longest, past :data:`HELD_S` or beyond :data:`CHECKED_KEPT`."""
+        now = time.monotonic()
+        while self._checked:
+            oldest = next(iter(self._checked.values()))
+            if len(self._checked) <= CHECKED_KEPT and now - oldest[2] <= HELD_S:
+                break
+            self._checked.popitem(last=False)
+            oldest[0].release()
+
+    def close(self) -> None:
+        """Let go of every chunk held."""
+        while self._checked:
+            self._checked.popitem()[1][0].release()
