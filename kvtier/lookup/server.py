@@ -10,9 +10,12 @@ the server keeps serving.
 
 from __future__ import annotations
 
+import glob
 import logging
 import os
+import socket
 import threading
+import time
 from typing import Callable
 
 import msgspec
@@ -58,6 +61,8 @@ class LookupServer:
         path = endpoint[6:] if endpoint.startswith("ipc://") else None
         if path and os.path.exists(path):
             os.unlink(path)  # a socket file left by a process that died
+        if path:
+            sweep_stale(os.path.dirname(path))
         self._socket.bind(endpoint)
         if path:
             os.chmod(path, 0o600)  # only this user's processes may ask or report
@@ -132,3 +137,33 @@ class LookupServer:
         self._thread.join(timeout=5)
         if self.endpoint.startswith("ipc://") and os.path.exists(self.endpoint[6:]):
             os.unlink(self.endpoint[6:])
+
+
+STALE_S = 60.0  # a lookup socket file refusing connections at least this old belongs to no server
+
+
+def sweep_stale(directory: str) -> int:
+    """Remove the lookup socket files in ``directory`` (``kvtier-lookup-*.sock``, named after each
+    engine) that no server listens on any more: an engine killed (vLLM ends its workers that way)
+    leaves its file behind, and the next engine gets a new name. A file counts as left behind when
+    it is older than :data:`STALE_S` and refuses a connection; returns how many went."""
+    removed = 0
+    for path in glob.glob(os.path.join(directory, "kvtier-lookup-*.sock")):
+        try:
+            if time.time() - os.lstat(path).st_mtime < STALE_S:
+                continue
+            with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
+                probe.settimeout(0.1)
+                probe.connect(path)  # a server listens: left alone
+        except ConnectionRefusedError:
+            try:
+                os.unlink(path)
+                removed += 1
+            except OSError:
+                pass
+        except OSError:  # gone meanwhile, not a socket, not ours: left alone
+            continue
+    if removed:
+        logger.debug("kvtier lookup: removed %d socket files of lookup servers that ended", removed)
+    return removed
+

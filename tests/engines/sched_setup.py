@@ -5,6 +5,7 @@ Used by :mod:`sched_harness`; kept apart so the harness reads as the simulation 
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import tempfile
@@ -66,7 +67,9 @@ def lookup_server() -> tuple[str, LookupServer]:
     """One lookup server per process; each harness starts from an empty index."""
     register()
     endpoint = f"ipc://{tempfile.gettempdir()}/kvtier-harness-{os.getpid()}-{uuid.uuid4().hex[:8]}.sock"
-    return endpoint, LookupServer(endpoint, 1)
+    server = LookupServer(endpoint, 1)
+    atexit.register(server.close)  # its socket file goes with the test session
+    return endpoint, server
 
 
 @lru_cache(maxsize=16)

@@ -1,6 +1,8 @@
 """Real ZMQ sockets: the commit protocol end to end, malformed messages, a dead server."""
 
 import logging
+import os
+import socket
 import time
 import uuid
 
@@ -248,3 +250,31 @@ def test_a_reply_says_which_figures_come_from_a_measured_read_speed(tmp_path):
     finally:
         client.close()
         server.close()
+
+
+def test_socket_files_of_lookup_servers_that_ended_are_swept_at_start(tmp_path):
+    """A killed engine leaves its lookup socket file; the next server removes such files once old,
+    never a live server's, nor a young file (a server may be between its bind and its listen)."""
+    def left_behind(name: str, age_s: float) -> str:
+        path = str(tmp_path / name)
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+            s.bind(path)  # closed unlinked: nothing listens
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+        return path
+
+    dead = left_behind("kvtier-lookup-dead.sock", 120)
+    young = left_behind("kvtier-lookup-young.sock", 5)
+    other = left_behind("other-dead.sock", 120)
+    live = LookupServer(f"ipc://{tmp_path}/kvtier-lookup-live.sock", 1)
+    try:
+        old = time.time() - 120
+        os.utime(live.endpoint[6:], (old, old))
+        server = LookupServer(f"ipc://{tmp_path}/kvtier-lookup-new-{uuid.uuid4().hex[:6]}.sock", 1)
+        server.close()
+        assert not os.path.exists(dead)
+        assert os.path.exists(young) and os.path.exists(other) and os.path.exists(live.endpoint[6:])
+        client = LookupClient(live.endpoint, 2000)  # the live one still answers
+        assert client.lookup([b"k" * 16]) is not None
+        client.close()
+    finally:
+        live.close()
