@@ -73,7 +73,8 @@ def test_the_next_rank_s_cut_of_a_checked_copy_reads_only_its_heads(store):
     cutter = Cutter(store)
     skey, first = stored(store, mine)
     copy = store.get(skey)
-    outs = [cutter.cut(b, skey, mine, head_slice(mine, rank_heads(HEADS, r, 2)), "chunk") for r, b in enumerate((first, copy))]
+    outs = [cutter.cut(b, skey, mine, head_slice(mine, rank_heads(HEADS, r, 2)), "chunk")
+            for r, b in enumerate((first, copy))]
     assert cutter.total == 2 and cutter.checked_once == 1  # the second read its own heads only
     for out, layout in zip(outs, theirs):
         assert torch.equal(out.data[codec.HEADER_BYTES:][: layout.payload_bytes(len(IDS))], payload(layout, IDS))
