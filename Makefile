@@ -23,7 +23,7 @@ $(STAMP): pyproject.toml | $(PY)
 install: $(STAMP)
 
 test: install
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 demo: install
 	$(VENV)/bin/kvtier-bench reload --prompt-len 32k
