@@ -166,4 +166,3 @@ def sweep_stale(directory: str) -> int:
     if removed:
         logger.debug("kvtier lookup: removed %d socket files of lookup servers that ended", removed)
     return removed
-

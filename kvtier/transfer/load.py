@@ -97,7 +97,7 @@ class LoadSide:
         self._polled = PolledLoads(self) if self.scatter_async is not None else None  # CPU-tier loads, no thread
         # another TP size's pieces go straight into the engine's blocks where the host copy checks them as it goes
         self.scatters_pieces = (self._scatter is cpu_ops.scatter and self.kernel_sums and layout.shard is not None
-                                 and not layout.shard.replicated)
+                                and not layout.shard.replicated)
 
     def accept_landings(self) -> None:
         """P/D producers may write chunks straight into this engine's blocks from now on (its KV
