@@ -43,7 +43,7 @@ from kvtier.pd.protocol import Hello
 from kvtier.pd.producer.server import ChunkServer, ServedLayout
 from kvtier.storage import ChunkStore, StoreConfig
 from kvtier.transfer import TierWorker
-from kvtier.transfer.promote import Promoter, beside_loads
+from kvtier.transfer.promote import FAST_READERS, Promoter, beside_loads
 
 logger = logging.getLogger(__name__)
 
@@ -160,7 +160,8 @@ class WorkerNode:
         if disk_path:  # half the CPU tier at most, after every save (and load, unless the disk has room for both)
             yields_to_loads = not beside_loads(disk)
             self.promoter = Promoter(store, self.transfers.chunk_bytes, config.cpu_bytes // 2, lambda: any(
-                (yields_to_loads and t.loads.running()) or t.pending_save_bytes() for t in self.group_transfers))
+                (yields_to_loads and t.loads.running()) or t.pending_save_bytes() for t in self.group_transfers),
+                readers=1 if yields_to_loads else FAST_READERS)
         if disk is not None:
             self.transfers.seed_read_speed("disk", disk.bytes_per_s)
         pd = "no P/D chunk server (kv_consumer)"

@@ -84,3 +84,53 @@ def test_only_a_disk_with_room_to_spare_is_read_beside_loads():
     assert not beside_loads(speed(1.5))  # the device's disk: promotions would slow the loads they wait for
     assert beside_loads(speed(1.5, memory=True))  # a tmpfs: copies, whatever the probe's few files said
     assert beside_loads(speed(12))  # NVMe RAID
+
+
+def test_readers_read_chunks_at_once_and_each_key_once():
+    """With ``readers`` > 1 (a fast medium) that many chunks are read at once; none is read twice."""
+    keys = [bytes([i]) for i in range(12)]
+    store, busy = StubStore(keys), threading.Event()
+    inside, most, lock = [0], [0], threading.Lock()
+    get = store.get
+
+    def slow_get(key, background=False):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.02)  # a read of a chunk
+        with lock:
+            inside[0] -= 1
+            return get(key, background)
+
+    store.get = slow_get
+    promoter = Promoter(store, chunk_bytes=100, max_bytes=10_000, busy=busy.is_set, readers=4)
+    try:
+        promoter.submit(keys)
+        assert promoter.wait_idle(10)
+    finally:
+        promoter.close()
+    assert sorted(store.reads) == keys and promoter.promoted == 12
+    assert most[0] == 4  # negative control: one reader (the slow disk's) never overlaps two reads
+
+
+def test_one_reader_reads_one_chunk_at_a_time():
+    keys = [bytes([i]) for i in range(6)]
+    store, busy = StubStore(keys), threading.Event()
+    inside, most = [0], [0]
+    get = store.get
+
+    def slow_get(key, background=False):
+        inside[0] += 1
+        most[0] = max(most[0], inside[0])
+        time.sleep(0.01)
+        inside[0] -= 1
+        return get(key, background)
+
+    store.get = slow_get
+    promoter = Promoter(store, chunk_bytes=100, max_bytes=10_000, busy=busy.is_set)
+    try:
+        promoter.submit(keys)
+        assert promoter.wait_idle(10)
+    finally:
+        promoter.close()
+    assert most[0] == 1 and len(store.reads) == 6

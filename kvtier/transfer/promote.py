@@ -1,12 +1,14 @@
 """Promotion while a prompt waits: disk chunks a plan left to recompute are read into the CPU tier
 in the background, so the prompt's next sight is a CPU hit.
 
-Lowest priority of the rank's work: one thread, nicer than the save thread, that reads a chunk
-only while no load runs and no save is pending (``busy``), one chunk at a time. On a medium with
-bandwidth to spare (:func:`beside_loads`: a tmpfs, or a disk the probe measured at
-:data:`FAST_BYTES_PER_S` or more) it reads beside loads too, on the disk tier's second reader:
-behind such a disk the loads of a burst of prompts run back to back, and a promoter that waited
-for them would never run ahead of the queue.
+Lowest priority of the rank's work: threads nicer than the save thread, that read a chunk only
+while no load runs and no save is pending (``busy``). Behind a slow disk one chunk is read at a
+time. On a medium with bandwidth to spare (:func:`beside_loads`: a tmpfs, or a disk the probe
+measured at :data:`FAST_BYTES_PER_S` or more) it reads beside loads too, on the disk tier's second
+reader, :data:`FAST_READERS` chunks at a time: behind such a disk the loads of a burst of prompts
+run back to back, and a promoter that waited for them, or read one chunk at a time (~5 GB/s from
+a tmpfs, one H200 host: the per-chunk allocate, read and promote run in turn), would not run
+ahead of the queue.
 
 The latest submission goes first, its keys in order: a step's keys are those of prompts further
 back in the queue than the last step's, which have longer to wait, so they are the ones a
@@ -33,6 +35,7 @@ logger = logging.getLogger(__name__)
 PROMOTE_NICE = 15  # nicer than the save thread (+10): promotions yield to saves under CPU contention
 _YIELD_S = 0.002  # seconds between looks while loads or saves run
 FAST_BYTES_PER_S = 8e9  # a disk tier at least this fast (NVMe RAID) has room for promotions beside loads
+FAST_READERS = 4  # chunks read at once on such a medium (each in parts on the second reader's threads)
 
 
 def beside_loads(speed: DiskSpeed | None) -> bool:
@@ -43,14 +46,17 @@ def beside_loads(speed: DiskSpeed | None) -> bool:
 
 
 class Promoter:
-    """Reads queued storage keys from disk into the CPU tier of ``store``, on its own thread.
+    """Reads queued storage keys from disk into the CPU tier of ``store``, on its own threads.
 
     ``chunk_bytes``: bytes of one stored chunk (the bound counts whole chunks). ``max_bytes``:
     most bytes queued or in flight. ``busy``: whether loads run or saves are pending now (any
-    thread); promotions wait for it to be False.
+    thread); promotions wait for it to be False. ``readers``: chunks read at once (threads).
     """
 
-    def __init__(self, store: ChunkStore, chunk_bytes: int, max_bytes: int, busy: Callable[[], bool]):
+    def __init__(self, store: ChunkStore, chunk_bytes: int, max_bytes: int, busy: Callable[[], bool],
+                 readers: int = 1):
+        if readers < 1:
+            raise ValueError(f"readers must be >= 1, got {readers}")
         self.store, self.busy = store, busy
         self.max_chunks = max(1, max_bytes // max(1, chunk_bytes))
         self.promoted = self.dropped = 0  # chunks read into CPU; keys dropped (queue full)
@@ -59,8 +65,10 @@ class Promoter:
         self._reading = 0  # chunks taken from the queue and not yet read
         self._cond = threading.Condition()
         self._closing = False
-        self._thread = threading.Thread(target=self._loop, name="kvtier-promote", daemon=True)
-        self._thread.start()
+        self._threads = [threading.Thread(target=self._loop, name=f"kvtier-promote-{i}", daemon=True)
+                         for i in range(readers)]
+        for thread in self._threads:
+            thread.start()
 
     def submit(self, keys: Iterable[bytes]) -> int:
         """Queue storage ``keys`` for promotion (those queued already are skipped); returns how many
@@ -86,13 +94,14 @@ class Promoter:
             return self._cond.wait_for(lambda: not self._queue and not self._reading, timeout_s)
 
     def close(self) -> None:
-        """Stop the thread; queued keys are dropped, a read under way finishes."""
+        """Stop the threads; queued keys are dropped, reads under way finish."""
         with self._cond:
             self._closing = True
             self._queue.clear()
             self._queued.clear()
             self._cond.notify_all()
-        self._thread.join()
+        for thread in self._threads:
+            thread.join()
 
     def _loop(self) -> None:
         try:
