@@ -57,6 +57,22 @@ def test_keys_past_the_bound_are_dropped():
         promoter.close()
 
 
+def test_a_newer_submission_takes_the_place_of_the_oldest_ones_last_keys():
+    """Bound full: the prompt further back (submitted later) displaces the end of the earliest one's chain."""
+    earlier, middle, later = [b"a1", b"a2", b"a3"], [b"b1", b"b2"], [b"c1", b"c2"]
+    store, busy = StubStore(earlier + middle + later), threading.Event()
+    busy.set()
+    promoter = Promoter(store, chunk_bytes=100, max_bytes=500, busy=busy.is_set)  # five chunks at most
+    try:
+        assert promoter.submit(earlier) == 3 and promoter.submit(middle) == 2
+        assert promoter.submit(later) == 2 and promoter.dropped == 2  # a3, then a2
+        busy.clear()
+        assert promoter.wait_idle(10)
+    finally:
+        promoter.close()
+    assert sorted(store.reads) == sorted([b"a1", *middle, *later])  # negative control: a2, a3 never read
+
+
 def test_the_latest_submission_goes_first_each_in_order():
     """A step's keys (prompts further back in the queue) before an earlier step's that are still queued."""
     earlier, later = [b"a1", b"a2", b"a3"], [b"b1", b"b2"]

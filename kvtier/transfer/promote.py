@@ -78,7 +78,7 @@ class Promoter:
             for key in keys:
                 if key in self._queued:
                     continue
-                if len(self._queued) + self._reading >= self.max_chunks:
+                if len(self._queued) + self._reading >= self.max_chunks and not self._drop_oldest():
                     self.dropped += 1
                     continue
                 batch.append(key)
@@ -87,6 +87,19 @@ class Promoter:
                 self._queue.append(batch)
                 self._cond.notify()
         return len(batch)
+
+    def _drop_oldest(self) -> bool:
+        """Make room for one key of a newer submission: drop the last key of the oldest one (the
+        first of a chain are worth the most: a chunk is reached through those before it). False
+        when nothing is queued (all taken by reads). Under the lock."""
+        if not self._queue:
+            return False
+        oldest = self._queue[0]
+        self._queued.discard(oldest.pop())
+        self.dropped += 1
+        if not oldest:
+            self._queue.popleft()
+        return True
 
     def wait_idle(self, timeout_s: float = 30.0) -> bool:
         """Wait until nothing is queued or being read (False after ``timeout_s`` seconds)."""
