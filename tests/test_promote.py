@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 from kvtier.storage import DiskSpeed, Tier
 from kvtier.transfer.promote import Promoter, beside_loads
 
@@ -102,51 +104,35 @@ def test_only_a_disk_with_room_to_spare_is_read_beside_loads():
     assert beside_loads(speed(12))  # NVMe RAID
 
 
-def test_readers_read_chunks_at_once_and_each_key_once():
-    """With ``readers`` > 1 (a fast medium) that many chunks are read at once; none is read twice."""
-    keys = [bytes([i]) for i in range(12)]
-    store, busy = StubStore(keys), threading.Event()
-    inside, most, lock = [0], [0], threading.Lock()
-    get = store.get
+def reads_at_once(store, read_s: float) -> list[int]:
+    """Make each of ``store``'s reads take ``read_s``; returns a list whose one entry becomes the
+    most reads that ran at once."""
+    inside, most, lock, get = [0], [0], threading.Lock(), store.get
 
     def slow_get(key, background=False):
         with lock:
             inside[0] += 1
             most[0] = max(most[0], inside[0])
-        time.sleep(0.02)  # a read of a chunk
+        time.sleep(read_s)
         with lock:
             inside[0] -= 1
             return get(key, background)
 
     store.get = slow_get
-    promoter = Promoter(store, chunk_bytes=100, max_bytes=10_000, busy=busy.is_set, readers=4)
+    return most
+
+
+@pytest.mark.parametrize("readers", [1, 4])
+def test_readers_read_that_many_chunks_at_once_each_key_once(readers):
+    """A fast medium's promoter (4 readers) reads chunks at once; a slow disk's (1) one at a time."""
+    keys = [bytes([i]) for i in range(12)]
+    store, busy = StubStore(keys), threading.Event()
+    most = reads_at_once(store, 0.02)
+    promoter = Promoter(store, chunk_bytes=100, max_bytes=10_000, busy=busy.is_set, readers=readers)
     try:
         promoter.submit(keys)
         assert promoter.wait_idle(10)
     finally:
         promoter.close()
     assert sorted(store.reads) == keys and promoter.promoted == 12
-    assert most[0] == 4  # negative control: one reader (the slow disk's) never overlaps two reads
-
-
-def test_one_reader_reads_one_chunk_at_a_time():
-    keys = [bytes([i]) for i in range(6)]
-    store, busy = StubStore(keys), threading.Event()
-    inside, most = [0], [0]
-    get = store.get
-
-    def slow_get(key, background=False):
-        inside[0] += 1
-        most[0] = max(most[0], inside[0])
-        time.sleep(0.01)
-        inside[0] -= 1
-        return get(key, background)
-
-    store.get = slow_get
-    promoter = Promoter(store, chunk_bytes=100, max_bytes=10_000, busy=busy.is_set)
-    try:
-        promoter.submit(keys)
-        assert promoter.wait_idle(10)
-    finally:
-        promoter.close()
-    assert most[0] == 1 and len(store.reads) == 6
+    assert most[0] == readers

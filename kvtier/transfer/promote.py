@@ -59,7 +59,7 @@ class Promoter:
             raise ValueError(f"readers must be >= 1, got {readers}")
         self.store, self.busy = store, busy
         self.max_chunks = max(1, max_bytes // max(1, chunk_bytes))
-        self.promoted = self.dropped = 0  # chunks read into CPU; keys dropped (queue full)
+        self.promoted = self.dropped = 0  # chunks read into CPU; keys dropped or displaced (queue full)
         self._queue: deque[deque[bytes]] = deque()  # submissions, the latest last; each its keys in order
         self._queued: set[bytes] = set()
         self._reading = 0  # chunks taken from the queue and not yet read
@@ -85,7 +85,7 @@ class Promoter:
                 self._queued.add(key)
             if batch:
                 self._queue.append(batch)
-                self._cond.notify()
+                self._cond.notify(len(batch))  # as many readers as it has keys
         return len(batch)
 
     def _drop_oldest(self) -> bool:
