@@ -1,5 +1,6 @@
 """The background promoter on its own, over a stub store: it waits for loads and saves, reads a
-chunk only while it is still on disk only, and drops keys past its bound."""
+chunk only while it is still on disk only, reads as many chunks at once as it has readers, and past
+its bound lets a newer submission displace the oldest one's last keys, dropping what finds no room."""
 
 from __future__ import annotations
 
