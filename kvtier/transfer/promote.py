@@ -8,7 +8,7 @@ measured at :data:`FAST_BYTES_PER_S` or more) it reads beside loads too, on the 
 reader, :data:`FAST_READERS` chunks at a time: behind such a disk the loads of a burst of prompts
 run back to back, and a promoter that waited for them, or read one chunk at a time (each chunk's
 allocate, read and promote in turn), did not run ahead of the queue (eight 32k prompts on a tmpfs,
-one H200 host: 75,264 of the last four's 131,072 tokens in the CPU tier by their turns).
+an H200 host: 75,264 of the last four's 131,072 tokens in the CPU tier by their turns).
 
 The latest submission goes first, its keys in order: a step's keys are those of prompts further
 back in the queue than the last step's, which have longer to wait, so they are the ones a
