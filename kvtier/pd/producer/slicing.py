@@ -78,6 +78,15 @@ def rank_part(layout: Layout | None, tp_size: int, hello: Hello) -> HeadSlice | 
     return part if part is not None and part.fingerprint == hello.fingerprint else None
 
 
+@dataclasses.dataclass(slots=True)
+class _Held:
+    """A stored chunk a :class:`Cutter` checked whole and holds for the other ranks' cuts."""
+
+    buffer: ChunkBuffer  # one reference of the stored chunk, the Cutter's
+    cuts_left: int  # cuts of it still to come
+    since_s: float  # when it was first cut (time.monotonic)
+
+
 class Cutter:
     """A chunk server's cuts, from ``store``'s chunks. A stored chunk that the first decode rank's
     cut checked whole stays held here (one reference: its memory can be neither freed nor used for
@@ -87,8 +96,7 @@ class Cutter:
 
     def __init__(self, store: ChunkStore):
         self._store = store
-        self._checked: OrderedDict[tuple[bytes, int, int], list] = OrderedDict()  # (key, address, checksum)
-        # -> [the held buffer, cuts of it still to come, when it was first cut (monotonic s)]
+        self._checked: OrderedDict[tuple[bytes, int, int], _Held] = OrderedDict()  # by (key, address, checksum)
         self.total = 0  # chunks cut
         self.checked_once = 0  # of those, cut from a copy held here, checked by an earlier cut
 
@@ -112,11 +120,11 @@ class Cutter:
             self.total += 1
             if held is not None:
                 self.checked_once += 1
-                held[1] -= 1
-                if held[1] <= 0:
-                    self._checked.pop(copy)[0].release()
+                held.cuts_left -= 1
+                if held.cuts_left <= 0:
+                    self._checked.pop(copy).buffer.release()
             elif (left := layout.shard.heads // to.shard.heads - 1) > 0:
-                self._checked[copy], keep = [buffer, left, time.monotonic()], True
+                self._checked[copy], keep = _Held(buffer, left, time.monotonic()), True
             self.expire()
             return out
         except codec.ChunkError as exc:  # a CorruptPiece too: a flipped byte in the stored copy
@@ -132,12 +140,12 @@ class Cutter:
         now = time.monotonic()
         while self._checked:
             oldest = next(iter(self._checked.values()))
-            if len(self._checked) <= CHECKED_KEPT and now - oldest[2] <= HELD_S:
+            if len(self._checked) <= CHECKED_KEPT and now - oldest.since_s <= HELD_S:
                 break
             self._checked.popitem(last=False)
-            oldest[0].release()
+            oldest.buffer.release()
 
     def close(self) -> None:
         """Let go of every chunk held."""
         while self._checked:
-            self._checked.popitem()[1][0].release()
+            self._checked.popitem()[1].buffer.release()
