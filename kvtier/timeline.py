@@ -5,7 +5,7 @@ A mark is ``kvtier timeline: <request> <event> <epoch s> [transfer <id>]``. The 
 
 * ``arrived``: the scheduler first saw the request (a P/D consumer's names its transfer);
 * ``looked up``: the scheduler's look-up of the prompt's chunks answered (every request, local
-  hits included; a request waiting for blocks is looked up again, the first counts);
+  hits included; a request waiting for blocks is looked up again each step, marked once);
 * ``planned``: blocks were allocated for a load (the load job goes out with the next step);
 * ``load began`` / ``load ended``: a worker's load thread ran the job (each TP rank marks its own);
 * ``load reported``: the worker handed the finished load to vLLM;

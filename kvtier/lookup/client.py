@@ -1,4 +1,8 @@
-"""Scheduler-side lookup client. A timeout or a refused request is a miss, never a hang."""
+"""Scheduler-side lookup client. A timeout or a refused request is a miss, never a hang.
+
+Where rank 0's server runs in this same process (TP=1), the client asks it directly
+(:meth:`~kvtier.lookup.server.LookupServer.answer`): no socket, no wait for the server's thread.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import msgspec
 import zmq
 
 from kvtier.lookup.protocol import MAX_KEYS, MAX_MESSAGE_BYTES, VERSION, LookupReply, LookupRequest, decode_reply, encode
+from kvtier.lookup.server import in_process
 
 logger = logging.getLogger(__name__)
 
@@ -23,8 +28,9 @@ class LookupClient:
     timeout, not one per request, and a dead server costs one timeout per back-off period.
     """
 
-    def __init__(self, endpoint: str, timeout_ms: int = 2000):
+    def __init__(self, endpoint: str, timeout_ms: int = 2000, direct: bool = True):
         self.endpoint = endpoint
+        self.direct = direct  # False: always over the socket, even to a server in this process
         self.timeout_ms = timeout_ms
         self._ctx = zmq.Context.instance()
         self._socket: zmq.Socket | None = None
@@ -57,6 +63,22 @@ class LookupClient:
         answer. Without keys it asks only if ``always`` (for the chunk servers' addresses)."""
         if not keys and not always:
             return None
+        server = in_process(self.endpoint) if self.direct else None
+        if server is not None:
+            reply = server.answer(LookupRequest(VERSION, keys[:MAX_KEYS]))
+        else:
+            reply = self._ask(keys)
+        if reply is None:
+            return None
+        if reply.error:
+            logger.warning("kvtier lookup refused: %s", reply.error)
+            return None
+        self._warned = False
+        self._backoff_s = BACKOFF_S[0]
+        return reply
+
+    def _ask(self, keys: list[bytes]) -> LookupReply | None:
+        """The server's reply over the socket; None when it did not answer in time or garbled it."""
         if time.monotonic() < self._silent_until:
             return None
         socket = self._connect()
@@ -70,16 +92,10 @@ class LookupClient:
                 self._warned = True
             return None
         try:
-            reply = decode_reply(socket.recv())
+            return decode_reply(socket.recv())
         except (msgspec.DecodeError, ValueError) as exc:  # msgspec raises UnicodeDecodeError on bad UTF-8
             logger.warning("kvtier lookup: malformed reply from %s: %s", self.endpoint, exc)
             return None
-        if reply.error:
-            logger.warning("kvtier lookup refused: %s", reply.error)
-            return None
-        self._warned = False
-        self._backoff_s = BACKOFF_S[0]
-        return reply
 
     def close(self) -> None:
         self._reset()

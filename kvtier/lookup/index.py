@@ -23,7 +23,7 @@ MEMO_KEYS = 1 << 16  # chain keys whose storage keys are remembered (~5 MiB at T
 
 class HoldIndex:
     """Storage keys held by each of ``world_size`` ranks, with their tier. Not thread-safe: the
-    lookup server's thread owns it."""
+    lookup server reads and changes it under its lock."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size

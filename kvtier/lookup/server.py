@@ -6,6 +6,11 @@ server, when configured) is asked which of the next chunks it holds for every ra
 trip; those chunks are answered as tier ``"shared"``. Both arrive on the same socket, so a report sent before a lookup is
 applied before that lookup is answered. A bad message is logged and answered with an error;
 the server keeps serving.
+
+A scheduler in the server's own process (TP=1: vLLM runs rank 0's worker in the engine's
+process) asks :meth:`LookupServer.answer` directly (:func:`in_process`): the same answer, without
+the round trip and without waking the server's thread. One lock orders those answers with the
+messages the thread handles.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import zmq
 
 from kvtier.lookup.index import HoldIndex
 from kvtier.lookup.protocol import (
-    MAX_MESSAGE_BYTES, VERSION, HoldReport, LookupReply, PeerAddress, decode_message, encode,
+    MAX_MESSAGE_BYTES, VERSION, HoldReport, LookupReply, LookupRequest, PeerAddress, decode_message, encode,
 )
 
 logger = logging.getLogger(__name__)
@@ -34,6 +39,12 @@ Probed = Callable[[], list[str]]
 # shared tier holds for every rank; must answer within the server's shared timeout.
 SharedPrefix = Callable[[list[tuple[bytes, ...]], tuple[bytes, ...]], int]
 MAX_SHARED_CHUNKS = 1024  # chunks past the local hit asked of the shared tier per lookup
+_IN_PROCESS: dict[str, LookupServer] = {}  # endpoint -> the server this process runs there
+
+
+def in_process(endpoint: str) -> LookupServer | None:
+    """The server this process runs at ``endpoint`` (None: it runs elsewhere, or none does)."""
+    return _IN_PROCESS.get(endpoint)
 
 
 class LookupServer:
@@ -66,7 +77,9 @@ class LookupServer:
         self._socket.bind(endpoint)
         if path:
             os.chmod(path, 0o600)  # only this user's processes may ask or report
+        self._lock = threading.Lock()  # the index is read by answer() and changed by the thread
         self._stop = threading.Event()
+        _IN_PROCESS[endpoint] = self
         self._thread = threading.Thread(target=self._serve, name="kvtier-lookup", daemon=True)
         self._thread.start()
 
@@ -80,6 +93,15 @@ class LookupServer:
         if request.version != VERSION:
             logger.warning("kvtier lookup: rejected protocol version %d (this is %d).", request.version, VERSION)
             return LookupReply(VERSION, [], error=f"protocol version {request.version} != {VERSION}")
+        with self._lock:
+            return self._reply(request)
+
+    def answer(self, request: LookupRequest) -> LookupReply:
+        """The reply to a lookup made in this process, as the socket would carry it."""
+        with self._lock:
+            return self._reply(request)
+
+    def _reply(self, request: LookupRequest | HoldReport | PeerAddress) -> LookupReply | None:
         try:
             if isinstance(request, PeerAddress):
                 if request.world_size != self.world_size or request.rank >= self.world_size:
@@ -133,6 +155,8 @@ class LookupServer:
 
     def close(self) -> None:
         """Stop serving and release the socket (idempotent)."""
+        if _IN_PROCESS.get(self.endpoint) is self:
+            del _IN_PROCESS[self.endpoint]
         self._stop.set()
         self._thread.join(timeout=5)
         if self.endpoint.startswith("ipc://") and os.path.exists(self.endpoint[6:]):

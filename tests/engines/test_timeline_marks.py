@@ -50,3 +50,23 @@ def test_malformed_transfer_params_still_mark_the_arrival(caplog):
         h.close()
     marks, transfers = timeline.read(r.getMessage() for r in caplog.records if r.name == "kvtier.timeline")
     assert "arrived" in marks[req] and not transfers
+
+
+def test_a_request_waiting_for_blocks_is_looked_up_each_step_but_marked_once(caplog):
+    """vLLM asks the connector about the head of its queue every step it cannot allocate it; one
+    log line each would cost the engine's thread (the benches log at DEBUG) for nothing."""
+    h = Harness(block_size=BS, chunk_tokens=CHUNK, num_blocks=24)  # room for one prompt at a time
+    caplog.set_level(logging.DEBUG, logger="kvtier")
+    try:
+        h.add(P, 8)
+        h.step()
+        waiting = h.add([random.Random(2).randrange(3, VOCAB) for _ in P], 1)
+        for _ in range(4):
+            h.step()
+        asked = h.sched.connector.scheduler_side.lookups(waiting)
+        h.drain()
+    finally:
+        h.close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "kvtier.timeline"]
+    assert asked >= 3  # asked again while it waited
+    assert sum(f" {waiting} looked up " in line for line in lines) == 1

@@ -43,21 +43,22 @@ class Rank:
         assert self.reporter.flush()
 
 
-def wait_for(client, keys, expected, tries=100):
+def wait_for(client, keys, expected, tries=300):
     """Reports travel asynchronously: poll until the lookup shows ``expected``."""
     got = None
     for _ in range(tries):
         got = client.prefix_tiers(keys)
         if got == expected:
             return
-        zmq.select([], [], [], 0.01)
+        time.sleep(0.01)
     raise AssertionError(f"lookup {got} never became {expected}")
 
 
-def test_a_chunk_is_visible_only_while_every_rank_holds_it(tmp_path):
+@pytest.mark.parametrize("direct", [True, False], ids=["in-process", "socket"])
+def test_a_chunk_is_visible_only_while_every_rank_holds_it(tmp_path, direct):
     server = LookupServer(endpoint(tmp_path), 2, lambda: {"cpu": 1.5})
     ranks = [Rank(server, 0), Rank(server, 1)]
-    client = LookupClient(server.endpoint, 2000)
+    client = LookupClient(server.endpoint, 2000, direct=direct)
     try:
         ranks[0].hold(A, "cpu")
         ranks[0].hold(B, "cpu")
@@ -73,6 +74,49 @@ def test_a_chunk_is_visible_only_while_every_rank_holds_it(tmp_path):
         client.close()
         for rank in ranks:
             rank.reporter.close()
+        server.close()
+
+
+def test_a_server_in_this_process_answers_without_a_socket_and_one_that_closed_is_a_miss(tmp_path):
+    """TP=1: the scheduler and rank 0's server share a process; lookups skip the round trip."""
+    server = LookupServer(endpoint(tmp_path), 1, lambda: {"cpu": 2.0})
+    rank = Rank(server, 0, world_size=1)
+    direct, wire = LookupClient(server.endpoint, 300), LookupClient(server.endpoint, 300, direct=False)
+    try:
+        rank.hold(A, "cpu")
+        rank.hold(B, "disk")
+        wait_for(direct, [A, B, C], ["cpu", "disk"])
+        assert direct.lookup([A, B, C]) == wire.lookup([A, B, C])
+        assert direct._socket is None and wire._socket is not None  # no socket opened in-process
+        assert direct.lookup([B, A]) is not None and direct.lookup([B, A]).tiers == ["disk", "cpu"]
+    finally:
+        rank.reporter.close()
+        server.close()
+    try:
+        assert direct.lookup([A]) is None  # the server is gone: over the socket, a miss after the timeout
+        assert direct._socket is None  # timed out, reset
+    finally:
+        direct.close()
+        wire.close()
+
+
+def test_in_process_lookups_and_reports_interleave_safely(tmp_path):
+    """The index changes on the server's thread while the engine's thread reads it: one lock."""
+    server = LookupServer(endpoint(tmp_path), 1)
+    rank = Rank(server, 0, world_size=1)
+    client = LookupClient(server.endpoint, 2000)
+    keys = [bytes([i]) * 16 for i in range(64)]
+    try:
+        for round_ in range(20):
+            for key in keys:
+                rank.hold(key, "cpu" if round_ % 2 == 0 else None)
+            for _ in range(50):
+                tiers = client.prefix_tiers(keys)
+                assert tiers == ["cpu"] * len(tiers)  # a prefix, never a broken answer
+        wait_for(client, keys, [])  # the last round withdrew every key
+    finally:
+        client.close()
+        rank.reporter.close()
         server.close()
 
 
@@ -141,7 +185,7 @@ def test_after_a_timeout_lookups_back_off_instead_of_each_waiting(tmp_path):
     server was silent (four requests: four timeouts); now one, then misses without asking until
     the back-off ends, and answers again once the server does."""
     address = endpoint(tmp_path)
-    client = LookupClient(address, 200)
+    client = LookupClient(address, 200, direct=False)  # the socket's back-off
     try:
         start = time.monotonic()
         assert [client.lookup([A]) for _ in range(4)] == [None] * 4  # nobody serves the address yet

@@ -261,7 +261,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
             request.kv_transfer_params,
         )
-        mark(request.request_id, "looked up")
+        if self._scheduler.lookups(request.request_id) == 1:  # the timeline marks the first lookup
+            mark(request.request_id, "looked up")
         n = plan.external_tokens  # 0 for a handoff: admitted as a prefill, parked at its boundary
         return n, n > 0
 

@@ -44,6 +44,7 @@ class Tracked:
     saved_chunks: int = 0  # chunks [0, saved_chunks) are stored or queued for saving
     plan: LoadPlan | None = None  # of the latest lookup; committed by allocated()
     tiers: tuple[str, ...] = ()  # of the latest lookup
+    lookups: int = 0  # vLLM asks again every step a request waits for blocks
     handoff: LoadPlan | None = None  # committed handoff, until parked at its boundary
     load: PlannedLoad | None = None  # in flight
     last_save_step: int = -1

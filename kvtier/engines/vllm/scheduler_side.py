@@ -137,7 +137,7 @@ class SchedulerSide:
             logger.warning("kvtier setting unaligned='handoff' needs scheduler_cls='%s'; "
                            "loading partial chunks instead.", "kvtier.engines.vllm.scheduler.KvtierScheduler")
             self._warned_handoff = True
-        tracked.plan, tracked.tiers = plan, tiers
+        tracked.plan, tracked.tiers, tracked.lookups = plan, tiers, tracked.lookups + 1
         return plan
 
     def allocated(self, req_id: str, block_ids: list[int], external_tokens: int,
@@ -418,6 +418,9 @@ class SchedulerSide:
 
     def state(self, req_id: str) -> ReqState | None:
         return tracked.state if (tracked := self._requests.get(req_id)) else None
+
+    def lookups(self, req_id: str) -> int:
+        return tracked.lookups if (tracked := self._requests.get(req_id)) else 0
 
     def close(self) -> None:
         self.client.close()
