@@ -5,7 +5,9 @@ disk) calls :meth:`HoldReporter.changed` with the storage keys; that only append
 it is safe on any thread, under any lock, on the hot path. One thread per rank drains the queue,
 asks the store where each key is *now*, and sends one :class:`HoldReport` per batch. Re-reading
 the tier at send time, on one thread in queue order, means a report can never undo a later
-change: the last report about a key describes its state after its last change.
+change: the last report about a key describes its state after its last change. A reporter in the lookup
+server's own process (rank 0) hands its reports to the server directly, so once :meth:`flush`
+returns they are applied, as the lookups of that process (also direct) see them.
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from typing import Callable, Iterable
 import msgspec
 import zmq
 
-from kvtier.lookup.protocol import MAX_KEYS, VERSION, HoldReport, PeerAddress, decode_reply, encode
+from kvtier.lookup.protocol import MAX_KEYS, VERSION, HoldReport, LookupReply, PeerAddress, decode_reply, encode
+from kvtier.lookup.server import in_process
 
 logger = logging.getLogger(__name__)
 
@@ -89,7 +92,7 @@ class HoldReporter:
                     self._send(socket, keys)
                 for item in batch:
                     if isinstance(item, PeerAddress):
-                        socket.send_multipart([b"", encode(item)])
+                        self._deliver(socket, item, flags=0)
                     if isinstance(item, threading.Event):
                         item.set()
                     stop = stop or item is _STOP
@@ -108,7 +111,7 @@ class HoldReporter:
                 tiers.append("")
         report = HoldReport(VERSION, self.rank, self.world_size, self.fingerprint, keys, tiers, self.base, self.heads)
         try:
-            socket.send_multipart([b"", encode(report)], flags=zmq.NOBLOCK)
+            self._deliver(socket, report)
             self.sent_reports += 1
         except zmq.Again:
             # Rank 0 is gone or far behind. A lost "held" only hides a chunk; a lost "gone" at
@@ -118,11 +121,21 @@ class HoldReporter:
                                self.rank, len(keys), self.endpoint)
                 self._warned = True
 
+    def _deliver(self, socket: zmq.Socket, message: HoldReport | PeerAddress, flags: int = zmq.NOBLOCK) -> None:
+        """To a server in this process directly (applied on return), else over the socket."""
+        server = in_process(self.endpoint)
+        if server is None:
+            socket.send_multipart([b"", encode(message)], flags=flags)
+        elif (reply := server.answer(message)) is not None:
+            self._refused(reply)
+
+    def _refused(self, reply: LookupReply) -> None:
+        logger.warning("kvtier: rank %d's chunk report was refused: %s", self.rank, reply.error)
+
     def _read_errors(self, socket: zmq.Socket) -> None:
         """The server answers a report only to refuse it: log why."""
         while socket.poll(0, zmq.POLLIN):
             try:
-                reply = decode_reply(socket.recv_multipart()[-1])
-                logger.warning("kvtier: rank %d's chunk report was refused: %s", self.rank, reply.error)
+                self._refused(decode_reply(socket.recv_multipart()[-1]))
             except (msgspec.DecodeError, ValueError):  # UnicodeDecodeError too
                 pass

@@ -9,8 +9,8 @@ the server keeps serving.
 
 A scheduler in the server's own process (TP=1: vLLM runs rank 0's worker in the engine's
 process) asks :meth:`LookupServer.answer` directly (:func:`in_process`): the same answer, without
-the round trip and without waking the server's thread. One lock orders those answers with the
-messages the thread handles.
+the round trip and without waking the server's thread; rank 0's reporter hands its reports over
+the same way. One lock orders those with the messages the thread handles.
 """
 
 from __future__ import annotations
@@ -96,8 +96,9 @@ class LookupServer:
         with self._lock:
             return self._reply(request)
 
-    def answer(self, request: LookupRequest) -> LookupReply:
-        """The reply to a lookup made in this process, as the socket would carry it."""
+    def answer(self, request: LookupRequest | HoldReport | PeerAddress) -> LookupReply | None:
+        """The reply to a lookup made in this process, as the socket would carry it; a report is
+        applied before this returns (None, or the refusal)."""
         with self._lock:
             return self._reply(request)
 

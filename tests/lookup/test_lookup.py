@@ -100,6 +100,26 @@ def test_a_server_in_this_process_answers_without_a_socket_and_one_that_closed_i
         wire.close()
 
 
+def test_a_report_flushed_in_the_servers_process_is_seen_by_the_next_lookup(tmp_path):
+    """Rank 0's reporter hands its reports to the server in its process: applied once flushed."""
+    server = LookupServer(endpoint(tmp_path), 1)
+    rank = Rank(server, 0, world_size=1)
+    client = LookupClient(server.endpoint, 2000)
+    try:
+        for i in range(20):
+            key = bytes([i]) * 16
+            rank.hold(key, "cpu")
+            rank.sync()
+            assert client.prefix_tiers([key]) == ["cpu"]  # no polling: applied when the flush returned
+            rank.hold(key, None)
+            rank.sync()
+            assert client.prefix_tiers([key]) == []
+    finally:
+        client.close()
+        rank.reporter.close()
+        server.close()
+
+
 def test_in_process_lookups_and_reports_interleave_safely(tmp_path):
     """The index changes on the server's thread while the engine's thread reads it: one lock."""
     server = LookupServer(endpoint(tmp_path), 1)
