@@ -257,10 +257,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
             return 0, False  # a hit must hold for every group; some group kvtier cannot fill
         if self._scheduler.state(request.request_id) is None:  # vLLM < 0.32 has no on_new_request
             mark(request.request_id, "arrived", fetched_transfer(request.kv_transfer_params))
-        plan = self._scheduler.matched_tokens(
-            request.request_id, request.prompt_token_ids or [], request.cache_salt, num_computed_tokens,
-            request.kv_transfer_params,
-        )
+        plan = self._scheduler.matched_tokens(request.request_id, request.prompt_token_ids or [], request.cache_salt,
+                                              num_computed_tokens, request.kv_transfer_params)
         if self._scheduler.lookups(request.request_id) == 1:  # the timeline marks the first lookup
             mark(request.request_id, "looked up")
         n = plan.external_tokens  # 0 for a handoff: admitted as a prefill, parked at its boundary
