@@ -65,7 +65,10 @@ class LookupClient:
             return None
         server = in_process(self.endpoint) if self.direct else None
         if server is not None:
-            reply = server.answer(LookupRequest(VERSION, keys[:MAX_KEYS]))
+            reply = server.answer(LookupRequest(VERSION, keys[:MAX_KEYS]), self.timeout_ms / 1e3)
+            if reply is None and not self._warned:
+                logger.warning("kvtier lookup server %s was busy for %d ms; treating as a miss.", self.endpoint, self.timeout_ms)
+                self._warned = True
         else:
             reply = self._ask(keys)
         if reply is None:

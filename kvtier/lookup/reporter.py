@@ -5,9 +5,10 @@ disk) calls :meth:`HoldReporter.changed` with the storage keys; that only append
 it is safe on any thread, under any lock, on the hot path. One thread per rank drains the queue,
 asks the store where each key is *now*, and sends one :class:`HoldReport` per batch. Re-reading
 the tier at send time, on one thread in queue order, means a report can never undo a later
-change: the last report about a key describes its state after its last change. A reporter in the lookup
-server's own process (rank 0) hands its reports to the server directly, so once :meth:`flush`
-returns they are applied, as the lookups of that process (also direct) see them.
+change: the last report about a key describes its state after its last change.
+
+A reporter in the lookup server's own process (rank 0) hands its reports to the server directly:
+once :meth:`flush` returns they are applied, and that process's lookups (direct too) see them.
 """
 
 from __future__ import annotations

@@ -96,11 +96,16 @@ class LookupServer:
         with self._lock:
             return self._reply(request)
 
-    def answer(self, request: LookupRequest | HoldReport | PeerAddress) -> LookupReply | None:
+    def answer(self, request: LookupRequest | HoldReport | PeerAddress, timeout_s: float = -1) -> LookupReply | None:
         """The reply to a lookup made in this process, as the socket would carry it; a report is
-        applied before this returns (None, or the refusal)."""
-        with self._lock:
+        applied before this returns (None, or the refusal). None also when the server's thread
+        held the index for ``timeout_s`` (-1: wait for it)."""
+        if not self._lock.acquire(timeout=timeout_s):
+            return None
+        try:
             return self._reply(request)
+        finally:
+            self._lock.release()
 
     def _reply(self, request: LookupRequest | HoldReport | PeerAddress) -> LookupReply | None:
         try:

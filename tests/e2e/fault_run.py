@@ -167,6 +167,9 @@ def lookup_slow_then_dead(llm, spec, out):
     Every schedule() call is timed: none may stall past lookup_timeout_ms by much."""
     ws = worker_side()
     sched = scheduler(llm)
+    # Over the socket, as a scheduler outside rank 0's process asks (TP > 1): in rank 0's own
+    # process the answer is a call on the scheduler's thread (test_lookup.py covers it).
+    sched.connector.scheduler_side.client.direct = False
     prompts = spec["prompts"]
     out["first"] = generate(llm, spec, prompts)
     ws.settle()

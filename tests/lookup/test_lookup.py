@@ -100,6 +100,21 @@ def test_a_server_in_this_process_answers_without_a_socket_and_one_that_closed_i
         wire.close()
 
 
+def test_an_in_process_lookup_waits_for_a_busy_server_at_most_its_timeout(tmp_path, caplog):
+    server = LookupServer(endpoint(tmp_path), 1)
+    client = LookupClient(server.endpoint, 200)
+    try:
+        with server._lock:  # the server's thread in the middle of a message
+            start = time.monotonic()
+            assert client.lookup([A]) is None  # a miss, not a wait for the server
+            assert 0.2 <= time.monotonic() - start < 0.2 + 0.5
+        assert "was busy for 200 ms; treating as a miss" in caplog.text
+        assert client.lookup([A]) is not None  # answered again once the server is free
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_report_flushed_in_the_servers_process_is_seen_by_the_next_lookup(tmp_path):
     """Rank 0's reporter hands its reports to the server in its process: applied once flushed."""
     server = LookupServer(endpoint(tmp_path), 1)
