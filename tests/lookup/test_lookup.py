@@ -1,5 +1,6 @@
 """Real ZMQ sockets: the commit protocol end to end, malformed messages, a dead server."""
 
+import contextlib
 import logging
 import os
 import socket
@@ -52,6 +53,20 @@ def wait_for(client, keys, expected, tries=300):
             return
         time.sleep(0.01)
     raise AssertionError(f"lookup {got} never became {expected}")
+
+
+@contextlib.contextmanager
+def one_rank(tmp_path):
+    """A server of one rank, that rank's reporter and a client in this process; closed after."""
+    server = LookupServer(endpoint(tmp_path), 1)
+    rank = Rank(server, 0, world_size=1)
+    client = LookupClient(server.endpoint, 2000)
+    try:
+        yield rank, client
+    finally:
+        client.close()
+        rank.reporter.close()
+        server.close()
 
 
 @pytest.mark.parametrize("direct", [True, False], ids=["in-process", "socket"])
@@ -117,10 +132,7 @@ def test_an_in_process_lookup_waits_for_a_busy_server_at_most_its_timeout(tmp_pa
 
 def test_a_report_flushed_in_the_servers_process_is_seen_by_the_next_lookup(tmp_path):
     """Rank 0's reporter hands its reports to the server in its process: applied once flushed."""
-    server = LookupServer(endpoint(tmp_path), 1)
-    rank = Rank(server, 0, world_size=1)
-    client = LookupClient(server.endpoint, 2000)
-    try:
+    with one_rank(tmp_path) as (rank, client):
         for i in range(20):
             key = bytes([i]) * 16
             rank.hold(key, "cpu")
@@ -129,19 +141,12 @@ def test_a_report_flushed_in_the_servers_process_is_seen_by_the_next_lookup(tmp_
             rank.hold(key, None)
             rank.sync()
             assert client.prefix_tiers([key]) == []
-    finally:
-        client.close()
-        rank.reporter.close()
-        server.close()
 
 
 def test_in_process_lookups_and_reports_interleave_safely(tmp_path):
     """The index changes on the server's thread while the engine's thread reads it: one lock."""
-    server = LookupServer(endpoint(tmp_path), 1)
-    rank = Rank(server, 0, world_size=1)
-    client = LookupClient(server.endpoint, 2000)
     keys = [bytes([i]) * 16 for i in range(64)]
-    try:
+    with one_rank(tmp_path) as (rank, client):
         for round_ in range(20):
             for key in keys:
                 rank.hold(key, "cpu" if round_ % 2 == 0 else None)
@@ -149,17 +154,10 @@ def test_in_process_lookups_and_reports_interleave_safely(tmp_path):
                 tiers = client.prefix_tiers(keys)
                 assert tiers == ["cpu"] * len(tiers)  # a prefix, never a broken answer
         wait_for(client, keys, [])  # the last round withdrew every key
-    finally:
-        client.close()
-        rank.reporter.close()
-        server.close()
 
 
 def test_the_tier_is_read_when_the_report_is_sent_so_a_late_report_cannot_undo_an_eviction(tmp_path):
-    server = LookupServer(endpoint(tmp_path), 1)
-    rank = Rank(server, 0, world_size=1)
-    client = LookupClient(server.endpoint, 2000)
-    try:
+    with one_rank(tmp_path) as (rank, client):
         skey = storage_key(A, rank.fingerprint)
         rank.tiers[skey] = "cpu"
         rank.reporter.changed([skey])  # "stored" ...
@@ -168,10 +166,6 @@ def test_the_tier_is_read_when_the_report_is_sent_so_a_late_report_cannot_undo_a
         rank.hold(B, "cpu")  # reports from one rank are applied in order: once B shows, so has A
         wait_for(client, [B], ["cpu"])
         assert client.prefix_tiers([A]) == []
-    finally:
-        client.close()
-        rank.reporter.close()
-        server.close()
 
 
 def test_reports_from_another_world_size_are_refused_and_logged(tmp_path, caplog):
