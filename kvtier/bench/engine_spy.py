@@ -85,8 +85,9 @@ def summarize(lines) -> SpySummary:
 def report(name: str, summary: SpySummary) -> list[str]:
     """A few lines: the engine loop's samples, each connector's share, its costliest hooks."""
     lines = [f"{name}: {summary.samples} samples; engine loop {summary.loop}"]
+    totals = summary.hook_samples()
     for connector, counts in summary.hooks.items():
-        total = sum(counts.values())
+        total = totals[connector]
         lines.append(f"  {connector}'s hooks: {total} ({100 * total / max(1, summary.loop):.1f} % of the loop)")
         lines += [f"    {hook:<32} {n:6d}" for hook, n in counts.most_common(8)]
     busy = [f"{name} {n}" for name, n in summary.threads.most_common(6)]
