@@ -44,7 +44,7 @@ from kvtier import timeline
 from kvtier.bench import engine_busy, engine_disk, engine_profile
 from kvtier.bench.common import (Progress, add_cuda_graphs_flag, cpu_model, names_from, parse_tokens, positive,
                                  token_lengths, vllm_version)
-from kvtier.bench.engine_model import FAMILIES, KvShape, read_kv_shape, write_model_dir
+from kvtier.bench.engine_model import FAMILIES, KvShape, read_kv_shape, read_max_positions, write_model_dir
 from kvtier.bench.engine_report import MiB, format_table, loaded_bytes, reload_bytes, write_plot
 from kvtier.bench.ttft import spawn
 
@@ -224,15 +224,17 @@ def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], 
     blocks of 16 tokens where every layer is full attention, as bytes where some are windowed
     (vLLM's hybrid manager then packs fewer layers in a block, and may still turn itself off).
     One block more than that: vLLM 0.33 keeps its null block out of the pool it checks a
-    ``max_model_len`` prompt against. ``cpu``: a CPU vLLM (``--busy-only`` with a small model): its
-    attention takes blocks of 32 tokens (its default is 128), and its ``gpu_memory_utilization`` is
-    CPU memory reserved."""
+    ``max_model_len`` prompt against. ``max_model_len``: that many tokens, or the model's
+    ``max_position_embeddings`` where fewer (a pool larger than any prompt, for the zero-hit row).
+    ``cpu``: a CPU vLLM (``--busy-only`` with a small model): its attention takes blocks of 32
+    tokens (its default is 128), and its ``gpu_memory_utilization`` is CPU memory reserved."""
     block = CPU_BLOCK if cpu else 16
     cache = ({"kv_cache_bytes": (args.hbm_tokens + block) * shape.token_bytes} if shape.sliding_layers
              else {"num_gpu_blocks": args.hbm_tokens // block + 1})
     return {"model": model, "connector": connector, "kvtier": kvtier or {"cpu_bytes": args.cpu_gib << 30},
             "offload_gib": args.cpu_gib * args.tp,  # vLLM's setting is split over its ranks; kvtier's is per rank
-            **cache, "max_model_len": args.hbm_tokens, "tp": args.tp, "cuda_graphs": args.cuda_graphs,
+            **cache, "max_model_len": min(args.hbm_tokens, read_max_positions(model) or args.hbm_tokens),
+            "tp": args.tp, "cuda_graphs": args.cuda_graphs,
             "count_transfers": count_transfers, "rounds": rounds,
             **({"block_size": CPU_BLOCK, "gpu_memory_utilization": 0.1} if cpu else {})}
 

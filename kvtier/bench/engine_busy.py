@@ -11,19 +11,22 @@ them: what a round finds cached past that, the connector loaded.
 
 Zero-hit: ``--zero-hit`` N prompts of ``--zero-hit-len`` tokens that share no prefix with anything
 the engine saw, in one ``generate`` call of ``--chat-gen`` tokens each (greedy, ``ignore_eos``):
-output tokens per second of that call, after the chat (a warm, full engine). Through the ``LLM``
+output tokens per second of that call, after the chat (a warm, full engine); ``--zero-hit-repeats``
+such calls, each with prompts of its own, give the median. Through the ``LLM``
 API (``zero_hit_via: "llm"``), not the OpenAI server: the engine bench's engines have dummy weights
 and no tokenizer, and it has no served mode. With ``--profile``, 16 more such prompts run after it
 under the profiler, not measured (tag ``zero-hit``).
 
 JSON (keys of the engine bench's result): ``chat_s`` {engine: [seconds per round]},
 ``chat_cached_tokens`` {engine: [prompt tokens cached per round, summed over the sessions]},
-``zero_hit_tok_s`` {engine: output tokens/s}, ``zero_hit_via``.
+``zero_hit_tok_s`` {engine: output tokens/s, the median of the calls}, ``zero_hit_runs_tok_s`` {engine:
+[output tokens/s of each call]}, ``zero_hit_via``.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 
 from kvtier.bench.common import parse_tokens, positive
 
@@ -45,6 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="also run N concurrent unique prompts (nothing to hit or load) and report output tok/s "
                         "(default 0: off)")
     p.add_argument("--zero-hit-len", type=parse_tokens, default=4 << 10, help="zero-hit prompt length (default 4k)")
+    p.add_argument("--zero-hit-repeats", type=positive, default=1,
+                   help="zero-hit calls, each with new prompts; the median is reported (default 1)")
     p.add_argument("--busy-only", action="store_true",
                    help="only the busy-engine rows: the chat and the zero-hit row (no TTFT, no prefill, no disk "
                         "engine); without CUDA, with --model, on a CPU vLLM")
@@ -78,8 +83,9 @@ def busy_rounds(args, prompt) -> list[dict]:
     if getattr(args, "profile", None):  # and one more turn under the profiler
         rounds[0]["profile"] = "chat"
     if args.zero_hit:
-        rounds.append({"prompts": [prompt(ZERO_HIT_SEED + i, args.zero_hit_len) for i in range(args.zero_hit)],
-                       "max_tokens": args.chat_gen, "tag": ["zero-hit"]})
+        rounds += [{"prompts": [prompt(ZERO_HIT_SEED + 100_000 * r + i, args.zero_hit_len) for i in range(args.zero_hit)],
+                    "max_tokens": args.chat_gen, "tag": ["zero-hit"]}
+                   for r in range(getattr(args, "zero_hit_repeats", 1))]
         if getattr(args, "profile", None):  # and 16 more, not measured, under the profiler
             rounds.append({"prompts": [prompt(ZERO_HIT_SEED + 10_000 + i, args.zero_hit_len)
                                        for i in range(min(args.zero_hit, PROFILED_ZERO_HIT))],
@@ -103,7 +109,9 @@ def collect(result: dict, name: str, rnd: dict, got, loaded_bytes) -> bool:
         return True
     if tag == "zero-hit":
         one = next(got)
-        result.setdefault("zero_hit_tok_s", {})[name] = sum(len(o["tokens"]) for o in one["outputs"]) / one["seconds"]
+        runs = result.setdefault("zero_hit_runs_tok_s", {}).setdefault(name, [])
+        runs.append(sum(len(o["tokens"]) for o in one["outputs"]) / one["seconds"])
+        result.setdefault("zero_hit_tok_s", {})[name] = statistics.median(runs)
         result["zero_hit_via"] = "llm"
         return True
     return False
@@ -118,5 +126,8 @@ def report_lines(result: dict) -> list[str]:
     base = tok_s.get("none")
     what = (f"{args['zero_hit']} unique prompts of {args['zero_hit_len']} tokens, {args['chat_gen']} generated each"
             if "zero_hit" in args else "unique prompts")
-    return [f"zero-hit ({what}; {result.get('zero_hit_via', 'llm')} API), output tok/s: " + ", ".join(
-        f"{k} {v:.0f}" + (f" ({v / base:.3f} x none)" if base and k != "none" else "") for k, v in tok_s.items())]
+    runs = result.get("zero_hit_runs_tok_s") or {}
+    each = lambda k: (" [" + ", ".join(f"{v:.0f}" for v in runs[k]) + "]") if len(runs.get(k, ())) > 1 else ""  # noqa: E731
+    return [f"zero-hit ({what}; {result.get('zero_hit_via', 'llm')} API), output tok/s"
+            + (" (median of each engine's calls)" if any(len(v) > 1 for v in runs.values()) else "") + ": " + ", ".join(
+        f"{k} {v:.0f}{each(k)}" + (f" ({v / base:.3f} x none)" if base and k != "none" else "") for k, v in tok_s.items())]

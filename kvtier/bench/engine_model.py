@@ -125,3 +125,11 @@ def read_kv_shape(model_dir: str) -> KvShape:
     """:func:`kv_shape` of ``model_dir/config.json``."""
     with open(os.path.join(model_dir, "config.json")) as f:
         return kv_shape(json.load(f))
+
+
+def read_max_positions(model_dir: str) -> int | None:
+    """``max_position_embeddings`` of ``model_dir/config.json`` (its text model's), tokens; None
+    where it has none."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        config = json.load(f)
+    return (config.get("text_config") or config).get("max_position_embeddings")

@@ -51,6 +51,32 @@ def test_chat_and_zero_hit_rounds_follow_the_flags():
     assert [r["tag"][0] for r in engine_busy.busy_rounds(off, engine.prompt)] == ["chat"]  # --zero-hit 0: off
 
 
+def test_zero_hit_repeats_run_new_prompts_each_and_report_the_median():
+    args = build_parser().parse_args([*GPU_COMMAND.split(), "--zero-hit-repeats", "3"])
+    zeros = engine_busy.busy_rounds(args, engine.prompt)[1:]
+    assert [r["tag"][0] for r in zeros] == ["zero-hit"] * 3
+    assert len({tuple(p[:16]) for r in zeros for p in r["prompts"]}) == 3 * 64  # nothing shared across calls
+    result: dict = {"chat_s": {}, "chat_tokens": {}, "chat_reuse": {}}
+    runs = iter([{"seconds": s, "outputs": [{"tokens": [1] * 32}] * 64} for s in (8.0, 10.0, 9.0)])
+    for rnd in zeros:
+        assert engine_busy.collect(result, "kvtier", rnd, runs, None)
+    assert result["zero_hit_runs_tok_s"]["kvtier"] == [256.0, 204.8, 2048 / 9]
+    assert result["zero_hit_tok_s"]["kvtier"] == 2048 / 9  # the median call
+    result["zero_hit_tok_s"]["none"], result["zero_hit_runs_tok_s"]["none"] = 250.0, [250.0, 240.0, 260.0]
+    result["args"] = {"zero_hit": 64, "zero_hit_len": 4096, "chat_gen": 32}
+    line = engine_busy.report_lines(result)[0]
+    assert "(median of each engine's calls)" in line and "kvtier 228 [256, 205, 228] (0.910 x none)" in line
+
+
+def test_a_pool_larger_than_the_model_keeps_max_model_len_within_its_positions(tmp_path):
+    args = build_parser().parse_args(["engine", "--hbm-tokens", "300k"])
+    model = engine.write_model_dir("llama3-8b", str(tmp_path))
+    spec = engine._spec(args, model, engine.read_kv_shape(model), "kvtier", [])
+    assert spec["num_gpu_blocks"] == 300 * 1024 // 16 + 1 and spec["max_model_len"] == LLAMA3_8B["max_position_embeddings"]
+    small = engine._spec(build_parser().parse_args(["engine"]), model, engine.read_kv_shape(model), "none", [])
+    assert small["max_model_len"] == 65536
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--hbm-tokens", "6k"], "argument --hbm-tokens: 6144 cannot hold a chat session's last round"),
     (["--prompt-lens", "1k", "--zero-hit", "2", "--zero-hit-len", "64k"], "cannot hold a 65536-token zero-hit"),
