@@ -5,8 +5,9 @@ its own KV tensors and hands them over (vLLM's: :mod:`kvtier.engines.vllm.worker
 engine.
 
 Commit protocol: each rank reports to rank 0 the storage keys it holds, whenever that changes (a save landed, a
-chunk was found already stored, evicted, removed, written to or dropped from disk, promoted from disk) and, at
-start, everything its disk tier kept from a previous run. Rank 0 shows a chunk to lookups only while every rank
+chunk was evicted, removed, written to or dropped from disk, promoted from disk) and, at start, everything its
+disk tier kept from a previous run. A chunk a save finds already stored is not reported again (a local prefix
+hit's whole prompt, every step it is scheduled), unless a report of this rank was ever dropped. Rank 0 shows a chunk to lookups only while every rank
 holds it (:mod:`kvtier.lookup.index`).
 
 P/D: an engine that may prefill for others (``produce``) runs a chunk server per rank, pins what its requests
@@ -140,6 +141,10 @@ class WorkerNode:
             self._changed(keys)
             self.holds.stored(keys)
 
+        def found(keys: list[bytes]) -> None:  # a save found them stored: the index has them already
+            self.reporter.reaffirm(keys)
+            self.holds.stored(keys)
+
         if layout.device.type == "cuda":  # nothing compiles while an engine starts (Triton until a build exists)
             from kvtier.ops import cuda_ops
 
@@ -147,11 +152,11 @@ class WorkerNode:
         hybrid = len(layouts) > 1  # then every group's saves yield to any group's loads
         loads_running = (lambda: sum(t.loads.running() for t in self.group_transfers)) if hybrid else None
         cb = chunk_blocks[0]
-        self.transfers = TierWorker(layout, store, cb, save_backlog_bytes=backlog, on_held=held,
+        self.transfers = TierWorker(layout, store, cb, save_backlog_bytes=backlog, on_held=held, on_found=found,
                                     fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
                                     on_lost=self.holds.lost, loads_running=loads_running)
         self.group_transfers = [self.transfers, *(
-            TierWorker(other, store, blocks, save_backlog_bytes=backlog, on_held=held,
+            TierWorker(other, store, blocks, save_backlog_bytes=backlog, on_held=held, on_found=found,
                        fetch_remote=self._fetch_remote, load_inline=self.load_inline, defer_reuse=True,
                        on_lost=self.holds.lost, reuse=self.transfers.reuse, loads_running=loads_running)
             for other, blocks in zip(layouts[1:], chunk_blocks[1:]))]

@@ -64,6 +64,29 @@ def test_a_node_started_from_layouts_saves_and_loads_a_chunk(tmp_path):
     assert node.store is None and node.group_transfers == []
 
 
+def test_a_save_that_finds_its_chunk_stored_sends_no_report_unless_one_was_dropped(tmp_path):
+    """A local prefix hit's prompt is saved again every time it is scheduled; its chunks are stored
+    already and rank 0 knows them: reporting them again cost a 32k local hit 5 ms (the reporter's
+    thread and the index, beside the engine's). After a dropped report they are reported again."""
+    kv = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8)
+    layout = build_layout({f"layer.{i}": kv[i] for i in range(2)}, BLOCK, NUM_BLOCKS, model="tiny")
+    node = WorkerNode(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24), [layout], (CHUNK // BLOCK,), rank=0,
+                      world_size=1, endpoint=f"ipc://{tmp_path}/l.sock", produce=False, engine="a test")
+    try:
+        key = chunk_keys(list(range(CHUNK)), CHUNK, b"root")[0]
+        node.save((SaveJob("a", (key,), (3, 4)),))
+        assert node.settle() and node.reporter.flush()
+        sent = node.reporter.sent_reports
+        node.save((SaveJob("b", (key,), (5, 6)),))  # the same chunk, found stored
+        assert node.reporter.flush() and node.reporter.sent_reports == sent
+        assert node.transfers.stats.skipped_saves == 1
+        node.reporter.dropped_reports = 1  # as after a full queue towards rank 0
+        node.save((SaveJob("c", (key,), (7, 8)),))
+        assert node.reporter.flush() and node.reporter.sent_reports == sent + 1
+    finally:
+        node.close()
+
+
 def test_a_node_needs_a_blocks_per_chunk_figure_per_layout(tmp_path):
     kv = torch.zeros(NUM_BLOCKS, 2, BLOCK, 8)
     layout = build_layout({"layer.0": kv}, BLOCK, NUM_BLOCKS)

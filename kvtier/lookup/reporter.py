@@ -48,7 +48,7 @@ class HoldReporter:
         self._tier_of = tier_of
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._warned = False
-        self.sent_reports = 0
+        self.sent_reports = self.dropped_reports = 0
         self._thread = threading.Thread(target=self._run, name=f"kvtier-report-{rank}", daemon=True)
         self._thread.start()
 
@@ -56,6 +56,12 @@ class HoldReporter:
         """What this rank holds under ``keys`` changed; report it soon. Never blocks."""
         for key in keys:
             self._queue.put(key)
+
+    def reaffirm(self, keys: Iterable[bytes]) -> None:
+        """``keys`` are still held, unchanged: reported again only if a report of this rank was
+        ever dropped (then they may be what rank 0 misses). Never blocks."""
+        if self.dropped_reports:
+            self.changed(keys)
 
     def advertise(self, endpoint: str) -> None:
         """Tell rank 0 where this rank's P/D chunk server listens. Never blocks."""
@@ -115,8 +121,9 @@ class HoldReporter:
             self._deliver(socket, report)
             self.sent_reports += 1
         except zmq.Again:
-            # Rank 0 is gone or far behind. A lost "held" only hides a chunk; a lost "gone" at
-            # worst promises a chunk whose load then fails and is recomputed.
+            # Rank 0 is gone or far behind. A lost "held" only hides a chunk (until reaffirmed);
+            # a lost "gone" at worst promises a chunk whose load then fails and is recomputed.
+            self.dropped_reports += 1
             if not self._warned:
                 logger.warning("kvtier: rank %d could not report %d chunks to %s (queue full); dropped.",
                                self.rank, len(keys), self.endpoint)

@@ -65,7 +65,8 @@ class TierWorker:
     ``chunk_blocks``: engine blocks per chunk. ``backend``: ops backend name (``auto`` picks the
     fastest for the layout's device). ``save_backlog_bytes``: most bytes of gathered chunks
     waiting to be stored (None: unbounded). ``on_held``: called with storage keys whose holding
-    this worker changed (stored, found already stored, promoted from disk), from any thread.
+    this worker changed (stored, promoted from disk), from any thread; ``on_found``: with those a
+    save found stored already, holding unchanged (None: ``on_held``).
     ``on_lost``: called with storage keys whose save was given up (see :class:`SaveSide`).
     ``fetch_remote``: how chunks of a P/D producer are fetched (None: this worker never loads any).
     ``checksum``: the chunk checksum computed after the copy when the backend does not compute
@@ -95,7 +96,7 @@ class TierWorker:
                  save_backlog_bytes: int | None = None, on_held: HeldChanged | None = None,
                  fetch_remote: FetchRemote | None = None, checksum: str | None = None, load_inline: bool = False,
                  defer_reuse: bool = False, on_lost: HeldChanged | None = None, reuse: ReuseGuard | None = None,
-                 loads_running: Callable[[], int] | None = None):
+                 loads_running: Callable[[], int] | None = None, on_found: HeldChanged | None = None):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -116,7 +117,7 @@ class TierWorker:
                               fetch_remote, load_inline, PIPELINE_BYTES, lambda: reuse.reuse_after)
         self.saves = SaveSide(layout, store, chunk_blocks, copies, self.stats, self.batch_ms["save"], on_held,
                               checksum, save_backlog_bytes, reuse, loads_running or self.loads.running, PIPELINE_BYTES,
-                              on_lost or (lambda keys: None))
+                              on_lost or (lambda keys: None), on_found or on_held)
         self._loads_out: set[str] = set()  # requests whose load was submitted, not reported yet (engine thread)
 
     def skey(self, key: bytes) -> bytes:

@@ -87,7 +87,8 @@ class SaveSide:
     gathers). ``stats``: counters shared with the load side. ``batch_ms``: ms per save batch,
     appended here. ``on_held``: called with storage keys stored or found already stored.
     ``on_lost``: called with storage keys whose save was given up (dropped, no room, the store
-    failed), so whoever waits for them (a P/D consumer) need not. ``checksum``: the chunk checksum
+    failed), so whoever waits for them (a P/D consumer) need not. ``on_found``: called with storage
+    keys a save found stored already (nothing changed there). ``checksum``: the chunk checksum
     computed after the copy when the backend does not compute KVSUM64 while copying
     (:mod:`kvtier.codec.checksums`; None: the codec's default).
     ``backlog_bytes``: most bytes of gathered chunks waiting to be stored (None: unbounded).
@@ -98,7 +99,8 @@ class SaveSide:
 
     def __init__(self, layout: Layout, store: ChunkStore, chunk_blocks: int, copies: Copies, stats: TransferStats,
                  batch_ms: deque[float], on_held: HeldChanged, checksum: str | None, backlog_bytes: int | None,
-                 reuse: ReuseGuard, loads_running: Callable[[], int], pipeline_bytes: int, on_lost: HeldChanged):
+                 reuse: ReuseGuard, loads_running: Callable[[], int], pipeline_bytes: int, on_lost: HeldChanged,
+                 on_found: HeldChanged):
         self.layout = layout
         self.store = store
         self.chunk_blocks = chunk_blocks
@@ -108,8 +110,7 @@ class SaveSide:
         self.reuse = reuse
         self._gather, self._gather_async, self._kernel_sums = copies.gather, copies.gather_async, copies.kernel_sums
         self._host_checksum = codec.DEFAULT_HOST_CHECKSUM if checksum is None else checksums.kind_of(checksum)
-        self._on_held = on_held
-        self._on_lost = on_lost
+        self._on_held, self._on_lost, self._on_found = on_held, on_lost, on_found
         self._said: dict[str, float] = {}  # reason -> when saves given up for it were last logged
         self._loads_running = loads_running
         self._pipeline_bytes = pipeline_bytes
@@ -158,9 +159,8 @@ class SaveSide:
         took 754 ms behind a queued step, vLLM 0.26, two H200s). ``after``: the copies start after
         this CUDA event too (a P/D producer's checksum pass, :mod:`kvtier.pd.producer.sums`).
 
-        Chunks already stored are not saved again (they are reported held again, so a chunk
-        withdrawn because another rank lost it becomes visible once that rank saves it anew).
-        Called from one thread (the engine's).
+        Chunks already stored are not saved again, only handed to ``on_found`` (a P/D producer
+        pins them; rank 0's index already has them). Called from one thread (the engine's).
         """
         cb = self.chunk_blocks
         wanted: list[tuple[bytes, list[int]]] = []
@@ -179,7 +179,7 @@ class SaveSide:
                     saving.add(skey)
                     wanted.append((skey, list(job.block_ids[i * cb : (i + 1) * cb])))
         if stored:
-            self._on_held(stored)
+            self._on_found(stored)
         if not wanted:
             return 0
         wanted, total = self._make_room(wanted)
