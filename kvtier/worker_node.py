@@ -6,9 +6,9 @@ engine.
 
 Commit protocol: each rank reports to rank 0 the storage keys it holds, whenever that changes (a save landed, a
 chunk was evicted, removed, written to or dropped from disk, promoted from disk) and, at start, everything its
-disk tier kept from a previous run. A chunk a save finds already stored is not reported again (a local prefix
-hit's whole prompt, every step it is scheduled), unless a report of this rank was ever dropped. Rank 0 shows a chunk to lookups only while every rank
-holds it (:mod:`kvtier.lookup.index`).
+disk tier kept from a previous run. A chunk a save finds stored already (a local prefix hit's prompt is saved
+again) is not reported again, unless a report of this rank was ever dropped. Rank 0 shows a chunk to lookups
+only while every rank holds it (:mod:`kvtier.lookup.index`).
 
 P/D: an engine that may prefill for others (``produce``) runs a chunk server per rank, pins what its requests
 publish, and tells rank 0 its address (the scheduler hands it to decode engines). Any engine fetches a producer's

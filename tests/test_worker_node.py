@@ -65,7 +65,7 @@ def test_a_node_started_from_layouts_saves_and_loads_a_chunk(tmp_path):
 
 
 def test_a_save_that_finds_its_chunk_stored_sends_no_report_unless_one_was_dropped(tmp_path):
-    """A local prefix hit's prompt is saved again every time it is scheduled; its chunks are stored
+    """A local prefix hit's prompt is saved again when it is scheduled; its chunks are stored
     already and rank 0 knows them: reporting them again cost a 32k local hit 5 ms (the reporter's
     thread and the index, beside the engine's). After a dropped report they are reported again."""
     kv = torch.randn(2, NUM_BLOCKS, 2, BLOCK, 8)

@@ -83,9 +83,10 @@ def busy_rounds(args, prompt) -> list[dict]:
     if getattr(args, "profile", None):  # and one more turn under the profiler
         rounds[0]["profile"] = "chat"
     if args.zero_hit:
-        rounds += [{"prompts": [prompt(ZERO_HIT_SEED + 100_000 * r + i, args.zero_hit_len) for i in range(args.zero_hit)],
-                    "max_tokens": args.chat_gen, "tag": ["zero-hit"]}
-                   for r in range(getattr(args, "zero_hit_repeats", 1))]
+        for call in range(getattr(args, "zero_hit_repeats", 1)):  # each call's prompts new to the engine
+            seeds = range(ZERO_HIT_SEED + 100_000 * call, ZERO_HIT_SEED + 100_000 * call + args.zero_hit)
+            rounds.append({"prompts": [prompt(s, args.zero_hit_len) for s in seeds], "max_tokens": args.chat_gen,
+                           "tag": ["zero-hit"]})
         if getattr(args, "profile", None):  # and 16 more, not measured, under the profiler
             rounds.append({"prompts": [prompt(ZERO_HIT_SEED + 10_000 + i, args.zero_hit_len)
                                        for i in range(min(args.zero_hit, PROFILED_ZERO_HIT))],
@@ -127,7 +128,8 @@ def report_lines(result: dict) -> list[str]:
     what = (f"{args['zero_hit']} unique prompts of {args['zero_hit_len']} tokens, {args['chat_gen']} generated each"
             if "zero_hit" in args else "unique prompts")
     runs = result.get("zero_hit_runs_tok_s") or {}
-    each = lambda k: (" [" + ", ".join(f"{v:.0f}" for v in runs[k]) + "]") if len(runs.get(k, ())) > 1 else ""  # noqa: E731
-    return [f"zero-hit ({what}; {result.get('zero_hit_via', 'llm')} API), output tok/s"
-            + (" (median of each engine's calls)" if any(len(v) > 1 for v in runs.values()) else "") + ": " + ", ".join(
-        f"{k} {v:.0f}{each(k)}" + (f" ({v / base:.3f} x none)" if base and k != "none" else "") for k, v in tok_s.items())]
+    calls = {k: " [" + ", ".join(f"{v:.0f}" for v in got) + "]" for k, got in runs.items() if len(got) > 1}
+    median = " (median of each engine's calls)" if calls else ""
+    return [f"zero-hit ({what}; {result.get('zero_hit_via', 'llm')} API), output tok/s{median}: " + ", ".join(
+        f"{k} {v:.0f}{calls.get(k, '')}" + (f" ({v / base:.3f} x none)" if base and k != "none" else "")
+        for k, v in tok_s.items())]

@@ -85,7 +85,7 @@ class SaveSide:
 
     ``chunk_blocks``: engine blocks per chunk. ``copies``: the backend's copy functions (this side
     gathers). ``stats``: counters shared with the load side. ``batch_ms``: ms per save batch,
-    appended here. ``on_held``: called with storage keys stored or found already stored.
+    appended here. ``on_held``: called with storage keys stored.
     ``on_lost``: called with storage keys whose save was given up (dropped, no room, the store
     failed), so whoever waits for them (a P/D consumer) need not. ``on_found``: called with storage
     keys a save found stored already (nothing changed there). ``checksum``: the chunk checksum
