@@ -219,13 +219,13 @@ def engine_rounds(args, lengths: list[int], name: str) -> list[dict]:
 
 
 def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], kvtier: dict | None = None,
-          count_transfers: bool = False, cpu: bool = False) -> dict:
+          count_transfers: bool = False, cpu: bool = False, positions: int | None = None) -> dict:
     """An engine child's spec. The KV cache holds ``--hbm-tokens`` tokens of every layer's KV: as
     blocks of 16 tokens where every layer is full attention, as bytes where some are windowed
     (vLLM's hybrid manager then packs fewer layers in a block, and may still turn itself off).
     One block more than that: vLLM 0.33 keeps its null block out of the pool it checks a
     ``max_model_len`` prompt against. ``max_model_len``: that many tokens, or the model's
-    ``max_position_embeddings`` where fewer (a pool larger than any prompt, for the zero-hit row).
+    ``positions`` (its ``max_position_embeddings``) where fewer: a pool larger than any prompt.
     ``cpu``: a CPU vLLM (``--busy-only`` with a small model): its attention takes blocks of 32
     tokens (its default is 128), and its ``gpu_memory_utilization`` is CPU memory reserved."""
     block = CPU_BLOCK if cpu else 16
@@ -233,7 +233,7 @@ def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], 
              else {"num_gpu_blocks": args.hbm_tokens // block + 1})
     return {"model": model, "connector": connector, "kvtier": kvtier or {"cpu_bytes": args.cpu_gib << 30},
             "offload_gib": args.cpu_gib * args.tp,  # vLLM's setting is split over its ranks; kvtier's is per rank
-            **cache, "max_model_len": min(args.hbm_tokens, read_max_positions(model) or args.hbm_tokens),
+            **cache, "max_model_len": min(args.hbm_tokens, positions or args.hbm_tokens),
             "tp": args.tp, "cuda_graphs": args.cuda_graphs,
             "count_transfers": count_transfers, "rounds": rounds,
             **({"block_size": CPU_BLOCK, "gpu_memory_utilization": 0.1} if cpu else {})}
@@ -268,7 +268,8 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             rounds = engine_rounds(args, lengths, name)
             progress(f"engine {name}: " + _plan(args, lengths))
             env = {"KVTIER_LOG_LEVEL": "DEBUG"} if name == "kvtier" else None  # one line per reload
-            spec = _spec(args, model, shape, name, rounds, count_transfers=name != "none", cpu=cpu)
+            spec = _spec(args, model, shape, name, rounds, count_transfers=name != "none", cpu=cpu,
+                         positions=read_max_positions(model))
             if args.profile:
                 spec["profile_dir"] = os.path.join(os.path.abspath(args.profile), name)
             # a CPU vLLM (the tests' tiny model) runs in one process: it starts in seconds, not half a minute
@@ -292,7 +293,8 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
 
 
 def _run_disk(args, lengths, model, shape, tmp, result, progress) -> None:
-    spec = lambda rounds, kvtier: _spec(args, model, shape, "kvtier", rounds, kvtier, count_transfers=True)  # noqa: E731
+    spec = lambda rounds, kvtier: _spec(args, model, shape, "kvtier", rounds, kvtier, count_transfers=True,  # noqa: E731
+                                        positions=read_max_positions(model))
     read, out, result["disk"] = engine_disk.run(args, lengths, prompt, spec, tmp, progress)
     _collect(result, "disk", read, out)
     progress("engine disk: " + _summary(result, "disk"))

@@ -71,9 +71,11 @@ def test_zero_hit_repeats_run_new_prompts_each_and_report_the_median():
 def test_a_pool_larger_than_the_model_keeps_max_model_len_within_its_positions(tmp_path):
     args = build_parser().parse_args(["engine", "--hbm-tokens", "300k"])
     model = engine.write_model_dir("llama3-8b", str(tmp_path))
-    spec = engine._spec(args, model, engine.read_kv_shape(model), "kvtier", [])
+    positions = engine.read_max_positions(model)
+    spec = engine._spec(args, model, engine.read_kv_shape(model), "kvtier", [], positions=positions)
     assert spec["num_gpu_blocks"] == 300 * 1024 // 16 + 1 and spec["max_model_len"] == LLAMA3_8B["max_position_embeddings"]
-    small = engine._spec(build_parser().parse_args(["engine"]), model, engine.read_kv_shape(model), "none", [])
+    small = engine._spec(build_parser().parse_args(["engine"]), model, engine.read_kv_shape(model), "none", [],
+                         positions=positions)
     assert small["max_model_len"] == 65536
 
 
