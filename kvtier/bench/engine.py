@@ -256,7 +256,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
         progress(f"{result['device']}: raw pinned H2D memcpy {result['h2d_gbps']:.1f} GB/s")
     with tempfile.TemporaryDirectory(prefix="kvtier-engine-") as tmp:
         model = args.model or write_model_dir(args.family, tmp)
-        shape = read_kv_shape(model)
+        shape, positions = read_kv_shape(model), read_max_positions(model)
         result["model"] = args.model or args.family
         result["kv_shape"] = asdict(shape)
         result["kv_bytes_per_token"] = shape.token_bytes
@@ -269,7 +269,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
             progress(f"engine {name}: " + _plan(args, lengths))
             env = {"KVTIER_LOG_LEVEL": "DEBUG"} if name == "kvtier" else None  # one line per reload
             spec = _spec(args, model, shape, name, rounds, count_transfers=name != "none", cpu=cpu,
-                         positions=read_max_positions(model))
+                         positions=positions)
             if args.profile:
                 spec["profile_dir"] = os.path.join(os.path.abspath(args.profile), name)
             # a CPU vLLM (the tests' tiny model) runs in one process: it starts in seconds, not half a minute
@@ -283,7 +283,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
                 result["kvtier_start_lines"] = [m[0] for m in _STARTED.finditer(log)]  # what its start-up cost
             progress(f"engine {name}: started in {out['start_s']:.1f} s; " + _summary(result, name))
         if "disk" in engines:
-            _run_disk(args, lengths, model, shape, tmp, result, progress)
+            _run_disk(args, lengths, model, shape, positions, tmp, result, progress)
     result["identical"] = _identical(result)
     if args.profile:
         result["profile"] = {name: {tag: engine_profile.public(s) for tag, s in tags.items()}
@@ -292,9 +292,9 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
     return result
 
 
-def _run_disk(args, lengths, model, shape, tmp, result, progress) -> None:
+def _run_disk(args, lengths, model, shape, positions, tmp, result, progress) -> None:
     spec = lambda rounds, kvtier: _spec(args, model, shape, "kvtier", rounds, kvtier, count_transfers=True,  # noqa: E731
-                                        positions=read_max_positions(model))
+                                        positions=positions)
     read, out, result["disk"] = engine_disk.run(args, lengths, prompt, spec, tmp, progress)
     _collect(result, "disk", read, out)
     progress("engine disk: " + _summary(result, "disk"))
