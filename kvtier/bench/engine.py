@@ -66,7 +66,7 @@ def add_parser(commands) -> None:
     p.add_argument("--family", choices=FAMILIES, default=FAMILIES[0],
                    help="model preset, dummy weights (default llama3-8b; gemma3-like: 5 sliding-window layers "
                         "of 1024 tokens to 1 global, Gemma-3-12B's shape)")
-    p.add_argument("--model", help="model directory (default: the --family preset's config)")
+    p.add_argument("--model", help="model directory (default: the --family preset's config; its weights, if any, not dummy ones)")
     p.add_argument("--prompt-lens", default="8k,32k", help="comma-separated TTFT prompt lengths (default 8k,32k)")
     p.add_argument("--repeats", type=positive, default=3, help="prompts per length and mode (default 3; median shown)")
     p.add_argument("--engines", default=",".join(ENGINES), help=f"which engines to run (default {','.join(ENGINES)})")

@@ -40,6 +40,7 @@ import time
 from typing import Callable
 
 from kvtier.bench.common import files_under
+from kvtier.bench.engine_model import has_weights
 from kvtier.bench.engine_profile import collect, profiler_kwargs
 from kvtier.bench.ttft import SCHEDULER
 
@@ -47,8 +48,8 @@ STALL_S = 60.0  # seconds without a new or growing file after which a wait for t
 
 
 def build_engine(spec: dict):
-    """The ``vllm.LLM`` that ``spec`` asks for (dummy weights, token-id prompts, eager unless
-    ``spec["cuda_graphs"]``)."""
+    """The ``vllm.LLM`` that ``spec`` asks for (token-id prompts; dummy weights unless its model
+    directory holds weights; eager unless ``spec["cuda_graphs"]``)."""
     from vllm import LLM
     from vllm.config import KVTransferConfig
 
@@ -69,7 +70,8 @@ def build_engine(spec: dict):
         extra["kv_cache_memory_bytes"] = spec["kv_cache_bytes"]
     if spec.get("profile_dir"):
         extra.update(profiler_kwargs(spec["profile_dir"]))
-    return LLM(model=spec["model"], load_format="dummy", skip_tokenizer_init=True, seed=0,
+    weights = "auto" if has_weights(spec["model"]) else "dummy"
+    return LLM(model=spec["model"], load_format=weights, skip_tokenizer_init=True, seed=0,
                enforce_eager=not spec.get("cuda_graphs"),
                max_model_len=spec["max_model_len"], gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.85),
                tensor_parallel_size=spec.get("tp", 1),

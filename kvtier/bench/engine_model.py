@@ -127,6 +127,12 @@ def read_kv_shape(model_dir: str) -> KvShape:
         return kv_shape(json.load(f))
 
 
+def has_weights(model_dir: str) -> bool:
+    """Whether ``model_dir`` holds weights (``*.safetensors`` or ``*.bin``): the engine loads them
+    instead of dummy ones, so its greedy answers depend on their context."""
+    return any(name.endswith((".safetensors", ".bin")) for name in os.listdir(model_dir))
+
+
 def read_max_positions(model_dir: str) -> int | None:
     """``max_position_embeddings`` of ``model_dir/config.json`` (its text model's), tokens; None
     where it has none."""

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import engine, engine_busy, engine_report
+from kvtier.bench import engine, engine_busy, engine_model, engine_report
 from kvtier.bench.cli import build_parser
 from kvtier.bench.engine_model import LLAMA3_8B
 
@@ -137,3 +137,10 @@ def test_busy_rows_on_a_cpu_vllm_reuse_the_replies_kvtier_saved(tmp_path):
     assert data["zero_hit_via"] == "llm" and data["zero_hit_tok_s"]["kvtier"] > 0
     assert data["identical"] and data["h2d_gbps"] is None and data["lengths"] == []
     assert png.stat().st_size > 1000 or "matplotlib" in run.stderr
+
+
+def test_a_model_directory_with_weights_is_loaded_with_them(tmp_path):
+    (tmp_path / "config.json").write_text("{}")
+    assert not engine_model.has_weights(str(tmp_path))  # config only: dummy weights
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert engine_model.has_weights(str(tmp_path))
