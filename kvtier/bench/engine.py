@@ -69,7 +69,7 @@ def add_parser(commands) -> None:
     p.add_argument("--model", help="model directory (default: the --family preset's config; its weights, if any, not dummy ones)")
     p.add_argument("--prompt-lens", default="8k,32k", help="comma-separated TTFT prompt lengths (default 8k,32k)")
     p.add_argument("--repeats", type=positive, default=3, help="prompts per length and mode (default 3; median shown)")
-    p.add_argument("--engines", default=",".join(ENGINES), help=f"which engines to run (default {','.join(ENGINES)})")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"engines to run, in this order, disk last (default {','.join(ENGINES)})")
     p.add_argument("--cpu-gib", type=positive, default=32,
                    help="CPU tier of kvtier and of vLLM's connector per TP rank, GiB (default 32)")
     p.add_argument("--tp", type=positive, default=1,
@@ -264,7 +264,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
                                        "window_bound": shape.window_bound_bytes(n)} for n in lengths}
         result["vllm"] = vllm_version()
         progress(f"model {result['model']}: {shape.describe()}")
-        for name in (e for e in ("none", "kvtier", "offload") if e in engines):
+        for name in dict.fromkeys(e for e in engines if e != "disk"):  # in the order given: swap it to see order effects
             rounds = engine_rounds(args, lengths, name)
             progress(f"engine {name}: " + _plan(args, lengths))
             env = {"KVTIER_LOG_LEVEL": "DEBUG"} if name == "kvtier" else None  # one line per reload

@@ -130,7 +130,7 @@ def read_kv_shape(model_dir: str) -> KvShape:
 def has_weights(model_dir: str) -> bool:
     """Whether ``model_dir`` holds weights (``*.safetensors`` or ``*.bin``): the engine loads them
     instead of dummy ones, so its greedy answers depend on their context."""
-    return any(name.endswith((".safetensors", ".bin")) for name in os.listdir(model_dir))
+    return os.path.isdir(model_dir) and any(name.endswith((".safetensors", ".bin")) for name in os.listdir(model_dir))
 
 
 def read_max_positions(model_dir: str) -> int | None:

@@ -144,3 +144,19 @@ def test_a_model_directory_with_weights_is_loaded_with_them(tmp_path):
     assert not engine_model.has_weights(str(tmp_path))  # config only: dummy weights
     (tmp_path / "model.safetensors").write_bytes(b"")
     assert engine_model.has_weights(str(tmp_path))
+
+
+def test_engines_run_in_the_order_given_each_once(tmp_path, monkeypatch):
+    args = build_parser().parse_args(["engine", "--busy-only", "--engines", "offload,none,kvtier,offload",
+                                      "--sessions", "1", "--session-len", "64", "--chat-rounds", "2"])
+    started = []
+
+    def spawn(spec, tmp, name, **kw):  # no engine: what the child would send back for the chat's turns
+        started.append(name)
+        turn = {"seconds": 1.0, "outputs": [{"tokens": [7], "cached": 0}]}
+        return {"start_s": 0.5, "rounds": [turn, turn]}, ""
+
+    monkeypatch.setattr(engine, "spawn", spawn)
+    result = engine.run(args, [], ["offload", "none", "kvtier", "offload"], lambda message: None)
+    assert started == ["offload", "none", "kvtier"]
+    assert result["chat_s"] == {name: [1.0, 1.0] for name in started} and result["identical"]
