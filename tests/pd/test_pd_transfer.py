@@ -34,6 +34,9 @@ def test_consumer_gets_the_whole_prompt_byte_for_byte_and_keeps_full_chunks(engi
     # NIXL: the four chunks (three full and the tail) were lent, READ by D, and all given back
     assert p.side.chunk_server.lent_total == (4 if transport == "nixl" else 0)
     assert p.side.chunk_server.lent_chunks == 0
+    while p.side.chunk_server.sending_chunks and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert p.side.chunk_server.sending_chunks == 0  # ZMQ: each buffer given back once D took its chunk
 
 
 def test_consumer_starting_after_its_own_tiers_fetches_only_the_rest(engines):

@@ -13,7 +13,8 @@ socket speaks ZMQ CURVE (:mod:`kvtier.pd.channel`).
 Over NIXL (a peer that offered it, when this process has an agent) a chunk is not sent but lent:
 the reply carries its address in the registered CPU pool, and the server keeps the chunk's buffer
 until the peer releases the transfer, or has asked nothing for twice ``timeout_ms``
-(:mod:`kvtier.pd.producer.lending`). A push peer names a buffer of its own in each fetch: the chunk is
+(:mod:`kvtier.pd.producer.lending`); over ZMQ it is sent without a copy and its buffer kept until ZMQ
+let go of it (:mod:`kvtier.pd.producer.sent`). A push peer names a buffer of its own in each fetch: the chunk is
 written there (a NIXL WRITE posted on this thread) and the reply says so. While NIXL peers are
 known the thread wakes every 10 ms (1 ms while a WRITE runs) to let NIXL progress (:mod:`kvtier.pd.nixl`).
 
@@ -50,6 +51,7 @@ from kvtier.pd.producer.holds import PublishHolds
 from kvtier.pd.producer.lending import LentBuffers
 from kvtier.pd.nixl import Agent
 from kvtier.pd.producer.recut import recut
+from kvtier.pd.producer.sent import SentBuffers
 from kvtier.pd.producer.slicing import Cutter, HeadSlice, rank_part
 from kvtier.pd.producer.waiting import WaitingFetches
 from kvtier.pd.producer.writes import PeerWrites
@@ -96,6 +98,7 @@ class ChunkServer:
         self._cutter = Cutter(store)  # chunks cut to a decode rank's part of the heads
         self._lend_s = 2 * timeout_ms / 1000
         self._lent = LentBuffers(self._send, self._lend_s)  # CPU-tier buffers lent to NIXL peers
+        self._sent = SentBuffers()  # buffers of replies ZMQ still reads
         self.holds = holds
         self.layout = layout
         self._saving = saving
@@ -135,6 +138,7 @@ class ChunkServer:
                         self._from = frames[-1].get("Peer-Address") or "?"
                         self._handle([f.bytes for f in frames])
                 self.rejected += self._curve_failures.take()
+                self._sent.release_done()
                 if self._nixl_peers:
                     self.nixl.progress()
                 if self._writes:
@@ -161,6 +165,7 @@ class ChunkServer:
         self._writes.settle(self._lend_s)
         self._curve_failures.close()
         self._socket.close()
+        self._sent.close()
 
     def _handle(self, frames: list[bytes]) -> None:
         identity = frames[0]
@@ -303,11 +308,14 @@ class ChunkServer:
             self._lent.lend(identity, fetch, buffer)
             self._nixl_peers[identity] = time.monotonic()
             return True
+        tracker = None
         try:
-            payload = memoryview(buffer.data.numpy())
-            self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), payload)
+            tracker = self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), memoryview(buffer.data.numpy()))
         finally:
-            buffer.release()
+            if tracker is None:
+                buffer.release()
+            else:
+                self._sent.add(tracker, buffer)  # ZMQ reads it from there: released once it let go
         return True
 
     def _forget_writer(self, identity: bytes) -> None:
@@ -380,6 +388,11 @@ class ChunkServer:
         """Chunks lent to NIXL peers right now (tests, stats)."""
         return self._lent.count
 
+    @property
+    def sending_chunks(self) -> int:
+        """Chunks sent over ZMQ whose buffers it still reads right now (tests, stats)."""
+        return self._sent.count
+
     def _serve_waiting(self, now: float, came: set[bytes]) -> None:
         """Answer waiting fetches that may be answerable now: all once anything else changed (an
         announcement, a lease, once a second), else those :meth:`WaitingFetches.take` picks."""
@@ -400,16 +413,20 @@ class ChunkServer:
                 self._nixl_peers[identity] = now
 
     def _send(self, identity: bytes, reply: msgspec.Struct, payload: memoryview | None = None,
-              out_of_band: bool = False) -> None:
+              out_of_band: bool = False) -> zmq.MessageTracker | None:
         """Send ``reply``, its MAC covering ``payload`` too. The payload follows as a frame, unless
-        it travels ``out_of_band`` (NIXL: the peer reads it, or it was written into the peer's buffer)."""
+        it travels ``out_of_band`` (NIXL: the peer reads it, or it was written into the peer's buffer).
+        A payload frame is not copied: the tracker returned says when ZMQ let go of it (None: none
+        was queued, or it was copied)."""
         body = encode(reply)
         frames = [identity, mac(self._secret, body, payload), body]
-        if payload is not None and not out_of_band:
+        inline = payload is not None and not out_of_band
+        if inline:
             frames.append(payload)
         try:
-            self._socket.send_multipart(frames, flags=zmq.NOBLOCK)
+            tracker = self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=not inline, track=inline)
             self.sent_total += 1
+            return tracker
         except zmq.Again:  # the peer stopped reading: it times out and recomputes
             self.dropped += 1
             if self.dropped % _LOG_EVERY == 1:
