@@ -308,14 +308,7 @@ class ChunkServer:
             self._lent.lend(identity, fetch, buffer)
             self._nixl_peers[identity] = time.monotonic()
             return True
-        tracker = None
-        try:
-            tracker = self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), memoryview(buffer.data.numpy()))
-        finally:
-            if tracker is None:
-                buffer.release()
-            else:
-                self._sent.add(tracker, buffer)  # ZMQ reads it from there: released once it let go
+        self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), chunk=buffer)
         return True
 
     def _forget_writer(self, identity: bytes) -> None:
@@ -413,20 +406,23 @@ class ChunkServer:
                 self._nixl_peers[identity] = now
 
     def _send(self, identity: bytes, reply: msgspec.Struct, payload: memoryview | None = None,
-              out_of_band: bool = False) -> zmq.MessageTracker | None:
-        """Send ``reply``, its MAC covering ``payload`` too. The payload follows as a frame, unless
-        it travels ``out_of_band`` (NIXL: the peer reads it, or it was written into the peer's buffer).
-        A payload frame is not copied: the tracker returned says when ZMQ let go of it (None: none
-        was queued, or it was copied)."""
-        body = encode(reply)
-        frames = [identity, mac(self._secret, body, payload), body]
-        inline = payload is not None and not out_of_band
-        if inline:
-            frames.append(payload)
+              out_of_band: bool = False, chunk: ChunkBuffer | None = None) -> None:
+        """Send ``reply``, its MAC covering ``payload`` too. The payload follows as a frame (copied),
+        unless it travels ``out_of_band`` (NIXL: the peer reads it, or it was written into the peer's
+        buffer). ``chunk``: a chunk's buffer (taken) whose bytes follow as the payload without a copy,
+        the buffer kept until ZMQ let go of them (:class:`SentBuffers`)."""
         try:
-            tracker = self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=not inline, track=inline)
+            if chunk is not None:
+                payload, out_of_band = memoryview(chunk.data.numpy()), False
+            body = encode(reply)
+            frames = [identity, mac(self._secret, body, payload), body]
+            if payload is not None and not out_of_band:
+                frames.append(payload)
+            tracker = self._socket.send_multipart(frames, flags=zmq.NOBLOCK, copy=chunk is None, track=chunk is not None)
             self.sent_total += 1
-            return tracker
+            if chunk is not None:
+                self._sent.add(tracker, chunk)
+                chunk = None
         except zmq.Again:  # the peer stopped reading: it times out and recomputes
             self.dropped += 1
             if self.dropped % _LOG_EVERY == 1:
@@ -434,6 +430,9 @@ class ChunkServer:
                                "dropped (%d so far).", _SEND_HWM, self.dropped)
         except zmq.ZMQError:
             pass  # the peer is gone: it times out and recomputes
+        finally:
+            if chunk is not None:  # not queued: ZMQ holds none of it
+                chunk.release()
 
     def _reject(self, identity: bytes, why: str, index: int = -1) -> None:
         """Refuse a message (``index``: the chunk a refused fetch asked for, else -1)."""
