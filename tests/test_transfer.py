@@ -406,6 +406,8 @@ def test_cuda_save_waits_for_the_engines_stream_only_when_the_next_save_might_no
                 "the second save did not wait" if second_waits else "the second save waited")
         worker.drain()
         assert worker.stats.dropped_saves == 0
+        assert worker.stats.backlog_waits == int(waits or second_waits)  # each wait counted, and timed
+        assert (worker.stats.backlog_wait_ms > 0) == (waits or second_waits)
         if waits:
             assert worker.save([SaveJob("b", tuple(second), tuple(range(8, 16)))]) == 4
             worker.drain()
@@ -594,9 +596,12 @@ def test_deferred_save_reads_are_guarded_when_their_blocks_are_given_out_again(s
     ks = keys(8)
     try:
         expected = alloc[:, :, :16].clone()
+        torch.cuda._sleep(200_000_000)  # a "forward" still running: the save's reads wait for it
         assert worker.save([save_job(ks)]) == 8
         worker.guard_reuse(tuple(range(40, 44)))  # unrelated blocks: nothing to wait for
+        assert worker.stats.reuse_waits == 0
         worker.guard_reuse((3, 200))  # block 3 is being read
+        assert worker.stats.reuse_waits == 1  # the step's stream waited, and it was counted
         alloc[:, :, :16].zero_()  # the step's kernels, on the engine's stream
         worker.drain()
         assert worker.load(LoadJob("r", tuple(ks), 0, tuple(range(32, 48)))) == set()

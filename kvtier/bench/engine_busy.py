@@ -94,6 +94,10 @@ def busy_rounds(args, prompt) -> list[dict]:
     return rounds
 
 
+# kvtier's connector stats of where it made the engine wait (kvtier.engines.vllm.stats)
+ENGINE_WAITS = ("engine_waits_save_reads", "engine_waits_save_backlog", "engine_wait_ms_save_backlog")
+
+
 def collect(result: dict, name: str, rnd: dict, got, loaded_bytes) -> bool:
     """Take engine ``name``'s results of ``rnd`` from the iterator ``got`` into ``result`` if
     ``rnd`` is a chat or zero-hit round; whether it was. ``loaded_bytes(transfers)``: the KV bytes
@@ -106,7 +110,9 @@ def collect(result: dict, name: str, rnd: dict, got, loaded_bytes) -> bool:
         result.setdefault("chat_cached_tokens", {})[name] = [sum(o["cached"] for o in c["outputs"]) for c in chat]
         result["chat_reuse"][name] = [{"prompt": c.get("prompt_tokens"),
                                        "cached": sum(o["cached"] for o in c["outputs"]),
-                                       "loaded_bytes": loaded_bytes(c.get("transfers"))} for c in chat]
+                                       "loaded_bytes": loaded_bytes(c.get("transfers")),
+                                       "engine_waits": {k: (c.get("transfers") or {}).get(k, 0) for k in ENGINE_WAITS}}
+                                      for c in chat]
         return True
     if tag == "zero-hit":
         one = next(got)

@@ -138,6 +138,12 @@ def chat_lines(result: dict) -> list[str]:
         parts.append(text)
     lines = ["multi-turn chat, rounds 2+, prompt tokens computed (of all; loaded by the connector): "
              + ", ".join(parts)] if parts else []
+    waits = [r.get("engine_waits") or {} for r in reuse.get("kvtier", [])[1:]]
+    if any(waits):
+        total = {k: sum(w.get(k, 0) for w in waits) for k in waits[0]}
+        lines.append(f"kvtier made the engine wait, rounds 2+: {total['engine_waits_save_reads']} steps for a save "
+                     f"still reading their blocks, {total['engine_waits_save_backlog']} saves for a full save backlog "
+                     f"({total['engine_wait_ms_save_backlog']:.0f} ms)")
     if stages := result.get("kvtier_chat_stages_ms"):
         loads = stages.get("loads")
         lines.append(f"kvtier's loads in the chat ({loads}; median ms, kvtier timeline): " + ", ".join(

@@ -131,8 +131,10 @@ class TierWorker:
 
     def guard_reuse(self, allocated) -> None:
         """See :meth:`ReuseGuard.guard`: before a step's kernels (engine thread), make the step
-        wait for saves still reading any of the engine blocks ``allocated`` it was given."""
-        self.reuse.guard(allocated)
+        wait for saves still reading any of the engine blocks ``allocated`` it was given (counted
+        in ``stats.reuse_waits``)."""
+        if self.reuse.guard(allocated):
+            self.stats.reuse_waits += 1
 
     def saving(self, key: bytes) -> bool:
         """A save of storage key ``key`` is queued or running. Safe from any thread."""

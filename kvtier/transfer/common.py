@@ -58,6 +58,12 @@ class TransferStats:
     save_ms: float = 0.0
     skipped_saves: int = 0
     dropped_saves: int = 0
+    # Where kvtier made the engine wait (CUDA; engine thread): steps whose stream waited for a save
+    # still reading blocks they were given, and saves that held the engine thread until their
+    # step's forward ended because the save backlog was full (and for how long, ms).
+    reuse_waits: int = 0
+    backlog_waits: int = 0
+    backlog_wait_ms: float = 0.0
 
     def hit(self, tokens: dict[str, int]) -> None:
         """Count a load's tokens per tier (``cpu``, ``disk``, ``remote``, ``shared``)."""

@@ -42,19 +42,20 @@ class ReuseGuard:
             self._unread.append((self._last_read, frozenset(blocks), ids))
             self._last_read = None  # this save's: a later save that starts no copy records nothing
 
-    def guard(self, allocated) -> None:
+    def guard(self, allocated) -> bool:
         """Before a step's kernels (engine thread): if any of ``allocated`` (engine block ids the
         step was given) is a block an earlier save may still be reading, the engine's stream and
-        later loads wait until it has been read. Cheap when nothing overlaps, which is the rule:
+        later loads wait until it has been read; whether they had to. Cheap when nothing overlaps, which is the rule:
         blocks of running requests are never reallocated, only those of finished or preempted ones."""
         unread = self._unread
         while unread and unread[0][0].query():
             unread.popleft()
         if not unread or not allocated:
-            return
+            return False
         wanted = set(allocated)
         for event, blocks, _ in reversed(unread):  # the newest overlapping save; events are in stream order
             if not blocks.isdisjoint(wanted):
                 torch.cuda.current_stream(self.device).wait_event(event)
                 self.reuse_after = event
-                return
+                return True
+        return False

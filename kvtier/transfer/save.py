@@ -132,20 +132,23 @@ class SaveSide:
 
         Not waited for while the backlog could take another save of this one's ``nbytes``: waiting
         holds the engine thread until the step's forward is done (0.7 s of a 1.35 s prefill batch
-        at TP=2; nothing more is queued meanwhile). With async scheduling this save's chunks and
-        the previous step's are still pending then; past that the save thread is falling behind
-        (it needs the CPU and the interpreter the engine thread keeps busy), and the engine thread
-        waits for its forward: the save thread catches up and the next save drops no chunk for
-        want of room. ``wait``: wait for the forward anyway (see :meth:`save`)."""
+        at TP=2). Past that the save thread is falling behind (it needs the CPU and interpreter the
+        engine thread keeps busy): the engine thread waits for its forward, so the save thread
+        catches up and the next save drops nothing. ``wait``: wait anyway (see :meth:`save`)."""
         host = torch.tensor(block_ids, dtype=torch.int64)
         if self.layout.device.type != "cuda":
             return host
         ids = host.pin_memory().to(self.layout.device, non_blocking=True)
         pending = self.pending_bytes()  # this save's chunks included
-        if wait or (self.backlog_bytes is not None and pending + nbytes > self.backlog_bytes):
-            logger.debug("kvtier: save backlog %d of %s B: this save of %d B waits for its step's forward",
-                         pending, self.backlog_bytes, nbytes)
+        full = self.backlog_bytes is not None and pending + nbytes > self.backlog_bytes
+        if wait or full:
+            start = now_ms()
             torch.cuda.current_stream(self.layout.device).synchronize()
+            if full and not wait:  # kvtier held the engine: counted in ``stats``, and said at DEBUG
+                self.stats.backlog_waits += 1
+                self.stats.backlog_wait_ms += (waited := now_ms() - start)
+                logger.debug("kvtier: save backlog %d of %s B: this save of %d B waited %.1f ms for its step's "
+                             "forward", pending, self.backlog_bytes, nbytes, waited)
         return ids
 
     def save(self, jobs: list[SaveJob], wait_forward: bool = False, after: torch.cuda.Event | None = None) -> int:
@@ -158,10 +161,8 @@ class SaveSide:
         consumer's memory, which waits for the work queued on this GPU: a 32k push's first WRITE
         took 754 ms behind a queued step, vLLM 0.26, two H200s). ``after``: the copies start after
         this CUDA event too (a P/D producer's checksum pass, :mod:`kvtier.pd.producer.sums`).
-
         Chunks already stored are not saved again, only handed to ``on_found`` (a P/D producer
-        pins them; rank 0's index already has them). Called from one thread (the engine's).
-        """
+        pins them; rank 0's index already has them). Called from one thread (the engine's)."""
         cb = self.chunk_blocks
         wanted: list[tuple[bytes, list[int]]] = []
         stored: list[bytes] = []
@@ -186,8 +187,7 @@ class SaveSide:
         if not wanted:
             return 0
         ids = self._ids([b for _, blocks in wanted for b in blocks], total, wait_forward)  # one host-to-device copy for all
-        start = now_ms()
-        batch = _SaveBatch(start, 0)
+        batch = _SaveBatch(start := now_ms(), 0)
         group: list[tuple[_PendingSave, ChunkSpan]] = []
         started: list[_PendingSave] = []
         unallocated = at = 0

@@ -139,11 +139,15 @@ def test_chat_rounds_give_the_tokens_each_engine_computed_and_loaded():
               "chat_reuse": {}, "reload_transfers": {}, "hybrid": {}}
     rounds = [{"tag": ["chat"], "turns": [[[1]], [[2]], [[3]]]}]
     chat = [{"seconds": 3.0, "transfers": {}, "prompt_tokens": 6000, "outputs": [{"tokens": [5], "cached": 0}]},
-            {"seconds": 1.0, "transfers": {"loaded_bytes": 4000 * (128 << 10)}, "prompt_tokens": 6200,
+            {"seconds": 1.0, "transfers": {"loaded_bytes": 4000 * (128 << 10), "engine_waits_save_reads": 5,
+                                           "engine_waits_save_backlog": 1, "engine_wait_ms_save_backlog": 20.4},
+             "prompt_tokens": 6200,
              "outputs": [{"tokens": [5], "cached": 5900}]},
             {"seconds": 1.0, "transfers": {}, "prompt_tokens": 6400, "outputs": [{"tokens": [6], "cached": 6100}]}]
     engine._collect(result, "kvtier", rounds, {"start_s": 1.0, "rounds": chat})
-    assert result["chat_reuse"]["kvtier"][1] == {"prompt": 6200, "cached": 5900, "loaded_bytes": 4000 * (128 << 10)}
+    assert result["chat_reuse"]["kvtier"][1] == {
+        "prompt": 6200, "cached": 5900, "loaded_bytes": 4000 * (128 << 10),
+        "engine_waits": {"engine_waits_save_reads": 5, "engine_waits_save_backlog": 1, "engine_wait_ms_save_backlog": 20.4}}
     report = made_up()
     report["identical"] = True
     report["chat_reuse"] = result["chat_reuse"]
@@ -152,6 +156,8 @@ def test_chat_rounds_give_the_tokens_each_engine_computed_and_loaded():
     assert ("multi-turn chat, rounds 2+, prompt tokens computed (of all; loaded by the connector): "
             "kvtier 600 of 12600, 4000 loaded") in table
     assert "kvtier's loads in the chat (12; median ms, kvtier timeline): load began -> load ended 9.5" in table
+    assert ("kvtier made the engine wait, rounds 2+: 5 steps for a save still reading their blocks, 1 saves for a "
+            "full save backlog (20 ms)") in table
 
 
 def test_chat_load_stages_leave_out_the_ttft_reloads():

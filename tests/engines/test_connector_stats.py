@@ -18,7 +18,8 @@ from kvtier.engines.vllm.worker_side import STATS_FIELDS  # noqa: E402
 from kvtier.transfer import TransferStats  # noqa: E402
 
 RANK0 = {"hit_tokens_cpu": 512, "hit_tokens_disk": 256, "hit_tokens_remote": 64, "hit_tokens_shared": 128, "loaded_bytes": 3 << 20, "landed_bytes": 1 << 20, "saved_bytes": 1 << 20,
-         "load_ms": 2.0, "save_ms": 4.0, "dropped_saves": 1, "failed_loads": 0}
+         "load_ms": 2.0, "save_ms": 4.0, "dropped_saves": 1, "failed_loads": 0, "engine_waits_save_reads": 3,
+         "engine_waits_save_backlog": 1, "engine_wait_ms_save_backlog": 12.5}
 RANK1 = {**RANK0, "hit_tokens_cpu": 0, "hit_tokens_disk": 0, "hit_tokens_remote": 0, "hit_tokens_shared": 0}
 
 
@@ -37,6 +38,7 @@ def test_stats_survive_the_trip_from_worker_to_logger_and_sum_over_ranks():
     reduced = rebuilt.reduce()
     assert reduced["hit_tokens_cpu"] == 512 and reduced["hit_tokens_disk"] == 256  # counted once
     assert reduced["loaded_bytes"] == 6 << 20 and reduced["dropped_saves"] == 2
+    assert reduced["engine_waits_save_reads"] == 6 and reduced["engine_wait_ms_save_backlog"] == 25.0
     assert reduced["load_GBps"] == round((6 << 20) / 4.0 / 1e6, 3)
     assert not rebuilt.is_empty()
     rebuilt.reset()
@@ -78,6 +80,8 @@ def test_prometheus_metrics_move_by_what_the_stats_say():
     assert value("vllm:kvtier_loaded_bytes_total") == 6 << 20
     assert value("vllm:kvtier_landed_bytes_total") == 2 << 20  # P/D bytes that came HBM to HBM
     assert value("vllm:kvtier_dropped_saves_total") == 2
+    assert value("vllm:kvtier_engine_waits_total", cause="save_reads") == 6  # where kvtier held the engine
+    assert value("vllm:kvtier_engine_waits_total", cause="save_backlog") == 2
     assert value("vllm:kvtier_load_seconds_count") == 4 and value("vllm:kvtier_save_seconds_count") == 2
     assert value("vllm:kvtier_load_seconds_bucket", le="0.0025") == 2  # the two 2 ms loads
     assert value("vllm:kvtier_held_bytes", tier="cpu") == 4 << 20  # a gauge: set, not added

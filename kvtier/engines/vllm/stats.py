@@ -26,7 +26,10 @@ class KvtierStats(KVConnectorStats):
       by a P/D producer straight into engine blocks, HBM to HBM), ``saved_bytes``, ``load_ms``,
       ``save_ms`` (time spent loading / saving, summed over ranks), ``dropped_saves`` (chunks
       dropped from a full save backlog or for want of CPU memory), ``failed_loads`` (loads that
-      ended early and recomputed); with a shared tier also ``shared_writes``,
+      ended early and recomputed), ``engine_waits_save_reads`` (steps whose stream waited for a
+      save still reading blocks given to them), ``engine_waits_save_backlog`` and
+      ``engine_wait_ms_save_backlog`` (saves that held the engine thread until their step's
+      forward ended, the save backlog full, and for how long); with a shared tier also ``shared_writes``,
       ``shared_dropped_writes`` (write-through backlog full, or the server down) and
       ``shared_failed_writes`` (chunks, summed over ranks);
     * observations, concatenated: ``load_batch_ms`` (one per load job), ``save_batch_ms`` (one
@@ -102,6 +105,10 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
         self.shared_writes = counter(name="vllm:kvtier_shared_writes", labelnames=[*names, "outcome"],
                                      documentation="Chunks written through to the shared tier, by outcome: "
                                                    "written, dropped (backlog full or server down), failed.")
+        self.engine_waits = counter(name="vllm:kvtier_engine_waits", labelnames=[*names, "cause"],
+                                    documentation="Times kvtier made the engine wait, by cause: save_reads (a step's "
+                                                  "stream waited for a save still reading its blocks), save_backlog "
+                                                  "(a save held the engine thread until its step's forward ended).")
         self.held_bytes = gauge(name="vllm:kvtier_held_bytes", labelnames=tier, multiprocess_mode="mostrecent",
                                 documentation="Bytes kvtier holds in each tier, summed over TP ranks.")
 
@@ -119,6 +126,9 @@ class KvtierPromMetrics(KVConnectorPromMetrics):
                               ("failed", "shared_failed_writes")):
             if n := data.get(name, 0):
                 self.shared_writes.labels(*labels, outcome).inc(n)
+        for cause in ("save_reads", "save_backlog"):
+            if n := data.get(f"engine_waits_{cause}", 0):
+                self.engine_waits.labels(*labels, cause).inc(n)
         for metric, name in ((self.load_seconds, "load_batch_ms"), (self.save_seconds, "save_batch_ms")):
             for ms in data.get(name, ()):
                 metric.labels(*labels).observe(ms / 1e3)

@@ -42,6 +42,9 @@ STATS_FIELDS = {
     "save_ms": "save_ms",
     "dropped_saves": "dropped_saves",
     "failed_chunks": "failed_loads",
+    "reuse_waits": "engine_waits_save_reads",
+    "backlog_waits": "engine_waits_save_backlog",
+    "backlog_wait_ms": "engine_wait_ms_save_backlog",
 }
 # ChunkStore.shared_stats() field -> name in the connector stats (per rank: each writes its shard).
 SHARED_STATS_FIELDS = {"writes": "shared_writes", "dropped_writes": "shared_dropped_writes",
