@@ -26,9 +26,11 @@ JSON (keys of the engine bench's result): ``chat_s`` {engine: [seconds per round
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 
 from kvtier.bench.common import parse_tokens, positive
+from kvtier.config import ConfigError, KvtierConfig
 
 ZERO_HIT_SEED = 2_000_000  # prompt seeds of their own: no prefix shared with the bench's other prompts
 PROFILED_ZERO_HIT = 16  # prompts in the profiled zero-hit round (a trace of 64 is too large to read back)
@@ -50,9 +52,30 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-hit-len", type=parse_tokens, default=4 << 10, help="zero-hit prompt length (default 4k)")
     p.add_argument("--zero-hit-repeats", type=positive, default=1,
                    help="zero-hit calls, each with new prompts; the median is reported (default 1)")
+    p.add_argument("--kvtier-config", type=kvtier_settings, default={}, metavar="JSON",
+                   help="more kvtier settings for the kvtier engine, as in kv_connector_extra_config, e.g. "
+                        "'{\"save_replies\": false}' (cpu_bytes comes from --cpu-gib)")
     p.add_argument("--busy-only", action="store_true",
                    help="only the busy-engine rows: the chat and the zero-hit row (no TTFT, no prefill, no disk "
                         "engine); without CUDA, with --model, on a CPU vLLM")
+
+
+def kvtier_settings(text: str) -> dict:
+    """``--kvtier-config``: a JSON object of kvtier settings, checked as the connector checks them
+    (an unknown key or a bad value is an error naming it)."""
+    try:
+        settings = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"not JSON ({e})") from None
+    if not isinstance(settings, dict):
+        raise argparse.ArgumentTypeError("not a JSON object")
+    if "cpu_bytes" in settings:
+        raise argparse.ArgumentTypeError("give the CPU tier's size with --cpu-gib, not cpu_bytes")
+    try:
+        KvtierConfig.from_dict(settings)
+    except ConfigError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return settings
 
 
 def longest_chat_tokens(args) -> int:

@@ -79,6 +79,21 @@ def test_a_pool_larger_than_the_model_keeps_max_model_len_within_its_positions(t
     assert small["max_model_len"] == 65536
 
 
+def test_kvtier_settings_reach_the_kvtier_engine_checked_as_the_connector_checks_them(tmp_path, capsys):
+    args = build_parser().parse_args(["engine", "--cpu-gib", "2", "--kvtier-config", '{"save_replies": false}'])
+    model = engine.write_model_dir("llama3-8b", str(tmp_path))
+    spec = engine._spec(args, model, engine.read_kv_shape(model), "kvtier", [])
+    assert spec["kvtier"] == {"cpu_bytes": 2 << 30, "save_replies": False}
+    assert engine._spec(build_parser().parse_args(["engine"]), model, engine.read_kv_shape(model), "kvtier",
+                        [])["kvtier"] == {"cpu_bytes": 32 << 30}
+    for bad, said in (('{"save_reply": false}', "unknown kvtier setting 'save_reply'"),
+                      ('{"chunk_tokens": "x"}', "'chunk_tokens' must be an integer"), ("{", "not JSON"),
+                      ("[1]", "not a JSON object"), ('{"cpu_bytes": 1}', "with --cpu-gib, not cpu_bytes")):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(["engine", "--kvtier-config", bad])
+        assert said in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("extra, words", [
     (["--hbm-tokens", "6k"], "argument --hbm-tokens: 6144 cannot hold a chat session's last round"),
     (["--prompt-lens", "1k", "--zero-hit", "2", "--zero-hit-len", "64k"], "cannot hold a 65536-token zero-hit"),
