@@ -264,7 +264,7 @@ def run(args, lengths: list[int], engines: list[str], progress) -> dict:
                                        "window_bound": shape.window_bound_bytes(n)} for n in lengths}
         result["vllm"] = vllm_version()
         progress(f"model {result['model']}: {shape.describe()}")
-        for name in dict.fromkeys(e for e in engines if e != "disk"):  # in the order given: swap it to see order effects
+        for name in engine_busy.run_order([e for e in engines if e != "disk"], args.runs):  # as given, then reversed
             rounds = engine_rounds(args, lengths, name)
             progress(f"engine {name}: " + _plan(args, lengths))
             env = {"KVTIER_LOG_LEVEL": "DEBUG"} if name == "kvtier" else None  # one line per reload
@@ -382,7 +382,7 @@ def _summary(result: dict, name: str) -> str:
         moved = reload_bytes(result, name, n)
         parts.append(f"{n}: a reload moved " + (f"{moved / MiB:.0f} MiB" if moved is not None else "n/a bytes"))
     if name in result["chat_s"]:
-        parts.append(f"chat rounds 2+ {sum(result['chat_s'][name][1:]):.1f} s")
+        parts.append(f"chat rounds 2+ {sum(result['chat_runs_s'][name][-1][1:]):.1f} s")  # this run's
     if name in result["prefill_tok_s"]:
         parts.append(f"prefill {_med(result['prefill_tok_s'][name]):.0f} tok/s")
     if name in result.get("zero_hit_tok_s", {}):

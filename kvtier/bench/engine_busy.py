@@ -17,7 +17,13 @@ API (``zero_hit_via: "llm"``), not the OpenAI server: the engine bench's engines
 and no tokenizer, and it has no served mode. With ``--profile``, 16 more such prompts run after it
 under the profiler, not measured (tag ``zero-hit``).
 
-JSON (keys of the engine bench's result): ``chat_s`` {engine: [seconds per round]},
+Runs: ``--runs`` N runs every engine N times, each run in the reverse order of the one before
+(:func:`run_order`): a busy round moves ±15-40 % between runs of one engine, so one run decides
+nothing. ``chat_s`` is then each round's median over the runs, ``chat_runs_s`` every run's, and the
+report gives each run's rounds 2+ and, run by run, kvtier's against vLLM's connector.
+
+JSON (keys of the engine bench's result): ``chat_s`` {engine: [seconds per round]} (the median
+over ``--runs``), ``chat_runs_s`` {engine: [[seconds per round] per run]},
 ``chat_cached_tokens`` {engine: [prompt tokens cached per round, summed over the sessions]},
 ``zero_hit_tok_s`` {engine: output tokens/s, the median of the calls}, ``zero_hit_runs_tok_s`` {engine:
 [output tokens/s of each call]}, ``zero_hit_via``.
@@ -52,6 +58,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--zero-hit-len", type=parse_tokens, default=4 << 10, help="zero-hit prompt length (default 4k)")
     p.add_argument("--zero-hit-repeats", type=positive, default=1,
                    help="zero-hit calls, each with new prompts; the median is reported (default 1)")
+    p.add_argument("--runs", type=positive, default=1, metavar="N",
+                   help="run the engines N times, each run in the reverse order of the one before; every row "
+                        "takes all runs' samples, the chat its per-round medians (default 1)")
     p.add_argument("--kvtier-config", type=kvtier_settings, default={}, metavar="JSON",
                    help="more kvtier settings for the kvtier engine, as in kv_connector_extra_config, e.g. "
                         "'{\"save_replies\": false}' (cpu_bytes comes from --cpu-gib)")
@@ -76,6 +85,13 @@ def kvtier_settings(text: str) -> dict:
     except ConfigError as e:
         raise argparse.ArgumentTypeError(str(e)) from None
     return settings
+
+
+def run_order(engines: list[str], runs: int) -> list[str]:
+    """The engines in the order they run over ``runs`` runs: as given, then reversed, and so on,
+    each engine once a run (``a,b`` over 3 runs: ``a b b a a b``)."""
+    names = list(dict.fromkeys(engines))
+    return [name for run in range(runs) for name in (names if run % 2 == 0 else names[::-1])]
 
 
 def longest_chat_tokens(args) -> int:
@@ -128,7 +144,9 @@ def collect(result: dict, name: str, rnd: dict, got, loaded_bytes) -> bool:
     tag = rnd["tag"][0]
     if tag == "chat":
         chat = [next(got) for _ in rnd["turns"]]
-        result["chat_s"][name] = [c["seconds"] for c in chat]
+        runs = result.setdefault("chat_runs_s", {}).setdefault(name, [])
+        runs.append([c["seconds"] for c in chat])
+        result["chat_s"][name] = [statistics.median(r[i] for r in runs) for i in range(len(runs[0]))]
         result["chat_tokens"][name] = [[o["tokens"] for o in c["outputs"]] for c in chat]
         result.setdefault("chat_cached_tokens", {})[name] = [sum(o["cached"] for o in c["outputs"]) for c in chat]
         result["chat_reuse"][name] = [{"prompt": c.get("prompt_tokens"),
@@ -145,6 +163,21 @@ def collect(result: dict, name: str, rnd: dict, got, loaded_bytes) -> bool:
         result["zero_hit_via"] = "llm"
         return True
     return False
+
+
+def chat_run_lines(result: dict) -> list[str]:
+    """With ``--runs`` > 1: each engine's rounds 2+ run by run, and kvtier's over vLLM's connector's
+    in each run (the runs' engines ran side by side, in alternating order)."""
+    runs = {k: [sum(r[1:]) for r in v] for k, v in (result.get("chat_runs_s") or {}).items()}
+    if not runs or max(map(len, runs.values())) < 2:
+        return []
+    lines = ["multi-turn chat, rounds 2+ of each run (s): " + ", ".join(
+        f"{k} [{', '.join(f'{s:.2f}' for s in v)}]" for k, v in runs.items())]
+    if "kvtier" in runs and "offload" in runs and len(runs["kvtier"]) == len(runs["offload"]):
+        ratios = [k / o for k, o in zip(runs["kvtier"], runs["offload"])]
+        lines.append("kvtier / offload, run by run: " + ", ".join(f"{r:.2f}" for r in ratios)
+                     + f" (median {statistics.median(ratios):.2f} x)")
+    return lines
 
 
 def report_lines(result: dict) -> list[str]:

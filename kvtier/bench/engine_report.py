@@ -96,8 +96,10 @@ def format_table(result: dict) -> str:
         if result.get(key):
             lines.append(f"{what}, kvtier timeline): " + ", ".join(f"{s} {ms:.1f}" for s, ms in result[key].items()))
     if result["chat_s"]:
-        lines.append("multi-turn chat, rounds 2+ (s): " + ", ".join(
-            f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))
+        runs = max(map(len, (result.get("chat_runs_s") or {"": [0]}).values()))
+        lines.append("multi-turn chat, rounds 2+ (s" + (f"; per-round medians of {runs} runs" if runs > 1 else "")
+                     + "): " + ", ".join(f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))
+        lines += engine_busy.chat_run_lines(result)
     lines += chat_lines(result)
     lines += engine_busy.report_lines(result)
     if result["prefill_tok_s"]:

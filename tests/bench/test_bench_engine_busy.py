@@ -175,3 +175,29 @@ def test_engines_run_in_the_order_given_each_once(tmp_path, monkeypatch):
     result = engine.run(args, [], ["offload", "none", "kvtier", "offload"], lambda message: None)
     assert started == ["offload", "none", "kvtier"]
     assert result["chat_s"] == {name: [1.0, 1.0] for name in started} and result["identical"]
+
+
+def test_runs_alternate_the_order_and_report_medians_and_each_runs_ratio(tmp_path, monkeypatch):
+    args = build_parser().parse_args(["engine", "--busy-only", "--engines", "offload,kvtier", "--runs", "3",
+                                      "--sessions", "1", "--session-len", "64", "--chat-rounds", "3"])
+    started = []
+    seconds = {"offload": iter([2.0, 4.0, 3.0]), "kvtier": iter([1.0, 5.0, 3.3])}  # round 2's time, run by run
+
+    def spawn(spec, tmp, name, **kw):  # no engine: the chat's turns as the child would send them back
+        started.append(name)
+        s = next(seconds[name])
+        turns = [{"seconds": t, "outputs": [{"tokens": [7], "cached": 0}]} for t in (9.0, s, 1.0)]
+        return {"start_s": 0.5, "rounds": turns}, ""
+
+    monkeypatch.setattr(engine, "spawn", spawn)
+    result = engine.run(args, [], ["offload", "kvtier"], lambda message: None)
+    assert started == ["offload", "kvtier", "kvtier", "offload", "offload", "kvtier"]
+    assert result["chat_runs_s"]["kvtier"] == [[9.0, 1.0, 1.0], [9.0, 5.0, 1.0], [9.0, 3.3, 1.0]]
+    assert result["chat_s"] == {"offload": [9.0, 3.0, 1.0], "kvtier": [9.0, 3.3, 1.0]}  # per-round medians
+    lines = engine_busy.chat_run_lines(result)
+    assert lines == ["multi-turn chat, rounds 2+ of each run (s): offload [3.00, 5.00, 4.00], kvtier [2.00, 6.00, 4.30]",
+                     "kvtier / offload, run by run: 0.67, 1.20, 1.07 (median 1.07 x)"]
+    table = engine.format_table(result)
+    assert "multi-turn chat, rounds 2+ (s; per-round medians of 3 runs): offload 4.00, kvtier 4.30" in table
+    assert lines[1] in table
+    assert engine_busy.chat_run_lines({"chat_runs_s": {"kvtier": [[9.0, 1.0]]}}) == []  # one run: nothing more
