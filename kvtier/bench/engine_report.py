@@ -96,7 +96,7 @@ def format_table(result: dict) -> str:
         if result.get(key):
             lines.append(f"{what}, kvtier timeline): " + ", ".join(f"{s} {ms:.1f}" for s, ms in result[key].items()))
     if result["chat_s"]:
-        runs = max(map(len, (result.get("chat_runs_s") or {"": [0]}).values()))
+        runs = max((len(v) for v in result.get("chat_runs_s", {}).values()), default=1)
         lines.append("multi-turn chat, rounds 2+ (s" + (f"; per-round medians of {runs} runs" if runs > 1 else "")
                      + "): " + ", ".join(f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))
         lines += engine_busy.chat_run_lines(result)

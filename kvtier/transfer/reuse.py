@@ -45,8 +45,9 @@ class ReuseGuard:
     def guard(self, allocated) -> bool:
         """Before a step's kernels (engine thread): if any of ``allocated`` (engine block ids the
         step was given) is a block an earlier save may still be reading, the engine's stream and
-        later loads wait until it has been read; whether they had to. Cheap when nothing overlaps, which is the rule:
-        blocks of running requests are never reallocated, only those of finished or preempted ones."""
+        later loads wait until it has been read; whether they had to. Cheap when nothing overlaps,
+        which is the rule: blocks of running requests are never reallocated, only those of
+        finished or preempted ones."""
         unread = self._unread
         while unread and unread[0][0].query():
             unread.popleft()
