@@ -300,7 +300,7 @@ def _run_disk(args, lengths, model, shape, positions, tmp, result, progress) -> 
     progress("engine disk: " + _summary(result, "disk"))
 
 
-_STARTED = re.compile(r"kvtier rank \d+(?:/\d+ on vLLM|: NIXL agent) .*")
+_STARTED = re.compile(r"kvtier (?:rank \d+(?:/\d+ on vLLM|: NIXL agent)|CPU tier: [\d.]+ GiB pinned) .*")
 _LOADED = re.compile(r"loaded (\d+) of \d+ blocks \((\d+) tokens from cpu\) in ([\d.]+) ms")
 
 

@@ -120,6 +120,29 @@ def _fault_in(address: int, nbytes: int) -> None:
         ctypes.memset(address, 0, nbytes)  # a kernel without MADV_POPULATE_WRITE
 
 
+def huge_share(tensor: torch.Tensor, smaps: str = "/proc/self/smaps") -> float | None:
+    """The share of a pool :func:`allocate` made that the kernel backs with transparent huge pages
+    (``AnonHugePages`` of its mappings in ``smaps``), 0 to 1; None if ``tensor`` is not such a pool
+    or ``smaps`` cannot be read. Said at start: a pool's pages decide how many translations the
+    GPU's copies need."""
+    with _lock:
+        pool = _pools.get(tensor.data_ptr())
+    if pool is None:
+        return None
+    start, end, huge, inside = tensor.data_ptr(), tensor.data_ptr() + len(pool.mapping), 0, False
+    try:
+        with open(smaps) as f:
+            for line in f:
+                head = line.split(" ", 1)[0]
+                if "-" in head and not head.endswith(":"):  # a mapping's first line: its address range
+                    inside = start <= int(head.split("-")[0], 16) < end
+                elif inside and head == "AnonHugePages:":
+                    huge += int(line.split()[1]) << 10
+    except (OSError, ValueError):
+        return None
+    return huge / (end - start)
+
+
 def prefer_node(address: int, nbytes: int, node: int) -> bool:
     """Ask the kernel for pages of NUMA node ``node`` in ``[address, address + nbytes)`` (before
     they are faulted in); False where it refuses or this machine's ``mbind`` is unknown."""
@@ -203,7 +226,9 @@ def install() -> None:
             logger.warning("kvtier CPU tier: pinning %.1f GiB failed (%s); LMCache pins it instead.",
                            size / (1 << 30), exc)
             return original_alloc(size, numa_mapping, shm_name, use_hugepages=use_hugepages)
-        logger.info("kvtier CPU tier: %.1f GiB pinned in %.1f s.", size / (1 << 30), time.perf_counter() - begin)
+        huge = huge_share(tensor)
+        logger.info("kvtier CPU tier: %.1f GiB pinned in %.1f s%s.", size / (1 << 30), time.perf_counter() - begin,
+                    "" if huge is None else f", {huge:.0%} of it in transparent huge pages")
         return tensor
 
     def free_cpu_memory(buffer, size=None, numa_mapping=None, shm_name=None, use_hugepages=False):

@@ -167,3 +167,12 @@ def test_chat_load_stages_leave_out_the_ttft_reloads():
     stages = engine.chat_load_stages(log, reloads=1)
     assert stages["loads"] == 1 and stages["load began -> load ended"] == 10.0
     assert engine.chat_load_stages(log, reloads=2) == {}
+
+
+def test_kvtier_start_lines_include_its_cpu_tiers_pinning():
+    log = ("INFO x [pinning.py:1] kvtier CPU tier: 40.0 GiB pinned in 9.2 s, 0% of it in transparent huge pages.\n"
+           "INFO x [other.py:2] something else\n"
+           "INFO x [worker_node.py:3] kvtier rank 0/1 on vLLM 0.33.0: 32 regions; started in 9.5 s (CPU tier 9.5 s)\n")
+    assert [m[0] for m in engine._STARTED.finditer(log)] == [
+        "kvtier CPU tier: 40.0 GiB pinned in 9.2 s, 0% of it in transparent huge pages.",
+        "kvtier rank 0/1 on vLLM 0.33.0: 32 regions; started in 9.5 s (CPU tier 9.5 s)"]

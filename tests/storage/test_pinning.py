@@ -6,6 +6,8 @@ LMCache's StorageManager allocating its pool through kvtier's allocator, chunks 
 
 from __future__ import annotations
 
+import logging
+import re
 import threading
 
 import pytest
@@ -70,7 +72,7 @@ def test_a_registration_that_fails_undoes_the_others_and_raises(small_slices, sm
     assert cuda.registered == {}
 
 
-def test_lmcache_allocates_its_pool_through_kvtier_on_a_cuda_host(small_slices, monkeypatch):
+def test_lmcache_allocates_its_pool_through_kvtier_on_a_cuda_host(small_slices, monkeypatch, caplog):
     import lmcache.v1.memory_management as lm
 
     cuda = Registrations()
@@ -80,8 +82,11 @@ def test_lmcache_allocates_its_pool_through_kvtier_on_a_cuda_host(small_slices, 
     monkeypatch.setattr(pinning, "_installed", False)
     monkeypatch.setattr(lm, "_allocate_cpu_memory", lm._allocate_cpu_memory)  # restored after the test
     monkeypatch.setattr(lm, "_free_cpu_memory", lm._free_cpu_memory)
+    caplog.set_level(logging.INFO, logger="kvtier.storage.pinning")
     with ChunkStore(StoreConfig(cpu_bytes=16 * MiB)) as store:
         assert sum(cuda.registered.values()) >= 16 * MiB  # the whole pool, in slices
+        said = [r.getMessage() for r in caplog.records if "pinned in" in r.getMessage()]
+        assert len(said) == 1 and re.search(r"GiB pinned in [\d.]+ s, \d+% of it in transparent huge pages\.$", said[0])
         buffer = store.allocate(MiB)
         buffer.data[:] = 3
         store.put([b"k" * 16], [buffer])
@@ -89,6 +94,26 @@ def test_lmcache_allocates_its_pool_through_kvtier_on_a_cuda_host(small_slices, 
         assert got is not None and bool((got.data == 3).all())
         got.release()
     assert cuda.registered == {}  # closing the store unregistered the pool
+
+
+def test_the_share_of_a_pool_in_huge_pages_comes_from_its_mappings_in_smaps(small_slices, tmp_path):
+    pool = pinning.allocate(8 * MiB)
+    start = pool.data_ptr()
+    try:
+        real = pinning.huge_share(pool)  # this process's own smaps
+        assert real is not None and 0.0 <= real <= 1.0
+        smaps = tmp_path / "smaps"  # the pool in two mappings (4 MiB huge in all), beside another one
+        smaps.write_text(f"{start - 8 * MiB:x}-{start:x} rw-p 00000000 00:00 0\nAnonHugePages:      8192 kB\n"
+                         f"{start:x}-{start + 4 * MiB:x} rw-p 00000000 00:00 0\nRss:  4096 kB\n"
+                         f"AnonHugePages:      2048 kB\n"
+                         f"{start + 4 * MiB:x}-{start + 8 * MiB:x} rw-p 00000000 00:00 0\nAnonHugePages:      2048 kB\n"
+                         f"{start + 8 * MiB:x}-{start + 16 * MiB:x} r--p 00000000 08:01 42 /lib/x.so\n"
+                         f"AnonHugePages:      4096 kB\n")
+        assert pinning.huge_share(pool, str(smaps)) == 0.5
+        assert pinning.huge_share(pool, str(tmp_path / "none")) is None  # unreadable: not said
+        assert pinning.huge_share(torch.zeros(16, dtype=torch.uint8)) is None  # not a pool of ours
+    finally:
+        assert pinning.free(pool)
 
 
 def test_the_pool_may_prefer_a_numa_node():
