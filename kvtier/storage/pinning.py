@@ -226,8 +226,8 @@ def install() -> None:
             logger.warning("kvtier CPU tier: pinning %.1f GiB failed (%s); LMCache pins it instead.",
                            size / (1 << 30), exc)
             return original_alloc(size, numa_mapping, shm_name, use_hugepages=use_hugepages)
-        huge = huge_share(tensor)
-        logger.info("kvtier CPU tier: %.1f GiB pinned in %.1f s%s.", size / (1 << 30), time.perf_counter() - begin,
+        took_s, huge = time.perf_counter() - begin, huge_share(tensor)
+        logger.info("kvtier CPU tier: %.1f GiB pinned in %.1f s%s.", size / (1 << 30), took_s,
                     "" if huge is None else f", {huge:.0%} of it in transparent huge pages")
         return tensor
 
