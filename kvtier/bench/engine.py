@@ -232,7 +232,7 @@ def _spec(args, model: str, shape: KvShape, connector: str, rounds: list[dict], 
     cache = ({"kv_cache_bytes": (args.hbm_tokens + block) * shape.token_bytes} if shape.sliding_layers
              else {"num_gpu_blocks": args.hbm_tokens // block + 1})
     return {"model": model, "connector": connector,
-            "kvtier": kvtier or {"cpu_bytes": args.cpu_gib << 30, **getattr(args, "kvtier_config", {})},
+            "kvtier": kvtier or {"cpu_bytes": args.cpu_gib << 30, **args.kvtier_config},
             "offload_gib": args.cpu_gib * args.tp,  # vLLM's setting is split over its ranks; kvtier's is per rank
             **cache, "max_model_len": min(args.hbm_tokens, positions or args.hbm_tokens),
             "tp": args.tp, "cuda_graphs": args.cuda_graphs, "count_transfers": count_transfers, "rounds": rounds,

@@ -142,7 +142,7 @@ def chat_lines(result: dict) -> list[str]:
              + ", ".join(parts)] if parts else []
     waits = [r.get("engine_waits") or {} for r in reuse.get("kvtier", [])[1:]]
     if any(waits):
-        total = {k: sum(w.get(k, 0) for w in waits) for k in waits[0]}
+        total = {k: sum(w.get(k, 0) for w in waits) for k in engine_busy.ENGINE_WAITS}
         lines.append(f"kvtier made the engine wait, rounds 2+: {total['engine_waits_save_reads']} steps for a save "
                      f"still reading their blocks, {total['engine_waits_save_backlog']} saves for a full save backlog "
                      f"({total['engine_wait_ms_save_backlog']:.0f} ms)")

@@ -62,7 +62,7 @@ def test_kv_shape_reads_the_pattern_the_text_config_and_ignores_an_unused_window
 def _args(**over) -> argparse.Namespace:
     base = dict(hbm_tokens=64 << 10, cpu_gib=16, repeats=2, settle_s=1.0, ttft_only=False, prefill_len=1024,
                 prefill_batch=2, sessions=2, session_len=1024, chat_rounds=2, chat_new=128, chat_gen=32, zero_hit=0,
-                zero_hit_len=1024, busy_only=False, tp=1, cuda_graphs=False)
+                zero_hit_len=1024, busy_only=False, tp=1, cuda_graphs=False, kvtier_config={})
     return argparse.Namespace(**{**base, **over})
 
 
