@@ -154,6 +154,8 @@ def collect(result: dict, name: str, rnd: dict, got, loaded_bytes) -> bool:
                                        "loaded_bytes": loaded_bytes(c.get("transfers")),
                                        "engine_waits": {k: (c.get("transfers") or {}).get(k, 0) for k in ENGINE_WAITS}}
                                       for c in chat]
+        if (later := steps_of(chat[1:])) is not None:
+            result.setdefault("chat_runs_steps", {}).setdefault(name, []).append(later)
         return True
     if tag == "zero-hit":
         one = next(got)
@@ -163,6 +165,19 @@ def collect(result: dict, name: str, rnd: dict, got, loaded_bytes) -> bool:
         result["zero_hit_via"] = "llm"
         return True
     return False
+
+
+def steps_of(rounds: list[dict]) -> dict | None:
+    """The engine steps of chat ``rounds`` together (each round's ``steps`` from
+    :func:`kvtier.bench.engine_child.tap_steps`): ``{"steps", "running_mean", "preempted",
+    "step_ms"}`` (ms a step, the rounds' seconds over their steps); None where a round has none."""
+    if not rounds or any(not r.get("steps") for r in rounds):
+        return None
+    steps = sum(r["steps"]["steps"] for r in rounds)
+    running = sum(r["steps"]["running_mean"] * r["steps"]["steps"] for r in rounds)
+    return {"steps": steps, "running_mean": round(running / steps, 2),
+            "preempted": sum(r["steps"]["preempted"] for r in rounds),
+            "step_ms": round(1000 * sum(r["seconds"] for r in rounds) / steps, 1)}
 
 
 def chat_run_lines(result: dict) -> list[str]:
@@ -178,6 +193,19 @@ def chat_run_lines(result: dict) -> list[str]:
         lines.append("kvtier / offload, run by run: " + ", ".join(f"{r:.2f}" for r in ratios)
                      + f" (median {statistics.median(ratios):.2f} x)")
     return lines
+
+
+def step_lines(result: dict) -> list[str]:
+    """Each engine's steps in the chat's rounds 2+, run by run: how many, requests running per
+    step, preemptions and ms a step (a slower run takes more steps or longer ones)."""
+    steps = result.get("chat_runs_steps") or {}
+    if not steps:
+        return []
+    def one(s: dict) -> str:
+        return f"{s['steps']}/{s['running_mean']:.1f}/{s['preempted']}/{s['step_ms']:.1f}"
+
+    return ["engine steps, rounds 2+ of each run (steps / running per step / preempted / ms a step): " + ", ".join(
+        f"{k} [{', '.join(map(one, v))}]" for k, v in steps.items())]
 
 
 def report_lines(result: dict) -> list[str]:

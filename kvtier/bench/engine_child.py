@@ -22,13 +22,16 @@ passed, or no file came or grew for :data:`STALL_S` (files the tier evicted neve
 
 RESULT: ``{"start_s": seconds to build the engine, "hybrid": whether vLLM kept its hybrid KV cache
 manager on (None: this vLLM does not say), "rounds": [{"seconds", "outputs": [{"tokens", "cached", "id"}],
-"transfers"}], "profiles": {tag: [trace paths]}}``; a multi-turn round gives one entry per chat round,
+"transfers", "steps"}], "profiles": {tag: [trace paths]}}``; a multi-turn round gives one entry per chat round,
 with its ``prompt_tokens`` (summed over the sessions).
 
 ``count_transfers``: the engine keeps stats (``disable_log_stats=False``) and each round's
 ``transfers`` is what the connector reported during the round, reduced as vLLM logs it ("KV
 Transfer metrics": kvtier's ``loaded_bytes``, ``hit_tokens_cpu``, ...); ``{}`` when it reported
-nothing, None when the connector keeps no stats or they were not asked for.
+nothing, None when the connector keeps no stats or they were not asked for. With ``count_transfers``
+a round's ``steps`` also says how the engine ran it (:func:`tap_steps`): two runs of one workload
+that differ in time differ either in their number of steps (smaller batches, preemptions) or in
+the time a step takes.
 """
 
 from __future__ import annotations
@@ -125,6 +128,42 @@ def tap_transfers(llm) -> Callable[[], dict | None]:
     return take
 
 
+def tap_steps(llm) -> Callable[[], dict | None]:
+    """Count the engine steps whose outputs reach ``llm``; returns a function that gives, since its
+    last call, ``{"steps": n, "running_mean": requests running per step, "running_max",
+    "preempted": requests the scheduler preempted}`` (None: the engine sent no stats).
+
+    Read from each step's scheduler stats and its requests' PREEMPTED events, which vLLM sends only
+    when it keeps stats (``disable_log_stats=False``).
+    """
+    from vllm.v1.engine import EngineCoreEventType
+
+    running: list[int] = []
+    preempted = [0]
+    core = llm.llm_engine.engine_core
+    get_output = core.get_output
+
+    def get_output_counted():
+        outputs = get_output()
+        stats = getattr(outputs, "scheduler_stats", None)
+        if stats is not None:
+            running.append(stats.num_running_reqs)
+        for out in getattr(outputs, "outputs", None) or ():
+            preempted[0] += sum(e.type == EngineCoreEventType.PREEMPTED for e in out.events or ())
+        return outputs
+
+    core.get_output = get_output_counted
+
+    def take() -> dict | None:
+        got = None if not running else {"steps": len(running), "running_mean": round(sum(running) / len(running), 2),
+                                        "running_max": max(running), "preempted": preempted[0]}
+        running.clear()
+        preempted[0] = 0
+        return got
+
+    return take
+
+
 def run_child(spec: dict) -> dict:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
@@ -133,14 +172,20 @@ def run_child(spec: dict) -> dict:
     llm = build_engine(spec)
     result = {"start_s": time.perf_counter() - begin, "hybrid": hybrid_manager_on(llm), "rounds": [], "profiles": {}}
     transfers = tap_transfers(llm) if spec.get("count_transfers") else (lambda: None)
+    steps = tap_steps(llm) if spec.get("count_transfers") else (lambda: None)
 
     def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list, dict | None]:
-        """Seconds, outputs, and what the connector reported meanwhile (see the module docstring)."""
+        """Seconds, outputs, and what the connector reported meanwhile (see the module docstring);
+        the steps it took go to ``ran``."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
-        transfers()  # drop what earlier rounds left
+        transfers(), steps()  # drop what earlier rounds left
         start = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
-        return time.perf_counter() - start, outs, transfers()
+        seconds = time.perf_counter() - start
+        ran[0] = steps()
+        return seconds, outs, transfers()
+
+    ran: list[dict | None] = [None]
 
     for rnd in spec["rounds"]:
         time.sleep(rnd.get("pause_s", 0))
@@ -152,7 +197,7 @@ def run_child(spec: dict) -> dict:
                 contexts = [c + t for c, t in zip(contexts, turn)]
                 seconds, outs, moved = generate(contexts, rnd["max_tokens"])
                 replies = [list(o.outputs[0].token_ids) for o in outs]
-                result["rounds"].append({"seconds": seconds, "transfers": moved,
+                result["rounds"].append({"seconds": seconds, "transfers": moved, "steps": ran[0],
                                          "prompt_tokens": sum(map(len, contexts)),
                                          "outputs": [{"tokens": r, "cached": o.num_cached_tokens or 0}
                                                      for r, o in zip(replies, outs)]})
@@ -169,7 +214,7 @@ def run_child(spec: dict) -> dict:
         if rnd.get("profile"):
             llm.stop_profile()  # the workers write their traces before it returns
             result["profiles"][rnd["profile"]] = collect(spec["profile_dir"], rnd["profile"])
-        result["rounds"].append({"seconds": seconds, "transfers": moved, "outputs": [
+        result["rounds"].append({"seconds": seconds, "transfers": moved, "steps": ran[0], "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0, "id": o.request_id}
             for o in outs]})
         if "until_files" in rnd:

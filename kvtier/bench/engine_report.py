@@ -99,7 +99,7 @@ def format_table(result: dict) -> str:
         runs = max((len(v) for v in result.get("chat_runs_s", {}).values()), default=1)
         lines.append("multi-turn chat, rounds 2+ (s" + (f"; per-round medians of {runs} runs" if runs > 1 else "")
                      + "): " + ", ".join(f"{k} {sum(v[1:]):.2f}" for k, v in result["chat_s"].items()))
-        lines += engine_busy.chat_run_lines(result)
+        lines += engine_busy.chat_run_lines(result) + engine_busy.step_lines(result)
     lines += chat_lines(result)
     lines += engine_busy.report_lines(result)
     if result["prefill_tok_s"]:

@@ -8,10 +8,11 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from kvtier.bench import engine, engine_busy, engine_model, engine_report
+from kvtier.bench import engine, engine_busy, engine_child, engine_model, engine_report
 from kvtier.bench.cli import build_parser
 from kvtier.bench.engine_model import LLAMA3_8B
 
@@ -149,6 +150,9 @@ def test_busy_rows_on_a_cpu_vllm_reuse_the_replies_kvtier_saved(tmp_path):
     first_prompt = 2 * (448 + 48)
     assert len(cached) == 2 and cached[1] > first_prompt, cached  # round 2 found round 1's replies too
     assert data["chat_reuse"]["kvtier"][1]["loaded_bytes"] > 0  # loaded from kvtier's tier, not the pool
+    steps = data["chat_runs_steps"]["kvtier"][0]
+    assert steps["steps"] >= 32 and steps["preempted"] >= 0, steps  # each reply's 32 tokens took a step each
+    assert "engine steps, rounds 2+ of each run" in run.stdout
     assert data["zero_hit_via"] == "llm" and data["zero_hit_tok_s"]["kvtier"] > 0
     assert data["identical"] and data["h2d_gbps"] is None and data["lengths"] == []
     assert png.stat().st_size > 1000 or "matplotlib" in run.stderr
@@ -186,7 +190,9 @@ def test_runs_alternate_the_order_and_report_medians_and_each_runs_ratio(tmp_pat
     def spawn(spec, tmp, name, **kw):  # no engine: the chat's turns as the child would send them back
         started.append(name)
         s = next(seconds[name])
-        turns = [{"seconds": t, "outputs": [{"tokens": [7], "cached": 0}]} for t in (9.0, s, 1.0)]
+        turns = [{"seconds": t, "outputs": [{"tokens": [7], "cached": 0}],
+                  "steps": {"steps": 10, "running_mean": 2.0 if t == s else 4.0, "running_max": 4, "preempted": 1}}
+                 for t in (9.0, s, 1.0)]
         return {"start_s": 0.5, "rounds": turns}, ""
 
     monkeypatch.setattr(engine, "spawn", spawn)
@@ -201,3 +207,30 @@ def test_runs_alternate_the_order_and_report_medians_and_each_runs_ratio(tmp_pat
     assert "multi-turn chat, rounds 2+ (s; per-round medians of 3 runs): offload 4.00, kvtier 4.30" in table
     assert lines[1] in table
     assert engine_busy.chat_run_lines({"chat_runs_s": {"kvtier": [[9.0, 1.0]]}}) == []  # one run: nothing more
+    # rounds 2 and 3 of offload's first run: 20 steps, (10 x 2 + 10 x 4) / 20 running, 2 preempted, 3 s / 20
+    # (kvtier's first run: both rounds took 1.0 s, the time given the 2 running)
+    assert engine_busy.step_lines(result) == [
+        "engine steps, rounds 2+ of each run (steps / running per step / preempted / ms a step): "
+        "offload [20/3.0/2/150.0, 20/3.0/2/250.0, 20/3.0/2/200.0], kvtier [20/2.0/2/100.0, 20/3.0/2/300.0, 20/3.0/2/215.0]"]
+    assert engine_busy.step_lines(result)[0] in table
+
+
+def test_engine_steps_and_preemptions_are_counted_from_what_the_engine_core_sends():
+    """A stand-in engine core (no engine runs here) sends vLLM's own output structs."""
+    from vllm.v1.engine import EngineCoreEvent, EngineCoreEventType, EngineCoreOutput, EngineCoreOutputs
+    from vllm.v1.metrics.stats import SchedulerStats
+
+    def step(running, preempted=0):
+        events = [EngineCoreEvent.new_event(EngineCoreEventType.PREEMPTED)] * preempted or None
+        return EngineCoreOutputs(outputs=[EngineCoreOutput(request_id="r", new_token_ids=[], events=events)],
+                                 scheduler_stats=SchedulerStats(num_running_reqs=running))
+
+    sent = iter([step(4), step(2, preempted=1), EngineCoreOutputs(), step(3)])
+    core = SimpleNamespace(get_output=lambda: next(sent))
+    take = engine_child.tap_steps(SimpleNamespace(llm_engine=SimpleNamespace(engine_core=core)))
+    assert take() is None  # nothing yet
+    for _ in range(3):
+        core.get_output()
+    assert take() == {"steps": 2, "running_mean": 3.0, "running_max": 4, "preempted": 1}
+    core.get_output()
+    assert take() == {"steps": 1, "running_mean": 3.0, "running_max": 3, "preempted": 0}
