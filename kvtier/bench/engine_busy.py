@@ -201,6 +201,7 @@ def step_lines(result: dict) -> list[str]:
     steps = result.get("chat_runs_steps") or {}
     if not steps:
         return []
+
     def one(s: dict) -> str:
         return f"{s['steps']}/{s['running_mean']:.1f}/{s['preempted']}/{s['step_ms']:.1f}"
 

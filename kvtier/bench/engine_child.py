@@ -174,18 +174,15 @@ def run_child(spec: dict) -> dict:
     transfers = tap_transfers(llm) if spec.get("count_transfers") else (lambda: None)
     steps = tap_steps(llm) if spec.get("count_transfers") else (lambda: None)
 
-    def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list, dict | None]:
-        """Seconds, outputs, and what the connector reported meanwhile (see the module docstring);
-        the steps it took go to ``ran``."""
+    def generate(prompts: list[list[int]], max_tokens: int) -> tuple[float, list, dict | None, dict | None]:
+        """Seconds, outputs, what the connector reported meanwhile and the engine's steps (see the
+        module docstring)."""
         params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True, detokenize=False)
         transfers(), steps()  # drop what earlier rounds left
         start = time.perf_counter()
         outs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
         seconds = time.perf_counter() - start
-        ran[0] = steps()
-        return seconds, outs, transfers()
-
-    ran: list[dict | None] = [None]
+        return seconds, outs, transfers(), steps()
 
     for rnd in spec["rounds"]:
         time.sleep(rnd.get("pause_s", 0))
@@ -195,9 +192,9 @@ def run_child(spec: dict) -> dict:
             contexts = [list(s) for s in rnd["sessions"]]
             for turn in rnd["turns"]:
                 contexts = [c + t for c, t in zip(contexts, turn)]
-                seconds, outs, moved = generate(contexts, rnd["max_tokens"])
+                seconds, outs, moved, ran = generate(contexts, rnd["max_tokens"])
                 replies = [list(o.outputs[0].token_ids) for o in outs]
-                result["rounds"].append({"seconds": seconds, "transfers": moved, "steps": ran[0],
+                result["rounds"].append({"seconds": seconds, "transfers": moved, "steps": ran,
                                          "prompt_tokens": sum(map(len, contexts)),
                                          "outputs": [{"tokens": r, "cached": o.num_cached_tokens or 0}
                                                      for r, o in zip(replies, outs)]})
@@ -210,11 +207,11 @@ def run_child(spec: dict) -> dict:
             continue
         if rnd.get("profile"):
             llm.start_profile()
-        seconds, outs, moved = generate(rnd["prompts"], rnd.get("max_tokens", 1))
+        seconds, outs, moved, ran = generate(rnd["prompts"], rnd.get("max_tokens", 1))
         if rnd.get("profile"):
             llm.stop_profile()  # the workers write their traces before it returns
             result["profiles"][rnd["profile"]] = collect(spec["profile_dir"], rnd["profile"])
-        result["rounds"].append({"seconds": seconds, "transfers": moved, "steps": ran[0], "outputs": [
+        result["rounds"].append({"seconds": seconds, "transfers": moved, "steps": ran, "outputs": [
             {"tokens": list(o.outputs[0].token_ids), "cached": o.num_cached_tokens or 0, "id": o.request_id}
             for o in outs]})
         if "until_files" in rnd:
