@@ -7,9 +7,9 @@ kvtier's loaded bytes are the engine's own (a prompt loaded, then one token deco
 the engine's own decode does), but a prompt computed over them answers otherwise than its
 recompute. Without the refusal (:func:`kvtier.engines.vllm.groups.context_refused`) kvtier loads
 the prompt's four chunks there and the reload's answer differs from the recompute's from its first
-token on, which fails the first check below. The model's width is what vLLM's CPU MLA kernel takes (a 512 + 64 latent, 16-token
-blocks); its weights are drawn wide (``initializer_range`` 0.5) so that its greedy answer follows
-its context.
+token on, which fails the first check below. The model's width is what vLLM's CPU MLA kernel
+takes (a 512 + 64 latent, 16-token blocks); its weights are drawn wide (``initializer_range`` 0.5)
+so that its greedy answer follows its context.
 """
 
 from __future__ import annotations
