@@ -88,6 +88,20 @@ def hybrid_manager_on(llm) -> bool | None:
     return None if off is None else not off
 
 
+def _tap_outputs(llm, see: Callable[[object], None]) -> None:
+    """Have ``see`` look at every batch of outputs (``EngineCoreOutputs``) the engine core sends
+    ``llm``, where they arrive (:func:`tap_transfers` and :func:`tap_steps` both do)."""
+    core = llm.llm_engine.engine_core
+    get_output = core.get_output
+
+    def get_output_seen():
+        outputs = get_output()
+        see(outputs)
+        return outputs
+
+    core.get_output = get_output_seen
+
+
 def tap_transfers(llm) -> Callable[[], dict | None]:
     """Collect the connector stats every engine step sends ``llm``; returns a function that gives
     those since its last call, aggregated and reduced by the connector's own stats class (None:
@@ -105,17 +119,13 @@ def tap_transfers(llm) -> Callable[[], dict | None]:
     if stats_cls is None or stats_cls.build_kv_connector_stats() is None:
         return lambda: None
     payloads: list[dict] = []
-    core = engine.engine_core
-    get_output = core.get_output
 
-    def get_output_tapped():
-        outputs = get_output()
+    def see(outputs) -> None:
         stats = getattr(outputs, "scheduler_stats", None)
         if stats is not None and getattr(stats, "kv_connector_stats", None):
             payloads.append(stats.kv_connector_stats)
-        return outputs
 
-    core.get_output = get_output_tapped
+    _tap_outputs(llm, see)
 
     def take() -> dict:
         total = None
@@ -140,19 +150,15 @@ def tap_steps(llm) -> Callable[[], dict | None]:
 
     running: list[int] = []
     preempted = [0]
-    core = llm.llm_engine.engine_core
-    get_output = core.get_output
 
-    def get_output_counted():
-        outputs = get_output()
+    def see(outputs) -> None:
         stats = getattr(outputs, "scheduler_stats", None)
         if stats is not None:
             running.append(stats.num_running_reqs)
         for out in getattr(outputs, "outputs", None) or ():
             preempted[0] += sum(e.type == EngineCoreEventType.PREEMPTED for e in out.events or ())
-        return outputs
 
-    core.get_output = get_output_counted
+    _tap_outputs(llm, see)
 
     def take() -> dict | None:
         got = None if not running else {"steps": len(running), "running_mean": round(sum(running) / len(running), 2),
