@@ -47,14 +47,21 @@ class Engine:
 
 
 def make_engine(tmp_path, name: str, seed: int, produce: bool = True, layers: int = 2, block: int = BLOCK,
-                nhd: bool = False, **config) -> Engine:
+                nhd: bool = False, rank_of: tuple[int, int] | None = None, **config) -> Engine:
+    """``rank_of``: ``(rank, tp_size)``, the engine is that rank, holding its share of the 2 KV heads of
+    the KV ``seed`` makes (vLLM-CPU's layout only), its chunks pieces keyed by their heads (any TP size
+    reads them); None: a TP=1 engine whose chunks are its own."""
     generator = torch.Generator().manual_seed(seed)
     if nhd:
         kv = torch.randn(layers, 2, NUM_BLOCKS, block, 2, 16, generator=generator).to(torch.bfloat16)
     else:
         kv = torch.randn(layers, NUM_BLOCKS, 2, block, 32, generator=generator)
+    rank, tp_size = rank_of or (0, 1)
+    if rank_of is not None:
+        kv = kv.narrow(2, rank * 2 // tp_size, 2 // tp_size).contiguous()
     cfg = KvtierConfig.from_dict({"chunk_tokens": CHUNK, "cpu_bytes": 16 << 20, "pd_timeout_ms": 1000, **config})
-    side = WorkerSide(cfg, MODEL, block, NUM_BLOCKS, f"ipc://{tmp_path}/{name}.sock", 0, 1, produce=produce)
+    side = WorkerSide(cfg, MODEL, block, NUM_BLOCKS, f"ipc://{tmp_path}/{name}.sock", rank, tp_size, produce=produce,
+                      heads=(2 // tp_size, 2) if rank_of is not None else None)
     side.register({f"layer.{i}": kv[i] for i in range(layers)})
     return Engine(side, kv)
 
@@ -74,17 +81,19 @@ def publish(p: Engine, tokens: list[int], blocks: list[int], transfer_id: str, l
     return all_keys
 
 
-def remote_job(req_id: str, tokens: list[int], blocks: list[int], transfer_id: str, endpoint: str,
+def remote_job(req_id: str, tokens: list[int], blocks: list[int], transfer_id: str, endpoint: str | tuple[str, ...],
                wait: bool = False, first_chunk: int = 0, start_chunk: int = 0, block: int = BLOCK,
                producer_blocks: tuple[int, ...] = ()) -> LoadJob:
     """What D's scheduler half plans for a consumer request with no local hit: the whole prompt
-    (``producer_blocks``: P's blocks, as its params named them, from the first fetched chunk on)."""
+    (``producer_blocks``: P's blocks, as its params named them, from the first fetched chunk on;
+    ``endpoint``: P's chunk server, or each of its TP ranks' in rank order)."""
     keys, tail = prompt_keys(tokens)
     all_keys = keys + ([tail] if tail else [])
     tail_blocks = -(-(len(tokens) - len(keys) * CHUNK) // block) if tail else 0
     skip = start_chunk * CHUNK // block
+    endpoints = endpoint if isinstance(endpoint, tuple) else (endpoint,)
     return LoadJob(req_id, tuple(all_keys[start_chunk:]), 0, tuple(blocks[skip:]), tail_blocks,
-                   RemoteSource(transfer_id, (endpoint,), first_chunk, wait, tuple(producer_blocks)))
+                   RemoteSource(transfer_id, endpoints, first_chunk, wait, tuple(producer_blocks)))
 
 
 def tokens_of(n: int, seed: int = 0) -> list[int]:
