@@ -52,10 +52,11 @@ from kvtier.pd.producer.lending import LentBuffers
 from kvtier.pd.nixl import Agent
 from kvtier.pd.producer.recut import recut
 from kvtier.pd.producer.sent import SentBuffers
-from kvtier.pd.producer.slicing import Cutter, HeadSlice, rank_part
+from kvtier.pd.producer.peers import Peers
+from kvtier.pd.producer.slicing import Cutter, rank_part
 from kvtier.pd.producer.waiting import WaitingFetches
 from kvtier.pd.producer.writes import PeerWrites
-from kvtier.pd.route import Route, producer_route
+from kvtier.pd.route import producer_route
 from kvtier.pd.protocol import (
     MAX_REQUEST_BYTES, VERSION, AuthError, ChunkReply, Fetch, Fetches, Hello, HelloReply, Release, ServedLayout,
     check_mac, decode_request, encode, mac,
@@ -88,12 +89,9 @@ class ChunkServer:
         self.store = store
         self.nixl = nixl
         self._lease_wait = False  # a fetch waits for a lease: look again at the next turn of the loop
-        self._nixl_peers: dict[bytes, float] = {}  # identities that chose NIXL -> last message (monotonic s)
-        self._writers: dict[bytes, str] = {}  # identities that offered buffers to WRITE into -> NIXL peer name
-        self._routes: dict[bytes, Route] = {}  # identity -> its transfer's route, settled by its hello (else ZMQ)
-        self._slices: dict[bytes, HeadSlice] = {}  # identity -> the heads a decode rank of a larger TP size takes
         self._writes = PeerWrites(self._send, self._retry, timeout_ms / 1000)  # WRITEs not done yet, releases to answer
         self._hbm = HbmServing(self._send, self._writes)
+        self._peers = Peers(lambda: self.nixl, self._hbm)  # each decode connection's route, heads and NIXL side
         self.served_total = 0  # chunks answered "ok" since start, lent or sent
         self._cutter = Cutter(store)  # chunks cut to a decode rank's part of the heads
         self._lend_s = 2 * timeout_ms / 1000
@@ -124,7 +122,7 @@ class ChunkServer:
         last_beat = last_expire = time.monotonic()
         while not self._stop.is_set():
             busy = self._writes or self._hbm.sums_pending
-            events = dict(poller.poll(1 if busy else 10 if self._waiting or self._nixl_peers else 100))
+            events = dict(poller.poll(1 if busy else 10 if self._waiting or self._peers.over_nixl else 100))
             if self._lease_wait:  # a fetch waits for a lease, which no announcement wakes: look again
                 self._lease_wait = False
                 self.holds.changed.set()
@@ -139,7 +137,7 @@ class ChunkServer:
                         self._handle([f.bytes for f in frames])
                 self.rejected += self._curve_failures.take()
                 self._sent.release_done()
-                if self._nixl_peers:
+                if self._peers.over_nixl:
                     self.nixl.progress()
                 if self._writes:
                     self._writes.poll()
@@ -196,11 +194,7 @@ class ChunkServer:
                 else:
                     self._fetch(identity, fetch, now)
         elif isinstance(message, Release):
-            self._nixl_peers.pop(identity, None)  # one connection per transfer
-            self._routes.pop(identity, None)
-            self._slices.pop(identity, None)
-            self._forget_writer(identity)
-            self._hbm.forget(identity)  # its WRITEs not posted yet never are
+            self._peers.forget(identity)  # one connection per transfer
             if not self._handshakes.still_read(message.transfer_id):  # (a consumer of more TP ranks: its last)
                 if self.engine is not None:
                     self.engine.leases.release(message.transfer_id)
@@ -214,31 +208,26 @@ class ChunkServer:
         mine = self.layout
         error = ""
         part = rank_part(self.layout.layout, mine.tp_size, hello)  # a decode rank of a larger TP size: its heads
-        if part is not None:
-            self._slices[identity] = part
-        else:
-            self._slices.pop(identity, None)
         if hello.tp_size != mine.tp_size and hello.fingerprint != mine.fingerprint and part is None:  # (same heads: any TP)
             error = (f"the decode engine asks for another layout or other KV heads than this rank's "
                      f"(tensor-parallel size {hello.tp_size} there, {mine.tp_size} here)")
         transport, metadata, regions, device, lending = "zmq", b"", (), 0, False
         if not error and self.nixl is not None and "nixl" in hello.transports:
             transport, metadata = "nixl", self.nixl.metadata()
-            self._nixl_peers[identity] = time.monotonic()
+            self._peers.touch(identity)
             self.nixl.bind_device()  # this thread reaches peers and posts WRITEs: cuda_ipc needs the device
             if hello.nixl:  # the peer may be written to (push): reach its agent now
                 try:
-                    self._writers[identity] = self.nixl.connect(hello.nixl, identity)
+                    self._peers.reach(identity, hello.nixl)
                 except Exception as exc:  # bad metadata, UCX cannot reach it: the peer READs instead
                     logger.warning("kvtier P/D chunk server: cannot reach a decode engine's NIXL agent (%s); "
                                    "it reads the chunks itself.", exc)
             regions, device, lending = self._hbm.hello(identity, hello, hello.fingerprint == mine.fingerprint,
-                                                       self._writers.get(identity))
+                                                       self._peers.writer(identity))
         else:
-            self._nixl_peers.pop(identity, None)
-            self._hbm.forget(identity)
-        self._routes[identity] = producer_route(nixl=transport == "nixl", regions=bool(regions),
-                                                writable=identity in self._writers)
+            self._peers.over_zmq(identity)
+        self._peers.greeted(identity, producer_route(nixl=transport == "nixl", regions=bool(regions),
+                                                     writable=self._peers.writer(identity) is not None), part)
         num_blocks = self.engine.num_blocks if self.engine is not None else 0
         fingerprint = mine.fingerprint if part is None else part.fingerprint  # what its chunks are sealed under
         self._send(identity, HelloReply(VERSION, fingerprint, mine.description, mine.chunk_tokens, mine.tp_size,
@@ -248,9 +237,9 @@ class ChunkServer:
 
     def _fetch(self, identity: bytes, fetch: Fetch, now: float) -> bool:
         """Answer ``fetch`` now if possible; else park it. Returns True once answered."""
-        if self._routes.get(identity, Route.ZMQ).hbm and self._hbm.answer_early(identity, fetch):  # from its blocks, checksum taken as its step ended:
+        if self._peers.route(identity).hbm and self._hbm.answer_early(identity, fetch):  # from its blocks, checksum taken as its step ended:
             self.served_total += 1  # no look-up in the store (its copy there may be coming, stored, or lost)
-            self._nixl_peers[identity] = time.monotonic()
+            self._peers.touch(identity)
             return True
         if now + EXPECT_S > time.monotonic() and self._hbm.waits_for_lease(identity, fetch):
             self._lease_wait = True
@@ -288,7 +277,7 @@ class ChunkServer:
             if buffer is None:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
                 return True
-        if (part := self._slices.get(identity)) is not None:
+        if (part := self._peers.slice_of(identity)) is not None:
             skey = storage_key(fetch.key, self.layout.fingerprint)
             buffer = self._cutter.cut(buffer, skey, self.layout.layout, part,
                                       f"stored chunk {skey.hex()} (chunk {fetch.index} of transfer {fetch.transfer_id})")
@@ -296,32 +285,23 @@ class ChunkServer:
                 self._send(identity, ChunkReply(VERSION, fetch.index, "missing"))
                 return True
         self.served_total += 1
-        route = self._routes.get(identity, Route.ZMQ)  # ZMQ once its NIXL peer is dropped
+        route = self._peers.route(identity)  # ZMQ once its NIXL peer is dropped
         if route.hbm and self._hbm.answer(identity, fetch, buffer):
-            self._nixl_peers[identity] = time.monotonic()
+            self._peers.touch(identity)
             return True
         if route.writes and fetch.address and fetch.capacity == buffer.data.numel():
-            self._writes.start(self.nixl, self._writers[identity], identity, fetch, buffer)
-            self._nixl_peers[identity] = time.monotonic()
+            self._writes.start(self.nixl, self._peers.writer(identity), identity, fetch, buffer)
+            self._peers.touch(identity)
             return True
         if route.nixl and self.nixl.covers(buffer.data.data_ptr(), buffer.data.numel()):
             self._lent.lend(identity, fetch, buffer)
-            self._nixl_peers[identity] = time.monotonic()
+            self._peers.touch(identity)
             return True
         self._send(identity, ChunkReply(VERSION, fetch.index, "ok"), chunk=buffer)
         return True
 
-    def _forget_writer(self, identity: bytes) -> None:
-        if (name := self._writers.pop(identity, None)) is not None:
-            self.nixl.disconnect(name, identity)
-
     def _expire_lent(self, now: float) -> None:
-        for identity in [i for i, last_s in self._nixl_peers.items() if now - last_s > self._lend_s]:
-            del self._nixl_peers[identity]
-            self._routes.pop(identity, None)
-            self._slices.pop(identity, None)
-            self._hbm.forget(identity)
-            self._forget_writer(identity)
+        self._peers.expire(now, self._lend_s)
         if self.nixl is not None:
             self.nixl.forget_idle(PEER_IDLE_S)
         self._lent.expire(now)
@@ -402,8 +382,7 @@ class ChunkServer:
         now = time.monotonic()
         for identity in self._waiting.peers(lambda transfer_id: self.holds.active(transfer_id, self._active_s)):
             self._send(identity, ChunkReply(VERSION, -1, "pending"))
-            if identity in self._nixl_peers:  # waiting through a long prefill is not going quiet
-                self._nixl_peers[identity] = now
+            self._peers.touch_if_nixl(identity, now)  # waiting through a long prefill is not going quiet
 
     def _send(self, identity: bytes, reply: msgspec.Struct, payload: memoryview | None = None,
               out_of_band: bool = False, chunk: ChunkBuffer | None = None) -> None:
