@@ -74,7 +74,8 @@ def add_parser(commands) -> None:
 
 def _producer(shape: Shape, tmp: str, p_sizes: list[int], conn) -> None:
     """P: publish the prompt from blocks ``[0, blocks)``, and so do the ranks of each TP size in ``p_sizes``;
-    serve it, and a raw ZMQ stream, until told to stop."""
+    serve it, and a raw ZMQ stream, until told to stop. Asked ``"cut_s"``, it answers each TP size's
+    seconds its ranks' serving threads spent cutting chunks to D ranks' heads since start."""
     import torch
     import zmq
 
@@ -100,7 +101,11 @@ def _producer(shape: Shape, tmp: str, p_sizes: list[int], conn) -> None:
                offered(tp_ranks, shape.blocks)))
     poller = zmq.Poller()
     poller.register(raw, zmq.POLLIN)
-    while not conn.poll(0):
+    while True:
+        if conn.poll(0):
+            if conn.recv() == "stop":
+                break
+            conn.send({p: sum(s.chunk_server.cut_s for s in ranks.sides) for p, ranks in tp_ranks.items()})
         if poller.poll(10):
             identity, _ = raw.recv_multipart()
             raw.send_multipart([identity, payload])  # one chunk per request, as the chunk server answers
@@ -190,7 +195,13 @@ def run(shape: Shape, repeats: int, progress, tp_pairs: tuple[TpSizes, ...] = ()
         else:
             progress("NIXL is not installed here (pip install nixl-cu12): its rows are left out")
         if tp_pairs:
-            consumers = Consumers(shape, tp_pairs, tmp, tp_offered, progress)
+            def cut_s(p: int) -> float:
+                parent.send("cut_s")
+                if not parent.poll(30):
+                    raise BenchError("the producer process did not answer")
+                return parent.recv()[p]
+
+            consumers = Consumers(shape, tp_pairs, tmp, tp_offered, progress, cut_s)
 
         def transfer(r: int, transport: str, push: bool = False) -> float:
             side.nixl = agent if transport == "nixl" else None  # what D offers P in the handshake

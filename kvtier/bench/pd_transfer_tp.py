@@ -32,6 +32,7 @@ import statistics
 import time
 import uuid
 from dataclasses import dataclass
+from typing import Callable
 
 from kvtier.bench.common import BenchError, VerifyError
 from kvtier.bench.pd_tp import TpSizes, parse_tp
@@ -135,6 +136,7 @@ class TpTransferResult:
     fetched_bytes: int  # what D's ranks fetch: see fetched_bytes()
     ms: list[float]
     verified: int
+    cut_ms: list[float]  # per sample, ms P's ranks' serving threads spent cutting D ranks' heads (P < D; else empty)
 
     @property
     def label(self) -> str:
@@ -142,7 +144,8 @@ class TpTransferResult:
 
     def as_json(self) -> dict:
         return {"tp": self.tp.as_json(), "transport": self.transport, "kv_bytes": self.kv_bytes,
-                "fetched_bytes": self.fetched_bytes, "kvtier_ms": self.ms, "verified": self.verified}
+                "fetched_bytes": self.fetched_bytes, "kvtier_ms": self.ms, "verified": self.verified,
+                "p_cut_ms": self.cut_ms}
 
 
 class Ranks:
@@ -200,8 +203,9 @@ class Consumers:
     as :func:`offered` gives them), timed per pair and transport; NIXL's rows where every rank of
     both sides has it."""
 
-    def __init__(self, shape: Shape, pairs: tuple[TpSizes, ...], tmp: str, producers: dict, progress):
-        self.shape, self.pairs, self.producers = shape, pairs, producers
+    def __init__(self, shape: Shape, pairs: tuple[TpSizes, ...], tmp: str, producers: dict, progress,
+                 cut_s: Callable[[int], float] = lambda p: 0.0):
+        self.shape, self.pairs, self.producers, self.cut_s = shape, pairs, producers, cut_s
         self.keys = tuple(shape.keys())
         self.engines = {d: Ranks(shape, tmp, "d", d, seed=2, produce=False)
                         for d in dict.fromkeys(tp.d for tp in pairs)}
@@ -210,6 +214,7 @@ class Consumers:
         nixl = all(ok for _, ok, _ in producers.values()) and all(all(a) for a in self.agents.values())
         self.transports = TRANSPORTS if nixl else TRANSPORTS[:1]
         self.samples: dict[tuple[TpSizes, str], list[float]] = {(tp, t): [] for t in self.transports for tp in pairs}
+        self.cut_ms: dict[tuple[TpSizes, str], list[float]] = {key: [] for key in self.samples}
         self.verified = dict.fromkeys(self.samples, 0)
         progress(f"TP pairs {', '.join(f'{tp.p}:{tp.d}' for tp in pairs)} over {', '.join(self.transports)}: "
                  "one untimed transfer each")
@@ -217,7 +222,8 @@ class Consumers:
             self.transfer(tp, transport, "warm")
 
     def transfer(self, tp: TpSizes, transport: str, tag: str) -> float:
-        """ms of one transfer from P's ranks of size ``tp.p`` into D's of size ``tp.d``, verified."""
+        """ms of one transfer from P's ranks of size ``tp.p`` into D's of size ``tp.d``, verified (P cutting
+        D ranks' heads, ``tp.p < tp.d``: the ms P's threads spent on it go in :attr:`cut_ms`, timed ones)."""
         import numpy as np
 
         from kvtier.jobs import LoadJob, RemoteSource
@@ -232,6 +238,7 @@ class Consumers:
         source = RemoteSource(f"bench-{uuid.uuid4().hex}", tuple(f"tcp://127.0.0.1:{port}" for port in ports), 0)
         job = LoadJob(f"d-{tag}-{tp.p}to{tp.d}-{transport}", self.keys, 0, tuple(range(blocks, 2 * blocks)), 0,
                       source)
+        cut_before = self.cut_s(tp.p) if tp.p < tp.d else 0.0
         start = time.perf_counter()
         for side in ranks.sides:
             side.start_loads((job,))  # one transfer, read by every D rank
@@ -249,6 +256,8 @@ class Consumers:
         if not np.array_equal(ranks.blocks(blocks, blocks), expected):  # bits, not floats
             raise VerifyError(f"the consumer's blocks differ from the producer's (TP {tp.p}→{tp.d} over {transport})")
         self.verified[(tp, transport)] += 1
+        if tp.p < tp.d and tag != "warm":
+            self.cut_ms[(tp, transport)].append((self.cut_s(tp.p) - cut_before) * 1e3)
         return ms
 
     def repeat(self, r: int) -> str:
@@ -260,7 +269,8 @@ class Consumers:
 
     def results(self, kv_bytes: int) -> list[TpTransferResult]:
         return [TpTransferResult(tp, transport, kv_bytes, fetched_bytes(kv_bytes, self.shape.kv_heads, tp), ms,
-                                 self.verified[(tp, transport)]) for (tp, transport), ms in self.samples.items()]
+                                 self.verified[(tp, transport)], self.cut_ms[(tp, transport)])
+                for (tp, transport), ms in self.samples.items()]
 
     def close(self) -> None:
         for ranks in self.engines.values():
@@ -268,15 +278,19 @@ class Consumers:
 
 
 def format_tp_table(results: list[TpTransferResult]) -> str:
-    """Each pair's median and best ms, GB/s (the median's, of ``kv_bytes``), and its median's ratio to
-    the pair at D's size on both sides (``× D:D``: above 1, slower) when that pair ran too."""
+    """Each pair's median and best ms, GB/s (the median's, of ``kv_bytes``), its median's ratio to the
+    pair at D's size on both sides (``× D:D``: above 1, slower) when that pair ran too, and the median
+    ms P's serving threads spent cutting D ranks' heads out of its chunks (``P cut ms``, P < D)."""
     median = {(r.tp, r.transport): statistics.median(r.ms) for r in results}
-    lines = [f"TP pairs P→D, median of {len(results[0].ms)} (× D:D: median ms over the same-TP pair of D's size)",
-             f"{'path':<30} {'fetched MiB':>11} {'median ms':>10} {'best ms':>9} {'GB/s':>7} {'× D:D':>7}"]
+    lines = [f"TP pairs P→D, median of {len(results[0].ms)} (× D:D: median ms over the same-TP pair of D's size; "
+             "P cut ms: P's threads cutting D ranks' heads, on the same cores)",
+             f"{'path':<30} {'fetched MiB':>11} {'median ms':>10} {'best ms':>9} {'GB/s':>7} {'× D:D':>7} "
+             f"{'P cut ms':>9}"]
     for r in results:
         ms = median[(r.tp, r.transport)]
         same = median.get((TpSizes(r.tp.d, r.tp.d), r.transport))
         ratio = f"{ms / same:>7.2f}" if same else f"{'-':>7}"
+        cut = f"{statistics.median(r.cut_ms):>9.1f}" if r.cut_ms else f"{'-':>9}"
         lines.append(f"{r.label:<30} {r.fetched_bytes / 2**20:>11.0f} {ms:>10.1f} {min(r.ms):>9.1f} "
-                     f"{r.kv_bytes / ms / 1e6:>7.2f} {ratio}")
+                     f"{r.kv_bytes / ms / 1e6:>7.2f} {ratio} {cut}")
     return "\n".join(lines)

@@ -41,6 +41,8 @@ def test_pd_transfer_verifies_and_writes_json_and_plot(tmp_path):
         assert r["kv_bytes"] == kv_bytes and len(r["kvtier_ms"]) == 2 and all(ms > 0 for ms in r["kvtier_ms"])
         assert r["verified"] == 3  # the warm-up and both repeats: D's blocks matched P's byte for byte
         assert r["fetched_bytes"] == kv_bytes  # P cuts each D rank's heads out of its wider pieces
+        cuts = r["tp"]["P"] < r["tp"]["D"]  # P's time cutting, for each timed sample where it cuts
+        assert len(r["p_cut_ms"]) == (2 if cuts else 0) and all(ms > 0 for ms in r["p_cut_ms"])
     if importlib.util.find_spec("matplotlib") is not None:
         assert png.stat().st_size > 0
 
@@ -80,13 +82,14 @@ def test_fetched_bytes_counts_each_head_once_unless_a_rank_straddles_two_pieces(
 
 
 def test_the_table_gives_each_pair_its_ratio_to_the_same_tp_pair_of_d_s_size():
-    pairs = [TpTransferResult(TpSizes(p, d), "zmq", 2 << 20, 2 << 20, ms, 3)
-             for p, d, ms in ((1, 1, [10.0, 12.0, 11.0]), (2, 1, [30.0, 33.0, 36.0]), (1, 2, [20.0, 20.0, 20.0]))]
+    pairs = [TpTransferResult(TpSizes(p, d), "zmq", 2 << 20, 2 << 20, ms, 3, cut)
+             for p, d, ms, cut in ((1, 1, [10.0, 12.0, 11.0], []), (2, 1, [30.0, 33.0, 36.0], []),
+                                   (1, 2, [20.0, 20.0, 20.0], [5.0, 9.0, 7.0]))]
     result = PdTransferResult(512, 256, 2 << 20, [1.0], [2.0], [4.0], [], [], [], pairs)
     table = format_table(result, "best")
     lines = {line.split("  ")[0]: line.split() for line in table.splitlines()}
-    assert lines["kvtier zmq, TP 1→1"][-5:] == ["2", "11.0", "10.0", "0.19", "1.00"]
-    assert lines["kvtier zmq, TP 2→1"][-5:] == ["2", "33.0", "30.0", "0.06", "3.00"]
-    assert lines["kvtier zmq, TP 1→2"][-1] == "-"  # no TP 2→2 ran
+    assert lines["kvtier zmq, TP 1→1"][-6:] == ["2", "11.0", "10.0", "0.19", "1.00", "-"]
+    assert lines["kvtier zmq, TP 2→1"][-6:] == ["2", "33.0", "30.0", "0.06", "3.00", "-"]
+    assert lines["kvtier zmq, TP 1→2"][-2:] == ["-", "7.0"]  # no TP 2→2 ran; P's cuts, median ms
     default = format_table(PdTransferResult(512, 256, 2 << 20, [1.0], [2.0], [4.0], [], [], []), "best")
     assert "TP" not in default and default == table.split("\n\n")[0]

@@ -347,6 +347,11 @@ class ChunkServer:
         return self._cutter.total
 
     @property
+    def cut_s(self) -> float:
+        """Seconds this server's thread spent cutting chunks to decode ranks' heads since start."""
+        return self._cutter.seconds
+
+    @property
     def writes_abandoned_total(self) -> int:
         """Chunks whose WRITE into a NIXL peer ran past its deadline since start (each sent as for a failed one)."""
         return self._writes.abandoned_total

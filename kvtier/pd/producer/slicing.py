@@ -99,12 +99,13 @@ class Cutter:
         self._checked: OrderedDict[tuple[bytes, int, int], _Held] = OrderedDict()  # by (key, address, checksum)
         self.total = 0  # chunks cut
         self.checked_once = 0  # of those, cut from a copy held here, checked by an earlier cut
+        self.seconds = 0.0  # spent cutting (and checking) since start, on the calling thread
 
     def cut(self, buffer: ChunkBuffer, skey: bytes, layout: Layout, to: HeadSlice, what: str) -> ChunkBuffer | None:
         """``buffer``'s chunk (stored under ``skey``, of ``layout``) cut to ``to``'s heads, in a fresh
         buffer from the store. Takes ``buffer``; None when there is no room, or the stored chunk is
         unusable (removed from the store then, and said for ``what``, the chunk's name in the line)."""
-        keep = False
+        keep, start = False, time.perf_counter()
         try:
             header = codec.read_header(buffer.data)
             unit = sum(layout.token_bytes) if to.per_token else layout.bytes_per_block
@@ -134,6 +135,7 @@ class Cutter:
         finally:
             if not keep:
                 buffer.release()
+            self.seconds += time.perf_counter() - start
 
     def expire(self) -> None:
         """Let go of the chunks held longest, past :data:`HELD_S` or beyond :data:`CHECKED_KEPT`."""
