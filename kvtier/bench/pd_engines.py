@@ -108,11 +108,11 @@ def add_parser(commands) -> None:
 
 
 def memory_share(devices: tuple[str, str] | None, given: float | None) -> float:
-    """Each engine's ``gpu_memory_utilization``: ``given``, else 0.8 when P and D have a GPU each,
-    0.35 when they share one."""
+    """Each engine's ``gpu_memory_utilization``: ``given``, else 0.8 when P and D have GPUs of their
+    own, 0.35 when they share one."""
     if given is not None:
         return given
-    return 0.8 if devices is not None and devices[0] != devices[1] else 0.35
+    return 0.8 if devices is not None and not set(devices[0].split(",")) & set(devices[1].split(",")) else 0.35
 
 
 def _main(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

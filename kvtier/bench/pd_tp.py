@@ -51,15 +51,19 @@ def parse_tp(text: str) -> TpSizes:
 
 def parse_devices(text: str | None, tp: TpSizes | int = 1) -> tuple[str, str] | None:
     """``--devices``: ``"0,1"`` -> ``("0", "1")`` (P's devices, D's; each a ``CUDA_VISIBLE_DEVICES``
-    value of indexes or GPU UUIDs); at ``tp`` 2:1, ``"0,1,2"`` -> ``("0,1", "2")``; an int ``tp``
-    is both sizes. None stays None (both on the visible device). Anything but ``tp.p + tp.d``
-    non-empty items, distinct once there are more than two, raises ``ValueError``."""
+    value of indexes or GPU UUIDs); at ``tp`` 2:1, ``"0,1,2"`` -> ``("0,1", "2")``, or ``"0,1,1"`` ->
+    ``("0,1", "1")``, D on a GPU of P's (two GPUs for unequal sizes); an int ``tp`` is both sizes.
+    None stays None (both on the visible device). Anything but ``tp.p + tp.d`` non-empty items, each
+    side's distinct (and all distinct at equal sizes above 1), raises ``ValueError``."""
     if text is None:
         return None
     tp = TpSizes(tp, tp) if isinstance(tp, int) else tp
     total = tp.p + tp.d
     items = [x.strip() for x in text.split(",")]
-    if len(items) != total or not all(items) or any(" " in x for x in items) or (total > 2 and len(set(items)) < total):
+    p_items, d_items = items[:tp.p], items[tp.p:]
+    repeated = (len(set(p_items)) < len(p_items) or len(set(d_items)) < len(d_items)
+                or (tp.equal and total > 2 and len(set(items)) < total))
+    if len(items) != total or not all(items) or any(" " in x for x in items) or repeated:
         raise ValueError(f"expected {total} devices, P's {tp.p} then D's {tp.d}, like "
                          f"{','.join(map(str, range(total)))}; got {text!r}")
     return ",".join(items[:tp.p]), ",".join(items[tp.p:])

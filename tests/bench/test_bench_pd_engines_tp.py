@@ -40,7 +40,10 @@ def test_devices_are_p_s_then_d_s_at_each_size(capsys):
     assert parse_devices("0,1,2", TpSizes(2, 1)) == ("0,1", "2")
     assert parse_devices("0,1,2", TpSizes(1, 2)) == ("0", "1,2")
     assert parse_devices("0,1,2,3", 2) == ("0,1", "2,3")
-    for bad in ("0,1", "0,1,2,3", "0,1,1", "0,,2"):
+    assert parse_devices("0,1,1", TpSizes(2, 1)) == ("0,1", "1")  # D on a GPU of P's: two GPUs do
+    assert parse_devices("0,0,1", TpSizes(1, 2)) == ("0", "0,1")
+    assert pd_engines.memory_share(("0,1", "1"), None) == 0.35 and pd_engines.memory_share(("0,1", "2"), None) == 0.8
+    for bad in ("0,1", "0,1,2,3", "0,0,1", "0,,2"):
         with pytest.raises(ValueError, match="expected 3 devices, P's 2 then D's 1"):
             parse_devices(bad, TpSizes(2, 1))
     err = _refused(["--tp", "2:1", "--devices", "0,1"], capsys)
