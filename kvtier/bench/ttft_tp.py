@@ -1,18 +1,20 @@
 """``kvtier-bench ttft --tp W:R,...``: a disk-tier reload at one TP size of chunks written at another,
 beside a reload of chunks written at the reader's own TP size.
 
-Per pair ``W:R`` (the writer's TP size, the reader's), each pair on a disk tier of its own:
+Per reader size ``R``, the pairs ``W:R`` read at it (``R:R`` among them) share one disk tier:
 
-* engine W, at TP=W, computes the timed prompts and the check prompts (its ranks' pieces go to the
-  disk tier, :mod:`kvtier.shards`), then pauses ``--settle-s`` for the write-through to land;
-* every chunk file is dropped from the page cache, and a fresh engine R at TP=R recomputes an
+* engine W of each pair, at TP=W, computes its own timed prompts and check prompts (its ranks'
+  pieces go to the disk tier, :mod:`kvtier.shards`), then pauses ``--settle-s`` for the
+  write-through to land;
+* every chunk file is dropped from the page cache, and one fresh engine R at TP=R recomputes an
   unrelated prompt of each length (a fresh engine's first long-context steps pay one-off costs),
-  then ``disk``: the timed prompts, read cold from the disk tier, one ``generate(prompt,
-  max_tokens=1)`` each; its wall time is the TTFT.
+  then reads every writer's timed prompts cold from the disk tier, the writers taking turns prompt
+  by prompt, one ``generate(prompt, max_tokens=1)`` each; its wall time is the TTFT.
 
-Every pair runs the same prompts, so a pair ``W:R`` with ``W != R`` is compared with the pair ``R:R``
-of the same run (``ratio``: the medians' quotient): the reader, the prompts and the bytes the same,
-only the writer's TP size differs. ``loaded``: the prompt tokens vLLM reported cached, the fewest
+A pair ``W:R`` with ``W != R`` is compared with the pair ``R:R`` of the same reader (``ratio``: the
+medians' quotient): the reader, the prompts' lengths and the bytes the same, only the writer's TP
+size differs, and the disk's slow moments (on a cloud disk, reads that stall ~0.3 s for tens of
+seconds) fall on both alike. ``loaded``: the prompt tokens vLLM reported cached, the fewest
 over the repeats; a cross-TP reload should find as many as the same-TP one (``every chunk hits``).
 The check prompts (written by W) run 16 tokens greedy at R; their tokens must equal R's own
 recompute of them (under another cache salt: nothing hits). The model is
@@ -70,47 +72,69 @@ def _cores(tp: int) -> dict[str, str]:
     return {"VLLM_CPU_OMP_THREADS_BIND": "|".join(str(r % cores) for r in range(tp))}
 
 
-def run(args, lengths: list[int], pairs: list[TpSizes], kv_token_bytes: int, progress, drop_page_cache) -> dict:
-    """Every pair's writer and reader; the result's JSON (``ms``: {"W:R": {tokens: [ms, ...]}},
-    ``loaded``: {"W:R": {tokens: [cached tokens, ...]}}, ``identical``: {"W:R": bool})."""
-    max_len = max(lengths)
-    timed = {(n, r): prompt(300_000 + 1000 * r + n, n) for n in lengths for r in range(args.repeats)}
-    checks = {n: prompt(350_000 + n, n) for n in lengths}
+def _rounds(args, lengths: list[int], writers: list[int]) -> tuple[dict[int, list[dict]], list[dict]]:
+    """Each writer's rounds (by TP size) and the reader's: every writer its own timed and check prompts
+    (seeded by its size), the reader's timed prompts interleaved, repeat by repeat, the writers' order
+    turning each repeat, so that the disk's good and bad moments fall on every writer alike."""
+    def timed(w: int, n: int, r: int) -> list[int]:
+        return prompt(1_000_000 * w + 300_000 + 1000 * r + n, n)
+
+    def check(w: int, n: int) -> list[int]:
+        return prompt(1_000_000 * w + 350_000 + n, n)
+
     warm = [{"prompts": [prompt(399_999, WARMUP_TOKENS)]}]
-    write = warm + [{"prompts": [p]} for p in timed.values()]
-    write += [{"prompts": [p], "max_tokens": CHECK_TOKENS, "check": n} for n, p in checks.items()]
-    write += [{**warm[0], "pause_s": args.settle_s}]  # the write-through lands before the engine ends
+    write = {w: warm + [{"prompts": [timed(w, n, r)]} for n in lengths for r in range(args.repeats)]
+             + [{"prompts": [check(w, n)], "max_tokens": CHECK_TOKENS} for n in lengths]
+             + [{**warm[0], "pause_s": args.settle_s}]  # the write-through lands before the engine ends
+             for w in writers}
     read = warm + [{"prompts": [prompt(370_000 + n, n)]} for n in lengths]
-    read += [{"prompts": [p], "timed": n} for (n, _), p in timed.items()]
-    read += [{"prompts": [p], "max_tokens": CHECK_TOKENS, "check": n} for n, p in checks.items()]
+    for r in range(args.repeats):
+        turn = writers[r % len(writers):] + writers[: r % len(writers)]
+        read += [{"prompts": [timed(w, n, r)], "timed": n, "writer": w} for n in lengths for w in turn]
+    read += [{"prompts": [check(w, n)], "max_tokens": CHECK_TOKENS, "check": n, "writer": w}
+             for w in writers for n in lengths]
     # R's own recompute of the check prompts (another cache salt): what its reloads must answer
-    read += [{"prompts": [p], "max_tokens": CHECK_TOKENS, "salt": "recompute", "recompute": n} for n, p in checks.items()]
+    read += [{"prompts": [check(w, n)], "max_tokens": CHECK_TOKENS, "salt": "recompute", "recompute": n, "writer": w}
+             for w in writers for n in lengths]
+    return write, read
+
+
+def run(args, lengths: list[int], pairs: list[TpSizes], kv_token_bytes: int, progress, drop_page_cache) -> dict:
+    """Every pair's writer and, per reader size, one reader of all its pairs' chunks; the result's
+    JSON (``ms``: {"W:R": {tokens: [ms, ...]}}, ``loaded``: {"W:R": {tokens: [cached tokens, ...]}},
+    ``identical``: {"W:R": bool}, ``dropped``: {"W:R": chunk files dropped from the reader's disk tier})."""
+    max_len = max(lengths)
     result = {"benchmark": "ttft-tp", "lengths": lengths, "repeats": args.repeats, "ms": {}, "loaded": {},
               "identical": {}, "dropped": {}}
     with tempfile.TemporaryDirectory(prefix="kvtier-ttft-tp-") as tmp:
         progress("building a random-weight Llama")
         model = make_model(os.path.join(tmp, "model"), args.hidden, args.layers, max(8192, 2 * max_len))
-        for pair in pairs:
-            name = f"{pair.p}:{pair.d}"
-            disk = os.path.join(tmp, f"disk-{pair.p}-{pair.d}")
+        for size in dict.fromkeys(pair.d for pair in pairs):
+            writers = [pair.p for pair in pairs if pair.d == size]
+            write, read = _rounds(args, lengths, writers)
+            disk = os.path.join(tmp, f"disk-read-at-{size}")  # one disk tier: every TP size's pieces side by side
             os.makedirs(disk)
-            progress(f"{name}: writer at TP={pair.p} computes {len(timed)} prompts")
-            spawn(_spec(args, model, disk, pair.p, write, max_len, kv_token_bytes), tmp, f"write-{pair.p}-{pair.d}",
-                  env=_cores(pair.p))
-            result["dropped"][name] = drop_page_cache(disk)
-            progress(f"{name}: dropped {result['dropped'][name]} chunk files from the page cache; "
-                     f"reader at TP={pair.d} reloads them")
-            got, _ = spawn(_spec(args, model, disk, pair.d, read, max_len, kv_token_bytes), tmp,
-                           f"read-{pair.p}-{pair.d}", env=_cores(pair.d))
-            ms, loaded = result["ms"].setdefault(name, {}), result["loaded"].setdefault(name, {})
-            for rnd, out in zip(read, got["rounds"]):
-                if "timed" in rnd:
-                    ms.setdefault(rnd["timed"], []).append(out["seconds"] * 1e3)
-                    loaded.setdefault(rnd["timed"], []).append(out["outputs"][0]["cached"])
-            answers = lambda key: {r[key]: o["outputs"][0]["tokens"]  # noqa: E731
-                                   for r, o in zip(read, got["rounds"]) if key in r}
-            result["identical"][name] = answers("check") == answers("recompute")
-            progress(f"{name}: " + "; ".join(f"{n} tokens {statistics.median(v):.0f} ms" for n, v in ms.items()))
+            for w in writers:
+                progress(f"{w}:{size}: writer at TP={w} computes {args.repeats * len(lengths)} prompts")
+                spawn(_spec(args, model, disk, w, write[w], max_len, kv_token_bytes), tmp, f"write-{w}-{size}",
+                      env=_cores(w))
+            dropped = drop_page_cache(disk)
+            progress(f"reader at TP={size}: dropped {dropped} chunk files from the page cache; it reloads the "
+                     f"prompts of writers at TP {', '.join(map(str, writers))}, taking turns")
+            got, _ = spawn(_spec(args, model, disk, size, read, max_len, kv_token_bytes), tmp, f"read-{size}",
+                           env=_cores(size))
+            for w in writers:
+                name = f"{w}:{size}"
+                ms, loaded = result["ms"].setdefault(name, {}), result["loaded"].setdefault(name, {})
+                mine = [(rnd, out) for rnd, out in zip(read, got["rounds"]) if rnd.get("writer") == w]
+                for rnd, out in mine:
+                    if "timed" in rnd:
+                        ms.setdefault(rnd["timed"], []).append(out["seconds"] * 1e3)
+                        loaded.setdefault(rnd["timed"], []).append(out["outputs"][0]["cached"])
+                answers = lambda key: {r[key]: o["outputs"][0]["tokens"] for r, o in mine if key in r}  # noqa: E731
+                result["identical"][name] = answers("check") == answers("recompute")
+                result["dropped"][name] = dropped
+                progress(f"{name}: " + "; ".join(f"{n} tokens {statistics.median(v):.0f} ms" for n, v in ms.items()))
     result["ratio"] = ratios(result)
     return result
 

@@ -40,3 +40,18 @@ def test_a_cross_pair_is_read_against_its_readers_same_tp_pair():
     table = ttft_tp.format_table(result)
     assert "1:2      8192    120 / 110     2.00    8192  NO" in table
     assert "2:2      8192     60 / 50         -    8192  yes" in table
+
+
+def test_the_reader_takes_the_writers_prompts_in_turns_each_writer_its_own():
+    args = argparse.Namespace(repeats=3, settle_s=0.0)
+    write, read = ttft_tp._rounds(args, [512], [2, 1])
+    timed = [(rnd["writer"], tuple(rnd["prompts"][0])) for rnd in read if "timed" in rnd]
+    assert [w for w, _ in timed] == [2, 1, 1, 2, 2, 1]  # the order turns each repeat
+    for w in (1, 2):  # what the reader times of each writer is what that writer computed, and nobody else
+        written = {tuple(rnd["prompts"][0]) for rnd in write[w]}
+        assert {p for v, p in timed if v == w} <= written
+        assert not {p for v, p in timed if v != w} & written
+    checks = [(rnd["writer"], tuple(rnd["prompts"][0])) for rnd in read if "check" in rnd]
+    again = [(rnd["writer"], tuple(rnd["prompts"][0])) for rnd in read if "recompute" in rnd]
+    assert checks == again and len(set(checks)) == 2  # each writer's check prompt, recomputed under another salt
+    assert all(rnd.get("salt") == "recompute" for rnd in read if "recompute" in rnd)
