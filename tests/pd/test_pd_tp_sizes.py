@@ -116,6 +116,29 @@ def test_tp1_producer_to_tp2_consumer_each_rank_takes_its_head(ranks):
         assert all(d.side.store.contains(storage_key(key, d.side.transfers.layout.fingerprint)) for key in keys)
 
 
+@pytest.mark.parametrize("p_tp,d_tp", [(2, 1), (1, 2)], ids=["tp2-to-tp1", "tp1-to-tp2"])
+def test_with_a_secret_each_connection_passes_its_own_handshake_and_another_secret_none(ranks, p_tp, d_tp):
+    """CURVE and every message's MAC at other TP sizes: each D rank's connection to each P rank it
+    reads makes its own handshake (its own nonce). D's ranks of another secret get nothing: every
+    block recomputed, the P rank they reach first turning them away at the CURVE handshake (a D rank
+    that gathers gives up at its first piece, so it never reaches the second)."""
+    p, _ = ranks("p", p_tp, 1, pd_secret="one secret")
+    d, _ = ranks("d", d_tp, 2, pd_secret="one secret")
+    for rank in p:
+        publish(rank, PROMPT, P_BLOCKS, "t1")
+    load(d, tuple(rank.endpoint for rank in p))
+    assert torch.equal(whole(d, D_BLOCKS), whole(p, P_BLOCKS))
+    other, _ = ranks("o", d_tp, 3, pd_secret="another secret", pd_timeout_ms=500)
+    for rank in p:
+        publish(rank, PROMPT, P_BLOCKS, "t2")
+    for rank in other:
+        rank.side.start_loads((job_from(tuple(r.endpoint for r in p), transfer_id="t2"),))
+    for rank in other:
+        assert rank.wait_loaded("d-req") == set(D_BLOCKS)  # nothing came: all recomputed
+    assert sum(rank.side.chunk_server.served_total for rank in p) == 4 * max(p_tp, d_tp)  # only t1's chunks
+    wait_for(lambda: sum(rank.side.chunk_server.rejected for rank in p) > 0)  # turned away at the handshake
+
+
 def test_a_corrupt_stored_chunk_is_never_cut_for_a_larger_tp_size(ranks, caplog):
     """P checks its stored chunk as it cuts a decode rank's heads out of it: a flipped byte in the
     head the rank does not take still fails it (removed, answered missing, recomputed from there)."""
