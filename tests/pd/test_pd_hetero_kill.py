@@ -97,10 +97,12 @@ def test_a_producer_rank_killed_while_a_smaller_consumer_gathers(ranks):
     assert settles(lambda: (server.lent_chunks, server.sending_chunks, p0.side.holds.pinned_bytes()), (0, 0, 0))
 
 
-def test_a_consumer_rank_killed_while_a_smaller_producer_cuts_for_it(ranks):
+def test_a_consumer_rank_killed_while_a_smaller_producer_cuts_for_it(ranks, transport):
     """P at TP=1, D at TP=2: P cuts each D rank's head out of its chunks. D's rank 1 dies after its
     first chunk, never to release the transfer: D's rank 0 still loads every chunk, and P gives
-    back every pin, loan and cut buffer (its CPU pool holds its stored chunks and nothing else)."""
+    back every pin, loan and cut buffer (its CPU pool holds its stored chunks and nothing else).
+    Over NIXL the D ranks push (they asked first): P WRITEs the cuts into their buffers, and its
+    WRITEs of the rest into the dead rank's fail or run out their deadline."""
     p = ranks("p", 1, (0, 1), pd_hold_s=2)
     d1, d0 = ranks("d1", 2, (1, 2), in_process=False, produce=False), ranks("d0", 2, (0, 2), produce=False)
     keys, tail = prompt_keys(PROMPT)
@@ -120,6 +122,8 @@ def test_a_consumer_rank_killed_while_a_smaller_producer_cuts_for_it(ranks):
     stored = stored_bytes(p, [p.side.transfers.skey(k) for k in keys + [tail]])
     assert settles(lambda: (server.lent_chunks, server.sending_chunks, p.side.holds.pinned_bytes(),
                             p.side.store.cpu_bytes_used()), (0, 0, 0, stored))
+    if transport == "nixl":
+        assert server.written_total >= 1 and server.writes_failed_total + server.writes_abandoned_total >= 1
 
 
 def test_a_consumer_killed_while_it_gathers_leaves_nothing_held_on_either_producer_rank(ranks):
