@@ -201,10 +201,11 @@ def offered(engines: dict[int, Ranks], blocks: int) -> dict[int, tuple[tuple[int
 class Consumers:
     """D: the ranks of every D size in ``pairs`` (KV of seed 2), loading from P's ranks (``producers``,
     as :func:`offered` gives them), timed per pair and transport; NIXL's rows where every rank of
-    both sides has it."""
+    both sides has it. ``cut_s(p)``: the seconds P size ``p``'s serving threads have spent cutting
+    since start (asked before and after each transfer in which P cuts, outside its timing)."""
 
     def __init__(self, shape: Shape, pairs: tuple[TpSizes, ...], tmp: str, producers: dict, progress,
-                 cut_s: Callable[[int], float] = lambda p: 0.0):
+                 cut_s: Callable[[int], float]):
         self.shape, self.pairs, self.producers, self.cut_s = shape, pairs, producers, cut_s
         self.keys = tuple(shape.keys())
         self.engines = {d: Ranks(shape, tmp, "d", d, seed=2, produce=False)

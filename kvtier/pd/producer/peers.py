@@ -11,7 +11,6 @@ yet included (:class:`~kvtier.pd.producer.hbm_serve.HbmServing`).
 from __future__ import annotations
 
 import time
-
 from typing import Callable
 
 from kvtier.pd.nixl import Agent
@@ -63,15 +62,14 @@ class Peers:
         self._last.pop(identity, None)
         self._hbm.forget(identity)
 
-    def reach(self, identity: bytes, metadata: bytes) -> str:
-        """Reach ``identity``'s consumer's NIXL agent (its hello's ``metadata``) to WRITE into it; returns
-        the peer's name. Raises what the agent raises (bad metadata, UCX cannot reach it)."""
+    def reach(self, identity: bytes, metadata: bytes) -> None:
+        """Reach ``identity``'s consumer's NIXL agent (its hello's ``metadata``) to WRITE into it. Raises
+        what the agent raises (bad metadata, UCX cannot reach it)."""
         self._writers[identity] = self._nixl().connect(metadata, identity)
-        return self._writers[identity]
 
-    def touch(self, identity: bytes, now: float | None = None) -> None:
+    def touch(self, identity: bytes) -> None:
         """``identity`` asked or was answered over NIXL just now: not idle."""
-        self._last[identity] = time.monotonic() if now is None else now
+        self._last[identity] = time.monotonic()
 
     def touch_if_nixl(self, identity: bytes, now: float) -> None:
         """As :meth:`touch`, for a connection already known to speak NIXL (a heartbeat while it waits)."""
