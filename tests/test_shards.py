@@ -11,7 +11,7 @@ from kvtier.layout import build_layout
 from kvtier.ops import cpu_library
 from kvtier.codec import HEADER_BYTES
 from kvtier.ops.cpu_ops import scatter
-from kvtier.ops.cpu_pieces import join_checked
+from kvtier.ops.cpu_pieces import join_checked, split_checked
 from kvtier.ops.span import PieceSpan
 from kvtier.shards import WRITER_TP_SIZES, covers, join_pieces, join_plan, piece_fingerprint, rank_heads
 
@@ -101,6 +101,27 @@ def test_a_rank_joins_its_chunk_from_another_tp_sizes_pieces(kind, writer, reade
             kvsum, piece_sums = join_checked(again, [written[h] for h in way], join_plan(shard, region_bytes, tuple(way)))
             assert torch.equal(again, dst) and kvsum == cpu_library.payload_checksum(dst)
             assert piece_sums == [cpu_library.payload_checksum(written[h]) for h in way]
+
+
+@pytest.mark.skipif(not cpu_library.available(), reason="needs the C library")
+@pytest.mark.parametrize("kind", ["cpu", "nhd", "hnd", "flashinfer", "lbnhc"])
+@pytest.mark.parametrize("writer, reader", [(1, 2), (1, 4), (2, 4)])
+def test_one_pass_splits_a_piece_into_every_reader_s_part(kind, writer, reader):
+    """The other way round: one writer's piece cut into the chunks of every reader rank whose heads it
+    holds, each summed as written, the piece summed whole; plans that miss a byte are refused."""
+    ref, ids = reference(kind, seed=writer * 10 + reader + 1), [2, 0, 3]
+    mine, _ = layout_of(kind, ref, 0, writer)
+    source = payload(mine, ids)
+    theirs = [layout_of(kind, ref, r, reader)[0] for r in range(reader // writer)]
+    plans = [join_plan(t.shard, tuple(g.block_bytes * len(ids) for g in t.regions), ((mine.shard.first, mine.shard.end),))
+             for t in theirs]
+    dsts = [torch.full((t.payload_bytes(len(ids)),), 0xCD, dtype=torch.uint8) for t in theirs]
+    sums, whole = split_checked(dsts, source, plans)
+    assert whole == cpu_library.payload_checksum(source)
+    for dst, t, kvsum in zip(dsts, theirs, sums):
+        assert torch.equal(dst, payload(t, ids)) and kvsum == cpu_library.payload_checksum(dst)
+    with pytest.raises(ValueError, match="exactly once"):
+        split_checked(dsts[:1], source, plans[:1])
 
 
 def test_mla_is_one_piece_on_every_rank_and_tp_size():

@@ -3,6 +3,9 @@ own KVSUM64 in the pass that copies it (``kvt_copy`` / ``kvt_copy2`` of :mod:`kv
 
 * :func:`join_checked` joins pieces into a chunk of the reader's heads, summing the joined chunk
   as it writes it (its seal) and each piece at its own places (its check).
+* :func:`split_checked` is the other way round: one piece cut into several destinations (each a
+  decode rank's part of its heads), each summed as it is written (its seal) and the piece at its
+  own places (its check).
 * :func:`piece_units` is what :func:`kvtier.ops.cpu_ops.scatter` does with a
   :class:`~kvtier.ops.span.PieceSpan`: each piece's heads of the engine's go straight into the
   engine's blocks, no joined chunk in between, the piece checked as it is copied.
@@ -38,14 +41,11 @@ def _aligned(shard: HeadShard, sizes: tuple[int, ...], heads: tuple[HeadRange, .
     return not np.any(join_plan(shard, sizes, heads)[:, 1:] % 4)
 
 
-def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray,
-                 check: bool = True) -> tuple[int, list[int]]:
+def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.ndarray) -> tuple[int, list[int]]:
     """Copy ``plan``'s rows (source index, byte offset in it, byte offset in ``dst``, bytes) from the
     contiguous host ``uint8`` ``sources`` (whole piece payloads) into ``dst`` in one C call that reads
     each source byte once: (the KVSUM64 of the words written at their places in ``dst``, each
-    source's KVSUM64), all unsigned. ``check`` False: sources checked already; only the bytes the
-    rows copy are read, and no source's sum is taken (an empty list). ValueError for offsets, sizes
-    or sources not in 4-byte words."""
+    source's KVSUM64), all unsigned. ValueError for offsets, sizes or sources not in 4-byte words."""
     lib = loaded()
     if (len(plan) and np.any(plan[:, 1:] % 4)) or any(t.numel() % 4 for t in sources):
         raise ValueError("every copy's offsets and size, and every source's size, must be multiples of 4 bytes.")
@@ -59,10 +59,8 @@ def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.nd
     copies[:, 2] = plan[:, 3]
     copies[:, 3], copies[:, 4] = plan[:, 2] // 4, 0  # the joined chunk's sum: sums[0]
     copies[:, 5], copies[:, 6] = plan[:, 1] // 4, 1 + plan[:, 0]  # the source's: sums[1 + source]
-    if not check:
-        copies[:, 6] = -1
     rest = []
-    for i, t in enumerate(sources if check else ()):
+    for i, t in enumerate(sources):
         starts, sizes = _gaps(plan, i, t.numel())
         units = np.zeros((starts.size, 7), dtype=np.int64)
         units[:, 0], units[:, 2], units[:, 3], units[:, 4], units[:, 6] = base[i] + starts, sizes, starts // 4, 1 + i, -1
@@ -71,7 +69,36 @@ def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.nd
     sums = np.zeros(1 + len(sources), dtype=np.uint64)
     if lib.kvt_copy2(units.ctypes.data, len(units), sums.ctypes.data, len(sums), _threads(units)) != 0:
         raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
-    return int(sums[0]), [int(v) for v in sums[1:]] if check else []
+    return int(sums[0]), [int(v) for v in sums[1:]]
+
+
+def split_checked(dsts: Sequence[torch.Tensor], source: torch.Tensor, plans: Sequence[np.ndarray]) -> tuple[list[int], int]:
+    """Copy each ``plans[j]``'s rows (source index 0, byte offset in ``source``, byte offset in
+    ``dsts[j]``, bytes) from the contiguous host ``uint8`` ``source`` (one whole piece payload) into
+    ``dsts[j]`` in one C call that reads each source byte once: (the KVSUM64 of the words written
+    into each destination at their places in it, the source's KVSUM64), all unsigned. The plans
+    together must copy every source byte exactly once (else its sum would miss some: ValueError),
+    and offsets and sizes be 4-byte words (ValueError)."""
+    lib = loaded()
+    for t in (source, *dsts):
+        if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != torch.uint8:
+            raise ValueError("split_checked copies between contiguous host uint8 tensors.")
+    every = np.concatenate(plans) if plans else np.zeros((0, 4), dtype=np.int64)
+    if np.any(every[:, 1:] % 4) or source.numel() % 4:
+        raise ValueError("every copy's offsets and size, and the source's size, must be multiples of 4 bytes.")
+    if int(every[:, 3].sum()) != source.numel() or _gaps(every, 0, source.numel())[0].size:
+        raise ValueError("the plans do not copy every byte of the source exactly once.")
+    units = np.empty((len(every), 7), dtype=np.int64)
+    units[:, 0] = source.data_ptr() + every[:, 1]
+    units[:, 1] = np.concatenate([np.full(len(plan), dst.data_ptr(), dtype=np.int64) for dst, plan in zip(dsts, plans)]) + every[:, 2]
+    units[:, 2] = every[:, 3]
+    units[:, 3] = every[:, 2] // 4  # the destination's sum: sums[j]
+    units[:, 4] = np.concatenate([np.full(len(plan), j, dtype=np.int64) for j, plan in enumerate(plans)])
+    units[:, 5], units[:, 6] = every[:, 1] // 4, len(dsts)  # the source's: sums[-1]
+    sums = np.zeros(len(dsts) + 1, dtype=np.uint64)
+    if lib.kvt_copy2(units.ctypes.data, len(units), sums.ctypes.data, len(sums), _threads(units)) != 0:
+        raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
+    return [int(v) for v in sums[:-1]], int(sums[-1])
 
 
 def piece_units(layout: Layout, span: PieceSpan, slot: int) -> np.ndarray:

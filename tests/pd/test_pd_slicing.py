@@ -1,10 +1,12 @@
 """A producer rank cuts a decode rank's heads out of its stored chunk (kvtier.pd.producer.slicing):
 the cut is byte for byte the chunk that decode rank would have saved itself, sealed under its
 fingerprint, at every layout kind; a flipped byte anywhere in the stored chunk fails the cut; the
-next rank's cut of a copy checked whole reads only its own heads, and a copy stored anew is
-checked again."""
+first rank's cut cuts the other ranks' parts in the same pass, and they get them from it; a copy
+stored anew is cut again, and checked again."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 import torch
@@ -67,50 +69,80 @@ def test_a_flipped_byte_in_heads_the_decode_rank_does_not_take_fails_the_cut(sto
     assert "chunk X is unusable" in caplog.text
 
 
-def test_the_next_rank_s_cut_of_a_checked_copy_reads_only_its_heads(store):
+@pytest.mark.parametrize("reader", [2, 4])
+def test_the_first_rank_s_cut_cuts_every_rank_s_part(store, reader):
     mine, _ = layout_of("cpu", reference("cpu", seed=7), 0, 1)
-    theirs = [layout_of("cpu", reference("cpu", seed=7), r, 2)[0] for r in range(2)]
+    theirs = [layout_of("cpu", reference("cpu", seed=7), r, reader)[0] for r in range(reader)]
     cutter = Cutter(store)
-    skey, first = stored(store, mine)
-    copy = store.get(skey)
-    outs = [cutter.cut(b, skey, mine, head_slice(mine, rank_heads(HEADS, r, 2)), "chunk")
-            for r, b in enumerate((first, copy))]
-    assert cutter.total == 2 and cutter.checked_once == 1  # the second read its own heads only
-    for out, layout in zip(outs, theirs):
+    skey, buffer = stored(store, mine)
+    buffer.release()
+    outs = [cutter.cut(store.get(skey), skey, mine, head_slice(mine, rank_heads(HEADS, r, reader)), "chunk")
+            for r in reversed(range(reader))]  # in any order
+    assert cutter.total == reader and cutter.cut_ahead == reader - 1  # one pass cut them all
+    for out, layout in zip(reversed(outs), theirs):
         assert torch.equal(out.data[codec.HEADER_BYTES:][: layout.payload_bytes(len(IDS))], payload(layout, IDS))
         codec.verify_chunk(out.data, layout, len(IDS))
         out.release()
-    assert not store._outstanding  # the copy was let go once both ranks had their cut
+    assert not store._outstanding  # nothing held once every rank had its part
 
 
-def test_a_copy_stored_anew_under_the_key_is_checked_again(store, caplog):
-    mine, _ = layout_of("cpu", reference("cpu", seed=8), 0, 1)
-    part = head_slice(mine, rank_heads(HEADS, 0, 2))
+def test_a_chunk_cut_twice_before_the_other_rank_came_keeps_one_part(store, caplog):
+    """Two transfers of one prompt: rank 0 fetches the chunk twice before rank 1 fetches it once."""
+    mine, _ = layout_of("cpu", reference("cpu", seed=7), 0, 1)
     cutter = Cutter(store)
     skey, buffer = stored(store, mine)
-    cutter.cut(buffer, skey, mine, part, "chunk").release()  # the copy stays held for rank 1's cut
+    buffer.release()
+    used = store.cpu_bytes_used()  # the stored chunk's
+    for r in (0, 0, 1, 1):
+        cutter.cut(store.get(skey), skey, mine, head_slice(mine, rank_heads(HEADS, r, 2)), "chunk").release()
+    assert cutter.total == 4 and cutter.cut_ahead == 1  # rank 1's second fetch cut anew
+    cutter.close()
+    gc.collect()
+    assert store.cpu_bytes_used() == used and "without release" not in caplog.text  # the replaced part was let go
+
+
+def test_without_room_for_every_part_each_cut_is_its_own_pass(store, monkeypatch):
+    mine, _ = layout_of("cpu", reference("cpu", seed=7), 0, 1)
+    monkeypatch.setattr(slicing, "seal_split", lambda *a: None)  # what no room (or no C library) gives
+    cutter = Cutter(store)
+    skey, buffer = stored(store, mine)
+    buffer.release()
+    for r in range(2):
+        out = cutter.cut(store.get(skey), skey, mine, head_slice(mine, rank_heads(HEADS, r, 2)), "chunk")
+        codec.verify_chunk(out.data, layout_of("cpu", reference("cpu", seed=7), r, 2)[0], len(IDS))
+        out.release()
+    assert cutter.total == 2 and cutter.cut_ahead == 0
+    assert not store._outstanding
+
+
+def test_a_copy_stored_anew_under_the_key_is_cut_and_checked_again(store, caplog):
+    mine, _ = layout_of("cpu", reference("cpu", seed=8), 0, 1)
+    cutter = Cutter(store)
+    skey, buffer = stored(store, mine)
+    cutter.cut(buffer, skey, mine, head_slice(mine, rank_heads(HEADS, 0, 2)), "chunk").release()  # rank 1's part kept
     store.remove(skey)
-    buffer = store.allocate(codec.chunk_bytes(mine, len(IDS)))  # stored anew (elsewhere), its bytes rotten since
-    buffer.data[codec.HEADER_BYTES:] = payload(mine, IDS)
+    buffer = store.allocate(codec.chunk_bytes(mine, len(IDS)) + 64)  # stored anew (elsewhere), its bytes rotten since
+    buffer.data[codec.HEADER_BYTES:][: mine.payload_bytes(len(IDS))] = payload(mine, IDS)
     codec.write_header(buffer.data, mine, len(IDS), kind=codec.KVSUM64)
-    buffer.data[-1] ^= 0x01
+    buffer.data[codec.HEADER_BYTES + mine.payload_bytes(len(IDS)) - 1] ^= 0x01
     store.put([skey], [buffer])
-    assert cutter.cut(store.get(skey), skey, mine, part, "chunk Y") is None
-    assert cutter.checked_once == 0 and "chunk Y is unusable" in caplog.text
+    # rank 0 again (a later transfer): no part of its waits, so the copy now stored is cut, and checked
+    assert cutter.cut(store.get(skey), skey, mine, head_slice(mine, rank_heads(HEADS, 0, 2)), "chunk Y") is None
+    assert cutter.cut_ahead == 0 and "chunk Y is unusable" in caplog.text
     cutter.close()
     assert not store._outstanding
 
 
-@pytest.mark.parametrize("bound", ["HELD_S", "CHECKED_KEPT"])
-def test_a_copy_is_held_no_longer_and_no_more_than_the_bounds(store, monkeypatch, bound):
-    """A rank that never comes for its cut (its request gone) holds nothing for long."""
+@pytest.mark.parametrize("bound", ["HELD_S", "PARTS_KEPT"])
+def test_a_part_is_held_no_longer_and_no_more_than_the_bounds(store, monkeypatch, bound):
+    """A rank that never comes for its part (its request gone) holds nothing for long."""
     monkeypatch.setattr(slicing, bound, -1.0 if bound == "HELD_S" else 1)
     mine, _ = layout_of("cpu", reference("cpu", seed=9), 0, 1)
     part = head_slice(mine, rank_heads(HEADS, 0, 2))
     cutter = Cutter(store)
     skey, buffer = stored(store, mine)
     cutter.cut(buffer, skey, mine, part, "chunk").release()
-    store.remove(skey)  # a second chunk: the first stays held only if the bounds allow
+    store.remove(skey)  # a second chunk: the first one's part stays held only if the bounds allow
     skey, buffer = stored(store, mine)
     cutter.cut(buffer, skey, mine, part, "chunk").release()
     assert len(store._outstanding) == (0 if bound == "HELD_S" else 1)

@@ -2,11 +2,12 @@
 
 A decode engine of more TP ranks than this producer's reads each of this rank's chunks from
 several ranks, each wanting only its own heads: its hello names the piece fingerprint of those
-heads (inside this rank's). The chunk server cuts them out of the stored chunk, checking the stored
-chunk's KVSUM64 in the same pass that copies them (:func:`kvtier.codec.joined.seal_joined`: a
-corrupt stored chunk is never sealed anew), and seals the cut under the decode rank's fingerprint.
-Each decode rank then gets its share of the bytes, not the whole chunk, and loads it as its own.
-The other ranks' cuts of a copy checked so read only their own heads (:class:`Cutter`).
+heads (inside this rank's). The chunk server cuts them out of the stored chunk and seals each
+under its decode rank's fingerprint, checking the stored chunk's KVSUM64 in the same pass (a
+corrupt stored chunk is never sealed anew). The first decode rank's fetch of a chunk cuts every
+decode rank's part in that one pass (:func:`kvtier.codec.joined.seal_split`, each stored byte
+read once); the other ranks' parts wait in the :class:`Cutter` for their fetches. Each decode
+rank then gets its share of the bytes, not the whole chunk, and loads it as its own.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import time
 from collections import OrderedDict
 
 from kvtier import codec
-from kvtier.codec.joined import seal_joined
+from kvtier.codec.joined import seal_joined, seal_split
 from kvtier.layout import Layout
 from kvtier.pd.protocol import Hello
 from kvtier.shards import HeadRange, HeadShard, piece_fingerprint, rank_heads
@@ -25,7 +26,7 @@ from kvtier.storage import ChunkBuffer, ChunkStore
 
 logger = logging.getLogger(__name__)
 
-CHECKED_KEPT = 64  # stored chunks a Cutter holds, checked whole, for the other ranks' cuts
+PARTS_KEPT = 64  # parts cut ahead that a Cutter holds for the other decode ranks' fetches
 HELD_S = 2.0  # how long at most it holds one (the other ranks' fetches of a chunk come together)
 
 
@@ -79,53 +80,51 @@ def rank_part(layout: Layout | None, tp_size: int, hello: Hello) -> HeadSlice | 
 
 
 @dataclasses.dataclass(slots=True)
-class _Held:
-    """A stored chunk a :class:`Cutter` checked whole and holds for the other ranks' cuts."""
+class _Ahead:
+    """A decode rank's part of a stored chunk, cut and sealed with an earlier rank's, not yet fetched."""
 
-    buffer: ChunkBuffer  # one reference of the stored chunk, the Cutter's
-    cuts_left: int  # cuts of it still to come
-    since_s: float  # when it was first cut (time.monotonic)
+    buffer: ChunkBuffer  # its own buffer from the store, the Cutter's until fetched
+    since_s: float  # when it was cut (time.monotonic)
 
 
 class Cutter:
-    """A chunk server's cuts, from ``store``'s chunks. A stored chunk that the first decode rank's
-    cut checked whole stays held here (one reference: its memory can be neither freed nor used for
-    another chunk meanwhile) until the other ranks reading this rank's heads cut it too, each
-    reading only its own heads; at most :data:`CHECKED_KEPT` are held, each for :data:`HELD_S` at
-    most (the oldest let go first: a chunk held is one the CPU tier cannot evict meanwhile)."""
+    """A chunk server's cuts, from ``store``'s chunks. The first decode rank's cut of a stored chunk
+    cuts the other decode ranks' parts of this rank's heads too, in the same pass; each waits here
+    for its rank's fetch of that copy (the same key, address and checksum), at most
+    :data:`PARTS_KEPT` of them, each for :data:`HELD_S` at most (the oldest let go first: a part
+    held is pool memory the CPU tier cannot use meanwhile). Where that pass does not apply (no C
+    library, or no room for every part), each cut is a pass of its own, checking the stored chunk
+    whole each time."""
 
     def __init__(self, store: ChunkStore):
         self._store = store
-        self._checked: OrderedDict[tuple[bytes, int, int], _Held] = OrderedDict()  # by (key, address, checksum)
+        self._ahead: OrderedDict[tuple[bytes, int, int, int, int], _Ahead] = OrderedDict()  # by (key, address, checksum, first head, end)
         self.total = 0  # chunks cut
-        self.checked_once = 0  # of those, cut from a copy held here, checked by an earlier cut
+        self.cut_ahead = 0  # of those, answered with a part cut in an earlier rank's pass
         self.seconds = 0.0  # spent cutting (and checking) since start, on the calling thread
 
     def cut(self, buffer: ChunkBuffer, skey: bytes, layout: Layout, to: HeadSlice, what: str) -> ChunkBuffer | None:
         """``buffer``'s chunk (stored under ``skey``, of ``layout``) cut to ``to``'s heads, in a fresh
         buffer from the store. Takes ``buffer``; None when there is no room, or the stored chunk is
         unusable (removed from the store then, and said for ``what``, the chunk's name in the line)."""
-        keep, start = False, time.perf_counter()
+        start = time.perf_counter()
         try:
             header = codec.read_header(buffer.data)
+            copy = (skey, buffer.data.data_ptr(), header.checksum)
+            if (ahead := self._ahead.pop((*copy, to.shard.first, to.shard.end), None)) is not None:
+                self.total += 1
+                self.cut_ahead += 1
+                return ahead.buffer
             unit = sum(layout.token_bytes) if to.per_token else layout.bytes_per_block
             units = header.tokens if to.per_token else header.payload_bytes // unit
             if header.fingerprint != layout.fingerprint or not units or header.payload_bytes != units * unit:
                 raise codec.ChunkError("its header does not match this rank's layout")
-            copy = (skey, buffer.data.data_ptr(), header.checksum)
-            held = self._checked.get(copy)
-            out = seal_joined(to, units, [((layout.shard.first, layout.shard.end), buffer, header)],
-                              lambda n: self._store.allocate(n, wait=False), checked=held is not None)
+            mine = (layout.shard.first, layout.shard.end)
+            out = self._cut_every_part(buffer, header, copy, layout, to, units)
             if out is None:
-                return None
-            self.total += 1
-            if held is not None:
-                self.checked_once += 1
-                held.cuts_left -= 1
-                if held.cuts_left <= 0:
-                    self._checked.pop(copy).buffer.release()
-            elif (left := layout.shard.heads // to.shard.heads - 1) > 0:
-                self._checked[copy], keep = _Held(buffer, left, time.monotonic()), True
+                out = seal_joined(to, units, [(mine, buffer, header)], lambda n: self._store.allocate(n, wait=False))
+            if out is not None:
+                self.total += 1
             self.expire()
             return out
         except codec.ChunkError as exc:  # a CorruptPiece too: a flipped byte in the stored copy
@@ -133,21 +132,46 @@ class Cutter:
             logger.warning("kvtier P/D chunk server: %s is unusable (%s); removed it and answered missing.", what, exc)
             return None
         finally:
-            if not keep:
-                buffer.release()
+            buffer.release()
             self.seconds += time.perf_counter() - start
 
+    def _cut_every_part(self, buffer: ChunkBuffer, header: codec.ChunkHeader, copy: tuple[bytes, int, int],
+                        layout: Layout, to: HeadSlice, units: int) -> ChunkBuffer | None:
+        """``to``'s part, with every other part of ``to``'s width of this rank's heads cut in the same
+        pass and kept for their ranks; None where that pass does not apply."""
+        shard, width = layout.shard, to.shard.heads
+        if (to.shard.first - shard.first) % width or shard.heads % width:
+            return None
+        parts = [to if first == to.shard.first else head_slice(layout, (first, first + width))
+                 for first in range(shard.first, shard.end, width)]
+        if any(part is None for part in parts):
+            return None
+        cuts = seal_split(parts, units, ((shard.first, shard.end), buffer, header),
+                          lambda n: self._store.allocate(n, wait=False))
+        if cuts is None:
+            return None
+        now, out = time.monotonic(), None
+        for part, cut in zip(parts, cuts):
+            if part is to:
+                out = cut
+                continue
+            key = (*copy, part.shard.first, part.shard.end)
+            if (earlier := self._ahead.pop(key, None)) is not None:  # the same chunk cut again before its rank came
+                earlier.buffer.release()
+            self._ahead[key] = _Ahead(cut, now)
+        return out
+
     def expire(self) -> None:
-        """Let go of the chunks held longest, past :data:`HELD_S` or beyond :data:`CHECKED_KEPT`."""
+        """Let go of the parts held longest, past :data:`HELD_S` or beyond :data:`PARTS_KEPT`."""
         now = time.monotonic()
-        while self._checked:
-            oldest = next(iter(self._checked.values()))
-            if len(self._checked) <= CHECKED_KEPT and now - oldest.since_s <= HELD_S:
+        while self._ahead:
+            oldest = next(iter(self._ahead.values()))
+            if len(self._ahead) <= PARTS_KEPT and now - oldest.since_s <= HELD_S:
                 break
-            self._checked.popitem(last=False)
+            self._ahead.popitem(last=False)
             oldest.buffer.release()
 
     def close(self) -> None:
-        """Let go of every chunk held."""
-        while self._checked:
-            self._checked.popitem()[1].buffer.release()
+        """Let go of every part held."""
+        while self._ahead:
+            self._ahead.popitem()[1].buffer.release()
