@@ -113,8 +113,8 @@ def test_one_pass_splits_a_piece_into_every_reader_s_part(kind, writer, reader):
     mine, _ = layout_of(kind, ref, 0, writer)
     source = payload(mine, ids)
     theirs = [layout_of(kind, ref, r, reader)[0] for r in range(reader // writer)]
-    plans = [join_plan(t.shard, tuple(g.block_bytes * len(ids) for g in t.regions), ((mine.shard.first, mine.shard.end),))
-             for t in theirs]
+    held = ((mine.shard.first, mine.shard.end),)
+    plans = [join_plan(t.shard, tuple(g.block_bytes * len(ids) for g in t.regions), held) for t in theirs]
     dsts = [torch.full((t.payload_bytes(len(ids)),), 0xCD, dtype=torch.uint8) for t in theirs]
     sums, whole = split_checked(dsts, source, plans)
     assert whole == cpu_library.payload_checksum(source)

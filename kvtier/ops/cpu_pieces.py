@@ -72,7 +72,8 @@ def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.nd
     return int(sums[0]), [int(v) for v in sums[1:]]
 
 
-def split_checked(dsts: Sequence[torch.Tensor], source: torch.Tensor, plans: Sequence[np.ndarray]) -> tuple[list[int], int]:
+def split_checked(dsts: Sequence[torch.Tensor], source: torch.Tensor,
+                  plans: Sequence[np.ndarray]) -> tuple[list[int], int]:
     """Copy each ``plans[j]``'s rows (source index 0, byte offset in ``source``, byte offset in
     ``dsts[j]``, bytes) from the contiguous host ``uint8`` ``source`` (one whole piece payload) into
     ``dsts[j]`` in one C call that reads each source byte once: (the KVSUM64 of the words written
@@ -90,10 +91,10 @@ def split_checked(dsts: Sequence[torch.Tensor], source: torch.Tensor, plans: Seq
         raise ValueError("the plans do not copy every byte of the source exactly once.")
     units = np.empty((len(every), 7), dtype=np.int64)
     units[:, 0] = source.data_ptr() + every[:, 1]
-    units[:, 1] = np.concatenate([np.full(len(plan), dst.data_ptr(), dtype=np.int64) for dst, plan in zip(dsts, plans)]) + every[:, 2]
+    which = np.concatenate([np.full(len(plan), j, dtype=np.int64) for j, plan in enumerate(plans)])
+    units[:, 1] = np.array([dst.data_ptr() for dst in dsts], dtype=np.int64)[which] + every[:, 2]
     units[:, 2] = every[:, 3]
-    units[:, 3] = every[:, 2] // 4  # the destination's sum: sums[j]
-    units[:, 4] = np.concatenate([np.full(len(plan), j, dtype=np.int64) for j, plan in enumerate(plans)])
+    units[:, 3], units[:, 4] = every[:, 2] // 4, which  # the destination's sum: sums[j]
     units[:, 5], units[:, 6] = every[:, 1] // 4, len(dsts)  # the source's: sums[-1]
     sums = np.zeros(len(dsts) + 1, dtype=np.uint64)
     if lib.kvt_copy2(units.ctypes.data, len(units), sums.ctypes.data, len(sums), _threads(units)) != 0:

@@ -98,7 +98,8 @@ class Cutter:
 
     def __init__(self, store: ChunkStore):
         self._store = store
-        self._ahead: OrderedDict[tuple[bytes, int, int, int, int], _Ahead] = OrderedDict()  # by (key, address, checksum, first head, end)
+        # by (key, address, checksum) of the stored copy, and the part's first and end head
+        self._ahead: OrderedDict[tuple[bytes, int, int, int, int], _Ahead] = OrderedDict()
         self.total = 0  # chunks cut
         self.cut_ahead = 0  # of those, answered with a part cut in an earlier rank's pass
         self.seconds = 0.0  # spent cutting (and checking) since start, on the calling thread
