@@ -106,6 +106,10 @@ class WorkerNode:
         disk_path, shard = config.disk_path, layout.shard
         if disk_path and self.world_size > 1 and shard is None:
             disk_path = f"{disk_path}/rank{self.rank}"
+        if shard is not None and shard.replicated and self.world_size > 1 and self.rank == 0:
+            logger.info("kvtier: this KV is the same on every TP rank (MLA): the disk and shared tiers keep one "
+                        "copy, rank 0's; the CPU tier one in each of the %d ranks, %d bytes each (cpu_bytes).",
+                        self.world_size, config.cpu_bytes)
         # Pieces keyed by KV heads: one directory and namespace for every rank and TP size (see kvtier.shards).
         self.store = store = ChunkStore(StoreConfig(
             cpu_bytes=config.cpu_bytes, disk_path=disk_path, disk_bytes=config.disk_bytes,

@@ -3,6 +3,7 @@ lookup index and loads it back into other blocks; and importing it loads no vLLM
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import subprocess
@@ -211,3 +212,18 @@ def test_promotions_read_beside_loads_only_where_the_disk_has_room_for_both(tmp_
     finally:
         if medium == "tmpfs":
             shutil.rmtree(disk, ignore_errors=True)
+
+
+@pytest.mark.parametrize("latent", [True, False], ids=["mla", "heads"])
+def test_rank_0_of_a_tp_engine_says_its_cpu_tier_keeps_mla_on_every_rank(tmp_path, caplog, latent):
+    """MLA's KV (no head dim) is one piece for every rank; its CPU tier is still one per rank, said at start."""
+    kv = torch.randn(2, NUM_BLOCKS, BLOCK, 24) if latent else torch.randn(2, NUM_BLOCKS, 2, BLOCK, 2, 8)
+    layout = build_layout({f"layer.{i}": kv[i] for i in range(2)}, BLOCK, NUM_BLOCKS, model="tiny", tp_rank=0,
+                          tp_size=2, kv_heads=0 if latent else 2, total_kv_heads=0 if latent else 4)
+    assert layout.shard is not None and layout.shard.replicated == latent
+    caplog.set_level(logging.INFO, logger="kvtier.worker_node")
+    node = WorkerNode(KvtierConfig(chunk_tokens=CHUNK, cpu_bytes=1 << 24), [layout], (CHUNK // BLOCK,), rank=0,
+                      world_size=2, endpoint=f"ipc://{tmp_path}/l.sock", produce=False, engine="a test")
+    node.close()
+    said = "the CPU tier one in each of the 2 ranks, 16777216 bytes each" in caplog.text
+    assert said == latent
