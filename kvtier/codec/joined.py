@@ -9,7 +9,7 @@ from kvtier.codec.chunk import CHECKSUM_KVSUM64, ChunkError, ChunkHeader, checks
 from kvtier.codec.geometry import HEADER_BYTES, region_bytes
 from kvtier.layout import Layout
 from kvtier.ops import cpu_library
-from kvtier.ops.cpu_pieces import aligned, join_checked, split_checked
+from kvtier.ops.cpu_pieces import aligned, join_checked, split_checked, split_plan
 from kvtier.shards import HeadRange, join_pieces, join_plan
 
 if TYPE_CHECKING:
@@ -71,12 +71,14 @@ def seal_split(parts: Sequence[Layout], num_blocks: int, piece: tuple[HeadRange,
     room: nothing is allocated then. Raises :class:`CorruptPiece` (index 0) when the piece fails
     its checksum. The piece stays the caller's to release."""
     held, buffer, header = piece
-    if not (cpu_library.available() and header.checksum_kind == CHECKSUM_KVSUM64 and header.payload_bytes % 4 == 0
-            and all(aligned(part, (held,), num_blocks) for part in parts)):
+    if not (cpu_library.available() and header.checksum_kind == CHECKSUM_KVSUM64):
         return None
-    plans = [join_plan(part.shard, region_bytes(part, num_blocks), (held,)) for part in parts]
-    if sum(int(plan[:, 3].sum()) for plan in plans) != header.payload_bytes:
-        return None  # the parts are not the piece's heads, each once
+    try:
+        plan, covered = split_plan(tuple((part.shard, region_bytes(part, num_blocks)) for part in parts), held)
+    except ValueError:  # heads not in 4-byte words, or parts that are not the piece's heads, each once
+        return None
+    if covered != header.payload_bytes:
+        return None
     built: list[ChunkBuffer] = []
     for part in parts:
         if (out := allocate(HEADER_BYTES + part.payload_bytes(num_blocks))) is None:
@@ -86,7 +88,7 @@ def seal_split(parts: Sequence[Layout], num_blocks: int, piece: tuple[HeadRange,
         built.append(out)
     source = buffer.data[HEADER_BYTES : HEADER_BYTES + header.payload_bytes]
     dsts = [b.data[HEADER_BYTES : HEADER_BYTES + part.payload_bytes(num_blocks)] for b, part in zip(built, parts)]
-    sums, whole = split_checked(dsts, source, plans)
+    sums, whole = split_checked(dsts, source, plan)
     if whole != header.checksum:
         for b in built:
             b.release()

@@ -72,30 +72,42 @@ def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.nd
     return int(sums[0]), [int(v) for v in sums[1:]]
 
 
-def split_checked(dsts: Sequence[torch.Tensor], source: torch.Tensor,
-                  plans: Sequence[np.ndarray]) -> tuple[list[int], int]:
-    """Copy each ``plans[j]``'s rows (source index 0, byte offset in ``source``, byte offset in
-    ``dsts[j]``, bytes) from the contiguous host ``uint8`` ``source`` (one whole piece payload) into
-    ``dsts[j]`` in one C call that reads each source byte once: (the KVSUM64 of the words written
-    into each destination at their places in it, the source's KVSUM64), all unsigned. The plans
-    together must copy every source byte exactly once (else its sum would miss some: ValueError),
-    and offsets and sizes be 4-byte words (ValueError)."""
+@functools.lru_cache(maxsize=64)
+def split_plan(parts: tuple[tuple[HeadShard, tuple[int, ...]], ...], held: HeadRange) -> tuple[np.ndarray, int]:
+    """How :func:`split_checked` cuts one piece holding heads ``held`` into ``parts`` (each a
+    destination's shard and its regions' bytes): ``int64 [copies, 4]`` (destination index, byte
+    offset in the piece, byte offset in that destination, bytes), and the piece's payload bytes.
+    ValueError unless the copies read every byte of the piece exactly once, in 4-byte words. The
+    same for every chunk of a transfer (kept: read-only)."""
+    plans = [join_plan(shard, sizes, (held,)) for shard, sizes in parts]
+    plan = np.concatenate(plans) if plans else np.zeros((0, 4), dtype=np.int64)
+    plan[:, 0] = np.concatenate([np.full(len(rows), j, dtype=np.int64) for j, rows in enumerate(plans)])
+    covered = int(plan[:, 3].sum())
+    if np.any(plan[:, 1:] % 4):
+        raise ValueError("every copy's offsets and size must be multiples of 4 bytes.")
+    rows = plan.copy()
+    rows[:, 0] = 0  # _gaps looks at one source: the piece
+    if _gaps(rows, 0, covered)[0].size:
+        raise ValueError("the parts do not read every byte of the piece exactly once.")
+    plan.setflags(write=False)
+    return plan, covered
+
+
+def split_checked(dsts: Sequence[torch.Tensor], source: torch.Tensor, plan: np.ndarray) -> tuple[list[int], int]:
+    """Copy ``plan``'s rows (:func:`split_plan`) from the contiguous host ``uint8`` ``source`` (one
+    whole piece payload) into ``dsts`` in one C call that reads each source byte once: (the KVSUM64
+    of the words written into each destination at their places in it, the source's KVSUM64), all
+    unsigned."""
     lib = loaded()
     for t in (source, *dsts):
         if t.device.type != "cpu" or not t.is_contiguous() or t.dtype != torch.uint8:
             raise ValueError("split_checked copies between contiguous host uint8 tensors.")
-    every = np.concatenate(plans) if plans else np.zeros((0, 4), dtype=np.int64)
-    if np.any(every[:, 1:] % 4) or source.numel() % 4:
-        raise ValueError("every copy's offsets and size, and the source's size, must be multiples of 4 bytes.")
-    if int(every[:, 3].sum()) != source.numel() or _gaps(every, 0, source.numel())[0].size:
-        raise ValueError("the plans do not copy every byte of the source exactly once.")
-    units = np.empty((len(every), 7), dtype=np.int64)
-    units[:, 0] = source.data_ptr() + every[:, 1]
-    which = np.concatenate([np.full(len(plan), j, dtype=np.int64) for j, plan in enumerate(plans)])
-    units[:, 1] = np.array([dst.data_ptr() for dst in dsts], dtype=np.int64)[which] + every[:, 2]
-    units[:, 2] = every[:, 3]
-    units[:, 3], units[:, 4] = every[:, 2] // 4, which  # the destination's sum: sums[j]
-    units[:, 5], units[:, 6] = every[:, 1] // 4, len(dsts)  # the source's: sums[-1]
+    units = np.empty((len(plan), 7), dtype=np.int64)
+    units[:, 0] = source.data_ptr() + plan[:, 1]
+    units[:, 1] = np.array([dst.data_ptr() for dst in dsts], dtype=np.int64)[plan[:, 0]] + plan[:, 2]
+    units[:, 2] = plan[:, 3]
+    units[:, 3], units[:, 4] = plan[:, 2] // 4, plan[:, 0]  # each destination's sum: sums[j]
+    units[:, 5], units[:, 6] = plan[:, 1] // 4, len(dsts)  # the source's: sums[-1]
     sums = np.zeros(len(dsts) + 1, dtype=np.uint64)
     if lib.kvt_copy2(units.ctypes.data, len(units), sums.ctypes.data, len(sums), _threads(units)) != 0:
         raise MemoryError("kvtier cpu copy: out of memory for its thread table.")
