@@ -121,10 +121,10 @@ def test_a_copy_stored_anew_under_the_key_is_cut_and_checked_again(store, caplog
     skey, buffer = stored(store, mine)
     cutter.cut(buffer, skey, mine, head_slice(mine, rank_heads(HEADS, 0, 2)), "chunk").release()  # rank 1's part kept
     store.remove(skey)
-    buffer = store.allocate(codec.chunk_bytes(mine, len(IDS)) + 64)  # stored anew (elsewhere), its bytes rotten since
-    buffer.data[codec.HEADER_BYTES:][: mine.payload_bytes(len(IDS))] = payload(mine, IDS)
+    buffer = store.allocate(codec.chunk_bytes(mine, len(IDS)))  # stored anew, its bytes rotten since
+    buffer.data[codec.HEADER_BYTES:] = payload(mine, IDS)
     codec.write_header(buffer.data, mine, len(IDS), kind=codec.KVSUM64)
-    buffer.data[codec.HEADER_BYTES + mine.payload_bytes(len(IDS)) - 1] ^= 0x01
+    buffer.data[-1] ^= 0x01
     store.put([skey], [buffer])
     # rank 0 again (a later transfer): no part of its waits, so the copy now stored is cut, and checked
     assert cutter.cut(store.get(skey), skey, mine, head_slice(mine, rank_heads(HEADS, 0, 2)), "chunk Y") is None
