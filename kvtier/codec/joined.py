@@ -65,20 +65,25 @@ def seal_split(parts: Sequence[Layout], num_blocks: int, piece: tuple[HeadRange,
                allocate: Callable[[int], ChunkBuffer | None]) -> list[ChunkBuffer] | None:
     """Each of ``parts`` (layouts of KV heads that together are exactly the heads ``piece`` holds)
     as a chunk of ``num_blocks`` blocks in a fresh buffer of ``allocate(bytes)``, sealed with a
-    KVSUM64, all cut from ``piece`` (its heads, buffer, header) in one pass of the C library that
-    reads each of its bytes once and checks it whole. None where that pass does not apply (no C
-    library, heads not in 4-byte words, a piece not sealed with a KVSUM64) or ``allocate`` has no
-    room: nothing is allocated then. Raises :class:`CorruptPiece` (index 0) when the piece fails
-    its checksum. The piece stays the caller's to release."""
+    KVSUM64, all cut from ``piece`` (its heads, buffer, header), which is checked whole once: where
+    the C library is built and the piece carries a KVSUM64, in the one pass that reads each of its
+    bytes once and sums every part; else in a pass of its own first. None when ``allocate`` has no
+    room (nothing is kept then) or the parts' bytes are not the piece's. Raises
+    :class:`CorruptPiece` (index 0) when the piece fails its checksum. The piece stays the caller's
+    to release."""
     held, buffer, header = piece
-    if not (cpu_library.available() and header.checksum_kind == CHECKSUM_KVSUM64):
+    sizes = [region_bytes(part, num_blocks) for part in parts]
+    if sum(part.payload_bytes(num_blocks) for part in parts) != header.payload_bytes:
         return None
-    try:
-        plan, covered = split_plan(tuple((part.shard, region_bytes(part, num_blocks)) for part in parts), held)
-    except ValueError:  # heads not in 4-byte words, or parts that are not the piece's heads, each once
-        return None
-    if covered != header.payload_bytes:
-        return None
+    source = buffer.data[HEADER_BYTES : HEADER_BYTES + header.payload_bytes]
+    plan = None
+    if cpu_library.available() and header.checksum_kind == CHECKSUM_KVSUM64:
+        try:
+            plan = split_plan(tuple((part.shard, size) for part, size in zip(parts, sizes)), held)[0]
+        except ValueError:  # heads not in 4-byte words: the slow way
+            plan = None
+    if plan is None and checksum(source, header.checksum_kind) != header.checksum:
+        raise CorruptPiece(0, "piece payload checksum mismatch (corrupt bytes)")
     built: list[ChunkBuffer] = []
     for part in parts:
         if (out := allocate(HEADER_BYTES + part.payload_bytes(num_blocks))) is None:
@@ -86,8 +91,12 @@ def seal_split(parts: Sequence[Layout], num_blocks: int, piece: tuple[HeadRange,
                 b.release()
             return None
         built.append(out)
-    source = buffer.data[HEADER_BYTES : HEADER_BYTES + header.payload_bytes]
     dsts = [b.data[HEADER_BYTES : HEADER_BYTES + part.payload_bytes(num_blocks)] for b, part in zip(built, parts)]
+    if plan is None:
+        for b, dst, part, size in zip(built, dsts, parts, sizes):
+            join_pieces(dst, part.shard, size, [(held, source)])
+            write_header(b.data, part, num_blocks, kind=CHECKSUM_KVSUM64)
+        return built
     sums, whole = split_checked(dsts, source, plan)
     if whole != header.checksum:
         for b in built:

@@ -58,23 +58,25 @@ def test_no_part_outside_or_equal_to_the_rank_s_heads():
     assert head_slice(mine, (6, 8)) is not None
 
 
+@pytest.mark.parametrize("checksum", [codec.KVSUM64, CHECKSUM_BLAKE3], ids=["kvsum64", "blake3"])
 @pytest.mark.parametrize("kind", ["cpu", "nhd"])
-def test_a_flipped_byte_in_heads_the_decode_rank_does_not_take_fails_the_cut(store, kind, caplog):
+def test_a_flipped_byte_in_heads_the_decode_rank_does_not_take_fails_the_cut(store, kind, caplog, checksum):
     mine, _ = layout_of(kind, reference(kind, seed=6), 0, 1)
     part = head_slice(mine, rank_heads(HEADS, 0, 2))
-    skey, buffer = stored(store, mine)
+    skey, buffer = stored(store, mine, checksum)
     buffer.data[-1] ^= 0x01  # the last byte: in the last head, rank 1's
     assert Cutter(store).cut(buffer, skey, mine, part, "chunk X") is None
     assert store.contains(skey) is None  # removed: no later fetch is served from it
     assert "chunk X is unusable" in caplog.text
 
 
+@pytest.mark.parametrize("checksum", [codec.KVSUM64, CHECKSUM_BLAKE3], ids=["kvsum64", "blake3"])
 @pytest.mark.parametrize("reader", [2, 4])
-def test_the_first_rank_s_cut_cuts_every_rank_s_part(store, reader):
+def test_the_first_rank_s_cut_cuts_every_rank_s_part(store, reader, checksum):
     mine, _ = layout_of("cpu", reference("cpu", seed=7), 0, 1)
     theirs = [layout_of("cpu", reference("cpu", seed=7), r, reader)[0] for r in range(reader)]
     cutter = Cutter(store)
-    skey, buffer = stored(store, mine)
+    skey, buffer = stored(store, mine, checksum)
     buffer.release()
     outs = [cutter.cut(store.get(skey), skey, mine, head_slice(mine, rank_heads(HEADS, r, reader)), "chunk")
             for r in reversed(range(reader))]  # in any order
@@ -103,7 +105,7 @@ def test_a_chunk_cut_twice_before_the_other_rank_came_keeps_one_part(store, capl
 
 def test_without_room_for_every_part_each_cut_is_its_own_pass(store, monkeypatch):
     mine, _ = layout_of("cpu", reference("cpu", seed=7), 0, 1)
-    monkeypatch.setattr(slicing, "seal_split", lambda *a: None)  # what no room (or no C library) gives
+    monkeypatch.setattr(slicing, "seal_split", lambda *a: None)  # what no room gives
     cutter = Cutter(store)
     skey, buffer = stored(store, mine)
     buffer.release()

@@ -92,9 +92,8 @@ class Cutter:
     cuts the other decode ranks' parts of this rank's heads too, in the same pass; each waits here
     for its rank's fetch of that copy (the same key, address and checksum), at most
     :data:`PARTS_KEPT` of them, each for :data:`HELD_S` at most (the oldest let go first: a part
-    held is pool memory the CPU tier cannot use meanwhile). Where that pass does not apply (no C
-    library, or no room for every part), each cut is a pass of its own, checking the stored chunk
-    whole each time."""
+    held is pool memory the CPU tier cannot use meanwhile). Without room for every part, each cut
+    is a pass of its own, checking the stored chunk whole each time."""
 
     def __init__(self, store: ChunkStore):
         self._store = store
