@@ -79,7 +79,7 @@ def seal_split(parts: Sequence[Layout], num_blocks: int, piece: tuple[HeadRange,
     plan = None
     if cpu_library.available() and header.checksum_kind == CHECKSUM_KVSUM64:
         try:
-            plan = split_plan(tuple((part.shard, size) for part, size in zip(parts, sizes)), held)[0]
+            plan = split_plan(tuple((part.shard, size) for part, size in zip(parts, sizes)), held)
         except ValueError:  # heads not in 4-byte words: the slow way
             plan = None
     if plan is None and checksum(source, header.checksum_kind) != header.checksum:

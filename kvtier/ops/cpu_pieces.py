@@ -73,24 +73,21 @@ def join_checked(dst: torch.Tensor, sources: Sequence[torch.Tensor], plan: np.nd
 
 
 @functools.lru_cache(maxsize=64)
-def split_plan(parts: tuple[tuple[HeadShard, tuple[int, ...]], ...], held: HeadRange) -> tuple[np.ndarray, int]:
+def split_plan(parts: tuple[tuple[HeadShard, tuple[int, ...]], ...], held: HeadRange) -> np.ndarray:
     """How :func:`split_checked` cuts one piece holding heads ``held`` into ``parts`` (each a
     destination's shard and its regions' bytes): ``int64 [copies, 4]`` (destination index, byte
-    offset in the piece, byte offset in that destination, bytes), and the piece's payload bytes.
-    ValueError unless the copies read every byte of the piece exactly once, in 4-byte words. The
-    same for every chunk of a transfer (kept: read-only)."""
+    offset in the piece, byte offset in that destination, bytes). ValueError unless the copies read
+    every byte of the piece exactly once (the piece's payload is then their bytes), in 4-byte words.
+    The same for every chunk of a transfer (kept: read-only)."""
     plans = [join_plan(shard, sizes, (held,)) for shard, sizes in parts]
-    plan = np.concatenate(plans) if plans else np.zeros((0, 4), dtype=np.int64)
-    plan[:, 0] = np.concatenate([np.full(len(rows), j, dtype=np.int64) for j, rows in enumerate(plans)])
-    covered = int(plan[:, 3].sum())
+    plan = np.concatenate(plans)  # each row's source: 0, the piece
     if np.any(plan[:, 1:] % 4):
         raise ValueError("every copy's offsets and size must be multiples of 4 bytes.")
-    rows = plan.copy()
-    rows[:, 0] = 0  # _gaps looks at one source: the piece
-    if _gaps(rows, 0, covered)[0].size:
+    if _gaps(plan, 0, int(plan[:, 3].sum()))[0].size:
         raise ValueError("the parts do not read every byte of the piece exactly once.")
+    plan[:, 0] = np.repeat(np.arange(len(plans), dtype=np.int64), [len(rows) for rows in plans])
     plan.setflags(write=False)
-    return plan, covered
+    return plan
 
 
 def split_checked(dsts: Sequence[torch.Tensor], source: torch.Tensor, plan: np.ndarray) -> tuple[list[int], int]:
